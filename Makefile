@@ -1,0 +1,34 @@
+# The two commands a newcomer needs: `make demo` (the main job) and `make test` (the suite).
+# Each builds .venv on first use; torch is pinned so pip takes the local CPU wheel.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.geotrain-installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/geotrain run --workers 4 --bandwidth 100mbit --model mini --algo diloco --H 10 \
+		--steps 60 --batch-size 8 --eval-every 20
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_foundation.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,146 @@
+"""The ``geotrain`` command.
+
+    geotrain run --workers 4 --bandwidth 100mbit --algo diloco --model mini --steps 200
+    geotrain train ...        # the per-worker entry point that torchrun starts on each machine
+    geotrain sweep            # remove namespaces left by crashed runs
+
+Every mistake in the input gets one line saying what is wrong and what is accepted, exit code 2,
+and nothing is created before the input is known to be good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from geotrain.data.corpus import DataError, load_corpus
+from geotrain.models.gpt import gpt_config
+from geotrain.netem.cluster import MAX_HOSTS, sweep_stale
+from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths, parse_latency
+from geotrain.sync import ConfigError
+from geotrain.train import add_train_arguments, config_from_args
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage dump
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="geotrain run",
+        description="Train on N emulated hosts joined by shaped links, on this machine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, default=4, help=f"emulated hosts (1 to {MAX_HOSTS})")
+    p.add_argument(
+        "--bandwidth",
+        default="100mbit",
+        help="each host's link, both directions: one rate (100mbit) or one per host (100mbit,20mbit,...)",
+    )
+    p.add_argument("--latency", default="0ms", help="software latency per collective ring step (emulated)")
+    p.add_argument("--no-netem", action="store_true", help="run on loopback, unshaped, without namespaces")
+    p.add_argument(
+        "--run-dir", default="", help="output folder (default: runs/<time>-<algo>-<workers>x<link>)"
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="stop the run after this many seconds")
+    add_train_arguments(p)
+    return p
+
+
+def _cmd_run(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    try:
+        latency_ms = parse_latency(args.latency) * 1000
+        args.latency_ms = latency_ms
+        cfg = config_from_args(args)
+        if not 1 <= args.workers <= MAX_HOSTS:
+            raise UsageError(
+                f"--workers must be 1 to {MAX_HOSTS} (one /24 subnet on one bridge), got {args.workers}"
+            )
+        rates = parse_bandwidths(args.bandwidth, args.workers)
+        corpus = load_corpus(cfg.data or None)
+        corpus.check_fits(
+            gpt_config(cfg.model, corpus.vocab_size, cfg.block_size or None).block_size, args.workers
+        )
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    except (ConfigError, DataError, LinkSpecError) as e:
+        raise UsageError(str(e)) from None
+
+    from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
+
+    run_dir = Path(
+        args.run_dir
+        or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo}-{args.workers}x"
+        f"{describe_links(rates) if not args.no_netem else 'loopback'}".replace(",", "_")
+    )
+    launch = LaunchConfig(
+        args.workers,
+        None if args.no_netem else rates,
+        run_dir,
+        netem=not args.no_netem,
+        timeout_s=args.timeout,
+    )
+    print(
+        f"geotrain: {cfg.algo} on {args.workers} hosts, model {cfg.model}, run directory {run_dir}",
+        file=sys.stderr,
+    )
+    try:
+        summary = run_local_cluster(launch, cfg)
+    except RunFailed as e:
+        print(f"geotrain: run failed: {e}", file=sys.stderr)
+        print(f"geotrain: run directory: {run_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"\ngeotrain: interrupted; hosts stopped, namespaces removed. Partial metrics in {run_dir}",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"geotrain: network mode {summary['network_mode']}; run directory: {run_dir}")
+    return 0
+
+
+def _cmd_sweep(argv: list[str]) -> int:
+    _Parser(
+        prog="geotrain sweep", description="Remove namespaces and bridges of dead geotrain runs."
+    ).parse_args(argv)
+    removed = sweep_stale()
+    print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "sweep": _cmd_sweep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from geotrain.train import main as train_main
+
+        return train_main(rest)
+    if command not in COMMANDS:
+        print(f"geotrain: error: unknown command {command!r}; accepted: run, train, sweep", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return COMMANDS[command](rest)
+    except UsageError as e:
+        print(f"geotrain {command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

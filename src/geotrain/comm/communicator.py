@@ -1,0 +1,177 @@
+"""The communicator: the only place in geotrain that calls collectives.
+
+Every sync algorithm talks to an injected ``Communicator`` so that tests can count calls and
+bytes, and so that every algorithm's cost is accounted the same way:
+
+- ``payload_bytes``: the bytes of the tensors handed to collectives (what the algorithm asked to
+  move);
+- ``sent_bytes``/``recv_bytes``: the bytes each worker puts on / takes off its link, from the
+  bandwidth-optimal ring all-reduce, 2 (N-1)/N of the payload each way (exact for gloo's ring
+  and NCCL's ring algorithms, an estimate for tree variants);
+- ``blocked_s``: wall time this worker spent waiting for a collective to finish, which is the
+  communication *not* hidden behind compute.
+
+gloo has no ``AVG`` reduction, so a mean is a ``SUM`` followed by a division on wait. Optional
+software latency (this kernel has no netem) makes each collective last at least
+``2 (N-1) * latency``: one link latency per step of the ring.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Cumulative accounting; ``delta`` gives the part since a snapshot (one training step)."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    blocked_s: float = 0.0
+
+    def copy(self) -> CommStats:
+        return CommStats(**asdict(self))
+
+    def delta(self, since: CommStats) -> CommStats:
+        return CommStats(**{k: getattr(self, k) - getattr(since, k) for k in asdict(self)})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
+
+    def __init__(self, comm: Communicator, work, tensor: torch.Tensor, divide_by: int, launched: float):
+        self._comm = comm
+        self._work = work
+        self._tensor = tensor
+        self._divide_by = divide_by
+        self._launched = launched
+        self._done = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self._tensor
+        start = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._comm.stats.blocked_s += time.perf_counter() - start
+        if self._divide_by > 1:
+            self._tensor.div_(self._divide_by)
+        self._done = True
+        return self._tensor
+
+
+@dataclass
+class Communicator:
+    """Collectives over one process group, with accounting.
+
+    ``group=None`` means the default group. A communicator over a world of one (no process group
+    initialised) is valid and moves nothing, which is what ``nosync`` and single-process
+    references use.
+    """
+
+    group: dist.ProcessGroup | None = None
+    latency_s: float = 0.0
+    stats: CommStats = field(default_factory=CommStats)
+    control_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+
+    @property
+    def min_collective_s(self) -> float:
+        return 2 * (self.world_size - 1) * self.latency_s
+
+    def _account(self, nbytes: int) -> None:
+        n = self.world_size
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        wire = 2 * (n - 1) * nbytes // n
+        self.stats.sent_bytes += wire
+        self.stats.recv_bytes += wire
+
+    def account_external(self, tensors: list[torch.Tensor]) -> None:
+        """Count an all-reduce of ``tensors`` that a library (PyTorch DDP) performed itself."""
+        if self.world_size > 1:
+            self._account(sum(t.numel() * t.element_size() for t in tensors))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", async_op: bool = False):
+        """Sum or mean ``tensor`` in place across the group.
+
+        Returns a ``Handle`` when ``async_op`` (the caller must ``wait()`` before reading the
+        tensor), else the reduced tensor.
+        """
+        if op not in ("mean", "sum"):
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        launched = time.perf_counter()
+        work = None
+        if self.world_size > 1:
+            self._account(tensor.numel() * tensor.element_size())
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        handle = Handle(self, work, tensor, self.world_size if op == "mean" else 1, launched)
+        if async_op:
+            return handle
+        return handle.wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank ``src``'s tensor to every worker (counted as ``payload`` once per receiver)."""
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        if self.rank == src:
+            self.stats.sent_bytes += nbytes
+        else:
+            self.stats.recv_bytes += nbytes
+        dist.broadcast(tensor, src=src, group=self.group)
+        self.stats.blocked_s += time.perf_counter() - start
+        return tensor
+
+    def mean_scalars(self, values: list[float]) -> list[float]:
+        """Average a few numbers (validation losses, timings) over a control channel.
+
+        Not part of the training traffic, so it is counted in ``control_calls`` only.
+        """
+        if self.world_size == 1:
+            return list(values)
+        self.control_calls += 1
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return (t / self.world_size).tolist()
+
+    def max_scalars(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        self.control_calls += 1
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.control_calls += 1
+            dist.barrier(group=self.group)

@@ -1,0 +1,53 @@
+"""Process-group set-up from torchrun's environment: the one place that reads RANK and friends.
+
+A worker started by ``torchrun`` (locally by ``geotrain run`` or by hand across real machines)
+finds ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous store in its environment. A
+worker started without torchrun is a world of one and creates no process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> DistContext:
+    """Join the process group torchrun prepared (gloo on CPU, NCCL when CUDA is present)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return DistContext(0, 1, 0, None, device)
+    backend = backend or ("nccl" if cuda else "gloo")
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,267 @@
+"""``geotrain run``: N emulated hosts on this machine, each running torchrun, as real machines would.
+
+Every host runs the same command a user runs on a real machine::
+
+    torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+        -m geotrain.train ...
+
+inside its own network namespace (``netns`` mode) or, where namespaces cannot be made, on
+loopback, unshaped (``loopback`` mode); the summary records which. Each host's output goes to
+``logs/host{i}.log``, and rank 0's progress bar to the terminal. On exit, on Ctrl-C, on a
+failed host and on a timeout, every host process is stopped and the namespaces are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+from geotrain.netem.cluster import (
+    IFNAME,
+    EmulatedCluster,
+    NetemUnavailable,
+    netem_unavailable_reason,
+    sweep_stale,
+)
+from geotrain.netem.links import describe_links
+from geotrain.train import TrainConfig
+
+RDZV_PORT = 29500
+
+
+@dataclass
+class LaunchConfig:
+    workers: int
+    rates_bps: list[int] | None  # None: unshaped
+    run_dir: Path
+    netem: bool = True
+    timeout_s: float = 3600.0
+    echo: bool = True  # copy hosts' output to this terminal
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.rates_bps is not None and len(self.rates_bps) != self.workers:
+            raise ValueError("one rate per worker")
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, and leave the terminal's Ctrl-C to the launcher."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        log.write(chunk)
+        log.flush()
+        if echo:
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+
+
+def _torchrun_command(n: int, endpoint: str, run_id: str, local_addr: str | None, is_host: bool) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(n),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        "0",
+        "--rdzv-conf",
+        f"is_host={str(is_host).lower()}",
+    ]
+    if local_addr:
+        cmd += ["--local-addr", local_addr]
+    return cmd + ["-m", "geotrain.train"]
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").replace("\r", "\n")
+    except OSError:
+        return ""
+    keep = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join("    " + ln for ln in keep[-lines:])
+
+
+def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
+    """Start the hosts, wait for them, clean up. Returns the summary rank 0 wrote."""
+    run_dir = launch.run_dir
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mode, cluster, reason = "loopback", None, None
+    if launch.netem and launch.rates_bps is not None:
+        reason = netem_unavailable_reason()
+        if reason is None:
+            sweep_stale()
+            try:
+                cluster = EmulatedCluster(launch.rates_bps).up()
+                mode = "netns"
+            except NetemUnavailable as e:
+                reason = str(e)
+        if reason:
+            print(
+                f"geotrain: cannot emulate links ({reason}); running on loopback, UNSHAPED", file=sys.stderr
+            )
+    elif launch.rates_bps is None:
+        reason = "no --bandwidth given"
+    link = (
+        describe_links(launch.rates_bps) if (mode == "netns" and launch.rates_bps) else "loopback (unshaped)"
+    )
+    if train_cfg.latency_ms:
+        link += f" +{train_cfg.latency_ms:g}ms emulated latency"
+    cfg = replace(train_cfg, run_dir=str(run_dir), link=link, network_mode=mode)
+    (run_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "train": cfg.__dict__,
+                "workers": launch.workers,
+                "network_mode": mode,
+                "fallback_reason": reason,
+                "rates_bps": launch.rates_bps,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+    threads = max(1, (os.cpu_count() or 1) // launch.workers)
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    logs = []
+    interrupted = False
+    previous_handlers = {}
+
+    def _on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous_handlers[sig] = signal.signal(sig, _on_signal)
+    try:
+        port = RDZV_PORT if cluster else _free_port()
+        endpoint = f"{cluster.host_ip(0)}:{port}" if cluster else f"127.0.0.1:{port}"
+        run_id = cluster.run_id if cluster else f"geotrain-{os.getpid()}"
+        for i in range(launch.workers):
+            env = dict(
+                os.environ,
+                OMP_NUM_THREADS=str(threads),
+                PYTHONUNBUFFERED="1",
+                GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
+                LOGLEVEL="WARNING",
+                # c10d warns that namespace addresses have no reverse DNS name; harmless.
+                TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+            )
+            cmd = _torchrun_command(
+                launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
+            )
+            cmd += cfg.to_argv() + ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
+            if cluster:
+                cmd = cluster.exec_prefix(i) + cmd
+            log = (run_dir / "logs" / f"host{i}.log").open("wb")
+            logs.append(log)
+            p = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
+            t.start()
+            pumps.append(t)
+
+        deadline = time.monotonic() + launch.timeout_s
+        failed = None
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
+                )
+            time.sleep(0.1)
+        if failed is not None:
+            code = procs[failed].returncode
+            _stop(procs)
+            for t in pumps:
+                t.join(timeout=2)
+            raise RunFailed(
+                f"host {failed} exited with code {code}; its log ({run_dir}/logs/host{failed}.log) ends:\n"
+                + _tail(run_dir / "logs" / f"host{failed}.log")
+            )
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        _stop(procs, grace_s=2.0 if interrupted else 5.0)
+        for t in pumps:
+            t.join(timeout=2)
+        for log in logs:
+            log.close()
+        if cluster is not None:
+            cluster.down()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise RunFailed(f"the hosts finished but wrote no summary; see {run_dir}/logs")
+    return json.loads(summary_path.read_text())

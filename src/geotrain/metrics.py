@@ -1,0 +1,77 @@
+"""Metrics: per-worker JSON lines, the run summary, and its table.
+
+Each worker appends one JSON object per step to ``metrics/rank{R}.jsonl`` (step, tokens, train
+loss, validation loss when evaluated, wall/compute/blocked-communication time, bytes). Rank 0
+writes ``summary.json`` with numbers averaged over workers and prints them as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path | None, rank: int) -> None:
+        self._file: TextIO | None = None
+        if run_dir is not None:
+            path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", buffering=1)  # line-buffered: a crash loses at most a line
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """A two-column table of the run's headline numbers."""
+    rows = [
+        ("algorithm", f"{summary['algo']} {summary.get('algo_config', '')}".strip()),
+        ("model", f"{summary['model']} ({summary['parameters'] / 1e6:.2f}M parameters)"),
+        ("workers x link", f"{summary['workers']} x {summary['link']}"),
+        ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
+        (
+            "train loss",
+            f"{_fmt(summary['first_train_loss'], '.3f')} -> {_fmt(summary['final_train_loss'], '.3f')}",
+        ),
+        ("validation loss", _fmt(summary["final_val_loss"], ".4f")),
+        ("step time (median)", f"{_fmt(summary['step_s_median'], '.3f')} s"),
+        ("  compute", f"{_fmt(summary['compute_s_median'], '.3f')} s"),
+        ("  blocked on comm", f"{_fmt(summary['blocked_s_median'], '.3f')} s"),
+        ("tokens/s (all workers)", _fmt(summary["tokens_per_s"], ",.0f")),
+        ("sent per step per worker", format_bytes(summary["sent_bytes_per_step"])),
+        ("link use (mean)", f"{_fmt(summary['link_mbit_s'], '.1f')} Mbit/s"),
+        ("syncs", str(summary["syncs"])),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    body = "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
+    return f"{line}\n{body}\n{line}"

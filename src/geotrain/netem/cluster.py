@@ -1,0 +1,212 @@
+"""An emulated wide-area cluster on one machine: one network namespace per host.
+
+Each host is a namespace with one interface, ``geo0``, whose veth peer sits on a bridge private
+to the run. Each host's link is shaped with ``tc tbf`` in both directions: on ``geo0`` (what the
+host sends) and on the bridge-side peer (what it receives). Hosts are 10.213.0.1, .2, ...
+
+Every name carries a per-run id, so two runs never collide, and a state file under
+``STATE_DIR`` names the launcher's pid and what it made. ``sweep_stale()`` removes what a dead
+launcher left (SIGKILL, a crash) and touches nothing that is not geotrain's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("GEOTRAIN_NETEM_STATE", "/run/geotrain-netem"))
+NS_PREFIX = "geotrain-"
+SUBNET = "10.213.0"
+IFNAME = "geo0"
+# One /24 on one bridge; the Linux bridge itself takes up to 1024 ports.
+MAX_HOSTS = 250
+
+
+class NetemUnavailable(RuntimeError):
+    """Namespaces or shaping cannot be made here (no root, no ip/tc)."""
+
+
+def netem_unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "not running as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command is not installed"
+    return None
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise NetemUnavailable(f"'{' '.join(args)}' failed: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def _tbf(dev: str, bps: int, netns: str | None = None) -> None:
+    # burst must cover one timer tick at the rate; 10 ms worth keeps tbf accurate from 10 Mbit/s
+    # to 10 Gbit/s. The 200 ms queue keeps TCP from losing packets at the shaper.
+    burst = max(32 * 1024, bps // 8 // 100)
+    cmd = [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{bps}bit",
+        "burst",
+        str(burst),
+        "latency",
+        "200ms",
+    ]
+    _sh(*(["ip", "netns", "exec", netns] if netns else []), *cmd)
+
+
+@dataclass
+class EmulatedCluster:
+    """Namespaces, bridge and shaping for ``len(rates_bps)`` hosts; a context manager."""
+
+    rates_bps: list[int]
+    run_id: str = field(default_factory=lambda: secrets.token_hex(3))
+    namespaces: list[str] = field(default_factory=list)
+    bridge: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.rates_bps) <= MAX_HOSTS:
+            raise ValueError(f"an emulated cluster has 1 to {MAX_HOSTS} hosts, got {len(self.rates_bps)}")
+        self.bridge = f"gtb-{self.run_id}"
+        self._state = STATE_DIR / f"{self.run_id}.json"
+
+    def host_ip(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def netns(self, i: int) -> str:
+        return f"{NS_PREFIX}{self.run_id}-h{i}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """The command prefix that runs a program on host ``i``."""
+        return ["ip", "netns", "exec", self.netns(i)]
+
+    def _write_state(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        state = {"pid": os.getpid(), "namespaces": self.namespaces, "bridge": self.bridge}
+        self._state.write_text(json.dumps(state))
+
+    def up(self) -> EmulatedCluster:
+        reason = netem_unavailable_reason()
+        if reason:
+            raise NetemUnavailable(reason)
+        self._write_state()  # first, so that a crash during set-up is swept too
+        try:
+            _sh("ip", "link", "add", self.bridge, "type", "bridge")
+            _sh("ip", "link", "set", self.bridge, "up")
+            for i, bps in enumerate(self.rates_bps):
+                ns, outer, inner = self.netns(i), f"gtv{self.run_id}-{i}", f"gtp{self.run_id}-{i}"
+                _sh("ip", "netns", "add", ns)
+                self.namespaces.append(ns)
+                self._write_state()
+                _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+                _sh("ip", "link", "set", inner, "netns", ns)
+                _sh("ip", "link", "set", outer, "master", self.bridge)
+                _sh("ip", "link", "set", outer, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "name", IFNAME)
+                _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", IFNAME)
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", IFNAME, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                _tbf(IFNAME, bps, netns=ns)  # upload
+                _tbf(outer, bps)  # download
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        _teardown(self.namespaces, self.bridge)
+        self.namespaces = []
+        self._state.unlink(missing_ok=True)
+
+    def __enter__(self) -> EmulatedCluster:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def _kill_namespace_processes(ns: str) -> None:
+    pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(int(pid), sig)
+                alive.append(pid)
+            except (ProcessLookupError, ValueError):
+                pass
+        if not alive:
+            return
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            time.sleep(0.05)
+        pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+
+
+def _teardown(namespaces: list[str], bridge: str) -> None:
+    for ns in namespaces:
+        _kill_namespace_processes(ns)
+        _sh("ip", "netns", "del", ns, check=False)  # takes the veth pair with it
+    if bridge:
+        _sh("ip", "link", "del", bridge, check=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def geotrain_namespaces() -> list[str]:
+    if shutil.which("ip") is None:
+        return []
+    out = _sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+
+
+def sweep_stale() -> list[str]:
+    """Remove namespaces and bridges of geotrain runs whose launcher is dead. Returns what it removed."""
+    if netem_unavailable_reason():
+        return []
+    removed: list[str] = []
+    live_ids = set()
+    if STATE_DIR.exists():
+        for state_file in STATE_DIR.glob("*.json"):
+            try:
+                state = json.loads(state_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                state = {"pid": -1, "namespaces": [], "bridge": ""}
+            if state["pid"] > 0 and _pid_alive(state["pid"]):
+                live_ids.add(state_file.stem)
+                continue
+            _teardown(state["namespaces"], state["bridge"])
+            removed += state["namespaces"] + ([state["bridge"]] if state["bridge"] else [])
+            state_file.unlink(missing_ok=True)
+    # Namespaces named like ours with no live owner (a state directory lost with a reboot of /run).
+    for ns in geotrain_namespaces():
+        run_id = ns[len(NS_PREFIX) :].split("-")[0]
+        if run_id not in live_ids:
+            _teardown([ns], f"gtb-{run_id}")
+            removed.append(ns)
+    return removed

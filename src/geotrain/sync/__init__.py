@@ -1,0 +1,38 @@
+"""Sync algorithms by name: ``build_sync("diloco", model, optimizer, comm, {"H": 10})``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from geotrain.comm.communicator import Communicator
+from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
+from geotrain.sync.ddp import DDP, DDPConfig
+from geotrain.sync.diloco import DiLoCo, DiLoCoConfig
+from geotrain.sync.localsgd import LocalSGD, LocalSGDConfig
+from geotrain.sync.nosync import NoSync, NoSyncConfig
+from geotrain.sync.ssgd import SSGD, SSGDConfig
+
+ALGORITHMS: dict[str, tuple[type[SyncAlgorithm], type[SyncConfig]]] = {
+    "ssgd": (SSGD, SSGDConfig),
+    "ddp": (DDP, DDPConfig),
+    "localsgd": (LocalSGD, LocalSGDConfig),
+    "diloco": (DiLoCo, DiLoCoConfig),
+    "nosync": (NoSync, NoSyncConfig),
+}
+
+
+def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
+    """Validate ``name`` and build its config from generic options (others' options are ignored)."""
+    if name not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {name!r}; accepted: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name][1].from_options(options or {})
+
+
+def build_sync(
+    name: str, model, optimizer, comm: Communicator, options: dict[str, Any] | None = None
+) -> SyncAlgorithm:
+    config = sync_config(name, options)
+    return ALGORITHMS[name][0](model, optimizer, comm, config)
+
+
+__all__ = ["ALGORITHMS", "ConfigError", "SyncAlgorithm", "build_sync", "sync_config"]

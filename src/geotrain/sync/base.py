@@ -1,0 +1,108 @@
+"""What every sync algorithm is: a wrapper around an unchanged model and its optimizer.
+
+The training loop calls, per step::
+
+    loss = sync.model(x, y)[1]; loss.backward()
+    sync.before_step()      # e.g. wait for gradient all-reduces launched during backward
+    optimizer.step(); optimizer.zero_grad()
+    sync.after_step()       # e.g. average parameters every H steps
+
+and ``sync.finalize()`` once at the end, so that the model saved is one model. Algorithms
+reach the network only through the injected ``Communicator``; they never read ``RANK`` or
+create process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.communicator import Communicator
+
+
+class ConfigError(ValueError):
+    """A configuration value a user can fix; the message says what is accepted."""
+
+
+@dataclass
+class SyncConfig:
+    """Base for each algorithm's config. Subclasses validate in ``__post_init__``."""
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> SyncConfig:
+        """Build from generic options, ignoring those that belong to other algorithms."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names and v is not None})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+class SyncAlgorithm:
+    name: ClassVar[str] = "base"
+    # False where communication happens inside a library call that cannot be timed apart from
+    # compute (PyTorch DDP waits for its all-reduces inside backward).
+    measures_blocked_time: ClassVar[bool] = True
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, config: SyncConfig
+    ) -> None:
+        self.module = model
+        self.optimizer = optimizer
+        self.comm = comm
+        self.config = config
+        self.step_count = 0
+        self.syncs = 0
+        self.broadcast_parameters()
+
+    @property
+    def model(self) -> nn.Module:
+        """The module to call forward on (the wrapper, where an algorithm needs one)."""
+        return self.module
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def broadcast_parameters(self) -> None:
+        """Start every replica from rank 0's parameters, as DDP does."""
+        if self.comm.world_size == 1:
+            return
+        params = [p.data for p in self.module.parameters()]
+        unflatten_into(self.comm.broadcast(flatten(params), src=0), params)
+
+    def before_step(self) -> None:
+        """After backward, before ``optimizer.step()``."""
+
+    def after_step(self) -> bool:
+        """After ``optimizer.step()``. Returns True when this step synchronised the replicas."""
+        self.step_count += 1
+        return False
+
+    def finalize(self) -> None:
+        """Leave one model: average replicas that may still differ."""
+
+    def close(self) -> None:
+        """Remove hooks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "config": self.config.as_dict(),
+            "step": self.step_count,
+            "syncs": self.syncs,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"checkpoint is for {state.get('name')!r}, not {self.name!r}")
+        self.step_count = int(state["step"])
+        self.syncs = int(state["syncs"])

@@ -1,0 +1,91 @@
+"""``diloco``: DiLoCo (Douillard et al., arXiv 2311.08105).
+
+Each worker takes ``H`` inner steps with its own optimizer (AdamW in the paper). Then the outer
+step: the pseudo-gradient Delta = theta_outer - mean_k(theta_k) is all-reduced (as the mean of
+each worker's theta_outer - theta_k, same bytes) and an outer Nesterov SGD step with learning
+rate ``outer_lr`` (0.7) and momentum ``outer_momentum`` (0.9) updates theta_outer, which every
+worker then copies into its model. With ``outer_lr=1`` and no momentum, theta_outer becomes
+the mean of the replicas: Local SGD.
+
+Memory: one extra copy of the parameters (theta_outer) plus the outer momentum buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+
+
+@dataclass
+class DiLoCoConfig(SyncConfig):
+    H: int = 10
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    bucket_mb: float = DEFAULT_BUCKET_MB
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.H, int) and self.H >= 1,
+            f"H (inner steps between outer steps) must be an integer >= 1, got {self.H}",
+        )
+        require(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
+        require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
+
+
+class DiLoCo(SyncAlgorithm):
+    name = "diloco"
+
+    def __init__(self, model, optimizer, comm, config: DiLoCoConfig | None = None) -> None:
+        super().__init__(model, optimizer, comm, config or DiLoCoConfig())
+        cfg = self.config
+        self._outer = [p.detach().clone() for p in self.parameters()]
+        self.outer_optimizer = torch.optim.SGD(
+            self._outer,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            nesterov=cfg.nesterov and cfg.outer_momentum > 0,
+        )
+
+    def outer_step(self) -> None:
+        params = self.parameters()
+        deltas = [outer - p.detach() for outer, p in zip(self._outer, params, strict=True)]
+        reduce_tensors(self.comm, deltas, self.config.bucket_mb)
+        for outer, delta in zip(self._outer, deltas, strict=True):
+            outer.grad = delta
+        self.outer_optimizer.step()
+        with torch.no_grad():
+            for outer, p in zip(self._outer, params, strict=True):
+                p.copy_(outer)
+                outer.grad = None
+        self.syncs += 1
+
+    def after_step(self) -> bool:
+        super().after_step()
+        if self.step_count % self.config.H == 0:
+            self.outer_step()
+            return True
+        return False
+
+    def finalize(self) -> None:
+        if self.step_count % self.config.H:
+            self.outer_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["outer_params"] = [t.clone() for t in self._outer]
+        state["outer_optimizer"] = self.outer_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for dst, src in zip(self._outer, state["outer_params"], strict=True):
+                dst.copy_(src)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])

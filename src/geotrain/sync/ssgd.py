@@ -1,0 +1,82 @@
+"""``ssgd``: synchronous data parallel SGD with bucketed gradient all-reduce overlapped with backward.
+
+Each parameter's post-accumulate-grad hook marks it ready; when every parameter of a bucket
+(buckets of ``bucket_mb`` in backward order) is ready, the bucket's gradients are flattened and
+their mean all-reduce is launched asynchronously, so it runs while backward continues on the
+earlier layers. ``before_step`` waits for all buckets and writes the mean gradients back, so the
+optimizer step is the same on every worker and replicas stay identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from geotrain.comm.buckets import DEFAULT_BUCKET_MB, flatten, make_buckets, unflatten_into
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+
+
+@dataclass
+class SSGDConfig(SyncConfig):
+    bucket_mb: float = DEFAULT_BUCKET_MB
+
+    def __post_init__(self) -> None:
+        require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
+
+
+class SSGD(SyncAlgorithm):
+    name = "ssgd"
+
+    def __init__(self, model, optimizer, comm, config: SSGDConfig | None = None) -> None:
+        super().__init__(model, optimizer, comm, config or SSGDConfig())
+        # Reverse registration order approximates the order backward produces gradients.
+        self._params = list(reversed(self.parameters()))
+        self._buckets = make_buckets(self._params, self.config.bucket_mb)
+        self._bucket_of = {}
+        for b, idx in enumerate(self._buckets):
+            for i in idx:
+                self._bucket_of[id(self._params[i])] = b
+        self._ready = [0] * len(self._buckets)
+        self._launched: list = [None] * len(self._buckets)
+        self._hooks = []
+        if comm.world_size > 1:
+            for p in self._params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        b = self._bucket_of[id(param)]
+        self._ready[b] += 1
+        if self._ready[b] == len(self._buckets[b]):
+            self._launch(b)
+
+    def _grads(self, b: int) -> list[torch.Tensor]:
+        grads = []
+        for i in self._buckets[b]:
+            p = self._params[i]
+            if p.grad is None:  # unused in this step's graph: contributes zero, as in DDP
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    def _launch(self, b: int) -> None:
+        self._launched[b] = self.comm.all_reduce(flatten(self._grads(b)), op="mean", async_op=True)
+
+    def before_step(self) -> None:
+        if self.comm.world_size == 1:
+            return
+        # Launch in bucket order any bucket that backward did not complete, so all workers issue
+        # the same collectives in the same order.
+        for b in range(len(self._buckets)):
+            if self._launched[b] is None:
+                self._launch(b)
+        for b, handle in enumerate(self._launched):
+            unflatten_into(handle.wait(), self._grads(b))
+        self._ready = [0] * len(self._buckets)
+        self._launched = [None] * len(self._buckets)
+        self.syncs += 1
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,343 @@
+"""The per-worker training loop: what ``torchrun ... -m geotrain.train`` runs on every machine.
+
+Read it top to bottom: join the process group, load this worker's data shard, build the GPT and
+its optimizer, wrap both in the chosen sync algorithm, train for ``steps`` steps recording
+metrics, then finalize (so the replicas end as one model), evaluate, save and summarise.
+
+    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m geotrain.train --algo diloco --H 10 --model mini --steps 200 --run-dir runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geotrain.comm.communicator import Communicator
+from geotrain.data.corpus import BatchSampler, DataError, load_corpus
+from geotrain.launch.dist import DistContext, init_distributed, shutdown_distributed
+from geotrain.metrics import MetricsWriter, summary_table
+from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
+from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a worker needs; the same on every worker. Each field is a ``--flag``."""
+
+    algo: str = "diloco"
+    model: str = "mini"
+    steps: int = 100
+    batch_size: int = 8
+    block_size: int = 0  # 0: the model size's context
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 0
+    H: int = 10
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    bucket_mb: float = 0.0  # 0: the algorithm's default
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    seed: int = 0
+    data: str = ""  # "": the standard library's sources
+    run_dir: str = ""  # "": write nothing
+    latency_ms: float = 0.0
+    link: str = "unshaped"  # a description of the links, recorded in the summary
+    network_mode: str = "none"  # netns | loopback | none: how the links were made
+    threads: int = 0  # 0: cores divided by workers on this machine
+    timeout_s: float = 600.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(
+            self.model in MODEL_SIZES,
+            f"unknown model size {self.model!r}; accepted: {', '.join(MODEL_SIZES)}",
+        )
+        need(
+            self.optimizer in OPTIMIZERS,
+            f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}",
+        )
+        need(self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        need(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        need(
+            self.block_size >= 0,
+            f"--block-size must be >= 0 (0 = the model's context), got {self.block_size}",
+        )
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
+        need(self.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {self.eval_every}")
+        need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
+        need(self.bucket_mb >= 0, f"--bucket-mb must be >= 0 (0 = default), got {self.bucket_mb}")
+        need(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+        self.sync_config()  # validates the algorithm's own options
+
+    def sync_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"H": self.H, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        if self.bucket_mb:
+            opts["bucket_mb"] = self.bucket_mb
+        return opts
+
+    def sync_config(self):
+        return sync_config(self.algo, self.sync_options())
+
+    def to_argv(self) -> list[str]:
+        """The command-line flags that rebuild this config in a worker."""
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainConfig`` field, with its default and type."""
+    helps = {
+        "algo": f"sync algorithm: {', '.join(ALGORITHMS)}",
+        "model": f"model size: {', '.join(MODEL_SIZES)}",
+        "H": "steps between synchronisations (localsgd, diloco)",
+        "data": "a folder of text files or a uint16 .bin file (default: Python's standard library sources)",
+        "latency_ms": "software latency added to every collective, in ms (emulated: no netem here)",
+        "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
+        "eval_every": "validation every K steps (0: only at the end)",
+    }
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in ("link", "network_mode", "run_dir", "latency_ms"):
+            continue  # set by the launcher or added by the caller
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=typ, default=f.default, help=helps.get(f.name), dest=f.name)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if cfg.warmup and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    return cfg.lr
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """Train on this worker; returns the run summary (numbers averaged over workers)."""
+    torch.manual_seed(cfg.seed)
+    torch.set_flush_denormal(True)  # denormals slow CPU runs by 10-20% here
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    device = ctx.device
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+
+    corpus = load_corpus(cfg.data or None)
+    model_cfg = gpt_config(cfg.model, corpus.vocab_size, cfg.block_size or None)
+    sampler = BatchSampler(corpus, model_cfg.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
+    val_batches = sampler.val_batches(cfg.eval_batches)
+
+    model = GPT(model_cfg).to(device)
+    optimizer = make_optimizer(model, cfg)
+    comm = Communicator(latency_s=cfg.latency_ms / 1000)
+    sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
+
+    writer = MetricsWriter(run_dir, ctx.rank)
+    tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
+    progress = None
+    if ctx.is_main and cfg.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=cfg.steps, desc=f"{cfg.algo} x{ctx.world_size}", unit="step", file=sys.stderr)
+
+    records: list[dict[str, Any]] = []
+    val_loss = None
+    start = time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        before = comm.stats.copy()
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step - 1, cfg)
+        x, y = sampler.next_train()
+        _, loss = sync.model(x.to(device), y.to(device))
+        loss.backward()
+        sync.before_step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synced = sync.after_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+        spent = comm.stats.delta(before)
+        blocked = spent.blocked_s if sync.measures_blocked_time else None
+        record = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "train_loss": loss.item(),
+            "wall_s": time.perf_counter() - start,
+            "step_s": step_s,
+            "compute_s": step_s - (blocked or 0.0),
+            "comm_blocked_s": blocked,
+            "payload_bytes": spent.payload_bytes,
+            "sent_bytes": spent.sent_bytes,
+            "recv_bytes": spent.recv_bytes,
+            "calls": spent.calls,
+            "synced": synced,
+        }
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+            # The mean over replicas of each replica's loss on the same batches.
+            record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+        writer.write(record)
+        records.append(record)
+        if progress is not None:
+            mbit = spent.sent_bytes * 8 / step_s / 1e6
+            postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
+            if val_loss is not None:
+                postfix["val"] = f"{val_loss:.3f}"
+            postfix["link"] = f"{mbit:.1f}Mbit/s"
+            progress.set_postfix(postfix, refresh=False)
+            progress.update(1)
+    train_s = time.perf_counter() - start
+
+    before = comm.stats.copy()
+    sync.finalize()
+    final_spent = comm.stats.delta(before)
+    val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+    writer.write(
+        {
+            "step": cfg.steps,
+            "tokens": cfg.steps * tokens_per_step,
+            "val_loss": val_loss,
+            "final": True,
+            "finalize_sent_bytes": final_spent.sent_bytes,
+        }
+    )
+    writer.close()
+    if progress is not None:
+        progress.close()
+
+    summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step)
+    if run_dir is not None and ctx.is_main:
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "model_config": asdict(model_cfg),
+                "optimizer": optimizer.state_dict(),
+                "sync": sync.state_dict(),
+                "train_config": asdict(cfg),
+            },
+            run_dir / "checkpoint.pt",
+        )
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    sync.close()
+    return summary
+
+
+def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step) -> dict[str, Any]:
+    steady = records[1:] or records  # the first step pays for allocation and warm-up
+    local = [
+        _median([r["step_s"] for r in steady]),
+        _median([r["compute_s"] for r in steady]),
+        _median([r["comm_blocked_s"] for r in steady]) if sync.measures_blocked_time else float("nan"),
+        sum(r["sent_bytes"] for r in records) / len(records),
+        train_s,
+    ]
+    step_s, compute_s, blocked_s, sent_per_step, _ = comm.mean_scalars(local)
+    (wall_s,) = comm.max_scalars([train_s])
+    sync_cfg = cfg.sync_config().as_dict()
+    return {
+        "algo": cfg.algo,
+        "algo_config": " ".join(f"{k}={v}" for k, v in sync_cfg.items()),
+        "model": cfg.model,
+        "parameters": model.num_parameters(),
+        "workers": ctx.world_size,
+        "link": cfg.link,
+        "network_mode": cfg.network_mode,
+        "latency_ms": cfg.latency_ms,
+        "backend": ctx.backend,
+        "steps": cfg.steps,
+        "tokens": cfg.steps * tokens_per_step,
+        "first_train_loss": records[0]["train_loss"],
+        "final_train_loss": statistics.fmean(r["train_loss"] for r in records[-min(10, len(records)) :]),
+        "final_val_loss": val_loss,
+        "step_s_median": step_s,
+        "compute_s_median": compute_s,
+        "blocked_s_median": None if blocked_s != blocked_s else blocked_s,  # NaN: not measurable
+        "tokens_per_s": cfg.steps * tokens_per_step / wall_s,
+        "sent_bytes_per_step": sent_per_step,
+        "link_mbit_s": sent_per_step * 8 / step_s / 1e6 if step_s else None,
+        "syncs": sync.syncs,
+        "wall_s": wall_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="geotrain train", description=__doc__.split("\n")[0])
+    add_train_arguments(parser)
+    parser.add_argument(
+        "--run-dir", dest="run_dir", default="", help="where metrics, summary and checkpoint go"
+    )
+    parser.add_argument("--latency-ms", dest="latency_ms", type=float, default=0.0)
+    parser.add_argument("--link", default="unshaped", help=argparse.SUPPRESS)
+    parser.add_argument("--network-mode", dest="network_mode", default="none", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except (ConfigError, DataError) as e:
+        print(f"geotrain train: error: {e}", file=sys.stderr)
+        return 2
+    ctx = init_distributed(timeout_s=cfg.timeout_s)
+    try:
+        summary = train(cfg, ctx)
+        if ctx.is_main:
+            print(summary_table(summary), flush=True)
+    except (ConfigError, DataError) as e:
+        print(f"geotrain train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
