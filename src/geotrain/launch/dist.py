@@ -31,7 +31,6 @@ class DistContext:
 def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> DistContext:
     """Join the process group torchrun prepared (gloo on CPU, NCCL when CUDA is present)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

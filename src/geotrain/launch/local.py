@@ -13,6 +13,7 @@ failed host and on a timeout, every host process is stopped and the namespaces a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -112,19 +113,15 @@ def _torchrun_command(n: int, endpoint: str, run_id: str, local_addr: str | None
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait()
 
 
