@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_workers
 
 from geotrain.comm.communicator import Communicator
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
+from helpers import run_workers
 
 STEPS = 4
 BATCH, BLOCK = 2, 16
@@ -135,8 +135,13 @@ def _collectives(rank, world_size, sizes, latency_s=0.0):
     elapsed = time.perf_counter() - t0
     summed = comm.all_reduce(torch.ones(3, dtype=torch.float64), op="sum")
     b = comm.broadcast(torch.full((10,), float(rank)), src=0)
-    return {"stats": comm.stats.as_dict(), "means": [t[0].item() for t in tensors], "sum": summed.tolist(),
-            "bcast": b.tolist(), "elapsed": elapsed}
+    return {
+        "stats": comm.stats.as_dict(),
+        "means": [t[0].item() for t in tensors],
+        "sum": summed.tolist(),
+        "bcast": b.tolist(),
+        "elapsed": elapsed,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -145,7 +150,10 @@ def test_communicator_counts_bytes_of_tensors_reduced(world_size):
     results = run_workers(_collectives, world_size, sizes)
     expected_mean = sum(range(1, world_size + 1)) / world_size
     payload = sum(4 * n for n in sizes) + 3 * 8  # float32 tensors, then one float64 sum
-    ring = sum(2 * (world_size - 1) * (4 * n) // world_size for n in sizes) + 2 * (world_size - 1) * 24 // world_size
+    ring = (
+        sum(2 * (world_size - 1) * (4 * n) // world_size for n in sizes)
+        + 2 * (world_size - 1) * 24 // world_size
+    )
     for rank, r in enumerate(results):
         assert r["means"] == [expected_mean] * len(sizes)
         assert r["sum"] == [float(world_size)] * 3

@@ -11,7 +11,13 @@ from geotrain.comm.communicator import Communicator, Handle
 from geotrain.data.corpus import BatchSampler, DataError, TokenCorpus, load_corpus
 from geotrain.metrics import summary_table
 from geotrain.models.gpt import GPT, gpt_config
-from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidth, parse_bandwidths, parse_latency
+from geotrain.netem.links import (
+    LinkSpecError,
+    describe_links,
+    parse_bandwidth,
+    parse_bandwidths,
+    parse_latency,
+)
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.train import TrainConfig
 
@@ -75,7 +81,9 @@ def test_diloco_outer_step_with_identical_replicas_is_nesterov_on_the_local_upda
     model = _tiny()
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = build_sync("diloco", model, opt, FakeCommunicator(), {"H": 1, "outer_lr": 0.5, "outer_momentum": 0.9})
+    sync = build_sync(
+        "diloco", model, opt, FakeCommunicator(), {"H": 1, "outer_lr": 0.5, "outer_momentum": 0.9}
+    )
     before = [p.detach().clone() for p in model.parameters()]
     _step(sync, opt, 0)  # inner step then outer step
     assert all(torch.equal(a, b) for a, b in zip(start, before, strict=True))
@@ -271,10 +279,24 @@ def test_train_config_validation(kwargs, message):
 
 def test_summary_table_shows_na_for_unmeasured_blocked_time():
     summary = {
-        "algo": "ddp", "model": "tiny", "parameters": 1000, "workers": 2, "link": "20mbit", "steps": 3,
-        "tokens": 300, "first_train_loss": 5.0, "final_train_loss": 4.0, "final_val_loss": 4.1,
-        "step_s_median": 0.5, "compute_s_median": 0.5, "blocked_s_median": None, "tokens_per_s": 600.0,
-        "sent_bytes_per_step": 2e6, "link_mbit_s": 32.0, "syncs": 3, "wall_s": 1.5,
+        "algo": "ddp",
+        "model": "tiny",
+        "parameters": 1000,
+        "workers": 2,
+        "link": "20mbit",
+        "steps": 3,
+        "tokens": 300,
+        "first_train_loss": 5.0,
+        "final_train_loss": 4.0,
+        "final_val_loss": 4.1,
+        "step_s_median": 0.5,
+        "compute_s_median": 0.5,
+        "blocked_s_median": None,
+        "tokens_per_s": 600.0,
+        "sent_bytes_per_step": 2e6,
+        "link_mbit_s": 32.0,
+        "syncs": 3,
+        "wall_s": 1.5,
     }
     table = summary_table(summary)
     assert "blocked on comm        | n/a" in table and "2.0 MB" in table

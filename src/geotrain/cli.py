@@ -56,7 +56,28 @@ def _run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _attach_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``--bandwidth -5mbit`` -> ``--bandwidth=-5mbit``, so the value reaches its own validation
+    instead of argparse taking it for a flag."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if (
+            argv[i] in flags
+            and i + 1 < len(argv)
+            and argv[i + 1].startswith("-")
+            and argv[i + 1][1:2].isdigit()
+        ):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def _cmd_run(argv: list[str]) -> int:
+    argv = _attach_dash_values(argv, ("--bandwidth", "--latency", "--workers", "--H", "--steps"))
     args = _run_parser().parse_args(argv)
     try:
         latency_ms = parse_latency(args.latency) * 1000

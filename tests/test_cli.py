@@ -1,0 +1,221 @@
+"""The CLI end to end, as a user runs it: real processes, real torchrun, real namespaces where possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from geotrain.metrics import read_metrics
+from geotrain.netem.cluster import netem_unavailable_reason
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+
+
+def _run(args, timeout=240, **kw):
+    return subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _stray_processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln]
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_run_two_workers_trains_and_writes_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--model",
+            "tiny",
+            "--steps",
+            "20",
+            "--bandwidth",
+            "100mbit",
+            "--eval-every",
+            "10",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["network_mode"] == ("loopback" if netem_unavailable_reason() else "netns")
+    assert summary["workers"] == 2 and summary["steps"] == 20
+    assert f"run directory: {run_dir}" in proc.stdout
+    assert "validation loss" in proc.stderr + proc.stdout  # the summary table
+    for rank in (0, 1):
+        records = read_metrics(run_dir / "metrics" / f"rank{rank}.jsonl")
+        steps = [r for r in records if "train_loss" in r]
+        assert [r["step"] for r in steps] == list(range(1, 21))
+        # the default algorithm, diloco with H=10, moves bytes on its outer steps only
+        assert [r["step"] for r in steps if r["sent_bytes"] > 0] == [10, 20]
+        assert [r["step"] for r in steps if r["synced"]] == [10, 20]
+        first = sum(r["train_loss"] for r in steps[:3]) / 3
+        last = sum(r["train_loss"] for r in steps[-3:]) / 3
+        assert last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
+        assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+    assert summary["final_val_loss"] < summary["first_train_loss"]
+    assert (run_dir / "checkpoint.pt").exists()
+    assert (run_dir / "logs" / "host1.log").exists()
+    assert not _stray_processes(str(run_dir))
+
+
+@pytest.mark.parametrize("algo", ["ddp", "localsgd", "nosync"])
+def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
+    run_dir = tmp_path / algo
+    proc = _run(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--no-netem",
+            "--model",
+            "tiny",
+            "--steps",
+            "6",
+            "--algo",
+            algo,
+            "--H",
+            "3",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["algo"] == algo and summary["network_mode"] == "loopback"
+    expected_syncs = {"ddp": 6, "localsgd": 2, "nosync": 0}[algo]
+    assert summary["syncs"] == expected_syncs
+    if algo == "nosync":
+        assert summary["sent_bytes_per_step"] == 0
+    if algo == "ddp":
+        assert summary["blocked_s_median"] is None  # DDP's waiting is inside backward
+
+
+BAD_INPUTS = [
+    (["--algo", "adam"], "unknown algorithm 'adam'; accepted: ssgd, ddp, localsgd, diloco, nosync"),
+    (["--model", "huge"], "unknown model size 'huge'; accepted: tiny, mini, small"),
+    (["--algo", "diloco", "--H", "0"], "H (inner steps between outer steps) must be an integer >= 1, got 0"),
+    (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
+    (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),
+    (["--bandwidth", "-5mbit"], "bandwidth '-5mbit' is not understood"),
+    (["--workers", "2", "--bandwidth", "1mbit,2mbit,3mbit"], "lists 3 rates for 2 workers"),
+    (["--workers", "300"], "--workers must be 1 to 250"),
+    (["--workers", "0"], "--workers must be 1 to 250"),
+    (["--data", "/no/such/place"], "no such file or directory"),
+    (["--latency", "50"], "latency '50' is not understood"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, args, message):
+    run_dir = tmp_path / "never"
+    proc = _run(["run", "--model", "tiny", "--run-dir", str(run_dir), *args], timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert message in lines[0]
+    assert lines[0].startswith("geotrain run: error:")
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+    assert not _stray_processes(str(run_dir))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_empty_corpus_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    proc = _run(
+        ["run", "--model", "tiny", "--data", str(tmp_path / "empty"), "--run-dir", str(tmp_path / "r")]
+    )
+    assert proc.returncode == 2 and "no text found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_unknown_command():
+    proc = _run(["fly"])
+    assert proc.returncode == 2 and "unknown command 'fly'; accepted: run, train, sweep" in proc.stderr
+
+
+def _start(run_dir: Path, steps: int = 100000) -> subprocess.Popen:
+    return subprocess.Popen(
+        GEOTRAIN
+        + [
+            "run",
+            "--workers",
+            "2",
+            "--model",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--bandwidth",
+            "100mbit",
+            "--algo",
+            "ssgd",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout=90.0) -> None:
+    metrics = run_dir / "metrics" / "rank1.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_ctrl_c_stops_hosts_and_removes_namespaces(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted; hosts stopped, namespaces removed" in err
+    assert not _stray_processes(str(run_dir))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_dead_host_fails_the_run_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    try:
+        _wait_for_training(run_dir, proc)
+        # The worker of host 1 (its log names it) is killed, as when a machine dies.
+        workers = [
+            ln.split()[0]
+            for ln in _stray_processes(str(run_dir))
+            if "geotrain.train" in ln and "torch.distributed.run" not in ln
+        ]
+        assert len(workers) == 2
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "run failed: host" in err and "exited with code" in err
+    assert not _stray_processes(str(run_dir))
