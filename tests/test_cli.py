@@ -99,7 +99,7 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
     if algo == "nosync":
         assert summary["sent_bytes_per_step"] == 0
     if algo == "ddp":
-        assert summary["blocked_s_median"] is None  # DDP's waiting is inside backward
+        assert summary["blocked_s_mean"] is None  # DDP's waiting is inside backward
 
 
 BAD_INPUTS = [

@@ -76,11 +76,18 @@ def _die_with_parent() -> None:
         pass
 
 
+# torchrun agents that do not host the rendezvous warn when the host agent exits first; harmless,
+# kept in the host logs, kept off the terminal.
+_QUIET = (b"failed to shutdown the rendezvous",)
+
+
 def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
     for chunk in iter(lambda: stream.read1(4096), b""):
         log.write(chunk)
         log.flush()
         if echo:
+            if any(q in chunk for q in _QUIET):
+                chunk = b"".join(ln for ln in chunk.splitlines(True) if not any(q in ln for q in _QUIET))
             sys.stderr.buffer.write(chunk)
             sys.stderr.buffer.flush()
 
