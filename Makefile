@@ -28,7 +28,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_foundation.py
+	$(PY) benchmarks/bench_algorithms.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

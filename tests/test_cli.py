@@ -146,7 +146,10 @@ def test_empty_corpus_is_refused(tmp_path):
 
 def test_unknown_command():
     proc = _run(["fly"])
-    assert proc.returncode == 2 and "unknown command 'fly'; accepted: run, train, sweep" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "unknown command 'fly'; accepted: run, train, profile, plan, sweep" in proc.stderr
+    )
 
 
 def _start(run_dir: Path, steps: int = 100000) -> subprocess.Popen:

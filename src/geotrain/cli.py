@@ -2,6 +2,8 @@
 
     geotrain run --workers 4 --bandwidth 100mbit --algo diloco --model mini --steps 200
     geotrain train ...        # the per-worker entry point that torchrun starts on each machine
+    geotrain profile --workers 4 --bandwidth 100mbit --model mini --out profile.json
+    geotrain plan --profile profile.json --H 10 --out plan.json     # or --choose
     geotrain sweep            # remove namespaces left by crashed runs
 
 Every mistake in the input gets one line saying what is wrong and what is accepted, exit code 2,
@@ -76,9 +78,10 @@ def _attach_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _cmd_run(argv: list[str]) -> int:
+def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
+    """Parse and validate everything a cluster job needs; create nothing."""
     argv = _attach_dash_values(argv, ("--bandwidth", "--latency", "--workers", "--H", "--steps"))
-    args = _run_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         latency_ms = parse_latency(args.latency) * 1000
         args.latency_ms = latency_ms
@@ -97,20 +100,29 @@ def _cmd_run(argv: list[str]) -> int:
     except (ConfigError, DataError, LinkSpecError) as e:
         raise UsageError(str(e)) from None
 
-    from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
+    return args, cfg, rates
 
-    run_dir = Path(
-        args.run_dir
-        or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algo}-{args.workers}x"
-        f"{describe_links(rates) if not args.no_netem else 'loopback'}".replace(",", "_")
-    )
-    launch = LaunchConfig(
+
+def _launch_config(args, rates, label: str):
+    from geotrain.launch.local import LaunchConfig
+
+    links = describe_links(rates) if not args.no_netem else "loopback"
+    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{label}-{args.workers}x{links}")
+    return LaunchConfig(
         args.workers,
         None if args.no_netem else rates,
-        run_dir,
+        Path(str(run_dir).replace(",", "_")),
         netem=not args.no_netem,
         timeout_s=args.timeout,
     )
+
+
+def _cmd_run(argv: list[str]) -> int:
+    from geotrain.launch.local import RunFailed, run_local_cluster
+
+    args, cfg, rates = _parse_cluster_job(argv, _run_parser())
+    launch = _launch_config(args, rates, cfg.algo)
+    run_dir = launch.run_dir
     print(
         f"geotrain: {cfg.algo} on {args.workers} hosts, model {cfg.model}, run directory {run_dir}",
         file=sys.stderr,
@@ -131,6 +143,87 @@ def _cmd_run(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_profile(argv: list[str]) -> int:
+    from dataclasses import replace
+
+    from geotrain.launch.local import RunFailed, run_local_cluster
+
+    parser = _run_parser()
+    parser.prog = "geotrain profile"
+    parser.description = (
+        "Measure per-layer backward times and the link's all-reduce cost on the emulated cluster."
+    )
+    parser.add_argument("--out", default="profile.json", help="where the profile JSON goes")
+    args, cfg, rates = _parse_cluster_job(argv, parser)
+    out = Path(args.out).resolve()
+    launch = _launch_config(args, rates, "profile")
+    print(f"geotrain: profiling {cfg.model} on {args.workers} hosts", file=sys.stderr)
+    try:
+        profile = run_local_cluster(launch, replace(cfg, profile_out=str(out), progress=False))
+    except RunFailed as e:
+        print(f"geotrain: profile failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ngeotrain: interrupted; hosts stopped, namespaces removed.", file=sys.stderr)
+        return 130
+    link = profile["allreduce"]
+    mbit = 8e-6 / link["beta_s_per_byte"] if link["beta_s_per_byte"] else float("inf")
+    print(
+        f"{len(profile['layers'])} layers; forward {profile['forward_s'] * 1e3:.1f} ms, backward "
+        f"{profile['backward_total_s'] * 1e3:.1f} ms (cv {profile['spread']['backward_cv']:.1%}), optimizer "
+        f"{profile['optimizer_s'] * 1e3:.1f} ms"
+    )
+    print(
+        f"all-reduce: {link['alpha_s'] * 1e3:.2f} ms + bytes at {mbit:.1f} Mbit/s (fit residual up to "
+        f"{profile['spread']['link_max_rel_residual']:.1%}); profiling took {profile['profile_s']:.1f} s"
+    )
+    print(f"profile: {out}")
+    return 0
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    import json
+
+    from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
+
+    p = _Parser(
+        prog="geotrain plan", description="The DreamDDP schedule and predicted step times from a profile."
+    )
+    p.add_argument("--profile", required=True, help="a profile JSON from `geotrain profile`")
+    p.add_argument("--H", type=int, default=None, help="the schedule's period (or --choose)")
+    p.add_argument("--choose", action="store_true", help="pick the H with the fastest predicted time to loss")
+    p.add_argument(
+        "--budget", type=float, default=1.25, help="--choose: most steps allowed, x synchronous SGD's"
+    )
+    p.add_argument(
+        "--penalty", type=float, default=0.01, help="--choose: extra steps per unit of H (fraction)"
+    )
+    p.add_argument("--max-H", dest="max_H", type=int, default=100)
+    p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
+    args = p.parse_args(_attach_dash_values(argv, ("--H",)))
+    try:
+        profile = json.loads(Path(args.profile).read_text())
+    except FileNotFoundError:
+        raise UsageError(
+            f"--profile {args.profile}: no such file; make one with `geotrain profile`"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--profile {args.profile} is not JSON: {e}") from None
+    if args.H is None and not args.choose:
+        raise UsageError("give --H N or --choose")
+    try:
+        choose = ChooseConfig(args.budget, args.penalty, args.max_H) if args.choose else None
+        plan = make_plan(profile, None if args.choose else args.H, choose)
+    except (ValueError, KeyError) as e:
+        raise UsageError(
+            str(e) if not isinstance(e, KeyError) else f"profile lacks {e}; profile again"
+        ) from None
+    Path(args.out).write_text(json.dumps(plan, indent=2) + "\n")
+    print(format_plan(plan))
+    print(f"\nplan: {args.out}")
+    return 0
+
+
 def _cmd_sweep(argv: list[str]) -> int:
     _Parser(
         prog="geotrain sweep", description="Remove namespaces and bridges of dead geotrain runs."
@@ -140,7 +233,7 @@ def _cmd_sweep(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "sweep": _cmd_sweep}
+COMMANDS = {"run": _cmd_run, "profile": _cmd_profile, "plan": _cmd_plan, "sweep": _cmd_sweep}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest)
     if command not in COMMANDS:
-        print(f"geotrain: error: unknown command {command!r}; accepted: run, train, sweep", file=sys.stderr)
+        print(
+            f"geotrain: error: unknown command {command!r}; accepted: run, train, profile, plan, sweep",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         return COMMANDS[command](rest)

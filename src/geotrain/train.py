@@ -49,6 +49,9 @@ class TrainConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     bucket_mb: float = 0.0  # 0: the algorithm's default
+    plan: str = ""  # dreamddp: a plan from `geotrain plan` ("": profile and plan at start-up)
+    replan_threshold: float = 0.25  # dreamddp: re-plan when measured time drifts this far (0: never)
+    profile_out: str = ""  # profile the model and link, write this JSON, and do not train
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
     seed: int = 0
@@ -93,6 +96,9 @@ class TrainConfig:
         opts: dict[str, Any] = {"H": self.H, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
         if self.bucket_mb:
             opts["bucket_mb"] = self.bucket_mb
+        if self.plan:
+            opts["plan_path"] = self.plan
+        opts["replan_threshold"] = self.replan_threshold
         return opts
 
     def sync_config(self):
@@ -116,7 +122,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     helps = {
         "algo": f"sync algorithm: {', '.join(ALGORITHMS)}",
         "model": f"model size: {', '.join(MODEL_SIZES)}",
-        "H": "steps between synchronisations (localsgd, diloco)",
+        "H": "steps between synchronisations (localsgd, diloco); the schedule's period (dreamddp)",
+        "plan": "dreamddp: a plan JSON from `geotrain plan` (default: profile and plan at start-up)",
+        "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "data": "a folder of text files or a uint16 .bin file (default: Python's standard library sources)",
         "latency_ms": "software latency added to every collective, in ms (emulated: no netem here)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
@@ -124,7 +132,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name in ("link", "network_mode", "run_dir", "latency_ms"):
+        if f.name in ("link", "network_mode", "run_dir", "latency_ms", "profile_out"):
             continue  # set by the launcher or added by the caller
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -176,7 +184,20 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     model = GPT(model_cfg).to(device)
     optimizer = make_optimizer(model, cfg)
     comm = Communicator(latency_s=cfg.latency_ms / 1000)
+    # Profiling batches come from their own sampler so that the training data stream is the same
+    # for every algorithm.
+    profile_sampler = BatchSampler(
+        corpus, model_cfg.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed + 1
+    )
+
+    def profile_loss() -> torch.Tensor:
+        x, y = profile_sampler.next_train()
+        return model(x.to(device), y.to(device))[1]
+
+    if cfg.profile_out:
+        return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
+    sync.prepare(profile_loss)
 
     writer = MetricsWriter(run_dir, ctx.rank)
     tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
@@ -269,6 +290,25 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     return summary
 
 
+def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
+    from geotrain.plan.layers import layer_groups
+    from geotrain.plan.profile import build_profile
+
+    meta = {
+        "model": cfg.model,
+        "batch_size": cfg.batch_size,
+        "block_size": model.cfg.block_size,
+        "link": cfg.link,
+        "network_mode": cfg.network_mode,
+        "optimizer": cfg.optimizer,
+    }
+    profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta)
+    if ctx.is_main:
+        Path(cfg.profile_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.profile_out).write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
 def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step) -> dict[str, Any]:
     # Means, not medians: a periodic algorithm's cost is in the few steps that synchronise.
     steady = records[1:] or records  # the first step pays for allocation and warm-up
@@ -305,6 +345,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_p
         "link_mbit_s": sent_per_step * 8 / step_s / 1e6 if step_s else None,
         "syncs": sync.syncs,
         "wall_s": wall_s,
+        "predicted_step_s": getattr(sync, "predicted_step_s", None),
+        "replans": getattr(sync, "replans", None),
     }
 
 
@@ -317,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-ms", dest="latency_ms", type=float, default=0.0)
     parser.add_argument("--link", default="unshaped", help=argparse.SUPPRESS)
     parser.add_argument("--network-mode", dest="network_mode", default="none", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile-out", dest="profile_out", default="", help="profile, write this JSON, exit"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -326,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(timeout_s=cfg.timeout_s)
     try:
         summary = train(cfg, ctx)
-        if ctx.is_main:
+        if ctx.is_main and not cfg.profile_out:
             print(summary_table(summary), flush=True)
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)

@@ -265,6 +265,10 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             cluster.down()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
+    if cfg.profile_out:
+        if not Path(cfg.profile_out).exists():
+            raise RunFailed(f"the hosts finished but wrote no profile; see {run_dir}/logs")
+        return json.loads(Path(cfg.profile_out).read_text())
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RunFailed(f"the hosts finished but wrote no summary; see {run_dir}/logs")

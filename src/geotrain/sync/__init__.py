@@ -8,6 +8,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
 from geotrain.sync.ddp import DDP, DDPConfig
 from geotrain.sync.diloco import DiLoCo, DiLoCoConfig
+from geotrain.sync.dreamddp import DreamDDP, DreamDDPConfig
 from geotrain.sync.localsgd import LocalSGD, LocalSGDConfig
 from geotrain.sync.nosync import NoSync, NoSyncConfig
 from geotrain.sync.ssgd import SSGD, SSGDConfig
@@ -17,6 +18,7 @@ ALGORITHMS: dict[str, tuple[type[SyncAlgorithm], type[SyncConfig]]] = {
     "ddp": (DDP, DDPConfig),
     "localsgd": (LocalSGD, LocalSGDConfig),
     "diloco": (DiLoCo, DiLoCoConfig),
+    "dreamddp": (DreamDDP, DreamDDPConfig),
     "nosync": (NoSync, NoSyncConfig),
 }
 

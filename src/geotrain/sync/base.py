@@ -79,6 +79,9 @@ class SyncAlgorithm:
         params = [p.data for p in self.module.parameters()]
         unflatten_into(self.comm.broadcast(flatten(params), src=0), params)
 
+    def prepare(self, loss_fn) -> None:
+        """Once before training, with a closure that computes a training loss (for profiling)."""
+
     def before_step(self) -> None:
         """After backward, before ``optimizer.step()``."""
 

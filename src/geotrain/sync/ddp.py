@@ -47,3 +47,7 @@ class DDP(SyncAlgorithm):
         if self.comm.world_size > 1:
             self.comm.account_external(self._grad_tensors)
             self.syncs += 1
+
+    def after_step(self) -> bool:
+        super().after_step()
+        return self.comm.world_size > 1  # gradients were averaged this step

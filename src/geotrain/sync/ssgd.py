@@ -80,3 +80,7 @@ class SSGD(SyncAlgorithm):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def after_step(self) -> bool:
+        super().after_step()
+        return self.comm.world_size > 1  # gradients were averaged this step

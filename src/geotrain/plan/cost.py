@@ -1,0 +1,124 @@
+"""The cost model: predicted iteration time of each algorithm from a profile.
+
+An iteration is forward F, backward B (layers in backward order, layer l finishing at
+T_l = b_1 + ... + b_l), and the optimizer step O. One link carries one all-reduce at a time,
+first launched first served; an all-reduce of n bytes takes ``alpha + beta * n`` (fitted by the
+profiler on the real process group, so it already includes the worker count and the
+all-reduce algorithm). Communication launched during backward is hidden until backward ends at
+T_L; whatever runs past T_L is exposed:
+
+    iteration = F + B + exposed + O.
+
+``simulate_backward`` is that queue; each algorithm's prediction is one use of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """All-reduce time of an n-byte message: ``alpha_s + beta_s_per_byte * n``."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
+            raise ValueError(f"link model needs alpha, beta >= 0, got {self.alpha_s}, {self.beta_s_per_byte}")
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Per-layer backward times (backward order), layer sizes, and the rest of an iteration."""
+
+    names: tuple[str, ...]
+    backward_s: tuple[float, ...]
+    nbytes: tuple[int, ...]
+    forward_s: float
+    optimizer_s: float
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.backward_s) == len(self.nbytes)) or not self.names:
+            raise ValueError(
+                "a compute model needs one backward time and one size per layer, at least one layer"
+            )
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def backward_total_s(self) -> float:
+        return sum(self.backward_s)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_total_s + self.optimizer_s
+
+    def finish_times(self) -> list[float]:
+        t, out = 0.0, []
+        for b in self.backward_s:
+            t += b
+            out.append(t)
+        return out
+
+
+def simulate_backward(ready_s: Sequence[float], comm_s: Sequence[float], end_s: float) -> float:
+    """Exposed time of messages launched at ``ready_s`` (ascending) lasting ``comm_s`` on one link."""
+    queue = 0.0
+    for ready, c in zip(ready_s, comm_s, strict=True):
+        queue = max(queue, ready) + c
+    return max(0.0, queue - end_s)
+
+
+def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
+    """Exposed communication of one iteration that averages ``layers``, each launched when ready."""
+    finish = compute.finish_times()
+    chosen = sorted(layers)
+    return simulate_backward(
+        [finish[i] for i in chosen], [link.time(compute.nbytes[i]) for i in chosen], finish[-1]
+    )
+
+
+def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
+    """Bucket ready times and sizes for gradient buckets of ``cap_bytes`` in backward order."""
+    finish = compute.finish_times()
+    ready, sizes, size = [], [], 0
+    for i, nbytes in enumerate(compute.nbytes):
+        if size and size + nbytes > cap_bytes:
+            ready.append(finish[i - 1])
+            sizes.append(size)
+            size = 0
+        size += nbytes
+    ready.append(finish[-1])
+    sizes.append(size)
+    return ready, sizes
+
+
+def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
+    ready, sizes = _bucketed(compute, bucket_mb * 2**20)
+    exposed = simulate_backward(ready, [link.time(s) for s in sizes], compute.finish_times()[-1])
+    return compute.compute_s + exposed
+
+
+def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
+    """All buckets in flight back to back: what a periodic average costs, nothing hidden."""
+    _, sizes = _bucketed(compute, bucket_mb * 2**20)
+    return sum(link.time(s) for s in sizes)
+
+
+def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:
+    """Local SGD and DiLoCo: compute every step, one unhidden whole-model all-reduce every H steps."""
+    return compute.compute_s + whole_model_allreduce_s(compute, link, bucket_mb) / H
+
+
+def predict_schedule(compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]]) -> float:
+    """DreamDDP: mean over the period of compute plus each iteration's exposed layer syncs."""
+    exposed = [exposed_for_layers(compute, link, layers) for layers in schedule]
+    return compute.compute_s + sum(exposed) / len(exposed)

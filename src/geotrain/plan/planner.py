@@ -1,0 +1,135 @@
+"""``geotrain plan``: from a profile, the DreamDDP schedule and every algorithm's predicted step time.
+
+``--choose`` picks the period H with the fastest predicted time to a given loss, within a
+convergence budget. The time to a loss is (predicted step time) x (steps needed), and the steps
+needed grow with the staleness that H allows. How fast they grow depends on model, data and
+optimizer; the planner takes the user's estimate as ``penalty`` (extra steps per unit of H, as a
+fraction of synchronous SGD's: steps(H) = steps_ssgd * (1 + penalty * (H - 1))) and considers
+only the H whose factor stays within ``budget`` (1.25: at most 25% more steps than synchronous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from geotrain.plan.cost import (
+    ComputeModel,
+    LinkModel,
+    predict_periodic,
+    predict_schedule,
+    predict_ssgd,
+)
+from geotrain.plan.profile import models_from_profile
+from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
+
+CANDIDATE_H = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 50, 64, 80, 100)
+
+
+@dataclass(frozen=True)
+class ChooseConfig:
+    budget: float = 1.25
+    penalty: float = 0.01
+    max_H: int = 100
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"--budget is a factor of synchronous SGD's steps, >= 1; got {self.budget}")
+        if self.penalty < 0:
+            raise ValueError(f"--penalty must be >= 0, got {self.penalty}")
+        if self.max_H < 1:
+            raise ValueError(f"--max-H must be >= 1, got {self.max_H}")
+
+    def steps_factor(self, H: int) -> float:
+        return 1 + self.penalty * (H - 1)
+
+
+def predictions(compute: ComputeModel, link: LinkModel, H: int, schedule: Schedule) -> dict[str, float]:
+    return {
+        "nosync": compute.compute_s,
+        "ddp": predict_ssgd(compute, link, bucket_mb=25.0),
+        "ssgd": predict_ssgd(compute, link, bucket_mb=4.0),
+        "localsgd": predict_periodic(compute, link, H),
+        "diloco": predict_periodic(compute, link, H),
+        "dreamddp": predict_schedule(compute, link, schedule.iterations),
+    }
+
+
+def make_plan(profile: dict[str, Any], H: int | None, choose: ChooseConfig | None = None) -> dict[str, Any]:
+    compute, link = models_from_profile(profile)
+    table = []
+    if choose is not None:
+        for h in CANDIDATE_H:
+            if h > min(choose.max_H, compute.n_layers) or choose.steps_factor(h) > choose.budget:
+                continue
+            sched = search_schedule(compute, link, h, time_budget_s=0.1)
+            step = predict_schedule(compute, link, sched.iterations)
+            table.append(
+                {
+                    "H": h,
+                    "predicted_step_s": step,
+                    "steps_factor": choose.steps_factor(h),
+                    "time_to_loss_factor": step * choose.steps_factor(h) / compute.compute_s,
+                }
+            )
+        if not table:
+            raise ValueError("no H satisfies the convergence budget; raise --budget or lower --penalty")
+        H = min(table, key=lambda row: row["time_to_loss_factor"])["H"]
+    if H is None:
+        raise ValueError("give --H or --choose")
+    if not 1 <= H <= compute.n_layers:
+        raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
+    schedule = search_schedule(compute, link, H)
+    schedule.validate(compute.n_layers)
+    return {
+        "H": H,
+        "profile": {k: profile.get(k) for k in ("model", "workers", "link", "network_mode", "batch_size")},
+        "link_model": {
+            "alpha_s": link.alpha_s,
+            "beta_s_per_byte": link.beta_s_per_byte,
+            "effective_mbit_s": 8e-6 / link.beta_s_per_byte if link.beta_s_per_byte else None,
+        },
+        "schedule": schedule_to_json(schedule, list(compute.names)),
+        "predicted_s": predictions(compute, link, H, schedule),
+        "choose": table,
+    }
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    pred = plan["predicted_s"]
+    base = pred["nosync"]
+    prof = plan["profile"]
+    lines = [
+        f"profile: {prof['model']} on {prof['workers']} workers x {prof['link']}; "
+        f"all-reduce = {plan['link_model']['alpha_s'] * 1e3:.2f} ms + bytes / "
+        f"{(plan['link_model']['effective_mbit_s'] or float('inf')):.1f} Mbit/s",
+        "",
+        f"{'algorithm':<10} {'H':>4} {'step s':>9} {'x nosync':>9}",
+    ]
+    for algo, s in pred.items():
+        h = str(plan["H"]) if algo in ("localsgd", "diloco", "dreamddp") else "-"
+        lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}")
+    sched = plan["schedule"]
+    n_fill = sum(len(it) for it in sched["iterations"]) - len(sched["layers"])
+    lines += [
+        "",
+        f"dreamddp schedule, H={sched['H']}: {len(sched['layers'])} layers, {n_fill} fill-in syncs "
+        f"(search: {sched['search']['nodes']} nodes, {sched['search']['seconds'] * 1e3:.0f} ms"
+        f"{'' if sched['search']['complete'] else ', budget reached'})",
+    ]
+    for h, layers in enumerate(sched["iterations"]):
+        primary = [sched["layers"][i] for i, a in enumerate(sched["assignment"]) if a == h]
+        shown = ", ".join(primary[:4]) + (f", ... ({len(primary)})" if len(primary) > 4 else "")
+        lines.append(
+            f"  iteration {h:>2}: {shown}  +{len(layers) - len(primary)} fill-in, "
+            f"exposed {sched['exposed_s'][h] * 1e3:.0f} ms"
+        )
+    if plan["choose"]:
+        lines += ["", f"{'H':>4} {'step s':>9} {'steps x':>8} {'time-to-loss x nosync':>22}"]
+        for row in plan["choose"]:
+            mark = "  <- chosen" if row["H"] == plan["H"] else ""
+            lines.append(
+                f"{row['H']:>4} {row['predicted_step_s']:>9.3f} {row['steps_factor']:>8.2f} "
+                f"{row['time_to_loss_factor']:>22.3f}{mark}"
+            )
+    return "\n".join(lines)

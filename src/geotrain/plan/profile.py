@@ -1,0 +1,217 @@
+"""The profiler: per-layer backward times and the link's all-reduce cost, measured for real.
+
+On the real process group and device, a few forward/backward passes time each layer's backward
+(from gradient hooks: a layer is done when its last parameter's gradient is accumulated), the
+forward pass and one optimizer step (on a throwaway copy, so training state is untouched). The
+link is probed with all-reduces of a few sizes and fitted as ``alpha + beta * bytes``. Times are
+averaged over workers (the all-reduce's time is the slowest worker's); the profile reports its own
+spread. It takes seconds: 1 warm-up and ``reps`` timed passes, 3 message sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.communicator import Communicator
+from geotrain.plan.cost import ComputeModel, LinkModel
+from geotrain.plan.layers import Layer
+
+PROFILE_VERSION = 1
+
+
+def profile_compute(
+    model: nn.Module,
+    layers: list[Layer],
+    loss_fn: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    reps: int = 3,
+) -> dict[str, Any]:
+    """Time forward, each layer's backward, and an optimizer step; gradients are left cleared."""
+    done: dict[int, float] = {}
+    owner = {id(p): i for i, layer in enumerate(layers) for p in layer.params}
+
+    def on_grad(p: torch.Tensor) -> None:
+        done[owner[id(p)]] = time.perf_counter()  # the last parameter of a layer sets its time
+
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params]
+    forward, per_layer, totals = [], [[] for _ in layers], []
+    try:
+        for rep in range(reps + 1):
+            model.zero_grad(set_to_none=True)
+            done.clear()
+            t0 = time.perf_counter()
+            loss = loss_fn()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if rep == 0:
+                continue  # warm-up
+            forward.append(t1 - t0)
+            totals.append(t2 - t1)
+            order = sorted(done, key=done.get)
+            previous = t1
+            for i in order:
+                per_layer[i].append(done[i] - previous)
+                previous = done[i]
+            order_seen = order
+    finally:
+        for h in hooks:
+            h.remove()
+    optimizer_s = _time_optimizer_step(model, optimizer)
+    model.zero_grad(set_to_none=True)
+    mean_done = {i: statistics.fmean(per_layer[i]) for i in range(len(layers))}
+    return {
+        "order": [layers[i].name for i in order_seen],
+        "backward_s": {layers[i].name: mean_done[i] for i in range(len(layers))},
+        "forward_s": statistics.fmean(forward),
+        "backward_total_s": statistics.fmean(totals),
+        "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
+        "optimizer_s": optimizer_s,
+    }
+
+
+def _time_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    # Copied together, so the copy's optimizer holds the copy's parameters; the real ones stay put.
+    clone, opt = copy.deepcopy((model, optimizer))
+    for p in clone.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    del clone, opt
+    return statistics.fmean(times[1:])  # the first step allocates state
+
+
+def probe_sizes(layers: list[Layer]) -> list[int]:
+    """Message sizes from small to a sustained transfer.
+
+    Small messages ride a shaper's burst allowance (and a NIC's buffers) and see more than the
+    sustained rate; an iteration's layer syncs are sustained traffic. So besides a small and the
+    largest layer, one probe is a quarter of the model (256 KB to 4 MB).
+    """
+    largest = min(max(layer.nbytes for layer in layers), 4 * 2**20)
+    total = sum(layer.nbytes for layer in layers)
+    sustained = min(max(total // 4, 256 * 1024), 4 * 2**20)
+    return sorted({16 * 1024, max(16 * 1024, largest), sustained})
+
+
+def profile_link(comm: Communicator, sizes: list[int], reps: int = 2) -> dict[str, Any]:
+    """Time all-reduces of each size (the slowest worker's time) and fit ``alpha + beta * bytes``."""
+    samples = []
+    comm.all_reduce(torch.zeros(1024))  # connection warm-up
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(reps):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        samples.append([nbytes, comm.max_scalars([statistics.median(times)])[0]])
+    alpha, beta = fit_link(samples)
+    residuals = [abs(alpha + beta * n - s) / s for n, s in samples]
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "samples": samples, "max_rel_residual": max(residuals)}
+
+
+def fit_link(samples: list[list[float]]) -> tuple[float, float]:
+    """``seconds = alpha + beta * bytes`` by least squares on *relative* error, alpha, beta >= 0.
+
+    Relative error weighs a 16 KB message (latency-bound) as much as a 4 MB one (bandwidth-bound);
+    plain least squares would fit the large ones and miss the small by a wide margin.
+    """
+    xs = [float(n) for n, _ in samples]
+    ys = [float(s) for _, s in samples]
+    if len(set(xs)) < 2:
+        return 0.0, max(0.0, statistics.fmean(ys) / statistics.fmean(xs))
+    # minimise sum(((alpha + beta x - y) / y)^2): weighted least squares with weights 1/y^2
+    w = [1 / (y * y) for y in ys]
+    sw, swx, swy = (
+        sum(w),
+        sum(wi * x for wi, x in zip(w, xs, strict=True)),
+        sum(wi * y for wi, y in zip(w, ys, strict=True)),
+    )
+    swxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    swxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+    det = sw * swxx - swx * swx
+    alpha = (swxx * swy - swx * swxy) / det
+    beta = (sw * swxy - swx * swy) / det
+    if alpha < 0 or beta < 0:  # keep the physical meaning: refit the other term alone
+        if beta > 0:
+            alpha, beta = 0.0, swxy / swxx
+        else:
+            alpha, beta = swy / sw, 0.0
+    return alpha, beta
+
+
+def build_profile(
+    model: nn.Module,
+    layers: list[Layer],
+    loss_fn: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    comm: Communicator,
+    meta: dict[str, Any] | None = None,
+    reps: int = 3,
+) -> dict[str, Any]:
+    """The whole profile, identical on every worker (times averaged over workers)."""
+    started = time.perf_counter()
+    local = profile_compute(model, layers, loss_fn, optimizer, reps)
+    names = [layer.name for layer in layers]
+    by_name = {layer.name: layer for layer in layers}
+    # Every worker adopts rank 0's measured backward order, then times are averaged in that order.
+    order = local["order"]
+    if comm.world_size > 1:
+        index = torch.tensor([names.index(n) for n in order], dtype=torch.int64)
+        comm.broadcast(index, src=0)
+        order = [names[i] for i in index.tolist()]
+    scalars = [local["backward_s"][n] for n in order] + [
+        local["forward_s"],
+        local["optimizer_s"],
+        local["backward_total_s"],
+        local["backward_cv"],
+    ]
+    averaged = comm.mean_scalars(scalars)
+    n = len(order)
+    link = (
+        profile_link(comm, probe_sizes(layers))
+        if comm.world_size > 1
+        else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
+    )
+    return {
+        "version": PROFILE_VERSION,
+        **(meta or {}),
+        "workers": comm.world_size,
+        "layers": [
+            {"name": name, "bytes": by_name[name].nbytes, "backward_s": averaged[i]}
+            for i, name in enumerate(order)
+        ],
+        "forward_s": averaged[n],
+        "optimizer_s": averaged[n + 1],
+        "backward_total_s": averaged[n + 2],
+        "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
+        "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
+        "profile_s": time.perf_counter() - started,
+    }
+
+
+def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkModel]:
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"profile version {profile.get('version')} is not {PROFILE_VERSION}; profile again")
+    layers = profile["layers"]
+    compute = ComputeModel(
+        names=tuple(layer["name"] for layer in layers),
+        backward_s=tuple(float(layer["backward_s"]) for layer in layers),
+        nbytes=tuple(int(layer["bytes"]) for layer in layers),
+        forward_s=float(profile["forward_s"]),
+        optimizer_s=float(profile["optimizer_s"]),
+    )
+    link = LinkModel(float(profile["allreduce"]["alpha_s"]), float(profile["allreduce"]["beta_s_per_byte"]))
+    return compute, link

@@ -1,0 +1,189 @@
+"""DreamDDP's layer-to-iteration schedule, found by a pruned search (arXiv 2502.11058, Sec. 4).
+
+Over a period of ``H`` iterations every layer is averaged exactly once; layer l's all-reduce is
+launched in its iteration when backward finishes it (at T_l) and competes for one link with the
+other layers of that iteration. The search assigns layers in backward order, so each iteration's
+link queue can be advanced exactly as the iteration will run it, and minimises the total
+communication left exposed after backward (T_L). It keeps the paper's three properties:
+
+1. **hide if it fits**: if a layer's all-reduce fits in some iteration before backward ends, it
+   goes to such an iteration (branching only among those);
+2. **delay if it cannot hide**: otherwise it goes where it adds the least exposure;
+3. **at least one layer per iteration**: when as many layers remain as iterations are empty,
+   the remaining layers go to the empty iterations.
+
+The search is depth-first (its first leaf is the greedy schedule), branches on at most
+``branch`` distinct iterations per layer, merges iterations in the same state (they are
+interchangeable), memoises visited states, prunes with a lower bound (each remaining layer
+exposes at least what it would alone), and stops at a node or time budget. Then the fill-in:
+each iteration also averages every other layer whose all-reduce still fits in its bubbles without
+adding exposure, which only ever adds averaging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from geotrain.plan.cost import ComputeModel, LinkModel, exposed_for_layers
+
+
+@dataclass
+class Schedule:
+    """``assignment[l]``: the iteration that averages layer l; ``iterations[h]``: all layers iteration h
+    averages, fill-ins included (ascending, i.e. backward order)."""
+
+    H: int
+    assignment: list[int]
+    iterations: list[list[int]]
+    exposed_s: list[float] = field(default_factory=list)
+    search_nodes: int = 0
+    search_s: float = 0.0
+    complete: bool = True  # False when the budget stopped the search before it proved optimality
+
+    def validate(self, n_layers: int) -> None:
+        if len(self.assignment) != n_layers or len(self.iterations) != self.H:
+            raise ValueError("schedule does not match the layer count or H")
+        for layer, h in enumerate(self.assignment):
+            if not 0 <= h < self.H or layer not in self.iterations[h]:
+                raise ValueError(f"layer {layer} is not averaged in its assigned iteration {h}")
+        for h, layers in enumerate(self.iterations):
+            if not layers:
+                raise ValueError(f"iteration {h} averages no layer")
+            if len(set(layers)) != len(layers) or any(not 0 <= x < n_layers for x in layers):
+                raise ValueError(f"iteration {h} lists an unknown or repeated layer")
+
+    def fill_in_count(self) -> int:
+        return sum(len(it) for it in self.iterations) - len(self.assignment)
+
+
+def search_schedule(
+    compute: ComputeModel,
+    link: LinkModel,
+    H: int,
+    *,
+    fill_in: bool = True,
+    branch: int = 2,
+    node_budget: int = 50_000,
+    time_budget_s: float = 0.5,
+) -> Schedule:
+    L = compute.n_layers
+    if not 1 <= H <= L:
+        raise ValueError(f"H must be 1 to the number of layers ({L}) so each iteration averages one; got {H}")
+    started = time.perf_counter()
+    finish = compute.finish_times()
+    end = finish[-1]
+    comm = [link.time(n) for n in compute.nbytes]
+    # Each remaining layer exposes at least what it would alone in an idle iteration.
+    alone = [max(0.0, finish[i] + comm[i] - end) for i in range(L)]
+    suffix = [0.0] * (L + 1)
+    for i in range(L - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + alone[i]
+
+    best_cost = float("inf")
+    best: list[int] = []
+    assignment = [0] * L
+    queue = [0.0] * H
+    count = [0] * H
+    seen: dict[tuple, float] = {}
+    nodes = 0
+    stopped = False
+
+    def exposed(q: float) -> float:
+        return q - end if q > end else 0.0
+
+    def dfs(layer: int, cost: float) -> None:
+        nonlocal best_cost, best, nodes, stopped
+        nodes += 1
+        if nodes >= node_budget or (nodes % 512 == 0 and time.perf_counter() - started > time_budget_s):
+            stopped = True
+        if cost + suffix[layer] >= best_cost - 1e-12:
+            return
+        if layer == L:
+            best_cost, best = cost, assignment.copy()
+            return
+        key = (layer, tuple(sorted(zip(queue, (c > 0 for c in count), strict=True))))
+        if seen.get(key, float("inf")) <= cost + 1e-12:
+            return
+        seen[key] = cost
+        empty = sum(1 for c in count if c == 0)
+        remaining = L - layer
+        options: dict[tuple, tuple[float, float, int]] = {}  # state -> (added exposure, new end, h)
+        for h in range(H):
+            if remaining == empty and count[h]:
+                continue  # property 3: the rest must fill the empty iterations
+            state = (queue[h], count[h] > 0)
+            if state in options:
+                continue  # interchangeable with an iteration already considered
+            new_end = max(queue[h], finish[layer]) + comm[layer]
+            options[state] = (exposed(new_end) - exposed(queue[h]), new_end, h)
+        hidden = [o for o in options.values() if o[0] <= 1e-12]
+        if hidden:  # property 1: hide it; best fit first (the fullest queue it fits in)
+            ranked = sorted(hidden, key=lambda o: -o[1])
+        else:  # property 2: delay it where it costs least
+            ranked = sorted(options.values(), key=lambda o: (o[0], o[1]))
+        for added, new_end, h in ranked[:branch]:
+            old = queue[h]
+            queue[h], assignment[layer] = new_end, h
+            count[h] += 1
+            dfs(layer + 1, cost + added)
+            count[h] -= 1
+            queue[h] = old
+            if stopped and best:
+                return
+
+    dfs(0, 0.0)
+    iterations = [[i for i in range(L) if best[i] == h] for h in range(H)]
+    if fill_in:
+        iterations = [_fill(compute, link, layers) for layers in iterations]
+    return Schedule(
+        H=H,
+        assignment=best,
+        iterations=iterations,
+        exposed_s=[exposed_for_layers(compute, link, it) for it in iterations],
+        search_nodes=nodes,
+        search_s=time.perf_counter() - started,
+        complete=not stopped,
+    )
+
+
+def _fill(compute: ComputeModel, link: LinkModel, layers: list[int]) -> list[int]:
+    """Add every layer whose all-reduce fits in this iteration's bubbles without adding exposure."""
+    chosen = set(layers)
+    base = exposed_for_layers(compute, link, chosen)
+    for i in range(compute.n_layers):
+        if i in chosen:
+            continue
+        chosen.add(i)
+        if exposed_for_layers(compute, link, chosen) > base + 1e-12:
+            chosen.discard(i)
+    return sorted(chosen)
+
+
+def schedule_to_json(schedule: Schedule, names: list[str]) -> dict:
+    return {
+        "H": schedule.H,
+        "layers": names,
+        "assignment": schedule.assignment,
+        "iterations": [[names[i] for i in it] for it in schedule.iterations],
+        "exposed_s": schedule.exposed_s,
+        "search": {
+            "nodes": schedule.search_nodes,
+            "seconds": schedule.search_s,
+            "complete": schedule.complete,
+        },
+    }
+
+
+def schedule_from_json(data: dict) -> tuple[Schedule, list[str]]:
+    names = list(data["layers"])
+    index = {n: i for i, n in enumerate(names)}
+    iterations = [sorted(index[n] for n in it) for it in data["iterations"]]
+    schedule = Schedule(
+        H=int(data["H"]),
+        assignment=list(data["assignment"]),
+        iterations=iterations,
+        exposed_s=list(data.get("exposed_s", [])),
+    )
+    schedule.validate(len(names))
+    return schedule, names

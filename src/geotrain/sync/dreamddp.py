@@ -1,0 +1,212 @@
+"""``dreamddp``: partial local SGD with layer-wise averaging overlapped with backprop.
+
+DreamDDP (Tang et al., arXiv 2502.11058). Local SGD averages the whole model every H steps and
+stalls on that all-reduce. DreamDDP spreads it over the period: iteration h in [0, H) averages
+only the layers S_h of a schedule in which every layer appears once per period (plus fill-ins,
+layers that fit in the bubbles). A scheduled layer's parameter all-reduce is launched from its
+gradient hook, the moment backward has accumulated that layer's gradient (its parameters are not
+read again in this backward), so it runs under the remaining backward. All handles are waited
+for after backward; the averaged values are written back and only then is the local optimizer
+step applied:
+
+    x_l <- mean_k(x_l^k) - lr * g_l^k      for l in S_h,      x_l <- x_l - lr * g_l otherwise.
+
+No second copy of the model is kept: only the layers in flight are flattened into send buffers.
+
+The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
+profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
+compared with the plan's prediction, and if they differ by more than ``replan_threshold`` (the link
+got slower, a worker got busier) the workers profile again and re-plan.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
+from geotrain.plan.cost import predict_schedule
+from geotrain.plan.layers import layer_groups, order_layers
+from geotrain.plan.profile import build_profile, models_from_profile
+from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+
+
+@dataclass
+class DreamDDPConfig(SyncConfig):
+    H: int = 10
+    plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up
+    fill_in: bool = True
+    replan_threshold: float = 0.25  # relative drift of measured from predicted time; 0: never re-plan
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.H, int) and self.H >= 1,
+            f"H (the schedule's period in iterations) must be an integer >= 1, got {self.H}",
+        )
+        require(
+            self.replan_threshold >= 0,
+            f"replan_threshold must be >= 0 (0 = off), got {self.replan_threshold}",
+        )
+        if self.plan_path:
+            require(
+                Path(self.plan_path).is_file(),
+                f"plan {self.plan_path!r} does not exist; make one with "
+                "`geotrain plan --profile PROFILE --out PLAN`",
+            )
+
+
+class DreamDDP(SyncAlgorithm):
+    name = "dreamddp"
+
+    def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
+        super().__init__(model, optimizer, comm, config or DreamDDPConfig())
+        self.layers = layer_groups(model)
+        self.schedule: Schedule | None = None
+        self.predicted_step_s: float | None = None
+        self.replans = 0
+        self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
+        self._active: set[int] = set()
+        self._ready = [0] * len(self.layers)
+        self._inflight: dict[int, Any] = {}
+        self._profiling = False
+        self._profile_fn: Callable[[], torch.Tensor] | None = None
+        # Iteration time runs from forward to the end of the step: evaluation or logging between
+        # steps is not drift.
+        self._iteration_start = 0.0
+        self._period_s = 0.0
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for layer in self.layers
+            for p in layer.params
+        ]
+        self._hooks.append(model.register_forward_pre_hook(self._on_forward))
+        if self.config.plan_path:
+            self.set_plan(json.loads(Path(self.config.plan_path).read_text()))
+
+    # -- planning -----------------------------------------------------------------------------
+    def set_plan(self, plan: dict[str, Any]) -> None:
+        """Adopt a plan (``geotrain plan`` output): the backward order of layers and the schedule."""
+        schedule, names = schedule_from_json(plan["schedule"])
+        self.layers = order_layers(self.layers, names)
+        self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
+        self._ready = [0] * len(self.layers)
+        self.schedule = schedule
+        self.config.H = schedule.H
+        self.predicted_step_s = plan.get("predicted_s", {}).get("dreamddp")
+        self._begin_iteration()
+
+    def prepare(self, loss_fn: Callable[[], torch.Tensor]) -> None:
+        """Profile and plan on all workers if no plan was given (called once before training)."""
+        self._profile_fn = loss_fn
+        if self.schedule is None:
+            self._replan()
+
+    def _replan(self) -> None:
+        assert self._profile_fn is not None
+        self._profiling = True
+        try:
+            profile = build_profile(self.module, self.layers, self._profile_fn, self.optimizer, self.comm)
+        finally:
+            self._profiling = False
+        compute, link = models_from_profile(profile)
+        H = min(self.config.H, compute.n_layers)
+        schedule = search_schedule(compute, link, H, fill_in=self.config.fill_in)
+        # The search has a time budget, so workers could differ: everyone takes rank 0's schedule.
+        matrix = torch.zeros(H, compute.n_layers, dtype=torch.uint8)
+        for h, layers in enumerate(schedule.iterations):
+            matrix[h, layers] = 1
+        matrix = self.comm.broadcast(matrix, src=0)
+        schedule.iterations = [matrix[h].nonzero().flatten().tolist() for h in range(H)]
+        assignment = torch.tensor(schedule.assignment, dtype=torch.int64)
+        schedule.assignment = self.comm.broadcast(assignment, src=0).tolist()
+        plan = {
+            "schedule": {
+                "H": H,
+                "layers": list(compute.names),
+                "assignment": schedule.assignment,
+                "iterations": [[compute.names[i] for i in it] for it in schedule.iterations],
+            },
+            "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations)},
+        }
+        self.set_plan(plan)
+        self.profile = profile
+
+    # -- one iteration ------------------------------------------------------------------------
+    def _begin_iteration(self) -> None:
+        assert self.schedule is not None
+        self._active = set(self.schedule.iterations[self.step_count % self.schedule.H])
+        self._ready = [0] * len(self.layers)
+        self._inflight = {}
+
+    def _on_forward(self, module, args) -> None:
+        if module.training and not self._profiling:
+            self._iteration_start = time.perf_counter()
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self._profiling or self.schedule is None:
+            return
+        i = self._owner[id(param)]
+        if i not in self._active:
+            return
+        self._ready[i] += 1
+        if self._ready[i] == len(self.layers[i].params):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        # Backward has accumulated this layer's gradient and will not read its parameters again,
+        # so their current values can be sent while backward goes on.
+        params = [p.detach() for p in self.layers[i].params]
+        self._inflight[i] = self.comm.all_reduce(flatten(params), op="mean", async_op=True)
+
+    def before_step(self) -> None:
+        if self.schedule is None:
+            raise RuntimeError("dreamddp has no schedule: call prepare() or give a plan")
+        for i in sorted(self._active - set(self._inflight)):  # layers whose gradient never came
+            self._launch(i)
+        with torch.no_grad():
+            for i, handle in self._inflight.items():
+                unflatten_into(handle.wait(), [p.data for p in self.layers[i].params])
+
+    def after_step(self) -> bool:
+        super().after_step()
+        self._period_s += time.perf_counter() - self._iteration_start
+        synced = bool(self._active)
+        self.syncs += synced
+        if self.step_count % self.schedule.H == 0:
+            self._end_period()
+        self._begin_iteration()
+        return synced
+
+    def _end_period(self) -> None:
+        measured = self._period_s / self.schedule.H
+        self.last_period_step_s = measured
+        if self.config.replan_threshold and self.predicted_step_s and self._profile_fn is not None:
+            drift = abs(measured - self.predicted_step_s) / self.predicted_step_s
+            # All workers must agree to re-plan, or their collectives would diverge.
+            (drift,) = self.comm.max_scalars([drift])
+            if drift > self.config.replan_threshold:
+                self.replans += 1
+                self._replan()
+        self._period_s = 0.0
+
+    def finalize(self) -> None:
+        reduce_tensors(self.comm, [p.data for p in self.parameters()])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["layers"] = [layer.name for layer in self.layers]
+        state["iterations"] = self.schedule.iterations if self.schedule else None
+        state["replans"] = self.replans
+        return state

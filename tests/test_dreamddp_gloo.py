@@ -1,0 +1,172 @@
+"""DreamDDP's execution on real gloo groups: the paper's semantics, exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from geotrain.comm.communicator import Communicator
+from geotrain.models.gpt import GPT, gpt_config
+from geotrain.plan.layers import layer_groups
+from geotrain.sync import build_sync
+from helpers import run_workers
+
+BATCH, BLOCK, LR = 2, 16, 0.1
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    xy = torch.randint(0, 256, (BATCH, BLOCK + 1), generator=g)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", 256, BLOCK))
+
+
+def _plan(model, H):
+    """Round-robin over the layers in backward order: every layer once per period."""
+    names = [layer.name for layer in layer_groups(model)]
+    assignment = [i % H for i in range(len(names))]
+    return {
+        "schedule": {
+            "H": H,
+            "layers": names,
+            "assignment": assignment,
+            "iterations": [[n for n, a in zip(names, assignment, strict=True) if a == h] for h in range(H)],
+        }
+    }
+
+
+def _dreamddp_steps(rank, world_size, H, steps):
+    """Per step: params after the all-reduces (before the step), local grads, params after the step,
+    and a reference gradient computed by a plain backward on a copy of the pre-step model."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": H, "replan_threshold": 0.0})
+    sync.set_plan(_plan(model, H))
+    out = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        reference = copy.deepcopy(model)
+        reference(x, y)[1].backward()
+        active = sorted(sync._active)
+        _, loss = sync.model(x, y)
+        loss.backward()
+        launched_with_complete_grads = all(
+            all(p.grad is not None for p in sync.layers[i].params) for i in sync._inflight
+        )
+        sync.before_step()
+        averaged = {sync.layers[i].name: [p.detach().clone() for p in sync.layers[i].params] for i in active}
+        grads = [p.grad.clone() for p in model.parameters()]
+        ref_grads = [p.grad.clone() for p in reference.parameters()]
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+        out.append(
+            {
+                "averaged": averaged,
+                "grads": grads,
+                "ref_grads": ref_grads,
+                "params": [p.detach().clone() for p in model.parameters()],
+                "complete": launched_with_complete_grads,
+                "n_active": len(active),
+            }
+        )
+    sync.close()
+    return out
+
+
+def _localsgd_one_step(rank, world_size):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = build_sync("localsgd", model, opt, Communicator(), {"H": 1})
+    x, y = _batch(rank, 0)
+    sync.model(x, y)[1].backward()
+    sync.before_step()
+    opt.step()
+    sync.after_step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_h1_mean_over_replicas_equals_localsgd_h1():
+    dream = run_workers(_dreamddp_steps, 2, 1, 1)
+    local = run_workers(_localsgd_one_step, 2)
+    for i, p in enumerate(local[0]):
+        mean = (dream[0][0]["params"][i] + dream[1][0]["params"][i]) / 2
+        torch.testing.assert_close(mean, p, atol=1e-7, rtol=1e-6)
+    # ... while each replica keeps its own step: they differ again
+    assert not torch.equal(dream[0][0]["params"][0], dream[1][0]["params"][0])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_averaged_then_own_step_exactly(world_size):
+    H, steps = 3, 6
+    results = run_workers(_dreamddp_steps, world_size, H, steps)
+    names = [n for n, _ in _model().named_parameters()]
+    for step in range(steps):
+        mine = results[0][step]
+        assert mine["n_active"] >= 1
+        # right after its all-reduce, before the step, a scheduled layer is identical everywhere
+        for other in results[1:]:
+            for layer, values in mine["averaged"].items():
+                for a, b in zip(values, other[step]["averaged"][layer], strict=True):
+                    assert torch.equal(a, b), f"step {step}: {layer} differs across replicas"
+        for r in results:
+            rec = r[step]
+            assert rec["complete"]  # every launch came after the layer's gradient was accumulated
+            # backward saw the local parameters, not averaged ones: grads equal a plain backward
+            for g, ref in zip(rec["grads"], rec["ref_grads"], strict=True):
+                assert torch.equal(g, ref)
+            # a scheduled layer became avg(x) - lr * g_local
+            model = _model()
+            owner = {id(p): layer.name for layer in layer_groups(model) for p in layer.params}
+            params = dict(zip(names, rec["params"], strict=True))
+            grads = dict(zip(names, rec["grads"], strict=True))
+            for name, p in model.named_parameters():
+                layer = owner[id(p)]
+                if layer in rec["averaged"]:
+                    idx = [id(q) for q in next(lg for lg in layer_groups(model) if lg.name == layer).params]
+                    avg = rec["averaged"][layer][idx.index(id(p))]
+                    # computed as SGD does (one fused add), so the comparison can be exact
+                    assert torch.equal(params[name], avg.add(grads[name], alpha=-LR))
+
+
+def test_every_layer_averaged_once_per_period():
+    H = 4
+    results = run_workers(_dreamddp_steps, 2, H, H)
+    seen = [name for rec in results[0] for name in rec["averaged"]]
+    assert sorted(seen) == sorted(layer.name for layer in layer_groups(_model()))
+
+
+def _profiled(rank, world_size):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 3})
+
+    def loss_fn():
+        x, y = _batch(rank, 99)
+        return model(x, y)[1]
+
+    sync.prepare(loss_fn)
+    schedule = sync.schedule
+    before = [p.detach().clone() for p in model.parameters()]
+    return {
+        "iterations": schedule.iterations,
+        "layers": [layer.name for layer in sync.layers],
+        "grads_clear": all(p.grad is None for p in model.parameters()),
+        "before": before,
+        "predicted": sync.predicted_step_s,
+    }
+
+
+def test_start_up_profile_gives_every_worker_the_same_schedule():
+    a, b = run_workers(_profiled, 2)
+    assert a["iterations"] == b["iterations"] and a["layers"] == b["layers"]
+    assert len(a["iterations"]) == 3 and a["grads_clear"] and a["predicted"] > 0
+    # profiling took no optimizer step: the model is still the initial one
+    for p, q in zip(a["before"], _model().parameters(), strict=True):
+        assert torch.equal(p, q.detach())

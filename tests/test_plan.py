@@ -1,0 +1,212 @@
+"""The planner's pure logic: cost model, schedule search, fill-in, link fit, H choice."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geotrain.plan.cost import (
+    ComputeModel,
+    LinkModel,
+    exposed_for_layers,
+    predict_periodic,
+    predict_schedule,
+    predict_ssgd,
+    simulate_backward,
+)
+from geotrain.plan.planner import ChooseConfig, make_plan
+from geotrain.plan.profile import fit_link
+from geotrain.plan.schedule import Schedule, schedule_from_json, schedule_to_json, search_schedule
+
+
+def _compute(backward, nbytes, forward=0.1, optimizer=0.01):
+    names = tuple(f"layer{i}" for i in range(len(backward)))
+    return ComputeModel(names, tuple(backward), tuple(nbytes), forward, optimizer)
+
+
+@st.composite
+def profiles(draw, max_layers=40):
+    n = draw(st.integers(1, max_layers))
+    backward = draw(st.lists(st.floats(1e-4, 0.05), min_size=n, max_size=n))
+    nbytes = draw(st.lists(st.integers(4, 5_000_000), min_size=n, max_size=n))
+    link = LinkModel(draw(st.floats(0, 5e-3)), draw(st.floats(0, 1e-7)))
+    H = draw(st.integers(1, n))
+    return _compute(backward, nbytes), link, H
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles())
+def test_every_schedule_is_valid(case):
+    compute, link, H = case
+    schedule = search_schedule(compute, link, H, time_budget_s=0.05)
+    schedule.validate(compute.n_layers)  # each layer once in its iteration, >= 1 layer per iteration
+    assert sorted(schedule.assignment.count(h) > 0 for h in range(H)) == [True] * H
+    assert sum(schedule.assignment.count(h) for h in range(H)) == compute.n_layers
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles())
+def test_fill_in_only_adds_averaging_and_never_exposure(case):
+    compute, link, H = case
+    plain = search_schedule(compute, link, H, fill_in=False, time_budget_s=0.05)
+    filled = search_schedule(compute, link, H, fill_in=True, time_budget_s=0.05)
+    assert filled.assignment == plain.assignment
+    for h in range(H):
+        assert set(plain.iterations[h]) <= set(filled.iterations[h])
+        assert exposed_for_layers(compute, link, filled.iterations[h]) <= (
+            exposed_for_layers(compute, link, plain.iterations[h]) + 1e-9
+        )
+
+
+def _brute_force(compute, link, H):
+    best = float("inf")
+    for assignment in itertools.product(range(H), repeat=compute.n_layers):
+        if len(set(assignment)) < H:
+            continue
+        cost = sum(
+            exposed_for_layers(compute, link, [i for i, a in enumerate(assignment) if a == h])
+            for h in range(H)
+        )
+        best = min(best, cost)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(profiles(max_layers=6))
+def test_complete_search_is_optimal_on_small_cases(case):
+    compute, link, H = case
+    schedule = search_schedule(compute, link, H, fill_in=False, time_budget_s=5, node_budget=10**6)
+    found = sum(schedule.exposed_s)
+    # The search branches on at most two iterations per layer, so it is a heuristic in general;
+    # on these sizes it must still be within 1% (or 1 ms) of the optimum found by enumeration.
+    assert found <= _brute_force(compute, link, H) * 1.01 + 1e-3
+
+
+def test_hides_what_fits_and_spreads_what_does_not():
+    # 4 equal layers, each all-reduce lasting 1.5 layer-backwards: alone per iteration, the
+    # first-finished (early in backward) layers hide; two per iteration would not.
+    compute = _compute([1.0] * 4, [100] * 4)
+    link = LinkModel(0.0, 1.5 / 100)
+    schedule = search_schedule(compute, link, 4, fill_in=False)
+    assert sorted(schedule.assignment) == [0, 1, 2, 3]  # one layer per iteration
+    # layers 0 and 1 (ready at 1 and 2, end 4) hide; layer 2 exposes 0.5 s, layer 3 1.5 s
+    assert sum(schedule.exposed_s) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("H", [10, 50])
+def test_search_finishes_well_under_a_second_for_100_layers(H):
+    import random
+
+    rng = random.Random(H)
+    compute = _compute(
+        [rng.uniform(0.001, 0.02) for _ in range(100)], [rng.randint(1_000, 3_000_000) for _ in range(100)]
+    )
+    t0 = time.perf_counter()
+    schedule = search_schedule(compute, LinkModel(1e-3, 1.2e-7), H)
+    elapsed = time.perf_counter() - t0
+    schedule.validate(100)
+    assert elapsed < 1.0, f"search took {elapsed:.2f} s"
+
+
+def test_simulate_backward_closed_forms():
+    assert simulate_backward([], [], 1.0) == 0.0
+    assert simulate_backward([0.2], [0.5], 1.0) == 0.0  # hidden
+    assert simulate_backward([0.8], [0.5], 1.0) == pytest.approx(0.3)
+    # queued behind the first: 0.2+0.5=0.7, then max(0.7, 0.3)+0.5 = 1.2 -> 0.2 exposed
+    assert simulate_backward([0.2, 0.3], [0.5, 0.5], 1.0) == pytest.approx(0.2)
+
+
+def test_predictions_order_on_a_slow_link():
+    compute = _compute([0.01] * 20, [1_000_000] * 20)
+    link = LinkModel(1e-3, 1e-7)  # 0.1 s per MB: 2 s of communication per whole model
+    base = compute.compute_s
+    assert predict_ssgd(compute, link) > predict_periodic(compute, link, 10) > base
+    schedule = search_schedule(compute, link, 10)
+    assert base <= predict_schedule(compute, link, schedule.iterations) <= predict_periodic(compute, link, 10)
+    assert predict_periodic(compute, link, 10) == pytest.approx(base + 2.0 / 10 + 5 * 1e-3 / 10, rel=1e-6)
+
+
+def test_fit_link_recovers_a_line():
+    samples = [[n, 0.002 + 8e-8 * n] for n in (16_000, 500_000, 4_000_000)]
+    alpha, beta = fit_link(samples)
+    assert alpha == pytest.approx(0.002) and beta == pytest.approx(8e-8)
+    assert fit_link([[1000, 0.5]]) == (0.0, 0.0005)
+
+
+def test_schedule_json_round_trip():
+    compute = _compute([0.01] * 5, [1000] * 5)
+    schedule = search_schedule(compute, LinkModel(0, 1e-5), 3)
+    back, names = schedule_from_json(schedule_to_json(schedule, list(compute.names)))
+    assert names == list(compute.names) and back.iterations == schedule.iterations
+    with pytest.raises(ValueError, match="averages no layer"):
+        Schedule(2, [0, 0], [[0, 1], []]).validate(2)
+
+
+def _profile(n=12):
+    return {
+        "version": 1,
+        "model": "tiny",
+        "workers": 2,
+        "link": "20mbit",
+        "network_mode": "netns",
+        "batch_size": 8,
+        "layers": [{"name": f"l{i}", "bytes": 200_000, "backward_s": 0.004} for i in range(n)],
+        "forward_s": 0.02,
+        "optimizer_s": 0.003,
+        "backward_total_s": 0.048,
+        "allreduce": {"alpha_s": 0.001, "beta_s_per_byte": 4e-7},
+    }
+
+
+def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
+    plan = make_plan(_profile(), H=4)
+    assert set(plan["predicted_s"]) == {"nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp"}
+    assert plan["predicted_s"]["nosync"] == pytest.approx(0.02 + 0.048 + 0.003)
+    chosen = make_plan(_profile(), None, ChooseConfig(budget=1.05, penalty=0.01))
+    assert all(row["steps_factor"] <= 1.05 for row in chosen["choose"])
+    assert chosen["H"] == min(chosen["choose"], key=lambda r: r["time_to_loss_factor"])["H"]
+    assert chosen["H"] <= 6
+    with pytest.raises(ValueError, match="number of layers"):
+        make_plan(_profile(), H=13)
+
+
+def test_dreamddp_replans_when_measured_time_drifts():
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "replan_threshold": 0.1})
+    xy = torch.randint(0, 256, (2, 17))
+
+    def loss_fn():
+        return model(xy[:, :-1], xy[:, 1:])[1]
+
+    sync.prepare(loss_fn)
+    assert sync.replans == 0 and sync.predicted_step_s > 0
+    sync.predicted_step_s = 1e-9  # as if the link had become far slower than profiled
+    for _ in range(2):
+        loss_fn().backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    assert sync.replans == 1  # at the period boundary, and only there
+    sync.schedule.validate(len(sync.layers))
+    sync.config.replan_threshold = 0.0
+    for _ in range(2):
+        loss_fn().backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    assert sync.replans == 1
+    sync.close()
