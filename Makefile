@@ -28,7 +28,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_algorithms.py
+	$(VENV)/bin/geotrain bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -55,6 +55,12 @@ def plan_dreamddp(args: argparse.Namespace, out: Path) -> Path:
 
 def run_one(algo: str, args: argparse.Namespace, out: Path, extra: list[str] | None = None) -> dict:
     run_dir = out / algo
+    if (run_dir / "summary.json").exists():  # finished in an earlier, interrupted invocation
+        return json.loads((run_dir / "summary.json").read_text())
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
     cmd = [
         sys.executable,
         "-m",
@@ -79,6 +85,7 @@ def run_one(algo: str, args: argparse.Namespace, out: Path, extra: list[str] | N
         "--run-dir",
         str(run_dir),
         "--no-progress",
+        *(extra or []),
     ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -143,7 +150,7 @@ def main() -> None:
     algos = args.algos.split(",")
     extra: dict[str, list[str]] = {}
     if "dreamddp" in algos:
-        plan = plan_dreamddp(args, out)
+        plan = out / "plan.json" if (out / "plan.json").exists() else plan_dreamddp(args, out)
         planned = json.loads(plan.read_text())
         args.H = planned["H"]
         extra["dreamddp"] = ["--plan", str(plan), "--replan-threshold", "0"]

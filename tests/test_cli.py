@@ -103,7 +103,10 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
 
 
 BAD_INPUTS = [
-    (["--algo", "adam"], "unknown algorithm 'adam'; accepted: ssgd, ddp, localsgd, diloco, nosync"),
+    (
+        ["--algo", "adam"],
+        "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, nosync",
+    ),
     (["--model", "huge"], "unknown model size 'huge'; accepted: tiny, mini, small"),
     (["--algo", "diloco", "--H", "0"], "H (inner steps between outer steps) must be an integer >= 1, got 0"),
     (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
@@ -148,7 +151,7 @@ def test_unknown_command():
     proc = _run(["fly"])
     assert (
         proc.returncode == 2
-        and "unknown command 'fly'; accepted: run, train, profile, plan, sweep" in proc.stderr
+        and "unknown command 'fly'; accepted: train, run, profile, plan, bench, sweep" in proc.stderr
     )
 
 
@@ -222,3 +225,17 @@ def test_a_dead_host_fails_the_run_cleanly(tmp_path):
     assert proc.returncode == 1
     assert "run failed: host" in err and "exited with code" in err
     assert not _stray_processes(str(run_dir))
+
+
+def test_without_root_it_says_so_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
+    import geotrain.launch.local as local
+    from geotrain.train import TrainConfig
+
+    monkeypatch.setattr(local, "netem_unavailable_reason", lambda: "not running as root")
+    launch = local.LaunchConfig(2, [10**8, 10**8], tmp_path / "run", echo=False, timeout_s=120)
+    summary = local.run_local_cluster(launch, TrainConfig(algo="ssgd", model="tiny", steps=3, progress=False))
+    err = capsys.readouterr().err
+    assert "cannot emulate links (not running as root); running on loopback, UNSHAPED" in err
+    assert summary["network_mode"] == "loopback" and summary["link"] == "loopback (unshaped)"
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["fallback_reason"] == "not running as root"

@@ -170,3 +170,36 @@ def test_start_up_profile_gives_every_worker_the_same_schedule():
     # profiling took no optimizer step: the model is still the initial one
     for p, q in zip(a["before"], _model().parameters(), strict=True):
         assert torch.equal(p, q.detach())
+
+
+def _replan_after_training(rank, world_size):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "replan_threshold": 0.1})
+
+    def loss_fn():
+        x, y = _batch(rank, 99)
+        return model(x, y)[1]
+
+    sync.prepare(loss_fn)
+    sync.predicted_step_s = 1e-9  # the measured time will look like a drift
+    for step in range(4):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    sync.close()
+    return {
+        "replans": sync.replans,
+        "iterations": sync.schedule.iterations,
+        "opt_steps": opt.state[next(iter(model.parameters()))]["step"].item(),
+    }
+
+
+def test_replanning_mid_training_agrees_across_workers_and_leaves_the_optimizer_alone():
+    a, b = run_workers(_replan_after_training, 2)
+    assert a["replans"] == b["replans"] == 2  # at both period boundaries
+    assert a["iterations"] == b["iterations"]
+    assert a["opt_steps"] == 4  # profiling timed a copy of the optimizer, not the real one

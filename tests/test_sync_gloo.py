@@ -176,3 +176,23 @@ def test_ssgd_moves_every_gradient_byte_each_step():
     n_bytes = sum(p.numel() * 4 for p in _model().parameters())
     # 3 steps of gradients, plus the initial parameter broadcast
     assert results[0]["stats"]["payload_bytes"] == 3 * n_bytes + n_bytes
+
+
+def test_ddp_powersgd_sends_fewer_bytes_after_start_and_keeps_replicas_equal():
+    results = run_workers(_train, 2, "ddp_powersgd", {"start_iter": 2, "rank": 2}, "sgd", 4)
+    n_bytes = sum(p.numel() * 4 for p in _model().parameters())
+    payload = results[0]["stats"]["payload_bytes"]
+    # steps 1-2: plain all-reduce of every gradient; steps 3-4: P and Q of each matrix (rank 2), plus vectors
+    low_rank = 0
+    for p in _model().parameters():
+        if p.dim() <= 1:
+            low_rank += p.numel()
+        else:
+            rows, cols = p.shape[0], p.numel() // p.shape[0]
+            compressed = (rows + cols) * 2  # P (rows x 2) and Q (cols x 2)
+            # PyTorch compresses a matrix when it shrinks by more than min_compression_rate (2)
+            low_rank += compressed if compressed * 2.0 < rows * cols else rows * cols
+    assert payload == 2 * n_bytes + 2 * low_rank * 4
+    assert low_rank * 4 < n_bytes / 4
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)

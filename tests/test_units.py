@@ -140,7 +140,11 @@ def test_world_of_one_moves_nothing():
         ("diloco", {"H": -3}, "must be an integer >= 1"),
         ("diloco", {"outer_momentum": 1.0}, "outer_momentum must be in [0, 1)"),
         ("ssgd", {"bucket_mb": -1}, "bucket_mb must be > 0"),
-        ("adam", {}, "unknown algorithm 'adam'; accepted: ssgd, ddp, localsgd, diloco, nosync"),
+        (
+            "adam",
+            {},
+            "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, nosync",
+        ),
     ],
 )
 def test_sync_configs_reject_bad_values_with_what_is_accepted(name, options, message):

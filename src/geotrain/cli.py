@@ -4,6 +4,7 @@
     geotrain train ...        # the per-worker entry point that torchrun starts on each machine
     geotrain profile --workers 4 --bandwidth 100mbit --model mini --out profile.json
     geotrain plan --profile profile.json --H 10 --out plan.json     # or --choose
+    geotrain bench [--quick]  # algorithms x links x workers: time to loss, plots, report
     geotrain sweep            # remove namespaces left by crashed runs
 
 Every mistake in the input gets one line saying what is wrong and what is accepted, exit code 2,
@@ -199,8 +200,19 @@ def _cmd_plan(argv: list[str]) -> int:
         "--penalty", type=float, default=0.01, help="--choose: extra steps per unit of H (fraction)"
     )
     p.add_argument("--max-H", dest="max_H", type=int, default=100)
+    p.add_argument(
+        "--workers", type=int, default=None, help="predict for this many workers (default: the profile's)"
+    )
+    p.add_argument("--bandwidth", default=None, help="predict for these links: one rate or one per worker")
+    p.add_argument(
+        "--compute-scale",
+        dest="compute_scale",
+        type=float,
+        default=1.0,
+        help="multiply the profile's compute times (slower or faster machines)",
+    )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
-    args = p.parse_args(_attach_dash_values(argv, ("--H",)))
+    args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth")))
     try:
         profile = json.loads(Path(args.profile).read_text())
     except FileNotFoundError:
@@ -213,14 +225,105 @@ def _cmd_plan(argv: list[str]) -> int:
         raise UsageError("give --H N or --choose")
     try:
         choose = ChooseConfig(args.budget, args.penalty, args.max_H) if args.choose else None
-        plan = make_plan(profile, None if args.choose else args.H, choose)
-    except (ValueError, KeyError) as e:
+        if args.workers is not None and not 1 <= args.workers <= 100_000:
+            raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
+        workers = args.workers or profile.get("workers")
+        rates = parse_bandwidths(args.bandwidth, workers) if args.bandwidth else None
+        plan = make_plan(
+            profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale
+        )
+    except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(
             str(e) if not isinstance(e, KeyError) else f"profile lacks {e}; profile again"
         ) from None
     Path(args.out).write_text(json.dumps(plan, indent=2) + "\n")
     print(format_plan(plan))
     print(f"\nplan: {args.out}")
+    return 0
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    from geotrain.bench.matrix import DEFAULT_ALGOS, Bench, BenchConfig
+    from geotrain.bench.report import markdown_table, scale_table, write_report
+    from geotrain.launch.local import RunFailed
+
+    p = _Parser(
+        prog="geotrain bench",
+        description="Algorithms x links x workers on the emulated cluster: "
+        "time to loss, step-time breakdown, plots and a report.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a small matrix for CI: 2 workers, 100mbit, 4 algorithms"
+    )
+    p.add_argument("--algos", default=",".join(DEFAULT_ALGOS))
+    p.add_argument("--bandwidths", default="1gbit,100mbit,20mbit")
+    p.add_argument(
+        "--workers", default="4", help="worker counts, e.g. 2,4,8 (several: predictions are checked)"
+    )
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=32)
+    p.add_argument("--eval-every", dest="eval_every", type=int, default=15)
+    p.add_argument("--H", type=int, default=8, help="localsgd and diloco period (dreamddp plans its own)")
+    p.add_argument("--max-H", dest="max_H", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--target-loss",
+        dest="target_loss",
+        type=float,
+        default=None,
+        help="default: the loss ddp reaches at the token budget",
+    )
+    p.add_argument("--no-netem", action="store_true", help="loopback, unshaped (no predictions checked)")
+    p.add_argument(
+        "--out", default="", help="the bench directory (a rerun resumes it); default runs/bench-<time>"
+    )
+    args = p.parse_args(_attach_dash_values(argv, ("--H", "--steps", "--workers")))
+    if args.quick:
+        args.workers, args.bandwidths, args.algos = "2", "100mbit", "nosync,ddp,localsgd,dreamddp"
+        args.steps, args.eval_every, args.batch_size = 30, 10, 16
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        raise UsageError(f"--workers takes comma-separated integers, got {args.workers!r}") from None
+    try:
+        cfg = BenchConfig(
+            algos=args.algos.split(","),
+            bandwidths=args.bandwidths.split(","),
+            workers=workers,
+            model=args.model,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            eval_every=args.eval_every,
+            H=args.H,
+            max_H=args.max_H,
+            seed=args.seed,
+            target_loss=args.target_loss,
+            netem=not args.no_netem,
+        )
+    except (ConfigError, LinkSpecError) as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    bench = Bench(cfg, out, echo=lambda msg: print(f"geotrain: {msg}", file=sys.stderr))
+    try:
+        results = bench.run()
+    except RunFailed as e:
+        print(
+            f"geotrain: bench cell failed: {e}\ngeotrain: rerun the same command to resume", file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"\ngeotrain: interrupted; finished cells are kept. Resume: geotrain bench ... --out {out}",
+            file=sys.stderr,
+        )
+        return 130
+    report = write_report(results, out)
+    print(markdown_table(results))
+    if results["scale"]:
+        print("\n" + scale_table(results))
+    print(f"\nreport: {report['html']}\nnumbers: {out / 'bench.json'}")
     return 0
 
 
@@ -233,7 +336,13 @@ def _cmd_sweep(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "profile": _cmd_profile, "plan": _cmd_plan, "sweep": _cmd_sweep}
+COMMANDS = {
+    "run": _cmd_run,
+    "profile": _cmd_profile,
+    "plan": _cmd_plan,
+    "bench": _cmd_bench,
+    "sweep": _cmd_sweep,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     if command not in COMMANDS:
         print(
-            f"geotrain: error: unknown command {command!r}; accepted: run, train, profile, plan, sweep",
+            f"geotrain: error: unknown command {command!r}; accepted: {', '.join(['train', *COMMANDS])}",
             file=sys.stderr,
         )
         return EXIT_USAGE

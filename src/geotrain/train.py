@@ -209,6 +209,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
 
     records: list[dict[str, Any]] = []
     val_loss = None
+    eval_s = 0.0  # excluded from train_s, so evaluation frequency does not change time-to-loss
     start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -232,6 +233,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             "tokens": step * tokens_per_step,
             "train_loss": loss.item(),
             "wall_s": time.perf_counter() - start,
+            "train_s": time.perf_counter() - start - eval_s,
             "step_s": step_s,
             "compute_s": step_s - (blocked or 0.0),
             "comm_blocked_s": blocked,
@@ -243,7 +245,9 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         }
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             # The mean over replicas of each replica's loss on the same batches.
+            t_eval = time.perf_counter()
             record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+            eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)
         if progress is not None:
@@ -254,10 +258,12 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             postfix["link"] = f"{mbit:.1f}Mbit/s"
             progress.set_postfix(postfix, refresh=False)
             progress.update(1)
-    train_s = time.perf_counter() - start
+    train_s = time.perf_counter() - start - eval_s
 
     before = comm.stats.copy()
-    sync.finalize()
+    t_final = time.perf_counter()
+    sync.finalize()  # part of training: the replicas become one model
+    final_s = time.perf_counter() - t_final
     final_spent = comm.stats.delta(before)
     val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
     writer.write(
@@ -266,6 +272,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             "tokens": cfg.steps * tokens_per_step,
             "val_loss": val_loss,
             "final": True,
+            "train_s": train_s + final_s,
             "finalize_sent_bytes": final_spent.sent_bytes,
         }
     )

@@ -112,6 +112,11 @@ class Communicator:
         self.stats.sent_bytes += wire
         self.stats.recv_bytes += wire
 
+    def account_external_bytes(self, nbytes: int) -> None:
+        """Count one all-reduce of ``nbytes`` that a library performed itself."""
+        if self.world_size > 1:
+            self._account(nbytes)
+
     def account_external(self, tensors: list[torch.Tensor]) -> None:
         """Count an all-reduce of ``tensors`` that a library (PyTorch DDP) performed itself."""
         if self.world_size > 1:

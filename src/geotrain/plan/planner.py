@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.plan.cost import (
     ComputeModel,
     LinkModel,
@@ -20,6 +21,7 @@ from geotrain.plan.cost import (
     predict_schedule,
     predict_ssgd,
 )
+from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
 
@@ -55,8 +57,59 @@ def predictions(compute: ComputeModel, link: LinkModel, H: int, schedule: Schedu
     }
 
 
-def make_plan(profile: dict[str, Any], H: int | None, choose: ChooseConfig | None = None) -> dict[str, Any]:
+def profile_rates(profile: dict[str, Any]) -> list[int]:
+    """The per-host link rates a profile was taken on (from its link description)."""
+    text = str(profile.get("link", "")).split(" ")[0]
+    try:
+        return parse_bandwidths(text, int(profile["workers"]))
+    except LinkSpecError:
+        raise ValueError(
+            f"the profile was taken on {profile.get('link')!r}, not on shaped links, so it cannot be scaled "
+            "to other workers or bandwidths; profile with --bandwidth"
+        ) from None
+
+
+def retarget(
+    profile: dict[str, Any],
+    workers: int | None = None,
+    rates_bps: list[int] | None = None,
+    compute_scale: float = 1.0,
+    algorithm: str = "best",
+) -> tuple[ComputeModel, LinkModel]:
+    """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
+
+    ``compute_scale`` multiplies compute times: 1 on real machines, where each worker has its own
+    hardware; on an emulated cluster sharing C cores, max(1, N/C) / max(1, N_profile/C).
+    """
     compute, link = models_from_profile(profile)
+    if compute_scale <= 0:
+        raise ValueError(f"compute scale must be > 0, got {compute_scale}")
+    if compute_scale != 1.0:
+        compute = ComputeModel(
+            compute.names,
+            tuple(b * compute_scale for b in compute.backward_s),
+            compute.nbytes,
+            compute.forward_s * compute_scale,
+            compute.optimizer_s * compute_scale,
+        )
+    if workers is None and rates_bps is None:
+        return compute, link
+    measured_rates = profile_rates(profile)
+    net = NetworkModel.calibrate(link, int(profile["workers"]), measured_rates)
+    workers = workers or int(profile["workers"])
+    rates = rates_bps or [min(measured_rates)] * workers
+    return compute, net.link_model(workers, rates, algorithm)
+
+
+def make_plan(
+    profile: dict[str, Any],
+    H: int | None,
+    choose: ChooseConfig | None = None,
+    workers: int | None = None,
+    rates_bps: list[int] | None = None,
+    compute_scale: float = 1.0,
+) -> dict[str, Any]:
+    compute, link = retarget(profile, workers, rates_bps, compute_scale)
     table = []
     if choose is not None:
         for h in CANDIDATE_H:
@@ -84,6 +137,11 @@ def make_plan(profile: dict[str, Any], H: int | None, choose: ChooseConfig | Non
     return {
         "H": H,
         "profile": {k: profile.get(k) for k in ("model", "workers", "link", "network_mode", "batch_size")},
+        "target": {
+            "workers": workers or profile.get("workers"),
+            "link": describe_links(rates_bps) if rates_bps else profile.get("link"),
+            "compute_scale": compute_scale,
+        },
         "link_model": {
             "alpha_s": link.alpha_s,
             "beta_s_per_byte": link.beta_s_per_byte,
@@ -99,8 +157,15 @@ def format_plan(plan: dict[str, Any]) -> str:
     pred = plan["predicted_s"]
     base = pred["nosync"]
     prof = plan["profile"]
+    target = plan["target"]
     lines = [
-        f"profile: {prof['model']} on {prof['workers']} workers x {prof['link']}; "
+        f"profile: {prof['model']} on {prof['workers']} workers x {prof['link']}"
+        + (
+            f"; predicted for {target['workers']} workers x {target['link']}"
+            if (target["workers"], target["link"]) != (prof["workers"], prof["link"])
+            else ""
+        )
+        + "; "
         f"all-reduce = {plan['link_model']['alpha_s'] * 1e3:.2f} ms + bytes / "
         f"{(plan['link_model']['effective_mbit_s'] or float('inf')):.1f} Mbit/s",
         "",

@@ -78,16 +78,22 @@ def profile_compute(
 
 
 def _time_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    # Copied together, so the copy's optimizer holds the copy's parameters; the real ones stay put.
-    clone, opt = copy.deepcopy((model, optimizer))
-    for p in clone.parameters():
-        p.grad = torch.full_like(p, 1e-3)
+    """Time steps of a copy of ``optimizer`` on copies of its parameters; the real ones stay put.
+
+    Only the optimizer is copied, with its parameters mapped to clones: the model may carry hooks
+    of a sync algorithm (and its in-flight collectives), which must not be copied.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    memo = {id(p): p.detach().clone().requires_grad_(p.requires_grad) for p in params}
+    opt = copy.deepcopy(optimizer, memo)
+    for p in params:
+        memo[id(p)].grad = torch.full_like(p, 1e-3)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    del clone, opt
+    del opt, memo
     return statistics.fmean(times[1:])  # the first step allocates state
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from geotrain.comm.communicator import Communicator
 from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
-from geotrain.sync.ddp import DDP, DDPConfig
+from geotrain.sync.ddp import DDP, DDPConfig, DDPPowerSGD, DDPPowerSGDConfig
 from geotrain.sync.diloco import DiLoCo, DiLoCoConfig
 from geotrain.sync.dreamddp import DreamDDP, DreamDDPConfig
 from geotrain.sync.localsgd import LocalSGD, LocalSGDConfig
@@ -16,6 +16,7 @@ from geotrain.sync.ssgd import SSGD, SSGDConfig
 ALGORITHMS: dict[str, tuple[type[SyncAlgorithm], type[SyncConfig]]] = {
     "ssgd": (SSGD, SSGDConfig),
     "ddp": (DDP, DDPConfig),
+    "ddp_powersgd": (DDPPowerSGD, DDPPowerSGDConfig),
     "localsgd": (LocalSGD, LocalSGDConfig),
     "diloco": (DiLoCo, DiLoCoConfig),
     "dreamddp": (DreamDDP, DreamDDPConfig),

@@ -173,6 +173,7 @@ class DreamDDP(SyncAlgorithm):
         with torch.no_grad():
             for i, handle in self._inflight.items():
                 unflatten_into(handle.wait(), [p.data for p in self.layers[i].params])
+        self._inflight = {}  # free the send buffers now, not at the next iteration
 
     def after_step(self) -> bool:
         super().after_step()

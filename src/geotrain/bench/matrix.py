@@ -1,0 +1,246 @@
+"""``geotrain bench``: a matrix of algorithms x link bandwidths x worker counts, side by side.
+
+Every cell trains the same model on the same data with the same seed for the same number of
+tokens, on the emulated cluster, and is written to ``cells/<W>x<bandwidth>/<algo>/``. A cell whose
+``summary.json`` exists is finished and is skipped by a rerun, so an interrupted bench resumes.
+
+For each (workers, bandwidth) group: the target loss is the loss ``ddp`` reaches at the token
+budget (or ``--target-loss``); each algorithm's time to it is read from its validation curve; the
+efficiency is ``nosync``'s step time over the algorithm's. ``dreamddp`` is profiled and planned
+once per group (``--choose``). Predictions: one profile per bandwidth, taken on the smallest
+worker count, is scaled to every group by the network model, and compared with the measured step
+times; on this emulated cluster compute times are scaled by the workers' share of the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from geotrain.bench.curves import read_curve, time_to_target, tokens_to_target
+from geotrain.launch.local import LaunchConfig, run_local_cluster
+from geotrain.netem.links import parse_bandwidths
+from geotrain.plan.cost import predict_periodic, predict_schedule, predict_ssgd
+from geotrain.plan.planner import ChooseConfig, make_plan, retarget
+from geotrain.plan.schedule import schedule_from_json
+from geotrain.sync import ALGORITHMS, ConfigError
+from geotrain.train import TrainConfig
+
+DEFAULT_ALGOS = ("nosync", "ddp", "ddp_powersgd", "ssgd", "localsgd", "diloco", "dreamddp")
+PREDICTABLE = ("nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp")
+
+
+@dataclass
+class BenchConfig:
+    algos: list[str] = field(default_factory=lambda: list(DEFAULT_ALGOS))
+    bandwidths: list[str] = field(default_factory=lambda: ["1gbit", "100mbit", "20mbit"])
+    workers: list[int] = field(default_factory=lambda: [4])
+    model: str = "tiny"
+    steps: int = 120
+    batch_size: int = 16
+    eval_every: int = 10
+    H: int = 8
+    max_H: int = 16
+    seed: int = 0
+    target_loss: float | None = None
+    netem: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.algos if a not in ALGORITHMS]
+        if unknown:
+            raise ConfigError(f"unknown algorithm {unknown[0]!r}; accepted: {', '.join(ALGORITHMS)}")
+        if not self.algos or not self.bandwidths or not self.workers:
+            raise ConfigError("the matrix needs at least one algorithm, bandwidth and worker count")
+        for w in self.workers:
+            if not 1 <= w <= 64:
+                raise ConfigError(f"bench worker counts must be 1 to 64, got {w}")
+            for bw in self.bandwidths:
+                parse_bandwidths(bw, w)
+        if self.eval_every < 1 or self.steps < self.eval_every:
+            raise ConfigError(f"--eval-every must be 1 to --steps ({self.steps}), got {self.eval_every}")
+        TrainConfig(model=self.model, steps=self.steps, batch_size=self.batch_size, H=self.H)  # validates
+
+    def groups(self) -> list[tuple[int, str]]:
+        return [(w, bw) for w in self.workers for bw in self.bandwidths]
+
+    def train_config(self, algo: str) -> TrainConfig:
+        return TrainConfig(
+            algo=algo,
+            model=self.model,
+            steps=self.steps,
+            batch_size=self.batch_size,
+            eval_every=self.eval_every,
+            H=self.H,
+            seed=self.seed,
+            progress=False,
+            replan_threshold=0.0,
+        )
+
+
+def group_dir(out: Path, workers: int, bandwidth: str) -> Path:
+    return out / "cells" / f"{workers}x{bandwidth}"
+
+
+def compute_share(workers: int, cores: int | None = None) -> float:
+    """How many workers share each core on this machine (>= 1)."""
+    return max(1.0, workers / (cores or os.cpu_count() or 1))
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig, out: Path, echo=print) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.echo = echo
+
+    def cells(self) -> list[tuple[int, str, str]]:
+        return [(w, bw, algo) for w, bw in self.cfg.groups() for algo in self.cfg.algos]
+
+    def finished(self, w: int, bw: str, algo: str) -> bool:
+        return (group_dir(self.out, w, bw) / algo / "summary.json").exists()
+
+    def _launch(self, w: int, bw: str, run_dir: Path) -> LaunchConfig:
+        return LaunchConfig(
+            w,
+            parse_bandwidths(bw, w) if self.cfg.netem else None,
+            run_dir,
+            netem=self.cfg.netem,
+            echo=False,
+            timeout_s=3600,
+        )
+
+    def profile(self, w: int, bw: str) -> dict[str, Any]:
+        path = group_dir(self.out, w, bw) / "profile.json"
+        if not path.exists():
+            cfg = replace(self.cfg.train_config("nosync"), profile_out=str(path.resolve()))
+            run_local_cluster(self._launch(w, bw, group_dir(self.out, w, bw) / "profile-run"), cfg)
+        return json.loads(path.read_text())
+
+    def plan(self, w: int, bw: str) -> Path:
+        path = group_dir(self.out, w, bw) / "plan.json"
+        if not path.exists():
+            choose = ChooseConfig(max_H=self.cfg.max_H)
+            path.write_text(json.dumps(make_plan(self.profile(w, bw), None, choose), indent=2))
+        return path
+
+    def run_cell(self, w: int, bw: str, algo: str) -> None:
+        run_dir = group_dir(self.out, w, bw) / algo
+        cfg = self.cfg.train_config(algo)
+        if algo == "dreamddp":
+            cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
+        run_local_cluster(self._launch(w, bw, run_dir), cfg)
+
+    def run(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        cells = self.cells()
+        todo = [c for c in cells if not self.finished(*c)]
+        if len(todo) < len(cells):
+            self.echo(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already finished")
+        with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell", desc="bench") as bar:
+            for w, bw, algo in todo:
+                bar.set_postfix_str(f"{algo} {w}x{bw}")
+                self.run_cell(w, bw, algo)
+                bar.update(1)
+        results = self.collect()
+        (self.out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+        return results
+
+    # -- numbers -------------------------------------------------------------------------------
+    def collect(self) -> dict[str, Any]:
+        groups = []
+        for w, bw in self.cfg.groups():
+            rows = {}
+            for algo in self.cfg.algos:
+                run_dir = group_dir(self.out, w, bw) / algo
+                summary = json.loads((run_dir / "summary.json").read_text())
+                curve = read_curve(run_dir)
+                rows[algo] = {"summary": summary, "curve": asdict(curve)}
+            groups.append(self._derive(w, bw, rows))
+        return {"config": asdict(self.cfg), "groups": groups, "scale": self._scale_check(groups)}
+
+    def _derive(self, w: int, bw: str, rows: dict[str, Any]) -> dict[str, Any]:
+        from geotrain.bench.curves import Curve
+
+        target = self.cfg.target_loss
+        if target is None and "ddp" in rows:
+            target = rows["ddp"]["summary"]["final_val_loss"]
+        nosync = rows.get("nosync", {}).get("summary", {}).get("step_s_mean")
+        ddp_step = rows.get("ddp", {}).get("summary", {}).get("step_s_mean")
+        ddp_ttt = None
+        for algo, row in rows.items():
+            s, curve = row["summary"], Curve(**row["curve"])
+            row["time_to_target_s"] = time_to_target(curve, target) if target is not None else None
+            row["tokens_to_target"] = tokens_to_target(curve, target) if target is not None else None
+            if algo == "ddp":
+                ddp_ttt = row["time_to_target_s"]
+        for row in rows.values():
+            s = row["summary"]
+            step = s["step_s_mean"]
+            blocked = s["blocked_s_mean"]
+            row["step_s"] = step
+            row["compute_s"] = s["compute_s_mean"]
+            row["exposed_comm_s"] = blocked if blocked is not None else (step - nosync if nosync else None)
+            row["exposed_comm_measured"] = blocked is not None
+            row["tokens_per_s"] = s["tokens_per_s"]
+            row["sent_bytes_per_step"] = s["sent_bytes_per_step"]
+            row["final_val_loss"] = s["final_val_loss"]
+            row["efficiency"] = nosync / step if nosync else None
+            row["step_speedup_vs_ddp"] = ddp_step / step if ddp_step else None
+            ttt = row["time_to_target_s"]
+            row["time_speedup_vs_ddp"] = ddp_ttt / ttt if (ddp_ttt and ttt) else None
+        return {
+            "workers": w,
+            "bandwidth": bw,
+            "target_loss": target,
+            "network_mode": next(iter(rows.values()))["summary"]["network_mode"],
+            "algos": rows,
+        }
+
+    def _scale_check(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Predicted vs measured step time, from one profile per bandwidth at the fewest workers."""
+        if not self.cfg.netem or len(self.cfg.workers) < 2:
+            return []
+        base_w = min(self.cfg.workers)
+        checks = []
+        for g in groups:
+            w, bw = g["workers"], g["bandwidth"]
+            try:
+                profile = self.profile(base_w, bw)
+            except Exception as e:  # a failed profile leaves the bench's measurements intact
+                self.echo(f"scale check skipped for {bw}: {e}")
+                continue
+            scale = compute_share(w) / compute_share(base_w)
+            compute, link = retarget(profile, w, parse_bandwidths(bw, w), compute_scale=scale)
+            for algo, row in g["algos"].items():
+                if algo not in PREDICTABLE:
+                    continue
+                if algo == "nosync":
+                    pred = compute.compute_s
+                elif algo in ("ddp", "ssgd"):
+                    pred = predict_ssgd(compute, link, 25.0 if algo == "ddp" else 4.0)
+                elif algo in ("localsgd", "diloco"):
+                    pred = predict_periodic(compute, link, self.cfg.H)
+                else:
+                    plan_path = group_dir(self.out, w, bw) / "plan.json"
+                    if not plan_path.exists():
+                        continue
+                    schedule, _ = schedule_from_json(json.loads(plan_path.read_text())["schedule"])
+                    pred = predict_schedule(compute, link, schedule.iterations)
+                measured = row["step_s"]
+                checks.append(
+                    {
+                        "workers": w,
+                        "bandwidth": bw,
+                        "algo": algo,
+                        "predicted_s": pred,
+                        "measured_s": measured,
+                        "error": (pred - measured) / measured,
+                        "profiled_at": base_w,
+                    }
+                )
+        return checks

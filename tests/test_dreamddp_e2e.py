@@ -1,0 +1,133 @@
+"""DreamDDP as a user runs it: geotrain profile -> geotrain plan -> geotrain run --algo dreamddp."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+JOB = ["--workers", "2", "--bandwidth", "20mbit", "--model", "tiny", "--batch-size", "16"]
+
+
+def _geotrain(args, cwd, timeout=300):
+    proc = subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
+def test_measured_step_time_is_within_25_percent_of_the_plan(tmp_path):
+    out = _geotrain(["profile", *JOB, "--out", "profile.json"], tmp_path)
+    assert "all-reduce:" in out.stdout and "profiling took" in out.stdout
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["workers"] == 2 and len(profile["layers"]) == 16
+    assert profile["profile_s"] < 30  # seconds, not minutes
+
+    out = _geotrain(["plan", "--profile", "profile.json", "--H", "4", "--out", "plan.json"], tmp_path)
+    assert "dreamddp schedule, H=4" in out.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+
+    _geotrain(
+        [
+            "run",
+            *JOB,
+            "--algo",
+            "dreamddp",
+            "--plan",
+            "plan.json",
+            "--steps",
+            "40",
+            "--replan-threshold",
+            "0",
+            "--no-progress",
+            "--run-dir",
+            "run",
+        ],
+        tmp_path,
+    )
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    predicted, measured = plan["predicted_s"]["dreamddp"], summary["step_s_mean"]
+    assert summary["predicted_step_s"] == pytest.approx(predicted)
+    assert abs(measured - predicted) / predicted <= 0.25, (
+        f"predicted {predicted:.4f} s, measured {measured:.4f} s"
+    )
+    assert summary["syncs"] == 40  # every iteration averaged at least one layer
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_dreamddp_plans_at_start_up_without_a_plan(tmp_path):
+    _geotrain(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--no-netem",
+            "--model",
+            "tiny",
+            "--algo",
+            "dreamddp",
+            "--H",
+            "3",
+            "--steps",
+            "6",
+            "--no-progress",
+            "--run-dir",
+            "run",
+        ],
+        tmp_path,
+    )
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["algo"] == "dreamddp" and summary["predicted_step_s"] > 0 and summary["syncs"] == 6
+    ckpt = tmp_path / "run" / "checkpoint.pt"
+    assert ckpt.exists()
+
+
+PLAN_ERRORS = [
+    (["--profile", "missing.json", "--H", "4"], "--profile missing.json: no such file"),
+    (["--profile", "profile.json"], "give --H N or --choose"),
+    (["--profile", "profile.json", "--H", "0"], "--H must be 1 to the number of layers (3), got 0"),
+    (["--profile", "profile.json", "--H", "-1"], "--H must be 1 to the number of layers (3), got -1"),
+    (["--profile", "profile.json", "--choose", "--budget", "0.5"], "--budget is a factor"),
+    (["--profile", "bad.json", "--H", "2"], "is not JSON"),
+]
+
+
+@pytest.mark.parametrize("args,message", PLAN_ERRORS, ids=[" ".join(a) for a, _ in PLAN_ERRORS])
+def test_plan_bad_input(tmp_path, args, message):
+    profile = {
+        "version": 1,
+        "model": "tiny",
+        "workers": 2,
+        "link": "20mbit",
+        "network_mode": "netns",
+        "batch_size": 8,
+        "layers": [{"name": f"l{i}", "bytes": 1000, "backward_s": 0.001} for i in range(3)],
+        "forward_s": 0.01,
+        "optimizer_s": 0.001,
+        "backward_total_s": 0.003,
+        "allreduce": {"alpha_s": 0.001, "beta_s_per_byte": 1e-7},
+    }
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    (tmp_path / "bad.json").write_text("{")
+    proc = subprocess.run(
+        GEOTRAIN + ["plan", *args], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_dreamddp_rejects_a_missing_plan(tmp_path):
+    proc = subprocess.run(
+        GEOTRAIN + ["run", "--algo", "dreamddp", "--plan", "nope.json", "--model", "tiny", "--run-dir", "r"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "plan 'nope.json' does not exist" in proc.stderr
+    assert not (tmp_path / "r").exists()
