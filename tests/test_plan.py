@@ -190,23 +190,46 @@ def test_dreamddp_replans_when_measured_time_drifts():
     def loss_fn():
         return model(xy[:, :-1], xy[:, 1:])[1]
 
+    def period():
+        for _ in range(2):
+            loss_fn().backward()
+            sync.before_step()
+            opt.step()
+            opt.zero_grad()
+            sync.after_step()
+
     sync.prepare(loss_fn)
     assert sync.replans == 0 and sync.predicted_step_s > 0
     sync.predicted_step_s = 1e-9  # as if the link had become far slower than profiled
-    for _ in range(2):
-        loss_fn().backward()
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    period()
     assert sync.replans == 1  # at the period boundary, and only there
     sync.schedule.validate(len(sync.layers))
     sync.config.replan_threshold = 0.0
-    for _ in range(2):
-        loss_fn().backward()
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    period()
     assert sync.replans == 1
     sync.close()
+
+
+def test_interference_charges_bytes_sent_during_backward_and_stops_fill_ins():
+    free = _compute([0.05] * 6, [100_000] * 6)
+    link = LinkModel(0.0, 1e-8)  # 1 ms per layer: everything hides
+    costly = ComputeModel(
+        free.names,
+        free.backward_s,
+        free.nbytes,
+        free.forward_s,
+        free.optimizer_s,
+        interference_s_per_byte=2e-8,
+    )
+    s_free = search_schedule(free, link, 3)
+    s_costly = search_schedule(costly, link, 3)
+    assert s_free.fill_in_count() > 0  # free bubbles: extra averaging for nothing
+    assert s_costly.fill_in_count() == 0  # every extra byte would slow backward
+    # the last layer backward finishes can never hide: its 1 ms is exposed once per period
+    last = 0.001 / 3
+    assert predict_schedule(free, link, s_free.iterations) == pytest.approx(free.compute_s + last)
+    # each layer once per 3 iterations: 2 layers x 100 KB x 2e-8 s per iteration on average
+    assert predict_schedule(costly, link, s_costly.iterations) == pytest.approx(
+        free.compute_s + last + 2 * 100_000 * 2e-8
+    )
+    assert predict_ssgd(costly, link) == pytest.approx(predict_ssgd(free, link) + 600_000 * 2e-8)

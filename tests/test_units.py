@@ -258,7 +258,7 @@ def test_train_config_round_trips_through_argv():
     cfg = TrainConfig(algo="localsgd", model="tiny", H=5, steps=7, progress=False, data="/x")
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    for name in ("--run-dir", "--latency-ms", "--link", "--network-mode"):
+    for name in ("--run-dir", "--latency-ms", "--link", "--network-mode", "--profile-out"):
         parser.add_argument(name, dest=name[2:].replace("-", "_"))
     args = parser.parse_args(cfg.to_argv())
     args.latency_ms = float(args.latency_ms)

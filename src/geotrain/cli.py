@@ -178,6 +178,11 @@ def _cmd_profile(argv: list[str]) -> int:
         f"all-reduce: {link['alpha_s'] * 1e3:.2f} ms + bytes at {mbit:.1f} Mbit/s (fit residual up to "
         f"{profile['spread']['link_max_rel_residual']:.1%}); profiling took {profile['profile_s']:.1f} s"
     )
+    print(
+        f"communication during backward slows it by {profile['interference_s_per_byte'] * 1e9:.1f} ms per MB "
+        f"(backward {profile['spread']['interference_extra_backward_s'] * 1e3:+.1f} ms with an all-reduce "
+        "in flight)"
+    )
     print(f"profile: {out}")
     return 0
 

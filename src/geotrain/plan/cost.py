@@ -10,6 +10,11 @@ T_L; whatever runs past T_L is exposed:
     iteration = F + B + exposed + O.
 
 ``simulate_backward`` is that queue; each algorithm's prediction is one use of it.
+
+Overlap is not free where communication needs the CPU that computes (workers sharing cores, a
+NIC driven by the CPU): the profiler measures how much an all-reduce in flight slows backward,
+``interference_s_per_byte`` (gamma), and every byte sent during backward costs gamma seconds of
+compute. On GPUs with their own NICs gamma is close to zero.
 """
 
 from __future__ import annotations
@@ -42,8 +47,11 @@ class ComputeModel:
     nbytes: tuple[int, ...]
     forward_s: float
     optimizer_s: float
+    interference_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.interference_s_per_byte < 0:
+            raise ValueError(f"interference must be >= 0 s/byte, got {self.interference_s_per_byte}")
         if not (len(self.names) == len(self.backward_s) == len(self.nbytes)) or not self.names:
             raise ValueError(
                 "a compute model needs one backward time and one size per layer, at least one layer"
@@ -86,6 +94,13 @@ def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[
     )
 
 
+def iteration_overhead(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
+    """What averaging ``layers`` during backward adds to an iteration: exposure plus interference."""
+    chosen = list(layers)
+    sent = sum(compute.nbytes[i] for i in chosen)
+    return exposed_for_layers(compute, link, chosen) + compute.interference_s_per_byte * sent
+
+
 def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
     """Bucket ready times and sizes for gradient buckets of ``cap_bytes`` in backward order."""
     finish = compute.finish_times()
@@ -104,7 +119,7 @@ def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], lis
 def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
     ready, sizes = _bucketed(compute, bucket_mb * 2**20)
     exposed = simulate_backward(ready, [link.time(s) for s in sizes], compute.finish_times()[-1])
-    return compute.compute_s + exposed
+    return compute.compute_s + exposed + compute.interference_s_per_byte * sum(sizes)
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
@@ -119,6 +134,6 @@ def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: 
 
 
 def predict_schedule(compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]]) -> float:
-    """DreamDDP: mean over the period of compute plus each iteration's exposed layer syncs."""
-    exposed = [exposed_for_layers(compute, link, layers) for layers in schedule]
-    return compute.compute_s + sum(exposed) / len(exposed)
+    """DreamDDP: mean over the period of compute plus each iteration's layer-sync overhead."""
+    overhead = [iteration_overhead(compute, link, layers) for layers in schedule]
+    return compute.compute_s + sum(overhead) / len(overhead)

@@ -77,6 +77,36 @@ def profile_compute(
     }
 
 
+def measure_interference(
+    loss_fn: Callable[[], torch.Tensor], comm: Communicator, nbytes: int, reps: int = 3
+) -> dict[str, float]:
+    """Backward time alone and with an all-reduce of ``nbytes`` in flight, interleaved.
+
+    Where workers share cores (or a NIC needs the CPU), communication overlapped with backward
+    slows the backward itself; the cost model charges that per byte. Every worker runs the same
+    sequence, so the probing all-reduces match across workers.
+    """
+    plain, contended = [], []
+    buf = torch.zeros(nbytes // 4)
+    for rep in range(reps + 1):
+        for with_comm in (False, True):
+            loss = loss_fn()
+            comm.barrier()
+            handle = comm.all_reduce(buf, async_op=True) if with_comm else None
+            t0 = time.perf_counter()
+            loss.backward()
+            elapsed = time.perf_counter() - t0
+            if handle is not None:
+                handle.wait()
+            if rep:  # rep 0 warms up
+                (contended if with_comm else plain).append(elapsed)
+    return {
+        "plain_s": statistics.fmean(plain),
+        "contended_s": statistics.fmean(contended),
+        "noise_s": statistics.pstdev(plain),
+    }
+
+
 def _time_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """Time steps of a copy of ``optimizer`` on copies of its parameters; the real ones stay put.
 
@@ -110,18 +140,28 @@ def probe_sizes(layers: list[Layer]) -> list[int]:
     return sorted({16 * 1024, max(16 * 1024, largest), sustained})
 
 
+BURST_BYTES = 2**20
+
+
 def profile_link(comm: Communicator, sizes: list[int], reps: int = 2) -> dict[str, Any]:
-    """Time all-reduces of each size (the slowest worker's time) and fit ``alpha + beta * bytes``."""
+    """Per-message all-reduce time of each size (the slowest worker's), fitted as ``alpha + beta * bytes``.
+
+    Each sample is a run of back-to-back all-reduces of at least ``BURST_BYTES`` in all, timed per
+    message: that is how an iteration's layer syncs travel, and it drains a shaper's burst allowance,
+    which a lone small message would ride at far above the sustained rate.
+    """
     samples = []
     comm.all_reduce(torch.zeros(1024))  # connection warm-up
     for nbytes in sizes:
-        t = torch.zeros(nbytes // 4)
+        count = max(1, min(16, BURST_BYTES // nbytes))
+        tensors = [torch.zeros(nbytes // 4) for _ in range(count)]
         times = []
         for _ in range(reps):
             comm.barrier()
             t0 = time.perf_counter()
-            comm.all_reduce(t)
-            times.append(time.perf_counter() - t0)
+            for h in [comm.all_reduce(t, async_op=True) for t in tensors]:
+                h.wait()
+            times.append((time.perf_counter() - t0) / count)
         samples.append([nbytes, comm.max_scalars([statistics.median(times)])[0]])
     alpha, beta = fit_link(samples)
     residuals = [abs(alpha + beta * n - s) / s for n, s in samples]
@@ -191,6 +231,19 @@ def build_profile(
         if comm.world_size > 1
         else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
     )
+    interference, extra = 0.0, 0.0
+    if comm.world_size > 1:
+        nbytes = max(probe_sizes(layers))
+        measured = measure_interference(loss_fn, comm, nbytes)
+        model.zero_grad(set_to_none=True)
+        plain, contended, noise = comm.mean_scalars(
+            [measured["plain_s"], measured["contended_s"], measured["noise_s"]]
+        )
+        extra = contended - plain
+        comm_s = link["alpha_s"] + link["beta_s_per_byte"] * nbytes
+        overlapped = nbytes * min(1.0, contended / comm_s) if comm_s > 0 else nbytes
+        # below the run-to-run noise it is no measurement: charge nothing
+        interference = extra / overlapped if extra > 2 * noise and overlapped > 0 else 0.0
     return {
         "version": PROFILE_VERSION,
         **(meta or {}),
@@ -202,7 +255,12 @@ def build_profile(
         "forward_s": averaged[n],
         "optimizer_s": averaged[n + 1],
         "backward_total_s": averaged[n + 2],
-        "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
+        "interference_s_per_byte": interference,
+        "spread": {
+            "backward_cv": averaged[n + 3],
+            "link_max_rel_residual": link["max_rel_residual"],
+            "interference_extra_backward_s": extra,
+        },
         "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
         "profile_s": time.perf_counter() - started,
     }
@@ -218,6 +276,7 @@ def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkMode
         nbytes=tuple(int(layer["bytes"]) for layer in layers),
         forward_s=float(profile["forward_s"]),
         optimizer_s=float(profile["optimizer_s"]),
+        interference_s_per_byte=float(profile.get("interference_s_per_byte", 0.0)),
     )
     link = LinkModel(float(profile["allreduce"]["alpha_s"]), float(profile["allreduce"]["beta_s_per_byte"]))
     return compute, link

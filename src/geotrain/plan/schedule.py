@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from geotrain.plan.cost import ComputeModel, LinkModel, exposed_for_layers
+from geotrain.plan.cost import ComputeModel, LinkModel, exposed_for_layers, iteration_overhead
 
 
 @dataclass
@@ -148,14 +148,14 @@ def search_schedule(
 
 
 def _fill(compute: ComputeModel, link: LinkModel, layers: list[int]) -> list[int]:
-    """Add every layer whose all-reduce fits in this iteration's bubbles without adding exposure."""
+    """Add every layer whose all-reduce fits in this iteration's bubbles without adding time."""
     chosen = set(layers)
-    base = exposed_for_layers(compute, link, chosen)
+    base = iteration_overhead(compute, link, chosen)
     for i in range(compute.n_layers):
         if i in chosen:
             continue
         chosen.add(i)
-        if exposed_for_layers(compute, link, chosen) > base + 1e-12:
+        if iteration_overhead(compute, link, chosen) > base + 1e-12:
             chosen.discard(i)
     return sorted(chosen)
 
