@@ -51,10 +51,8 @@ def _run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--latency", default="0ms", help="software latency per collective ring step (emulated)")
     p.add_argument("--no-netem", action="store_true", help="run on loopback, unshaped, without namespaces")
-    p.add_argument(
-        "--run-dir", default="", help="output folder (default: runs/<time>-<algo>-<workers>x<link>)"
-    )
-    p.add_argument("--timeout", type=float, default=3600.0, help="stop the run after this many seconds")
+    p.add_argument("--run-dir", default="", help="output folder (empty: runs/<time>-<algo>-<workers>x<link>)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="stop the whole run after this many seconds")
     add_train_arguments(p)
     return p
 
