@@ -184,7 +184,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     """Train on this worker; returns the run summary (numbers averaged over workers)."""
     torch.manual_seed(cfg.seed)
     torch.set_flush_denormal(True)  # denormals slow CPU runs by 10-20% here
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size)
     torch.set_num_threads(threads)
     device = ctx.device
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None

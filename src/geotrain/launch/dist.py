@@ -22,6 +22,7 @@ class DistContext:
     local_rank: int
     backend: str | None
     device: torch.device
+    local_world_size: int = 1  # workers on this machine, which share its cores
 
     @property
     def is_main(self) -> bool:
@@ -32,19 +33,20 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     """Join the process group torchrun prepared (gloo on CPU, NCCL when CUDA is present)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world_size == 1:
-        return DistContext(0, 1, 0, None, device)
+        return DistContext(0, 1, 0, None, device, local_world_size)
     backend = backend or ("nccl" if cuda else "gloo")
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, local_world_size)
 
 
 def shutdown_distributed() -> None:
