@@ -1,4 +1,4 @@
-"""The ``geotrain`` command.
+"""geotrain: train one model on machines joined by slow links.
 
     geotrain run --workers 4 --bandwidth 100mbit --algo diloco --model mini --steps 200
     geotrain train ...        # the per-worker entry point that torchrun starts on each machine
