@@ -26,8 +26,11 @@ def test_measured_step_time_is_within_25_percent_of_the_plan(tmp_path):
     assert profile["workers"] == 2 and len(profile["layers"]) == 16
     assert profile["profile_s"] < 30  # seconds, not minutes
 
-    out = _geotrain(["plan", "--profile", "profile.json", "--H", "4", "--out", "plan.json"], tmp_path)
+    out = _geotrain(
+        ["plan", "--profile", "profile.json", "--H", "4", "--out", "plan.json", "--png", "plan.png"], tmp_path
+    )
     assert "dreamddp schedule, H=4" in out.stdout
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
     plan = json.loads((tmp_path / "plan.json").read_text())
 
     _geotrain(

@@ -215,6 +215,7 @@ def _cmd_plan(argv: list[str]) -> int:
         help="multiply the profile's compute times (slower or faster machines)",
     )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
+    p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
     args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth")))
     try:
         profile = json.loads(Path(args.profile).read_text())
@@ -240,8 +241,13 @@ def _cmd_plan(argv: list[str]) -> int:
             str(e) if not isinstance(e, KeyError) else f"profile lacks {e}; profile again"
         ) from None
     Path(args.out).write_text(json.dumps(plan, indent=2) + "\n")
+    if args.png:
+        from geotrain.plan.planner import plot_schedule, retarget
+
+        compute, link = retarget(profile, args.workers, rates, args.compute_scale)
+        plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan))
-    print(f"\nplan: {args.out}")
+    print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))
     return 0
 
 

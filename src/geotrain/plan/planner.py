@@ -198,3 +198,59 @@ def format_plan(plan: dict[str, Any]) -> str:
                 f"{row['time_to_loss_factor']:>22.3f}{mark}"
             )
     return "\n".join(lines)
+
+
+def plot_schedule(plan: dict[str, Any], compute: ComputeModel, link: LinkModel, path) -> None:
+    """One period as a timeline: per iteration, backward and the link queue of its layer syncs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sched = plan["schedule"]
+    finish = compute.finish_times()
+    end = finish[-1]
+    H = sched["H"]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * H + 1.5))
+    for h, names in enumerate(sched["iterations"]):
+        ax.barh(h, end, height=0.8, color="#dddddd", label="backward" if h == 0 else None)
+        layers = sorted(compute.names.index(n) for n in names)
+        queue = 0.0
+        for i in layers:
+            start = max(queue, finish[i])
+            queue = start + link.time(compute.nbytes[i])
+            primary = sched["assignment"][i] == h
+            ax.barh(
+                h,
+                queue - start,
+                left=start,
+                height=0.4,
+                edgecolor="white",
+                linewidth=0.5,
+                color="#1f77b4" if primary else "#9ecae1",
+            )
+        if queue > end:
+            ax.barh(
+                h,
+                queue - end,
+                left=end,
+                height=0.8,
+                color="none",
+                edgecolor="#d62728",
+                hatch="//",
+                label="exposed" if h == 0 else None,
+            )
+    ax.barh(0, 0, color="#1f77b4", label="scheduled layer sync")
+    ax.barh(0, 0, color="#9ecae1", label="fill-in sync")
+    ax.axvline(end, color="black", linewidth=1)
+    ax.set_yticks(range(H))
+    ax.set_yticklabels([f"iteration {h}" for h in range(H)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the start of backward")
+    ax.set_title(
+        f"dreamddp schedule, H={H}: predicted {plan['predicted_s']['dreamddp']:.3f} s/step "
+        f"(nosync {plan['predicted_s']['nosync']:.3f})"
+    )
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.45 * H + 1.5) - 0.1), ncol=4)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
