@@ -20,23 +20,17 @@ from pathlib import Path
 ALGOS = ["nosync", "ddp", "ssgd", "localsgd", "diloco"]
 
 
+def job_args(args: argparse.Namespace) -> list[str]:
+    """The cluster and job every run of one benchmark shares."""
+    return ["--workers", str(args.workers), "--bandwidth", args.bandwidth, "--model", args.model,
+            "--batch-size", str(args.batch_size), "--seed", str(args.seed)]  # fmt: skip
+
+
 def plan_dreamddp(args: argparse.Namespace, out: Path) -> Path:
     """Profile on the same cluster, then let the planner choose H; returns the plan's path."""
     profile, plan = out / "profile.json", out / "plan.json"
-    common = [
-        "--workers",
-        str(args.workers),
-        "--bandwidth",
-        args.bandwidth,
-        "--model",
-        args.model,
-        "--batch-size",
-        str(args.batch_size),
-        "--seed",
-        str(args.seed),
-    ]
     for cmd in (
-        ["profile", *common, "--out", str(profile), "--run-dir", str(out / "profile-run")],
+        ["profile", *job_args(args), "--out", str(profile), "--run-dir", str(out / "profile-run")],
         [
             "plan",
             "--profile",
@@ -61,32 +55,9 @@ def run_one(algo: str, args: argparse.Namespace, out: Path, extra: list[str] | N
         import shutil
 
         shutil.rmtree(run_dir)
-    cmd = [
-        sys.executable,
-        "-m",
-        "geotrain",
-        "run",
-        "--workers",
-        str(args.workers),
-        "--bandwidth",
-        args.bandwidth,
-        "--model",
-        args.model,
-        "--algo",
-        algo,
-        "--H",
-        str(args.H),
-        "--steps",
-        str(args.steps),
-        "--batch-size",
-        str(args.batch_size),
-        "--seed",
-        str(args.seed),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *(extra or []),
-    ]
+    cmd = [sys.executable, "-m", "geotrain", "run", *job_args(args), "--algo", algo, "--H", str(args.H),
+           "--steps", str(args.steps), "--run-dir", str(run_dir), "--no-progress",
+           *(extra or [])]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
