@@ -233,3 +233,17 @@ def test_interference_charges_bytes_sent_during_backward_and_stops_fill_ins():
         free.compute_s + last + 2 * 100_000 * 2e-8
     )
     assert predict_ssgd(costly, link) == pytest.approx(predict_ssgd(free, link) + 600_000 * 2e-8)
+
+
+def test_communication_under_backward_runs_slower_then_full_speed_after():
+    from geotrain.plan.cost import queue_spans
+
+    # 0.4 s of idle-link work launched at 0.2 s, backward ends at 1.0 s, 2x slower meanwhile:
+    # it takes 0.8 s and ends exactly at 1.0 s
+    assert queue_spans([0.2], [0.4], 1.0, 2.0) == [(0.2, pytest.approx(1.0))]
+    # 0.6 s of work: 0.4 s done by 1.0 s (0.8 s at half speed), the last 0.2 s at full speed
+    assert queue_spans([0.2], [0.6], 1.0, 2.0) == [(0.2, pytest.approx(1.2))]
+    # launched after backward: full speed
+    assert queue_spans([1.0], [0.3], 1.0, 2.0) == [(1.0, pytest.approx(1.3))]
+    assert simulate_backward([0.2], [0.6], 1.0, 2.0) == pytest.approx(0.2)
+    assert simulate_backward([0.2], [0.6], 1.0, 1.0) == pytest.approx(0.0)

@@ -177,7 +177,8 @@ def _cmd_profile(argv: list[str]) -> int:
         f"{profile['spread']['link_max_rel_residual']:.1%}); profiling took {profile['profile_s']:.1f} s"
     )
     print(
-        f"communication during backward slows it by {profile['interference_s_per_byte'] * 1e9:.1f} ms per MB "
+        f"while backward runs, all-reduces are {profile['comm_slowdown_in_backward']:.2f}x slower, and "
+        f"backward slows by {profile['interference_s_per_byte'] * 1e9:.1f} ms per MB sent "
         f"(backward {profile['spread']['interference_extra_backward_s'] * 1e3:+.1f} ms with an all-reduce "
         "in flight)"
     )

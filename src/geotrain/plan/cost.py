@@ -14,7 +14,8 @@ T_L; whatever runs past T_L is exposed:
 Overlap is not free where communication needs the CPU that computes (workers sharing cores, a
 NIC driven by the CPU): the profiler measures how much an all-reduce in flight slows backward,
 ``interference_s_per_byte`` (gamma), and every byte sent during backward costs gamma seconds of
-compute. On GPUs with their own NICs gamma is close to zero.
+compute; and communication runs ``comm_slowdown`` (sigma) times slower while backward computes
+than on an idle machine. On GPUs with their own NICs gamma is close to 0 and sigma to 1.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ class ComputeModel:
     forward_s: float
     optimizer_s: float
     interference_s_per_byte: float = 0.0
+    comm_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.comm_slowdown < 1:
+            raise ValueError(f"comm slowdown under compute must be >= 1, got {self.comm_slowdown}")
         if self.interference_s_per_byte < 0:
             raise ValueError(f"interference must be >= 0 s/byte, got {self.interference_s_per_byte}")
         if not (len(self.names) == len(self.backward_s) == len(self.nbytes)) or not self.names:
@@ -77,12 +81,31 @@ class ComputeModel:
         return out
 
 
-def simulate_backward(ready_s: Sequence[float], comm_s: Sequence[float], end_s: float) -> float:
-    """Exposed time of messages launched at ``ready_s`` (ascending) lasting ``comm_s`` on one link."""
-    queue = 0.0
+def queue_spans(
+    ready_s: Sequence[float], comm_s: Sequence[float], end_s: float, slowdown: float = 1.0
+) -> list[tuple[float, float]]:
+    """(start, finish) of messages launched at ``ready_s`` (ascending) that take ``comm_s`` on an
+    idle link, one at a time; before ``end_s`` (while backward runs) they progress ``slowdown``
+    times slower."""
+    spans, queue = [], 0.0
     for ready, c in zip(ready_s, comm_s, strict=True):
-        queue = max(queue, ready) + c
-    return max(0.0, queue - end_s)
+        start = max(queue, ready)
+        if start >= end_s:
+            queue = start + c
+        elif c * slowdown <= end_s - start:
+            queue = start + c * slowdown
+        else:  # part of it under backward, the rest at full speed after
+            queue = end_s + c - (end_s - start) / slowdown
+        spans.append((start, queue))
+    return spans
+
+
+def simulate_backward(
+    ready_s: Sequence[float], comm_s: Sequence[float], end_s: float, slowdown: float = 1.0
+) -> float:
+    """Exposed time: how far the last message finishes after ``end_s``."""
+    spans = queue_spans(ready_s, comm_s, end_s, slowdown)
+    return max(0.0, spans[-1][1] - end_s) if spans else 0.0
 
 
 def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
@@ -90,7 +113,10 @@ def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[
     finish = compute.finish_times()
     chosen = sorted(layers)
     return simulate_backward(
-        [finish[i] for i in chosen], [link.time(compute.nbytes[i]) for i in chosen], finish[-1]
+        [finish[i] for i in chosen],
+        [link.time(compute.nbytes[i]) for i in chosen],
+        finish[-1],
+        compute.comm_slowdown,
     )
 
 
@@ -118,7 +144,9 @@ def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], lis
 
 def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
     ready, sizes = _bucketed(compute, bucket_mb * 2**20)
-    exposed = simulate_backward(ready, [link.time(s) for s in sizes], compute.finish_times()[-1])
+    exposed = simulate_backward(
+        ready, [link.time(s) for s in sizes], compute.finish_times()[-1], compute.comm_slowdown
+    )
     return compute.compute_s + exposed + compute.interference_s_per_byte * sum(sizes)
 
 

@@ -20,6 +20,7 @@ from geotrain.plan.cost import (
     predict_periodic,
     predict_schedule,
     predict_ssgd,
+    queue_spans,
 )
 from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import models_from_profile
@@ -215,14 +216,14 @@ def plot_schedule(plan: dict[str, Any], compute: ComputeModel, link: LinkModel, 
     for h, names in enumerate(sched["iterations"]):
         ax.barh(h, end, height=0.8, color="#dddddd", label="backward" if h == 0 else None)
         layers = sorted(compute.names.index(n) for n in names)
-        queue = 0.0
-        for i in layers:
-            start = max(queue, finish[i])
-            queue = start + link.time(compute.nbytes[i])
+        comm = [link.time(compute.nbytes[i]) for i in layers]
+        spans = queue_spans([finish[i] for i in layers], comm, end, compute.comm_slowdown)
+        queue = spans[-1][1] if spans else 0.0
+        for i, (start, stop) in zip(layers, spans, strict=True):
             primary = sched["assignment"][i] == h
             ax.barh(
                 h,
-                queue - start,
+                stop - start,
                 left=start,
                 height=0.4,
                 edgecolor="white",

@@ -78,31 +78,37 @@ def profile_compute(
 
 
 def measure_interference(
-    loss_fn: Callable[[], torch.Tensor], comm: Communicator, nbytes: int, reps: int = 3
+    loss_fn: Callable[[], torch.Tensor], comm: Communicator, message_bytes: int, count: int, reps: int = 2
 ) -> dict[str, float]:
-    """Backward time alone and with an all-reduce of ``nbytes`` in flight, interleaved.
+    """Backward alone, and backward with ``count`` back-to-back all-reduces launched as it starts.
 
-    Where workers share cores (or a NIC needs the CPU), communication overlapped with backward
-    slows the backward itself; the cost model charges that per byte. Every worker runs the same
+    Where workers share cores (or a NIC needs the CPU), communication and backward slow each other:
+    backward takes longer, and the all-reduces run slower than on an idle machine. Both are
+    measured here, the way a layer-wise schedule overlaps them. Every worker runs the same
     sequence, so the probing all-reduces match across workers.
     """
-    plain, contended = [], []
-    buf = torch.zeros(nbytes // 4)
+    plain, contended, comm_times = [], [], []
+    bufs = [torch.zeros(message_bytes // 4) for _ in range(count)]
     for rep in range(reps + 1):
         for with_comm in (False, True):
             loss = loss_fn()
             comm.barrier()
-            handle = comm.all_reduce(buf, async_op=True) if with_comm else None
             t0 = time.perf_counter()
+            handles = [comm.all_reduce(b, async_op=True) for b in bufs] if with_comm else []
             loss.backward()
             elapsed = time.perf_counter() - t0
-            if handle is not None:
-                handle.wait()
+            for h in handles:
+                h.wait()
             if rep:  # rep 0 warms up
-                (contended if with_comm else plain).append(elapsed)
+                if with_comm:
+                    contended.append(elapsed)
+                    comm_times.append(time.perf_counter() - t0)
+                else:
+                    plain.append(elapsed)
     return {
         "plain_s": statistics.fmean(plain),
         "contended_s": statistics.fmean(contended),
+        "comm_s": statistics.fmean(comm_times),
         "noise_s": statistics.pstdev(plain),
     }
 
@@ -231,19 +237,30 @@ def build_profile(
         if comm.world_size > 1
         else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
     )
-    interference, extra = 0.0, 0.0
+    interference, slowdown, extra = 0.0, 1.0, 0.0
     if comm.world_size > 1:
-        nbytes = max(probe_sizes(layers))
-        measured = measure_interference(loss_fn, comm, nbytes)
+        fit = LinkModel(link["alpha_s"], link["beta_s_per_byte"])
+        # enough traffic to outlast backward (so its end is observed), in layer-sized messages
+        backward_s = averaged[n + 2]
+        total = int(min(64 * 2**20, max(256 * 1024, 1.3 * backward_s / max(fit.beta_s_per_byte, 1e-12))))
+        count = 8
+        message = max(4096, total // count // 4 * 4)
+        measured = measure_interference(loss_fn, comm, message, count)
         model.zero_grad(set_to_none=True)
-        plain, contended, noise = comm.mean_scalars(
-            [measured["plain_s"], measured["contended_s"], measured["noise_s"]]
+        plain, contended, comm_s, noise = comm.mean_scalars(
+            [measured["plain_s"], measured["contended_s"], measured["comm_s"], measured["noise_s"]]
         )
+        (comm_s,) = comm.max_scalars([comm_s])
+        idle_s = count * fit.time(message)
         extra = contended - plain
-        comm_s = link["alpha_s"] + link["beta_s_per_byte"] * nbytes
-        overlapped = nbytes * min(1.0, contended / comm_s) if comm_s > 0 else nbytes
+        # the all-reduces' slowdown while backward runs: the part of their time inside backward
+        # did the work of less idle-link time
+        if comm_s > contended and idle_s > 0:
+            done_in_backward = max(1e-9, idle_s - (comm_s - contended))
+            slowdown = max(1.0, contended / done_in_backward)
+        sent_in_backward = count * message * min(1.0, contended / comm_s)
         # below the run-to-run noise it is no measurement: charge nothing
-        interference = extra / overlapped if extra > 2 * noise and overlapped > 0 else 0.0
+        interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
     return {
         "version": PROFILE_VERSION,
         **(meta or {}),
@@ -256,6 +273,7 @@ def build_profile(
         "optimizer_s": averaged[n + 1],
         "backward_total_s": averaged[n + 2],
         "interference_s_per_byte": interference,
+        "comm_slowdown_in_backward": slowdown,
         "spread": {
             "backward_cv": averaged[n + 3],
             "link_max_rel_residual": link["max_rel_residual"],
@@ -277,6 +295,7 @@ def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkMode
         forward_s=float(profile["forward_s"]),
         optimizer_s=float(profile["optimizer_s"]),
         interference_s_per_byte=float(profile.get("interference_s_per_byte", 0.0)),
+        comm_slowdown=float(profile.get("comm_slowdown_in_backward", 1.0)),
     )
     link = LinkModel(float(profile["allreduce"]["alpha_s"]), float(profile["allreduce"]["beta_s_per_byte"]))
     return compute, link
