@@ -179,6 +179,14 @@ def _start(run_dir: Path, steps: int = 100000) -> subprocess.Popen:
     )
 
 
+def _kill_and_sweep(proc: subprocess.Popen) -> None:
+    """A launcher that did not stop in time must not leave a run going for the tests after it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        subprocess.run(GEOTRAIN + ["sweep"], capture_output=True, timeout=60)
+
+
 def _wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout=90.0) -> None:
     metrics = run_dir / "metrics" / "rank1.jsonl"
     deadline = time.monotonic() + timeout
@@ -195,10 +203,9 @@ def test_ctrl_c_stops_hosts_and_removes_namespaces(tmp_path):
     try:
         _wait_for_training(run_dir, proc)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_and_sweep(proc)
     assert proc.returncode == 130
     assert "interrupted; hosts stopped, namespaces removed" in err
     assert not _stray_processes(str(run_dir))
@@ -218,10 +225,9 @@ def test_a_dead_host_fails_the_run_cleanly(tmp_path):
         ]
         assert len(workers) == 2
         os.kill(int(workers[-1]), signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_and_sweep(proc)
     assert proc.returncode == 1
     assert "run failed: host" in err and "exited with code" in err
     assert not _stray_processes(str(run_dir))

@@ -256,6 +256,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         interrupted = True
         raise
     finally:
+        if interrupted and cluster is not None:
+            # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
+            cluster.down()
         _stop(procs, grace_s=2.0 if interrupted else 5.0)
         for t in pumps:
             t.join(timeout=2)
