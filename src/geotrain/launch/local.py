@@ -191,7 +191,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     def _on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: a process started in the background inherits it ignored, and Ctrl-C must still
+    # stop the hosts and remove the namespaces.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous_handlers[sig] = signal.signal(sig, _on_signal)
     try:
         port = RDZV_PORT if cluster else _free_port()
