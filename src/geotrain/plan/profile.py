@@ -277,6 +277,7 @@ def build_profile(
         "backward_total_s": averaged[n + 2],
         "interference_s_per_byte": interference,
         "comm_slowdown_in_backward": slowdown,
+        "contention_measured": bool(contention and comm.world_size > 1),
         "spread": {
             "backward_cv": averaged[n + 3],
             "link_max_rel_residual": link["max_rel_residual"],
