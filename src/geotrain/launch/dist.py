@@ -50,5 +50,10 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
 
 
 def shutdown_distributed() -> None:
+    """Leave the group together: a worker that tears its connections down while a peer is still
+    finishing makes gloo abort that peer ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
