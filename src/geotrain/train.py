@@ -389,15 +389,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
     ctx = init_distributed(timeout_s=cfg.timeout_s)
+    ok = False
     try:
         summary = train(cfg, ctx)
+        ok = True
         if ctx.is_main and not cfg.profile_out:
             print(summary_table(summary), flush=True)
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
     finally:
-        shutdown_distributed()
+        shutdown_distributed(together=ok)
     return 0
 
 

@@ -49,11 +49,13 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, local_world_size)
 
 
-def shutdown_distributed() -> None:
-    """Leave the group together: a worker that tears its connections down while a peer is still
-    finishing makes gloo abort that peer ("terminate called without an active exception")."""
+def shutdown_distributed(together: bool = True) -> None:
+    """Leave the group. After success, leave together: a worker that tears its connections down
+    while a peer is still finishing makes gloo abort that peer ("terminate called without an
+    active exception"). After an error, do not wait for peers that may be stuck elsewhere."""
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()
+            if together:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
