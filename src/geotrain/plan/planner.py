@@ -10,7 +10,7 @@ only the H whose factor stays within ``budget`` (1.25: at most 25% more steps th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
@@ -86,12 +86,11 @@ def retarget(
     if compute_scale <= 0:
         raise ValueError(f"compute scale must be > 0, got {compute_scale}")
     if compute_scale != 1.0:
-        compute = ComputeModel(
-            compute.names,
-            tuple(b * compute_scale for b in compute.backward_s),
-            compute.nbytes,
-            compute.forward_s * compute_scale,
-            compute.optimizer_s * compute_scale,
+        compute = replace(
+            compute,
+            backward_s=tuple(b * compute_scale for b in compute.backward_s),
+            forward_s=compute.forward_s * compute_scale,
+            optimizer_s=compute.optimizer_s * compute_scale,
         )
     if workers is None and rates_bps is None:
         return compute, link
