@@ -162,6 +162,10 @@ def test_quick_bench_end_to_end_and_resume(tmp_path):
         assert float(cells[8]) == pytest.approx(row["final_val_loss"], abs=5e-5)
         ttt = row["time_to_target_s"]
         assert cells[9] == ("not reached" if ttt is None else f"{ttt:.3f}")
+        common = row["time_to_common_s"]
+        assert cells[11] == ("not reached" if common is None else f"{common:.3f}")
+        if cells[2] != "nosync":  # the common loss is one every real algorithm reaches
+            assert common is not None and row["final_val_loss"] <= group["common_loss"]
     ddp = group["algos"]["ddp"]
     assert ddp["time_to_target_s"] is not None and math.isclose(group["target_loss"], ddp["final_val_loss"])
     mtimes = {p: p.stat().st_mtime for p in out.glob("cells/*/*/summary.json")}

@@ -118,6 +118,9 @@ BAD_INPUTS = [
     (["--data", "/no/such/place"], "no such file or directory"),
     (["--latency", "50"], "latency '50' is not understood"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--algo", "ssgd", "--compress", "int9"], "unknown codec 'int9'; accepted: fp16, bf16, int8"),
+    (["--algo", "ssgd", "--compress", "acpsgd:rank=0"], "acpsgd: rank must be an integer >= 1, got 0"),
+    (["--algo", "nosync", "--compress", "int8"], "nosync does not take --compress; algorithms that do: ssgd"),
 ]
 
 

@@ -267,7 +267,12 @@ def _cmd_bench(argv: list[str]) -> int:
     p.add_argument(
         "--quick", action="store_true", help="a small matrix for CI: 2 workers, 100mbit, 4 algorithms"
     )
-    p.add_argument("--algos", default=",".join(DEFAULT_ALGOS))
+    p.add_argument(
+        "--algos",
+        default=",".join(DEFAULT_ALGOS),
+        help="algorithms, each optionally with a codec: ssgd+int8, ssgd+acpsgd:rank=4, diloco+int4 "
+        "(codec parameters separated by ';')",
+    )
     p.add_argument("--bandwidths", default="1gbit,100mbit,20mbit")
     p.add_argument(
         "--workers", default="4", help="worker counts, e.g. 2,4,8 (several: predictions are checked)"

@@ -69,6 +69,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("sent per step per worker", format_bytes(summary["sent_bytes_per_step"])),
         ("link use (mean)", f"{_fmt(summary['link_mbit_s'], '.1f')} Mbit/s"),
         ("syncs", str(summary["syncs"])),
+        *([("codec", summary["codec_info"])] if summary.get("codec_info") else []),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -49,6 +49,7 @@ class TrainConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     bucket_mb: float = 0.0  # 0: the algorithm's default
+    compress: str = ""  # a codec, e.g. int8, topk:ratio=0.01, acpsgd:rank=4 ("": none)
     plan: str = ""  # dreamddp: a plan from `geotrain plan` ("": profile and plan at start-up)
     replan_threshold: float = 0.25  # dreamddp: re-plan when measured time drifts this far (0: never)
     profile_out: str = ""  # profile the model and link, write this JSON, and do not train
@@ -98,6 +99,8 @@ class TrainConfig:
             opts["bucket_mb"] = self.bucket_mb
         if self.plan:
             opts["plan_path"] = self.plan
+        if self.compress:
+            opts["compress"] = self.compress
         opts["replan_threshold"] = self.replan_threshold
         return opts
 
@@ -133,6 +136,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "outer_lr": "diloco's outer learning rate",
         "outer_momentum": "diloco's outer Nesterov momentum",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
+        "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
+        "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (empty: uncompressed; "
+        "ssgd, ddp, localsgd, diloco, dreamddp)",
         "plan": "dreamddp: a plan JSON from `geotrain plan` (empty: profile and plan at start-up)",
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
@@ -367,6 +373,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_p
         "wall_s": wall_s,
         "predicted_step_s": getattr(sync, "predicted_step_s", None),
         "replans": getattr(sync, "replans", None),
+        "codec_info": sync.codec.info() if getattr(sync, "codec", None) else "",
     }
 
 

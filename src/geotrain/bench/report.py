@@ -28,6 +28,8 @@ COLUMNS = [
     ("final_val_loss", "val loss"),
     ("time_to_target_s", "time to target s"),
     ("time_speedup_vs_ddp", "x ddp (time to target)"),
+    ("time_to_common_s", "time to common loss s"),
+    ("common_speedup_vs_ddp", "x ddp (common loss)"),
     ("step_speedup_vs_ddp", "x ddp (step)"),
 ]
 
@@ -51,7 +53,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
     if value is None:
-        if key == "time_to_target_s":
+        if key in ("time_to_target_s", "time_to_common_s"):
             return "not reached"
         return "n/a"
     if key == "exposed_comm_s" and row.get("exposed_comm_measured") is False:
@@ -59,7 +61,7 @@ def _cell(key: str, value: Any, row: dict[str, Any]) -> str:
     if isinstance(value, float):
         return (
             f"{value:.2f}"
-            if key in ("efficiency", "time_speedup_vs_ddp", "step_speedup_vs_ddp")
+            if key in ("efficiency", "time_speedup_vs_ddp", "step_speedup_vs_ddp", "common_speedup_vs_ddp")
             else (f"{value:.4f}" if key == "final_val_loss" else f"{value:.3f}")
         )
     return str(value)
@@ -75,8 +77,16 @@ def markdown_table(results: dict[str, Any]) -> str:
         for g in results["groups"]
         if g["target_loss"] is not None
     )
+    commons = ", ".join(
+        f"{g['workers']}x{g['bandwidth']}: {g['common_loss']:.4f}"
+        for g in results["groups"]
+        if g.get("common_loss") is not None
+    )
     notes = [
         f"Target validation loss (ddp's at the token budget): {targets}." if targets else "",
+        f"Common loss (the highest final loss of the algorithms, nosync excluded; all reach it): {commons}."
+        if commons
+        else "",
         "efficiency: nosync's step time / the algorithm's. * exposed communication not measurable "
         "(DDP waits inside backward): step time minus nosync's.",
     ]
@@ -129,12 +139,13 @@ def plot_breakdown(results: dict[str, Any], path: Path) -> None:
 def plot_speedup(results: dict[str, Any], path: Path) -> None:
     groups = results["groups"]
     algos = [a for a in groups[0]["algos"] if a != "ddp"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     width = 0.8 / max(1, len(algos))
     for panel, (key, title) in enumerate(
         [
             ("step_speedup_vs_ddp", "step time: speedup over ddp"),
-            ("time_speedup_vs_ddp", "time to ddp's loss: speedup over ddp"),
+            ("common_speedup_vs_ddp", "time to the common loss: speedup over ddp"),
+            ("time_speedup_vs_ddp", "time to ddp's final loss: speedup over ddp"),
         ]
     ):
         ax = axes[panel]
@@ -150,7 +161,7 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
         ax.axhline(1.0, color="grey", linewidth=1)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

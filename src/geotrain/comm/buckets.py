@@ -46,12 +46,31 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def reduce_tensors(
-    comm: Communicator, tensors: Sequence[torch.Tensor], cap_mb: float = DEFAULT_BUCKET_MB, op: str = "mean"
+    comm: Communicator,
+    tensors: Sequence[torch.Tensor],
+    cap_mb: float = DEFAULT_BUCKET_MB,
+    op: str = "mean",
+    codec=None,
+    key: str = "",
 ) -> None:
-    """All-reduce ``tensors`` in place, every bucket launched before the first is waited for."""
+    """All-reduce ``tensors`` in place, every bucket launched before the first is waited for.
+
+    With a ``codec`` (``geotrain.compress``), each bucket's mean is taken compressed, its stream
+    named ``(key, bucket index)`` for the codec's error feedback.
+    """
     if comm.world_size == 1 or not tensors:
         return
     tensors = list(tensors)
+    if codec is not None:
+        if op != "mean":
+            raise ValueError("a codec averages; op must be 'mean'")
+        messages = [
+            codec.reduce(comm, (key, b), [tensors[i] for i in idx])
+            for b, idx in enumerate(make_buckets(tensors, cap_mb))
+        ]
+        for message in messages:
+            message.wait()
+        return
     pending = []
     for idx in make_buckets(tensors, cap_mb):
         group = [tensors[i] for i in idx]

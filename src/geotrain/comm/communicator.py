@@ -48,7 +48,7 @@ class CommStats:
 class Handle:
     """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
 
-    def __init__(self, comm: Communicator, work, tensor: torch.Tensor, divide_by: int, launched: float):
+    def __init__(self, comm: Communicator, work, tensor, divide_by: int, launched: float):
         self._comm = comm
         self._work = work
         self._tensor = tensor
@@ -61,14 +61,16 @@ class Handle:
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or self._work is None or self._work.is_completed()
+        works = self._work if isinstance(self._work, list) else [self._work]
+        return self._done or all(w is None or w.is_completed() for w in works)
 
     def wait(self) -> torch.Tensor:
         if self._done:
             return self._tensor
         start = time.perf_counter()
-        if self._work is not None:
-            self._work.wait()
+        for work in self._work if isinstance(self._work, list) else [self._work]:
+            if work is not None:
+                work.wait()
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -139,6 +141,89 @@ class Communicator:
         if async_op:
             return handle
         return handle.wait()
+
+    def all_to_all(self, tensor: torch.Tensor, async_op: bool = False):
+        """Split ``tensor`` (first dimension) into ``world_size`` equal parts and send part j to
+        worker j; the result's part j came from worker j. Returns a ``Handle`` when ``async_op``.
+        """
+        launched = time.perf_counter()
+        if self.world_size == 1:
+            handle = Handle(self, None, tensor, 1, launched)
+            return handle if async_op else handle.wait()
+        if tensor.shape[0] % self.world_size:
+            raise ValueError(f"all_to_all needs a first dimension divisible by {self.world_size}")
+        nbytes = tensor.numel() * tensor.element_size()
+        # The part addressed to oneself does not cross the link.
+        wire = (self.world_size - 1) * nbytes // self.world_size
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        self.stats.sent_bytes += wire
+        self.stats.recv_bytes += wire
+        out = torch.empty_like(tensor)
+        work = dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+        handle = Handle(self, work, out, 1, launched)
+        return handle if async_op else handle.wait()
+
+    def all_gather(self, tensor: torch.Tensor, async_op: bool = False):
+        """Every worker's ``tensor`` (equal shapes), stacked in rank order (a ``Handle`` if async)."""
+        launched = time.perf_counter()
+        if self.world_size == 1:
+            handle = Handle(self, None, tensor.unsqueeze(0), 1, launched)
+            return handle if async_op else handle.wait()
+        nbytes = tensor.numel() * tensor.element_size()
+        # Ring all-gather: each worker forwards N-1 parts of this size.
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        self.stats.sent_bytes += (self.world_size - 1) * nbytes
+        self.stats.recv_bytes += (self.world_size - 1) * nbytes
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
+        work = dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group, async_op=True)
+        handle = Handle(self, work, out, 1, launched)
+        return handle if async_op else handle.wait()
+
+    def all_gather_uneven(self, tensor: torch.Tensor, sizes: list[int], async_op: bool = False):
+        """Every worker's 1-d ``tensor``, where worker j's has ``sizes[j]`` elements (known to all).
+
+        One broadcast per worker, since the all-gather collective needs equal sizes.
+        """
+        launched = time.perf_counter()
+        if self.world_size == 1:
+            handle = Handle(self, None, [tensor], 1, launched)
+            return handle if async_op else handle.wait()
+        if tensor.numel() != sizes[self.rank]:
+            raise ValueError(
+                f"this worker's tensor has {tensor.numel()} elements, sizes says {sizes[self.rank]}"
+            )
+        itemsize = tensor.element_size()
+        self.stats.calls += 1
+        self.stats.payload_bytes += tensor.numel() * itemsize
+        self.stats.sent_bytes += (self.world_size - 1) * sizes[self.rank] * itemsize
+        self.stats.recv_bytes += (sum(sizes) - sizes[self.rank]) * itemsize
+        parts = [
+            tensor.contiguous() if j == self.rank else torch.empty(size, dtype=tensor.dtype)
+            for j, size in enumerate(sizes)
+        ]
+        works = [dist.broadcast(part, src=j, group=self.group, async_op=True) for j, part in enumerate(parts)]
+        handle = Handle(self, works, parts, 1, launched)
+        return handle if async_op else handle.wait()
+
+    def probe_broadcast_s(self, nbytes: int) -> list[float]:
+        """Seconds for each worker in turn to broadcast ``nbytes`` (the slowest receiver's view).
+
+        A measurement of each worker's upload, on the control channel (not training traffic).
+        """
+        if self.world_size == 1:
+            return [0.0]
+        probe = torch.zeros(max(nbytes // 4, 1))
+        mine = [0.0] * self.world_size
+        for j in range(self.world_size):
+            self.barrier()
+            start = time.perf_counter()
+            dist.broadcast(probe, src=j, group=self.group)
+            mine[j] = time.perf_counter() - start
+        self.control_calls += self.world_size
+        # A broadcast is done when its slowest receiver has it.
+        return self.max_scalars(mine)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank ``src``'s tensor to every worker (counted as ``payload`` once per receiver)."""

@@ -28,7 +28,12 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     """Validate ``name`` and build its config from generic options (others' options are ignored)."""
     if name not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {name!r}; accepted: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name][1].from_options(options or {})
+    options = options or {}
+    config_cls = ALGORITHMS[name][1]
+    if options.get("compress") and "compress" not in config_cls.__dataclass_fields__:
+        with_codecs = [a for a, (_, c) in ALGORITHMS.items() if "compress" in c.__dataclass_fields__]
+        raise ConfigError(f"{name} does not take --compress; algorithms that do: {', '.join(with_codecs)}")
+    return config_cls.from_options(options)
 
 
 def build_sync(

@@ -22,10 +22,7 @@ import torch.nn as nn
 
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
-
-
-class ConfigError(ValueError):
-    """A configuration value a user can fix; the message says what is accepted."""
+from geotrain.compress.codec import Codec, ConfigError, make_codec
 
 
 @dataclass
@@ -45,6 +42,18 @@ class SyncConfig:
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def check_codec(spec: str) -> None:
+    """Raise ``ConfigError`` now, at config time, if ``spec`` is not a valid codec."""
+    if spec:
+        make_codec(spec)
+
+
+def codec_from_config(config: SyncConfig) -> Codec | None:
+    """The codec named by ``config.compress`` ("" or absent: send uncompressed)."""
+    spec = getattr(config, "compress", "")
+    return make_codec(spec) if spec else None
 
 
 class SyncAlgorithm:
@@ -102,6 +111,7 @@ class SyncAlgorithm:
             "config": self.config.as_dict(),
             "step": self.step_count,
             "syncs": self.syncs,
+            **({"codec": self.codec.state_dict()} if getattr(self, "codec", None) else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -109,3 +119,5 @@ class SyncAlgorithm:
             raise ValueError(f"checkpoint is for {state.get('name')!r}, not {self.name!r}")
         self.step_count = int(state["step"])
         self.syncs = int(state["syncs"])
+        if getattr(self, "codec", None) and "codec" in state:
+            self.codec.load_state_dict(state["codec"])

@@ -3,23 +3,30 @@
 Bytes are accounted from the gradient sizes (DDP all-reduces every gradient every step); the time
 DDP waits for its all-reduces happens inside ``backward`` and cannot be told apart from compute,
 so this algorithm reports no blocked-communication time.
+
+With ``compress``, a DDP communication hook averages each bucket with that codec (the hook runs
+the codec's collectives and hands DDP a finished future, so those buckets do not overlap).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.comm.buckets import flatten
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
 
 
 @dataclass
 class DDPConfig(SyncConfig):
     bucket_mb: float = 25.0  # DDP's own default
+    compress: str = ""  # a codec spec (geotrain.compress); "": DDP's own all-reduce
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
+        check_codec(self.compress)
 
 
 class DDP(SyncAlgorithm):
@@ -35,6 +42,20 @@ class DDP(SyncAlgorithm):
                 model, process_group=comm.group, bucket_cap_mb=self.config.bucket_mb
             )
         self._grad_tensors = [p for p in self.parameters()]
+        self.codec = codec_from_config(self.config)
+        if self.codec is not None and self._ddp is not None:
+            self._ddp.register_comm_hook(None, self._codec_hook)
+
+    def _codec_hook(self, _state, bucket):  # no annotation: DDP checks it against a runtime type
+        grads = bucket.gradients()
+        buffer = bucket.buffer()
+        # DDP rebuilds its buckets after the first step: the key includes the layout.
+        key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
+        self.codec.reduce(self.comm, key, grads).wait()
+        buffer.copy_(flatten(grads))
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
 
     def broadcast_parameters(self) -> None:
         pass  # DistributedDataParallel's constructor does it
@@ -45,7 +66,8 @@ class DDP(SyncAlgorithm):
 
     def before_step(self) -> None:
         if self.comm.world_size > 1:
-            self.comm.account_external(self._grad_tensors)
+            if self.codec is None:  # the codec's messages went through the communicator
+                self.comm.account_external(self._grad_tensors)
             self.syncs += 1
 
     def after_step(self) -> bool:
@@ -85,6 +107,7 @@ class DDPPowerSGD(DDP):
 
         config = config or DDPPowerSGDConfig()
         SyncAlgorithm.__init__(self, model, optimizer, comm, config)
+        self.codec = None
         self._ddp = None
         self._grad_tensors = self.parameters()
         if comm.world_size > 1:

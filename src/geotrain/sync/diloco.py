@@ -7,6 +7,9 @@ rate ``outer_lr`` (0.7) and momentum ``outer_momentum`` (0.9) updates theta_oute
 worker then copies into its model. With ``outer_lr=1`` and no momentum, theta_outer becomes
 the mean of the replicas: Local SGD.
 
+With ``compress`` the pseudo-gradients travel compressed (int8 or int4, as Streaming DiLoCo
+sends them), with error feedback.
+
 Memory: one extra copy of the parameters (theta_outer) plus the outer momentum buffer.
 """
 
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
 
 
 @dataclass
@@ -28,8 +31,10 @@ class DiLoCoConfig(SyncConfig):
     outer_momentum: float = 0.9
     nesterov: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
+    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
+        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (inner steps between outer steps) must be an integer >= 1, got {self.H}",
@@ -45,6 +50,7 @@ class DiLoCo(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config: DiLoCoConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DiLoCoConfig())
         cfg = self.config
+        self.codec = codec_from_config(cfg)
         self._outer = [p.detach().clone() for p in self.parameters()]
         self.outer_optimizer = torch.optim.SGD(
             self._outer,
@@ -56,7 +62,7 @@ class DiLoCo(SyncAlgorithm):
     def outer_step(self) -> None:
         params = self.parameters()
         deltas = [outer - p.detach() for outer, p in zip(self._outer, params, strict=True)]
-        reduce_tensors(self.comm, deltas, self.config.bucket_mb)
+        reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="outer")
         for outer, delta in zip(self._outer, deltas, strict=True):
             outer.grad = delta
         self.outer_optimizer.step()

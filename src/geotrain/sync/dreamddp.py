@@ -12,6 +12,8 @@ step applied:
     x_l <- mean_k(x_l^k) - lr * g_l^k      for l in S_h,      x_l <- x_l - lr * g_l otherwise.
 
 No second copy of the model is kept: only the layers in flight are flattened into send buffers.
+With ``compress``, a layer's change since its last average is sent (as ``localsgd`` does), which
+needs one copy of the model: x_l <- x_ref_l + mean_k(x_l^k - x_ref_l) - lr * g_l^k.
 
 The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
@@ -35,7 +37,7 @@ from geotrain.plan.cost import predict_schedule
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
 
 
 @dataclass
@@ -44,8 +46,10 @@ class DreamDDPConfig(SyncConfig):
     plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up
     fill_in: bool = True
     replan_threshold: float = 0.25  # relative drift of measured from predicted time; 0: never re-plan
+    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
+        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (the schedule's period in iterations) must be an integer >= 1, got {self.H}",
@@ -68,6 +72,13 @@ class DreamDDP(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DreamDDPConfig())
         self.layers = layer_groups(model)
+        self.codec = codec_from_config(self.config)
+        # Keyed by layer name: a re-plan reorders the layers.
+        self._ref = (
+            {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
+            if self.codec
+            else {}
+        )
         self.schedule: Schedule | None = None
         self.predicted_step_s: float | None = None
         self.replans = 0
@@ -163,6 +174,11 @@ class DreamDDP(SyncAlgorithm):
         # Backward has accumulated this layer's gradient and will not read its parameters again,
         # so their current values can be sent while backward goes on.
         params = [p.detach() for p in self.layers[i].params]
+        if self.codec is not None:
+            name = self.layers[i].name
+            deltas = [p - ref for p, ref in zip(params, self._ref[name], strict=True)]
+            self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), deltas)
+            return
         self._inflight[i] = self.comm.all_reduce(flatten(params), op="mean", async_op=True)
 
     def before_step(self) -> None:
@@ -172,6 +188,14 @@ class DreamDDP(SyncAlgorithm):
             self._launch(i)
         with torch.no_grad():
             for i, handle in self._inflight.items():
+                if self.codec is not None:
+                    message, deltas = handle
+                    message.wait()
+                    refs = self._ref[self.layers[i].name]
+                    for p, ref, delta in zip(self.layers[i].params, refs, deltas, strict=True):
+                        ref.add_(delta)
+                        p.data.copy_(ref)
+                    continue
                 unflatten_into(handle.wait(), [p.data for p in self.layers[i].params])
         self._inflight = {}  # free the send buffers now, not at the next iteration
 

@@ -3,22 +3,31 @@
 Local SGD (Stich 2019; Lin et al. 2020) trades communication frequency for replica drift: with
 period ``H`` it moves 1/H of synchronous SGD's bytes, but each sync is a whole-model all-reduce
 that nothing overlaps. With H=1 and plain SGD it equals synchronous SGD.
+
+With ``compress``, what is averaged is each replica's change since the last sync, x_k - x_ref
+(x_ref, the last average, is the same on every worker and kept as one extra copy of the model):
+a small change compresses far better than the parameters themselves, and
+x <- x_ref + mean_k(x_k - x_ref) is the same average.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
 
 
 @dataclass
 class LocalSGDConfig(SyncConfig):
     H: int = 10
     bucket_mb: float = DEFAULT_BUCKET_MB
+    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
+        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (steps between syncs) must be an integer >= 1, got {self.H}",
@@ -31,9 +40,20 @@ class LocalSGD(SyncAlgorithm):
 
     def __init__(self, model, optimizer, comm, config: LocalSGDConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or LocalSGDConfig())
+        self.codec = codec_from_config(self.config)
+        self._ref = [p.detach().clone() for p in self.parameters()] if self.codec else []
 
     def average_parameters(self) -> None:
-        reduce_tensors(self.comm, [p.data for p in self.parameters()], self.config.bucket_mb)
+        params = [p.data for p in self.parameters()]
+        if self.codec is None:
+            reduce_tensors(self.comm, params, self.config.bucket_mb)
+        else:
+            deltas = [p - ref for p, ref in zip(params, self._ref, strict=True)]
+            reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="delta")
+            with torch.no_grad():
+                for p, ref, delta in zip(params, self._ref, deltas, strict=True):
+                    ref.add_(delta)
+                    p.copy_(ref)
         self.syncs += 1
 
     def after_step(self) -> bool:

@@ -1,5 +1,8 @@
 """``ssgd``: synchronous data parallel SGD with bucketed gradient all-reduce overlapped with backward.
 
+With ``compress`` (``--compress int8``, ``acpsgd:rank=4``, ...), each bucket's mean is taken by
+that codec, launched from the same hook, so compression keeps bucketing and overlap.
+
 Each parameter's post-accumulate-grad hook marks it ready; when every parameter of a bucket
 (buckets of ``bucket_mb`` in backward order) is ready, the bucket's gradients are flattened and
 their mean all-reduce is launched asynchronously, so it runs while backward continues on the
@@ -14,15 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, flatten, make_buckets, unflatten_into
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
 
 
 @dataclass
 class SSGDConfig(SyncConfig):
     bucket_mb: float = DEFAULT_BUCKET_MB
+    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
+        check_codec(self.compress)
 
 
 class SSGD(SyncAlgorithm):
@@ -30,6 +35,7 @@ class SSGD(SyncAlgorithm):
 
     def __init__(self, model, optimizer, comm, config: SSGDConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or SSGDConfig())
+        self.codec = codec_from_config(self.config)
         # Reverse registration order approximates the order backward produces gradients.
         self._params = list(reversed(self.parameters()))
         self._buckets = make_buckets(self._params, self.config.bucket_mb)
@@ -60,7 +66,10 @@ class SSGD(SyncAlgorithm):
         return grads
 
     def _launch(self, b: int) -> None:
-        self._launched[b] = self.comm.all_reduce(flatten(self._grads(b)), op="mean", async_op=True)
+        if self.codec is not None:
+            self._launched[b] = self.codec.reduce(self.comm, ("grad", b), self._grads(b))
+        else:
+            self._launched[b] = self.comm.all_reduce(flatten(self._grads(b)), op="mean", async_op=True)
 
     def before_step(self) -> None:
         if self.comm.world_size == 1:
@@ -71,7 +80,10 @@ class SSGD(SyncAlgorithm):
             if self._launched[b] is None:
                 self._launch(b)
         for b, handle in enumerate(self._launched):
-            unflatten_into(handle.wait(), self._grads(b))
+            if self.codec is not None:
+                handle.wait()  # writes the mean into the gradients
+            else:
+                unflatten_into(handle.wait(), self._grads(b))
         self._ready = [0] * len(self._buckets)
         self._launched = [None] * len(self._buckets)
         self.syncs += 1

@@ -1,0 +1,319 @@
+"""Codecs: local properties (error feedback, exactness, packing), compressed means on real gloo
+groups against closed forms, byte counts against each codec's estimate, and bad specs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geotrain.comm.communicator import Communicator
+from geotrain.compress.codec import ConfigError, codec_names, make_codec
+from geotrain.compress.quantize import Sign
+from geotrain.sync import build_sync
+from helpers import run_workers
+
+LOCAL_LOSSY = ["fp16", "bf16", "int8", "int4", "sign", "topk:ratio=0.05", "powersgd:rank=2", "acpsgd:rank=2"]
+ALL_SPECS = LOCAL_LOSSY + ["adatopk:ratio=0.05"]
+
+
+def _residual_sum(codec, key, shapes) -> list[torch.Tensor]:
+    """The error-feedback residual of ``key`` per tensor (zeros where the tensor went exactly)."""
+    state = codec.state(key)
+    if "residual" in state:  # flat codecs: one residual for the concatenation
+        flat = state["residual"]
+        out, offset = [], 0
+        for s in shapes:
+            n = torch.Size(s).numel()
+            out.append(flat[offset : offset + n].reshape(s))
+            offset += n
+        return out
+    return [state[f"e{i}"].reshape(s) if f"e{i}" in state else torch.zeros(s) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("spec", LOCAL_LOSSY)
+def test_error_feedback_keeps_the_sum(spec):
+    codec = make_codec(spec)
+    comm = Communicator()  # a world of one: what is sent is what arrives
+    shapes = [(24, 40), (40,)]
+    gen = torch.Generator().manual_seed(1)
+    sent = [torch.zeros(s) for s in shapes]
+    went_in = [torch.zeros(s) for s in shapes]
+    for _ in range(40):
+        xs = [torch.randn(s, generator=gen) for s in shapes]
+        for acc, x in zip(went_in, xs, strict=True):
+            acc += x
+        out = [x.clone() for x in xs]
+        codec.reduce(comm, "k", out).wait()
+        for acc, o in zip(sent, out, strict=True):
+            acc += o
+        # Something really was lost on the way at least once, or the test would prove nothing.
+    residual = _residual_sum(codec, "k", shapes)
+    assert any(r.abs().max() > 1e-6 for r in residual) or spec in ("fp16", "bf16")
+    for s, r, w in zip(sent, residual, went_in, strict=True):
+        torch.testing.assert_close(s + r, w, atol=2e-4, rtol=1e-5)
+
+
+def _rank_r(n, m, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, r, generator=g) @ torch.randn(r, m, generator=g)
+
+
+def test_powersgd_reconstructs_a_rank_r_matrix_exactly():
+    codec = make_codec("powersgd:rank=3")
+    m = _rank_r(64, 48, 3)
+    out = m.clone()
+    codec.reduce(Communicator(), "k", [out]).wait()
+    torch.testing.assert_close(out, m, atol=1e-4, rtol=1e-4)
+
+
+def test_acpsgd_reconstructs_a_rank_r_matrix_exactly_from_the_second_step():
+    codec = make_codec("acpsgd:rank=3,error_feedback=false")
+    m = _rank_r(64, 48, 3)
+    errors = []
+    for _ in range(6):
+        out = m.clone()
+        codec.reduce(Communicator(), "k", [out]).wait()
+        errors.append((out - m).abs().max().item() / m.abs().max().item())
+    assert errors[0] > 1e-2  # one factor of a random start is not the matrix
+    # Step 2: P spans M's columns, so P P^T M = M; step 3 on: Q spans its rows, M Q Q^T = M.
+    assert max(errors[1:]) < 1e-4, errors
+
+
+def test_sign_packs_32_values_in_4_bytes_and_decodes_sign_times_mean_magnitude():
+    codec = Sign()
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0))
+    data = codec.encode(x, 1024)
+    assert data.dtype == torch.uint8
+    assert data.shape == (1, 4096 // 8 + 4 * 4)  # packed bits, then one fp32 scale per block
+    back = codec.decode(data, 4096, 1024).reshape(4, 1024)
+    blocks = x.reshape(4, 1024)
+    expected = torch.where(blocks >= 0, 1.0, -1.0) * blocks.abs().mean(dim=1, keepdim=True)
+    torch.testing.assert_close(back, expected)
+
+
+@pytest.mark.parametrize("spec,levels", [("int8", 127), ("int4", 7)])
+def test_block_quantisers_round_to_the_nearest_level(spec, levels):
+    codec = make_codec(spec)
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(0))
+    back = codec.roundtrip(x)
+    scale = x.reshape(-1, 256).abs().amax(dim=1, keepdim=True) / levels
+    assert ((back - x).reshape(-1, 256).abs() <= scale / 2 + 1e-6).all()
+    assert codec.row_bytes(2048, 256) == 2048 * codec.bits // 8 + 4 * 8
+
+
+def test_adatopk_gives_the_slowest_link_the_smallest_ratio_and_keeps_the_mean():
+    codec = make_codec("adatopk:ratio=0.1")
+    ratios = codec.ratios_for([100.0, 100.0, 100.0, 20.0])
+    assert ratios[3] == min(ratios) and ratios[3] < 0.1 < ratios[0]
+    assert sum(ratios) / 4 == pytest.approx(0.1)
+    assert ratios[0] / ratios[3] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("zip", "accepted: fp16, bf16, int8, int4, sign, topk, adatopk, powersgd, acpsgd"),
+        ("powersgd:rank=0", "rank must be an integer >= 1"),
+        ("acpsgd:rank=0", "rank must be an integer >= 1"),
+        ("topk:ratio=2.0", "ratio (fraction of values sent) must be in (0, 1]"),
+        ("topk:ratio=abc", "is not a valid float"),
+        ("int8:bogus=1", "unknown parameter 'bogus'; accepted: block"),
+        ("int8:block=12", "multiple of 8"),
+        ("topk:0.1", "must look like key=value"),
+    ],
+)
+def test_bad_codec_specs_say_what_is_accepted(spec, needle):
+    with pytest.raises(ConfigError) as err:
+        make_codec(spec)
+    assert needle in str(err.value)
+
+
+def test_algorithms_validate_compress_at_config_time():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="does not take --compress"):
+        build_sync("nosync", model, opt, Communicator(), {"compress": "int8"})
+    with pytest.raises(ConfigError, match="unknown codec"):
+        build_sync("ssgd", model, opt, Communicator(), {"compress": "int9"})
+
+
+# -- real gloo groups ------------------------------------------------------------------------------
+SHAPES = [(48, 40), (40,), (7, 3)]  # a matrix worth compressing, a vector, a small matrix
+
+
+def _inputs(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _compressed_mean_worker(rank, world_size, spec, steps):
+    codec = make_codec(spec)
+    if spec.startswith("adatopk"):
+        codec.link_speeds = [1.0 + r for r in range(world_size)]  # uneven links, no probe
+    comm = Communicator()
+    results, sent, estimates = [], [], []
+    for step in range(steps):
+        xs = _inputs(rank, step)
+        before = comm.stats.sent_bytes
+        if spec.startswith("acpsgd"):
+            estimates.append(codec.wire_bytes(SHAPES, world_size, step=step))
+        elif spec.startswith("adatopk"):
+            estimates.append(codec.wire_bytes(SHAPES, world_size, codec.ratios_for(codec.link_speeds), rank))
+        else:
+            estimates.append(codec.wire_bytes(SHAPES, world_size))
+        codec.reduce(comm, "k", xs).wait()
+        sent.append(comm.stats.sent_bytes - before)
+        results.append(xs)
+    return {"results": results, "sent": sent, "estimates": estimates}
+
+
+def _decoded_input(spec: str, x: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """What the codec makes of one worker's first message, computed locally."""
+    codec = make_codec(spec)
+    out = [t.clone() for t in x]
+    codec.reduce(Communicator(), "k", out).wait()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "topk:ratio=0.1", "adatopk:ratio=0.1"])
+def test_compressed_mean_equals_mean_of_decompressed_inputs(world_size, spec):
+    out = run_workers(_compressed_mean_worker, world_size, spec, 1, timeout=90)
+    if spec.startswith("adatopk"):  # every worker keeps its own share of the values
+        ratios = make_codec(spec).ratios_for([1.0 + r for r in range(world_size)])
+        decoded = [
+            _decoded_input(f"topk:ratio={ratios[r]}", _inputs(r, 0), world_size) for r in range(world_size)
+        ]
+    else:
+        decoded = [_decoded_input(spec, _inputs(r, 0), world_size) for r in range(world_size)]
+    expected = [torch.stack([d[i] for d in decoded]).mean(dim=0) for i in range(len(SHAPES))]
+    tol = 2e-2 if spec in ("fp16", "bf16") else 1e-6  # the halves are summed in half precision
+    for rank in range(world_size):
+        for got, want in zip(out[rank]["results"][0], expected, strict=True):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign"])
+def test_two_phase_quantised_mean_is_the_owner_requantised_mean_of_decoded_inputs(world_size, spec):
+    out = run_workers(_compressed_mean_worker, world_size, spec, 1, timeout=90)
+    codec = make_codec(spec)
+    flats = [torch.cat([t.reshape(-1) for t in _inputs(r, 0)]) for r in range(world_size)]
+    n = flats[0].numel()
+    block, chunk = codec.layout(n, world_size)
+    rows = []
+    for f in flats:
+        v = torch.zeros(world_size * chunk)
+        v[:n] = f
+        rows.append(codec.decode(codec.encode(v.reshape(world_size, chunk), block), chunk, block))
+    mean = torch.stack(rows).mean(dim=0)  # (world, chunk): chunk j averaged by worker j
+    expected = codec.decode(codec.encode(mean, block), chunk, block).reshape(-1)[:n]
+    true_mean = torch.stack(flats).mean(dim=0)
+    for rank in range(world_size):
+        got = torch.cat([t.reshape(-1) for t in out[rank]["results"][0]])
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    if spec != "sign":  # and within half a level per quantisation (two) of the true mean
+        levels = 127 if spec == "int8" else 7
+        bound = torch.stack(flats).abs().max() / levels
+        assert (got - true_mean).abs().max() <= bound + 1e-6
+
+
+@pytest.mark.parametrize("spec", ["powersgd:rank=2", "acpsgd:rank=2"])
+def test_low_rank_mean_is_exact_for_a_shared_low_rank_space(spec):
+    """Workers whose matrices share column and row spaces (rank 2): the mean is reconstructed."""
+
+    def inputs(rank):
+        m = _rank_r(48, 40, 2, seed=7)
+        return [m * (1 + rank), torch.full((40,), float(rank)), torch.ones(7, 3) * rank]
+
+    out = run_workers(_lowrank_worker, 3, spec, timeout=90)
+    expected = [torch.stack([inputs(r)[i] for r in range(3)]).mean(dim=0) for i in range(3)]
+    for rank in range(3):
+        for got, want in zip(out[rank], expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def _lowrank_worker(rank, world_size, spec):
+    codec = make_codec(spec + ",error_feedback=false")
+    comm = Communicator()
+    m = _rank_r(48, 40, 2, seed=7)
+    for _ in range(3):  # acpsgd (no error feedback) is exact from its second step
+        xs = [m * (1 + rank), torch.full((40,), float(rank)), torch.ones(7, 3) * rank]
+        codec.reduce(comm, "k", xs).wait()
+    return xs
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_bytes_on_the_wire_match_the_codec_estimate(spec):
+    world_size = 3
+    out = run_workers(_compressed_mean_worker, world_size, spec, 2, timeout=90)
+    raw = 2 * (world_size - 1) * 4 * sum(torch.Size(s).numel() for s in SHAPES) // world_size
+    for rank in range(world_size):
+        for sent, estimate in zip(out[rank]["sent"], out[rank]["estimates"], strict=True):
+            assert abs(sent - estimate) <= 0.05 * estimate, (rank, sent, estimate)
+            if not spec.startswith(("fp16", "bf16")):
+                assert sent < raw / 2
+        # Every worker got the same mean: replicas that apply it stay identical.
+        torch.testing.assert_close(out[rank]["results"], out[0]["results"], atol=0, rtol=0)
+
+
+def test_every_codec_is_covered():
+    assert sorted(codec_names()) == sorted(s.split(":")[0] for s in ALL_SPECS)
+
+
+# -- every algorithm with a codec, on 2 gloo workers ---------------------------------------------------
+def _train_with_codec(rank, world_size, algo, codec, steps=4):
+    from test_dreamddp_gloo import _batch, _model, _plan
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    comm = Communicator()
+    options = {"H": 2, "replan_threshold": 0.0, "compress": codec}
+    sync = build_sync(algo, model, opt, comm, options)
+    if algo == "dreamddp":
+        sync.set_plan(_plan(model, 2))
+    synced_params = []
+    start = comm.stats.sent_bytes  # after rank 0's broadcast of the initial parameters
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sync.after_step():
+            if algo == "dreamddp":  # the last averages, layer by layer
+                synced_params.append([t.clone() for ts in sync._ref.values() for t in ts])
+            else:
+                synced_params.append([p.detach().clone() for p in model.parameters()])
+    sync.close()
+    return {"synced": synced_params, "sent": comm.stats.sent_bytes - start, "state": sync.state_dict()}
+
+
+@pytest.mark.parametrize(
+    "algo,codec",
+    [
+        ("ssgd", "int8"),
+        ("ssgd", "acpsgd:rank=2"),
+        ("ssgd", "topk:ratio=0.05"),
+        ("ddp", "powersgd:rank=2"),
+        ("localsgd", "int4"),
+        ("diloco", "sign"),
+        ("dreamddp", "int8"),
+    ],
+)
+def test_algorithms_with_a_codec_keep_replicas_identical_and_send_less(algo, codec):
+    a, b = run_workers(_train_with_codec, 2, algo, codec, timeout=120)
+    plain = run_workers(_train_with_codec, 2, algo, "", timeout=120)[0]
+    assert len(a["synced"]) >= 2
+    for pa, pb in zip(a["synced"], b["synced"], strict=True):
+        for x, y in zip(pa, pb, strict=True):
+            assert torch.equal(x, y)
+    assert 0 < a["sent"] < plain["sent"] / 2, (a["sent"], plain["sent"])
+    assert "codec" in a["state"] and a["state"]["codec"]["state"]  # residuals are checkpointed
+
+
+def test_ssgd_fp16_stays_close_to_uncompressed_ssgd():
+    fp16 = run_workers(_train_with_codec, 2, "ssgd", "fp16", timeout=120)[0]["synced"][-1]
+    plain = run_workers(_train_with_codec, 2, "ssgd", "", timeout=120)[0]["synced"][-1]
+    for x, y in zip(fp16, plain, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
