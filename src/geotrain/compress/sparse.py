@@ -9,6 +9,9 @@
   speed, ``ratio_j = ratio * N * speed_j / sum(speed)``, so the slowest link sends the fewest
   values and every worker's upload takes about as long; ``ratio`` is the mean over workers.
   The speeds are measured once, at the first message, by each worker broadcasting a probe.
+  It helps where a worker's *upload* is the bottleneck (asymmetric home links); on a link slow both
+  ways the slow worker's bottleneck is downloading the others' values, which its own ratio does
+  not shrink.
 """
 
 from __future__ import annotations
