@@ -101,6 +101,19 @@ def test_block_quantisers_round_to_the_nearest_level(spec, levels):
     assert codec.row_bytes(2048, 256) == 2048 * codec.bits // 8 + 4 * 8
 
 
+def test_warmup_sends_the_first_messages_of_each_stream_uncompressed():
+    codec = make_codec("sign:warmup=2")
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for key in ("a", "a", "a", "b"):
+        out = [x.clone()]
+        codec.reduce(Communicator(), key, out).wait()
+        outs.append(out[0])
+    assert torch.equal(outs[0], x) and torch.equal(outs[1], x) and torch.equal(outs[3], x)
+    assert not torch.equal(outs[2], x)  # the third message of stream "a" is signs
+    assert outs[2].unique().numel() <= 2
+
+
 def test_adatopk_gives_the_slowest_link_the_smallest_ratio_and_keeps_the_mean():
     codec = make_codec("adatopk:ratio=0.1")
     ratios = codec.ratios_for([100.0, 100.0, 100.0, 20.0])
@@ -117,7 +130,8 @@ def test_adatopk_gives_the_slowest_link_the_smallest_ratio_and_keeps_the_mean():
         ("acpsgd:rank=0", "rank must be an integer >= 1"),
         ("topk:ratio=2.0", "ratio (fraction of values sent) must be in (0, 1]"),
         ("topk:ratio=abc", "is not a valid float"),
-        ("int8:bogus=1", "unknown parameter 'bogus'; accepted: block"),
+        ("int8:bogus=1", "unknown parameter 'bogus'; accepted: warmup, block"),
+        ("sign:warmup=-1", "warmup (uncompressed messages first) must be an integer >= 0"),
         ("int8:block=12", "multiple of 8"),
         ("topk:0.1", "must look like key=value"),
     ],

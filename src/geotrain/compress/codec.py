@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
 
 
@@ -73,13 +74,30 @@ class Codec(ABC):
     name: ClassVar[str] = "base"
     # One line for `--help` and error messages.
     summary: ClassVar[str] = ""
+    # Messages per stream sent uncompressed first, as 1-bit Adam warms up before compressing.
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         self._state: dict[Any, dict[str, torch.Tensor]] = {}
+        require(
+            isinstance(self.warmup, int) and self.warmup >= 0,
+            f"{self.name}: warmup (uncompressed messages first) must be an integer >= 0, got {self.warmup}",
+        )
 
-    @abstractmethod
     def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         """Launch the compressed mean of ``tensors`` over ``comm``'s group."""
+        if self.warmup:
+            state = self.state(key)
+            sent = int(state.get("messages", torch.tensor(0)))
+            state["messages"] = torch.tensor(sent + 1)
+            if sent < self.warmup:
+                handle = comm.all_reduce(flatten(tensors).float(), op="mean", async_op=True)
+                return Pending(lambda: unflatten_into(handle.wait(), tensors))
+        return self._reduce(comm, key, tensors)
+
+    @abstractmethod
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+        """The codec's own compressed mean (``reduce`` handles the warm-up)."""
 
     @abstractmethod
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:

@@ -120,7 +120,7 @@ class PowerSGD(_LowRank):
     name = "powersgd"
     summary = "rank-r factors P then Q (two all-reduces), warm start, error feedback"
 
-    def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state, mats, rest = self._inputs(key, tensors)
         ps = [mats[i] @ state[f"q{i}"] for i in mats]
         handle = comm.all_reduce(self._pack(ps, rest), op="mean", async_op=True)
@@ -150,7 +150,7 @@ class ACPSGD(_LowRank):
     name = "acpsgd"
     summary = "alternating PowerSGD: P or Q per step, one all-reduce, overlaps like plain all-reduce"
 
-    def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state, mats, rest = self._inputs(key, tensors)
         step = int(state.get("step", torch.tensor(0)))
         state["step"] = torch.tensor(step + 1)

@@ -33,7 +33,7 @@ def _round_up(n: int, m: int) -> int:
 class _Cast(Codec):
     dtype: ClassVar[torch.dtype] = torch.float16
 
-    def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state = self.state(key)
         v = flatten(tensors).float()
         if "residual" in state:
@@ -117,7 +117,7 @@ class _BlockQuantizer(Codec):
         return self.decode(self.encode(padded.unsqueeze(0), block), chunk, block)[0, : v.numel()]
 
     # -- the compressed all-reduce ---------------------------------------------------------------
-    def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state = self.state(key)
         flat = flatten(tensors).float()
         n, world = flat.numel(), comm.world_size

@@ -52,7 +52,7 @@ class TopK(Codec):
         idx = v.abs().topk(k, sorted=False).indices
         return v[idx], idx.to(torch.int32)
 
-    def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
+    def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state = self.state(key)
         v = flatten(tensors).float()
         n = v.numel()
