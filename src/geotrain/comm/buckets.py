@@ -45,15 +45,33 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         dst.copy_(src)
 
 
+class Pending:
+    """A mean in flight. ``wait()`` finishes it and writes the mean into the tensors it was taken of."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._finish()
+            self._done = True
+
+
+def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:
+    """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce."""
+    handle = comm.all_reduce(flatten(tensors), op="mean", async_op=True)
+    return Pending(lambda: unflatten_into(handle.wait(), tensors))
+
+
 def reduce_tensors(
     comm: Communicator,
     tensors: Sequence[torch.Tensor],
     cap_mb: float = DEFAULT_BUCKET_MB,
-    op: str = "mean",
     codec=None,
     key: str = "",
 ) -> None:
-    """All-reduce ``tensors`` in place, every bucket launched before the first is waited for.
+    """Average ``tensors`` in place, every bucket launched before the first is waited for.
 
     With a ``codec`` (``geotrain.compress``), each bucket's mean is taken compressed, its stream
     named ``(key, bucket index)`` for the codec's error feedback.
@@ -61,19 +79,9 @@ def reduce_tensors(
     if comm.world_size == 1 or not tensors:
         return
     tensors = list(tensors)
-    if codec is not None:
-        if op != "mean":
-            raise ValueError("a codec averages; op must be 'mean'")
-        messages = [
-            codec.reduce(comm, (key, b), [tensors[i] for i in idx])
-            for b, idx in enumerate(make_buckets(tensors, cap_mb))
-        ]
-        for message in messages:
-            message.wait()
-        return
     pending = []
-    for idx in make_buckets(tensors, cap_mb):
+    for b, idx in enumerate(make_buckets(tensors, cap_mb)):
         group = [tensors[i] for i in idx]
-        pending.append((group, comm.all_reduce(flatten(group), op=op, async_op=True)))
-    for group, handle in pending:
-        unflatten_into(handle.wait(), group)
+        pending.append(codec.reduce(comm, (key, b), group) if codec is not None else mean_async(comm, group))
+    for message in pending:
+        message.wait()

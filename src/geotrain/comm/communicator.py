@@ -50,7 +50,8 @@ class Handle:
 
     def __init__(self, comm: Communicator, work, tensor, divide_by: int, launched: float):
         self._comm = comm
-        self._work = work
+        # One collective, or several (an uneven gather is one broadcast per worker).
+        self._works = [w for w in (work if isinstance(work, list) else [work]) if w is not None]
         self._tensor = tensor
         self._divide_by = divide_by
         self._launched = launched
@@ -61,16 +62,14 @@ class Handle:
         return self._tensor
 
     def is_completed(self) -> bool:
-        works = self._work if isinstance(self._work, list) else [self._work]
-        return self._done or all(w is None or w.is_completed() for w in works)
+        return self._done or all(w.is_completed() for w in self._works)
 
     def wait(self) -> torch.Tensor:
         if self._done:
             return self._tensor
         start = time.perf_counter()
-        for work in self._work if isinstance(self._work, list) else [self._work]:
-            if work is not None:
-                work.wait()
+        for work in self._works:
+            work.wait()
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import Pending, mean_async
 from geotrain.comm.communicator import Communicator
 
 
@@ -47,19 +47,6 @@ def require(cond: bool, message: str) -> None:
 
 
 Shapes = list[tuple[int, ...]]
-
-
-class Pending:
-    """A compressed mean in flight. ``wait()`` finishes it and writes the mean into the tensors."""
-
-    def __init__(self, finish) -> None:
-        self._finish = finish
-        self._done = False
-
-    def wait(self) -> None:
-        if not self._done:
-            self._finish()
-            self._done = True
 
 
 def ring_bytes(nbytes: int, world_size: int) -> int:
@@ -91,8 +78,7 @@ class Codec(ABC):
             sent = int(state.get("messages", torch.tensor(0)))
             state["messages"] = torch.tensor(sent + 1)
             if sent < self.warmup:
-                handle = comm.all_reduce(flatten(tensors).float(), op="mean", async_op=True)
-                return Pending(lambda: unflatten_into(handle.wait(), tensors))
+                return mean_async(comm, tensors)
         return self._reduce(comm, key, tensors)
 
     @abstractmethod

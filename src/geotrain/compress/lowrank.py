@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
-from geotrain.compress.codec import Codec, Pending, Shapes, numel, require, ring_bytes
+from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
 
 
 def orthonormal(m: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,14 @@ class _LowRank(Codec):
                 state[f"e{i}"] = m - approx[i]
             tensors[i].copy_(approx[i].reshape(tensors[i].shape))
 
+    def _message_bytes(self, shapes: Shapes, world_size: int, rows_per_rank) -> int:
+        """Ring bytes of one step: ``rank * rows_per_rank(n, m)`` values per factored matrix, the
+        rest as is."""
+        values = 0
+        for shape, lay in zip(shapes, self.plan(shapes), strict=True):
+            values += numel(shape) if lay is None else lay[2] * rows_per_rank(lay[0], lay[1])
+        return ring_bytes(4 * values, world_size)
+
     @staticmethod
     def _pack(factors: list[torch.Tensor], rest: list[torch.Tensor]) -> torch.Tensor:
         parts = [f.reshape(-1) for f in factors] + [t.detach().reshape(-1).float() for t in rest]
@@ -139,10 +147,7 @@ class PowerSGD(_LowRank):
         return Pending(finish)
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
-        values = 0
-        for shape, lay in zip(shapes, self.plan(shapes), strict=True):
-            values += numel(shape) if lay is None else lay[2] * (lay[0] + lay[1])
-        return ring_bytes(4 * values, world_size)
+        return self._message_bytes(shapes, world_size, lambda n, m: n + m)
 
 
 @dataclass
@@ -181,7 +186,4 @@ class ACPSGD(_LowRank):
 
     def wire_bytes(self, shapes: Shapes, world_size: int, step: int = 0) -> int:
         """Bytes for the ``step``-th message of this stream (even: P, n r values; odd: Q, m r)."""
-        values = 0
-        for shape, lay in zip(shapes, self.plan(shapes), strict=True):
-            values += numel(shape) if lay is None else lay[2] * (lay[0] if step % 2 == 0 else lay[1])
-        return ring_bytes(4 * values, world_size)
+        return self._message_bytes(shapes, world_size, lambda n, m: n if step % 2 == 0 else m)

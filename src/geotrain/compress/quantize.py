@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
-from geotrain.compress.codec import Codec, Pending, Shapes, numel, require, ring_bytes
+from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
 
 
 def _round_up(n: int, m: int) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
-from geotrain.compress.codec import Codec, Pending, Shapes, numel, require
+from geotrain.compress.codec import Codec, Shapes, numel, require
 
 
 @dataclass
@@ -59,10 +59,9 @@ class TopK(Codec):
         if "residual" in state:
             v += state["residual"]
         counts = [self.count(r, n) for r in self.ratios(comm)]
-        values, idx = self.select(v, counts[comm.rank])
-        residual = v.clone()
-        residual[idx.long()] = 0
-        state["residual"] = residual
+        values, idx = self.select(v, counts[comm.rank])  # values is a copy
+        v[idx.long()] = 0  # what was not sent stays for the next message
+        state["residual"] = v
         # Values and indices travel as one int32 message: the bits of the fp32 values, then indices.
         message = torch.cat([values.view(torch.int32), idx])
         if len(set(counts)) == 1:

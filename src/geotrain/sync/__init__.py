@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from geotrain.comm.communicator import Communicator
+from geotrain.compress.codec import make_codec
 from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
 from geotrain.sync.ddp import DDP, DDPConfig, DDPPowerSGD, DDPPowerSGDConfig
 from geotrain.sync.diloco import DiLoCo, DiLoCoConfig
@@ -30,9 +31,13 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
         raise ConfigError(f"unknown algorithm {name!r}; accepted: {', '.join(ALGORITHMS)}")
     options = options or {}
     config_cls = ALGORITHMS[name][1]
-    if options.get("compress") and "compress" not in config_cls.__dataclass_fields__:
-        with_codecs = [a for a, (_, c) in ALGORITHMS.items() if "compress" in c.__dataclass_fields__]
-        raise ConfigError(f"{name} does not take --compress; algorithms that do: {', '.join(with_codecs)}")
+    if options.get("compress"):
+        if "compress" not in config_cls.__dataclass_fields__:
+            with_codecs = [a for a, (_, c) in ALGORITHMS.items() if "compress" in c.__dataclass_fields__]
+            raise ConfigError(
+                f"{name} does not take --compress; algorithms that do: {', '.join(with_codecs)}"
+            )
+        make_codec(options["compress"])  # a bad spec fails here, before any worker starts
     return config_cls.from_options(options)
 
 

@@ -44,16 +44,21 @@ def require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_codec(spec: str) -> None:
-    """Raise ``ConfigError`` now, at config time, if ``spec`` is not a valid codec."""
-    if spec:
-        make_codec(spec)
-
-
 def codec_from_config(config: SyncConfig) -> Codec | None:
     """The codec named by ``config.compress`` ("" or absent: send uncompressed)."""
     spec = getattr(config, "compress", "")
     return make_codec(spec) if spec else None
+
+
+def adopt_mean_change(
+    params: list[torch.Tensor], refs: list[torch.Tensor], changes: list[torch.Tensor]
+) -> None:
+    """x_ref <- x_ref + mean_k(x_k - x_ref), then x <- x_ref: how a compressed parameter average
+    lands (``changes`` hold the mean change, the same on every worker, so replicas agree)."""
+    with torch.no_grad():
+        for p, ref, change in zip(params, refs, changes, strict=True):
+            ref.add_(change)
+            p.copy_(ref)
 
 
 class SyncAlgorithm:
@@ -69,6 +74,8 @@ class SyncAlgorithm:
         self.optimizer = optimizer
         self.comm = comm
         self.config = config
+        # Algorithms whose config has ``compress`` send their messages through this codec.
+        self.codec = codec_from_config(config)
         self.step_count = 0
         self.syncs = 0
         self.broadcast_parameters()
@@ -111,7 +118,7 @@ class SyncAlgorithm:
             "config": self.config.as_dict(),
             "step": self.step_count,
             "syncs": self.syncs,
-            **({"codec": self.codec.state_dict()} if getattr(self, "codec", None) else {}),
+            **({"codec": self.codec.state_dict()} if self.codec else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -119,5 +126,5 @@ class SyncAlgorithm:
             raise ValueError(f"checkpoint is for {state.get('name')!r}, not {self.name!r}")
         self.step_count = int(state["step"])
         self.syncs = int(state["syncs"])
-        if getattr(self, "codec", None) and "codec" in state:
+        if self.codec and "codec" in state:
             self.codec.load_state_dict(state["codec"])

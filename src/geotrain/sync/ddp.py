@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from geotrain.comm.buckets import flatten
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
 @dataclass
@@ -26,7 +25,6 @@ class DDPConfig(SyncConfig):
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
-        check_codec(self.compress)
 
 
 class DDP(SyncAlgorithm):
@@ -42,19 +40,16 @@ class DDP(SyncAlgorithm):
                 model, process_group=comm.group, bucket_cap_mb=self.config.bucket_mb
             )
         self._grad_tensors = [p for p in self.parameters()]
-        self.codec = codec_from_config(self.config)
         if self.codec is not None and self._ddp is not None:
             self._ddp.register_comm_hook(None, self._codec_hook)
 
     def _codec_hook(self, _state, bucket):  # no annotation: DDP checks it against a runtime type
-        grads = bucket.gradients()
-        buffer = bucket.buffer()
+        grads = bucket.gradients()  # views into bucket.buffer(): the mean lands in the buffer
         # DDP rebuilds its buckets after the first step: the key includes the layout.
         key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
         self.codec.reduce(self.comm, key, grads).wait()
-        buffer.copy_(flatten(grads))
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result(buffer)
+        future.set_result(bucket.buffer())
         return future
 
     def broadcast_parameters(self) -> None:
@@ -107,7 +102,6 @@ class DDPPowerSGD(DDP):
 
         config = config or DDPPowerSGDConfig()
         SyncAlgorithm.__init__(self, model, optimizer, comm, config)
-        self.codec = None
         self._ddp = None
         self._grad_tensors = self.parameters()
         if comm.world_size > 1:

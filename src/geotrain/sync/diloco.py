@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
 @dataclass
@@ -34,7 +34,6 @@ class DiLoCoConfig(SyncConfig):
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
-        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (inner steps between outer steps) must be an integer >= 1, got {self.H}",
@@ -50,7 +49,6 @@ class DiLoCo(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config: DiLoCoConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DiLoCoConfig())
         cfg = self.config
-        self.codec = codec_from_config(cfg)
         self._outer = [p.detach().clone() for p in self.parameters()]
         self.outer_optimizer = torch.optim.SGD(
             self._outer,

@@ -37,7 +37,7 @@ from geotrain.plan.cost import predict_schedule
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
 
 
 @dataclass
@@ -49,7 +49,6 @@ class DreamDDPConfig(SyncConfig):
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
-        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (the schedule's period in iterations) must be an integer >= 1, got {self.H}",
@@ -72,7 +71,6 @@ class DreamDDP(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DreamDDPConfig())
         self.layers = layer_groups(model)
-        self.codec = codec_from_config(self.config)
         # Keyed by layer name: a re-plan reorders the layers.
         self._ref = (
             {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
@@ -191,10 +189,8 @@ class DreamDDP(SyncAlgorithm):
                 if self.codec is not None:
                     message, deltas = handle
                     message.wait()
-                    refs = self._ref[self.layers[i].name]
-                    for p, ref, delta in zip(self.layers[i].params, refs, deltas, strict=True):
-                        ref.add_(delta)
-                        p.data.copy_(ref)
+                    params = [p.data for p in self.layers[i].params]
+                    adopt_mean_change(params, self._ref[self.layers[i].name], deltas)
                     continue
                 unflatten_into(handle.wait(), [p.data for p in self.layers[i].params])
         self._inflight = {}  # free the send buffers now, not at the next iteration

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
 
 
 @dataclass
@@ -27,7 +25,6 @@ class LocalSGDConfig(SyncConfig):
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
     def __post_init__(self) -> None:
-        check_codec(self.compress)
         require(
             isinstance(self.H, int) and self.H >= 1,
             f"H (steps between syncs) must be an integer >= 1, got {self.H}",
@@ -40,7 +37,6 @@ class LocalSGD(SyncAlgorithm):
 
     def __init__(self, model, optimizer, comm, config: LocalSGDConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or LocalSGDConfig())
-        self.codec = codec_from_config(self.config)
         self._ref = [p.detach().clone() for p in self.parameters()] if self.codec else []
 
     def average_parameters(self) -> None:
@@ -50,10 +46,7 @@ class LocalSGD(SyncAlgorithm):
         else:
             deltas = [p - ref for p, ref in zip(params, self._ref, strict=True)]
             reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="delta")
-            with torch.no_grad():
-                for p, ref, delta in zip(params, self._ref, deltas, strict=True):
-                    ref.add_(delta)
-                    p.copy_(ref)
+            adopt_mean_change(params, self._ref, deltas)
         self.syncs += 1
 
     def after_step(self) -> bool:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from geotrain.comm.buckets import DEFAULT_BUCKET_MB, flatten, make_buckets, unflatten_into
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, check_codec, codec_from_config, require
+from geotrain.comm.buckets import DEFAULT_BUCKET_MB, make_buckets, mean_async
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
 @dataclass
@@ -27,7 +27,6 @@ class SSGDConfig(SyncConfig):
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
-        check_codec(self.compress)
 
 
 class SSGD(SyncAlgorithm):
@@ -35,7 +34,6 @@ class SSGD(SyncAlgorithm):
 
     def __init__(self, model, optimizer, comm, config: SSGDConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or SSGDConfig())
-        self.codec = codec_from_config(self.config)
         # Reverse registration order approximates the order backward produces gradients.
         self._params = list(reversed(self.parameters()))
         self._buckets = make_buckets(self._params, self.config.bucket_mb)
@@ -66,10 +64,11 @@ class SSGD(SyncAlgorithm):
         return grads
 
     def _launch(self, b: int) -> None:
+        grads = self._grads(b)
         if self.codec is not None:
-            self._launched[b] = self.codec.reduce(self.comm, ("grad", b), self._grads(b))
+            self._launched[b] = self.codec.reduce(self.comm, ("grad", b), grads)
         else:
-            self._launched[b] = self.comm.all_reduce(flatten(self._grads(b)), op="mean", async_op=True)
+            self._launched[b] = mean_async(self.comm, grads)
 
     def before_step(self) -> None:
         if self.comm.world_size == 1:
@@ -79,11 +78,8 @@ class SSGD(SyncAlgorithm):
         for b in range(len(self._buckets)):
             if self._launched[b] is None:
                 self._launch(b)
-        for b, handle in enumerate(self._launched):
-            if self.codec is not None:
-                handle.wait()  # writes the mean into the gradients
-            else:
-                unflatten_into(handle.wait(), self._grads(b))
+        for message in self._launched:
+            message.wait()  # writes the mean into the bucket's gradients
         self._ready = [0] * len(self._buckets)
         self._launched = [None] * len(self._buckets)
         self.syncs += 1
