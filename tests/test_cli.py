@@ -182,12 +182,27 @@ def _start(run_dir: Path, steps: int = 100000) -> subprocess.Popen:
     )
 
 
-def _kill_and_sweep(proc: subprocess.Popen) -> None:
+def _kill_and_sweep(proc: subprocess.Popen, run_dir: Path | None = None) -> None:
     """A launcher that did not stop in time must not leave a run going for the tests after it."""
     if proc.poll() is None:
         proc.kill()
         proc.wait()
         subprocess.run(GEOTRAIN + ["sweep"], capture_output=True, timeout=60)
+    if run_dir is not None:
+        _only_keepers_left_then_stop_them(run_dir)
+
+
+def _only_keepers_left_then_stop_them(run_dir: Path) -> None:
+    """After a failed or interrupted run only its keepers live on (holding its snapshots for
+    --resume); stopping them leaves nothing."""
+    from geotrain.launch.local import stop_keepers
+
+    left = [ln for ln in _stray_processes(str(run_dir)) if "geotrain.ft.keeper" not in ln]
+    stop_keepers(run_dir, 2)
+    deadline = time.monotonic() + 10
+    while _stray_processes(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, left
 
 
 def _wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout=90.0) -> None:
@@ -208,7 +223,7 @@ def test_ctrl_c_stops_hosts_and_removes_namespaces(tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)
     finally:
-        _kill_and_sweep(proc)
+        _kill_and_sweep(proc, run_dir)
     assert proc.returncode == 130
     assert "interrupted; hosts stopped, namespaces removed" in err
     assert not _stray_processes(str(run_dir))
@@ -230,7 +245,7 @@ def test_a_dead_host_fails_the_run_cleanly(tmp_path):
         os.kill(int(workers[-1]), signal.SIGKILL)
         _, err = proc.communicate(timeout=90)
     finally:
-        _kill_and_sweep(proc)
+        _kill_and_sweep(proc, run_dir)
     assert proc.returncode == 1
     assert "run failed: host" in err and "exited with code" in err
     assert not _stray_processes(str(run_dir))

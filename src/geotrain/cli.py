@@ -53,8 +53,113 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netem", action="store_true", help="run on loopback, unshaped, without namespaces")
     p.add_argument("--run-dir", default="", help="output folder (empty: runs/<time>-<algo>-<workers>x<link>)")
     p.add_argument("--timeout", type=float, default=3600.0, help="stop the whole run after this many seconds")
+    p.add_argument(
+        "--resume",
+        dest="resume_dir",
+        default="",
+        metavar="RUN_DIR",
+        help="continue this run (stopped, killed or finished) from its newest snapshot; "
+        "--steps gives the new total",
+    )
     add_train_arguments(p)
     return p
+
+
+# What a resumed run may change; everything else must match the run directory's config.
+RESUME_MAY_CHANGE = {
+    "steps",
+    "timeout",
+    "resume_step",
+    "eval_every",
+    "progress",
+    "chaos",
+    "snapshot_every",
+    "checkpoint_every",
+    "snapshot_bandwidth",
+    "threads",
+    "timeout_s",
+}
+
+
+def _given_flags(argv: list[str], parser: argparse.ArgumentParser) -> set[str]:
+    """The dests of the options written on the command line (not defaults)."""
+    by_flag = {flag: a.dest for a in parser._actions for flag in a.option_strings}
+    given = set()
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in by_flag:
+            given.add(by_flag[flag])
+    return given
+
+
+def _cmd_resume(argv: list[str]) -> int:
+    import json
+    from dataclasses import fields, replace
+
+    from geotrain.ft.keeper import KeeperClient
+    from geotrain.ft.snapshots import ResumeError, preflight
+    from geotrain.launch.local import LaunchConfig, RunFailed, keeper_socket, run_local_cluster
+    from geotrain.train import TrainConfig
+
+    parser = _run_parser()
+    argv = _attach_dash_values(argv, ("--steps", "--resume-step"))
+    args = parser.parse_args(argv)
+    run_dir = Path(args.resume_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"--resume {run_dir}: not a geotrain run directory (no config.json there)")
+    try:
+        saved = json.loads(config_path.read_text())
+        train_saved, workers = saved["train"], int(saved["workers"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise UsageError(f"--resume {run_dir}: config.json is unreadable; cannot resume this run") from None
+    given = _given_flags(argv, parser) - {"resume_dir"}
+    if "workers" in given and args.workers != workers:
+        raise UsageError(
+            f"--resume: the run has {workers} workers, not {args.workers}; a resumed run keeps them"
+        )
+    names = {f.name for f in fields(TrainConfig)}
+    for name in sorted(given & names - RESUME_MAY_CHANGE):
+        if getattr(args, name) != train_saved.get(name):
+            raise UsageError(
+                f"--resume: the run was made with {name}={train_saved.get(name)!r}, not "
+                f"{getattr(args, name)!r}; a resumed run keeps its model, data, workers and algorithm "
+                f"(it may change: {', '.join(sorted(RESUME_MAY_CHANGE))})"
+            )
+    overrides = {n: getattr(args, n) for n in given & names & RESUME_MAY_CHANGE}
+    try:
+        # A chaos fault or a chosen step of the earlier launch is not repeated unless asked again.
+        base = {k: v for k, v in train_saved.items() if k in names} | {"chaos": "", "resume_step": 0}
+        cfg = TrainConfig(**(base | overrides))
+    except (ConfigError, DataError) as e:
+        raise UsageError(str(e)) from None
+    keepers = [KeeperClient(keeper_socket(run_dir, i), timeout_s=60.0) for i in range(workers)]
+    try:
+        step, how = preflight(keepers, run_dir / "snapshots", cfg.resume_step)
+    except ResumeError as e:
+        raise UsageError(f"--resume {run_dir}: {e}") from None
+    if cfg.steps < step:
+        raise UsageError(f"--steps {cfg.steps} is below the snapshot's step {step}; give the new total")
+    sources = ", ".join(f"rank {r} from {h}" for r, h in sorted(how.items()))
+    print(f"geotrain: resuming {run_dir} at step {step} of {cfg.steps} ({sources})", file=sys.stderr)
+    rates = saved.get("rates_bps")
+    launch = LaunchConfig(
+        workers,
+        rates if saved.get("network_mode") == "netns" else None,
+        run_dir,
+        netem=saved.get("network_mode") == "netns",
+        timeout_s=args.timeout,
+    )
+    try:
+        summary = run_local_cluster(launch, replace(cfg, resume=True, resume_step=step))
+    except RunFailed as e:
+        print(f"geotrain: run failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ngeotrain: interrupted; resume again with: geotrain run --resume {run_dir}", file=sys.stderr)
+        return 130
+    print(f"geotrain: network mode {summary['network_mode']}; run directory: {run_dir}")
+    return 0
 
 
 def _attach_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -119,6 +224,8 @@ def _launch_config(args, rates, label: str):
 def _cmd_run(argv: list[str]) -> int:
     from geotrain.launch.local import RunFailed, run_local_cluster
 
+    if any(a == "--resume" or a.startswith("--resume=") for a in argv):
+        return _cmd_resume(argv)
     args, cfg, rates = _parse_cluster_job(argv, _run_parser())
     launch = _launch_config(args, rates, cfg.algo)
     run_dir = launch.run_dir

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import sys
 import time
@@ -24,9 +26,15 @@ import torch
 
 from geotrain.comm.communicator import Communicator
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
+from geotrain.ft.keeper import KeeperClient
+from geotrain.ft.redundancy import parse_redundancy
+from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
+from geotrain.ft.state import capture, param_digest, write_atomic
+from geotrain.ft.state import restore as restore_state
 from geotrain.launch.dist import DistContext, init_distributed, shutdown_distributed
-from geotrain.metrics import MetricsWriter, summary_table
+from geotrain.metrics import MetricsWriter, read_metrics, summary_table
 from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
+from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -64,6 +72,14 @@ class TrainConfig:
     threads: int = 0  # 0: cores divided by workers on this machine
     timeout_s: float = 600.0
     progress: bool = True
+    resume: bool = False  # continue the run in run_dir from its newest restorable snapshot
+    resume_step: int = 0  # with resume: this snapshot step instead of the newest
+    snapshot_every: int = 0  # 0: every sync boundary (periodic methods), every 50 steps otherwise
+    checkpoint_every: int = 0  # disk checkpoints, written by the keeper (0: only at the end)
+    redundancy: str = "off"  # off | ring | ec:K/N: unique state held by peers' keepers
+    snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)
+    keeper: str = ""  # this host's keeper socket ("": snapshots go to disk from a trainer thread)
+    chaos: str = ""  # kill:step=S,rank=R: that worker SIGKILLs itself after step S (fault injection)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -91,7 +107,36 @@ class TrainConfig:
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
         need(self.bucket_mb >= 0, f"--bucket-mb must be >= 0 (0 = default), got {self.bucket_mb}")
         need(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+        need(self.resume_step >= 0, f"--resume-step must be >= 0 (0 = the newest), got {self.resume_step}")
+        need(
+            self.snapshot_every >= 0,
+            f"--snapshot-every must be >= 0 (0 = each sync boundary, or 50 steps), got {self.snapshot_every}",
+        )
+        need(
+            self.checkpoint_every >= 0,
+            f"--checkpoint-every must be >= 0 (0 = only at the end), got {self.checkpoint_every}",
+        )
+        parse_redundancy(self.redundancy)
+        self.snapshot_rate_bps()
+        self.chaos_kill()
         self.sync_config()  # validates the algorithm's own options
+
+    def snapshot_rate_bps(self) -> float:
+        if self.snapshot_bandwidth in ("", "0"):
+            return 0.0
+        try:
+            return float(parse_bandwidth(self.snapshot_bandwidth))
+        except LinkSpecError as e:
+            raise ConfigError(f"--snapshot-bandwidth: {e}") from None
+
+    def chaos_kill(self) -> tuple[int, int] | None:
+        """(step, rank) of an injected SIGKILL, or None."""
+        if not self.chaos:
+            return None
+        m = re.fullmatch(r"kill:step=(\d+),rank=(\d+)", self.chaos)
+        if not m:
+            raise ConfigError(f"--chaos {self.chaos!r}: accepted: kill:step=S,rank=R")
+        return int(m.group(1)), int(m.group(2))
 
     def sync_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"H": self.H, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
@@ -148,10 +193,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "threads": "torch threads per worker (0: cores / workers on this machine)",
         "timeout_s": "seconds a collective may wait for the other workers before the run fails",
         "progress": "show a progress bar on rank 0",
+        "resume": "continue the run in --run-dir from its newest snapshot every worker can reach",
+        "resume_step": "with --resume: restore this snapshot step instead of the newest",
+        "snapshot_every": "steps between in-memory snapshots (0: each sync boundary of a periodic "
+        "method, every 50 steps otherwise)",
+        "checkpoint_every": "steps between disk checkpoints, written by the keeper from its copy "
+        "(0: only at the end)",
+        "redundancy": "who else holds each worker's unique state: off, ring (the next worker's "
+        "keeper), ec:K/N (N erasure-coded stripes on N peers, any K rebuild it)",
+        "snapshot_bandwidth": "pace of redundancy traffic, e.g. 5mbit (0: as fast as the link goes)",
+        "keeper": "this host's keeper socket (`geotrain keeper --socket PATH`); empty: none",
+        "chaos": "fault injection: kill:step=S,rank=R (that worker SIGKILLs itself after step S)",
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name in ("link", "network_mode", "run_dir", "latency_ms", "profile_out"):
+        if f.name in ("link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper"):
             continue  # set by the launcher or added by the caller
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -216,21 +272,83 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     if cfg.profile_out:
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
-    sync.prepare(profile_loss)
+    generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
+    snap_dir = run_dir / "snapshots" if run_dir is not None else None
+    snap_comm = Communicator(group=ctx.snapshot_group) if ctx.snapshot_group is not None else None
+    keeper = KeeperClient(cfg.keeper) if cfg.keeper else None
+    progress0: dict[str, Any] = {"step": 0, "train_s": 0.0, "eval_s": 0.0, "wall_s": 0.0, "val_loss": None}
+    resumed = None
+    if cfg.resume:
+        t_restore = time.perf_counter()
+        state, source = restore(ctx.rank, ctx.world_size, keeper, snap_dir, snap_comm, cfg.resume_step)
+        progress0 = restore_state(state, model=model, optimizer=optimizer, sync=sync, generators=generators)
+        if progress0["step"] > cfg.steps:
+            raise ConfigError(
+                f"--steps {cfg.steps} is below the snapshot's step {progress0['step']}; give the total, "
+                f"e.g. --steps {2 * progress0['step']}"
+            )
+        (restore_s,) = comm.max_scalars([time.perf_counter() - t_restore])
+        sources = comm.all_gather_object(source)
+        resumed = {"step": progress0["step"], "sources": sources, "restore_s": restore_s}
+    sync.prepare(profile_loss)  # dreamddp: profiles and plans, unless its plan was restored
+    first_step = progress0["step"] + 1
+    snapshots = Snapshotter(
+        SnapshotConfig(
+            every=cfg.snapshot_every or sync.default_snapshot_every(),
+            checkpoint_every=cfg.checkpoint_every,
+            redundancy=cfg.redundancy,
+            rate_bps=cfg.snapshot_rate_bps(),
+            keeper=cfg.keeper,
+            directory=snap_dir,
+        ),
+        ctx.rank,
+        ctx.world_size,
+        snap_comm,
+    )
 
+    records = _metrics_so_far(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
     writer = MetricsWriter(run_dir, ctx.rank)
     tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
     progress = None
     if ctx.is_main and cfg.progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=cfg.steps, desc=f"{cfg.algo} x{ctx.world_size}", unit="step", file=sys.stderr)
+        progress = tqdm(
+            total=cfg.steps,
+            initial=progress0["step"],
+            desc=f"{cfg.algo} x{ctx.world_size}",
+            unit="step",
+            file=sys.stderr,
+        )
 
-    records: list[dict[str, Any]] = []
-    val_loss = None
-    eval_s = 0.0  # excluded from train_s, so evaluation frequency does not change time-to-loss
-    start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    val_loss = progress0["val_loss"]
+    eval_s = progress0[
+        "eval_s"
+    ]  # excluded from train_s, so evaluation frequency does not change time-to-loss
+    start = time.perf_counter() - progress0["wall_s"]
+    kill = cfg.chaos_kill()
+
+    def take_snapshot(step: int, final: bool = False) -> None:
+        def state() -> dict[str, Any]:
+            now = time.perf_counter()
+            return capture(
+                step=step,
+                model=model,
+                optimizer=optimizer,
+                sync=sync,
+                generators=generators,
+                progress={
+                    "train_s": now - start - eval_s,
+                    "eval_s": eval_s,
+                    "wall_s": now - start,
+                    "val_loss": val_loss,
+                },
+                replicated=sync.replicated_parts(),
+            )
+
+        snapshots.take(step, state, final=final)
+
+    for step in range(first_step, cfg.steps + 1):
         t0 = time.perf_counter()
         before = comm.stats.copy()
         for group in optimizer.param_groups:
@@ -244,6 +362,9 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         synced = sync.after_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if step == cfg.steps or snapshots.due(step):
+            # The final one too, before the end-of-run average: a resumed run continues from it.
+            take_snapshot(step, final=step == cfg.steps)
         step_s = time.perf_counter() - t0
         spent = comm.stats.delta(before)
         blocked = spent.blocked_s if sync.measures_blocked_time else None
@@ -269,6 +390,13 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)
+        if kill is not None and kill == (step, ctx.rank):
+            print(
+                f"geotrain: chaos: rank {ctx.rank} kills itself after step {step}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
         if progress is not None:
             mbit = spent.sent_bytes * 8 / step_s / 1e6
             postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
@@ -298,8 +426,11 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     writer.close()
     if progress is not None:
         progress.close()
+    snapshots.close()  # every snapshot stored, the final disk checkpoint written
 
     summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step)
+    summary.update(_snapshot_summary(snapshots, snap_comm, comm, len(records) - (first_step - 1), resumed))
+    summary["param_digest"] = param_digest(model)
     if run_dir is not None and ctx.is_main:
         torch.save(
             {
@@ -311,9 +442,42 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             },
             run_dir / "checkpoint.pt",
         )
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     sync.close()
     return summary
+
+
+def _metrics_so_far(run_dir: Path | None, rank: int, step: int) -> list[dict[str, Any]]:
+    """The metrics of steps 1..step (a resumed run drops what came after its snapshot)."""
+    if run_dir is None:
+        return []
+    path = run_dir / "metrics" / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    kept = [r for r in read_metrics(path) if r["step"] <= step and not r.get("final")]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return kept
+
+
+def _snapshot_summary(snapshots: Snapshotter, snap_comm, comm, steps_here: int, resumed) -> dict[str, Any]:
+    st = snapshots.stats
+    steps_here = max(steps_here, 1)
+    sent = snap_comm.stats.sent_bytes if snap_comm is not None else 0
+    critical, background, snap_bytes = comm.mean_scalars(
+        [st.critical_s / steps_here, st.background_s / steps_here, sent / steps_here]
+    )
+    return {
+        "snapshots": st.taken,
+        "snapshot_every": snapshots.cfg.every,
+        "snapshot_critical_s_per_step": critical,
+        "snapshot_background_s_per_step": background,
+        "snapshot_bytes_per_step": snap_bytes,
+        "snapshot_full_bytes": st.full_bytes,
+        "snapshot_unique_bytes": st.unique_bytes,
+        "redundancy": snapshots.cfg.redundancy if snapshots.scheme is not None else "off",
+        "snapshot_errors": st.errors,
+        "resumed_from": resumed,
+    }
 
 
 def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
@@ -389,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-out", dest="profile_out", default="", help="profile, write this JSON, exit"
     )
+    parser.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="continue the run in --run-dir from the newest snapshot every worker can reach",
+    )
+    parser.add_argument("--keeper", default="", help="this host's keeper socket (geotrain keeper --socket)")
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -402,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         if ctx.is_main and not cfg.profile_out:
             print(summary_table(summary), flush=True)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, ResumeError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
     finally:

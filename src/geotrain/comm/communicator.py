@@ -206,6 +206,21 @@ class Communicator:
         handle = Handle(self, works, parts, 1, launched)
         return handle if async_op else handle.wait()
 
+    def send_async(self, tensor: torch.Tensor, dst: int) -> Handle:
+        """Point-to-point send to group rank ``dst`` (snapshot redundancy, restores)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        self.stats.sent_bytes += nbytes
+        work = dist.isend(tensor.contiguous(), group_dst=dst, group=self.group)
+        return Handle(self, work, tensor, 1, time.perf_counter())
+
+    def recv_async(self, tensor: torch.Tensor, src: int) -> Handle:
+        """Point-to-point receive from group rank ``src`` into ``tensor``."""
+        self.stats.recv_bytes += tensor.numel() * tensor.element_size()
+        work = dist.irecv(tensor, group_src=src, group=self.group)
+        return Handle(self, work, tensor, 1, time.perf_counter())
+
     def probe_broadcast_s(self, nbytes: int) -> list[float]:
         """Seconds for each worker in turn to broadcast ``nbytes`` (the slowest receiver's view).
 
@@ -259,6 +274,15 @@ class Communicator:
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
+
+    def all_gather_object(self, obj):
+        """Every worker's picklable ``obj`` in rank order (control traffic: restores, agreement)."""
+        if self.world_size == 1:
+            return [obj]
+        self.control_calls += 1
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -101,14 +101,15 @@ class Codec(ABC):
         return self._state.setdefault(key, {})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec(), "state": {repr(k): v for k, v in self._state.items()}}
+        # Keys as they are (tuples, strings): a resumed run must find each stream's residual
+        # under the key it will look it up by.
+        return {"spec": self.spec(), "streams": [(k, dict(v)) for k, v in self._state.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         require(
             state.get("spec") == self.spec(), f"checkpoint codec {state.get('spec')!r} != {self.spec()!r}"
         )
-        by_repr = {repr(k): k for k in self._state}
-        self._state = {by_repr.get(k, k): dict(v) for k, v in state["state"].items()}
+        self._state = {k: dict(v) for k, v in state["streams"]}
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -7,9 +7,11 @@ worker started without torchrun is a world of one and creates no process group.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,9 @@ class DistContext:
     backend: str | None
     device: torch.device
     local_world_size: int = 1  # workers on this machine, which share its cores
+    # A gloo group of its own for snapshot traffic, so that background transfers never interleave
+    # with the training collectives (None in a world of one).
+    snapshot_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -46,16 +51,25 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
         timeout=timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, device, local_world_size)
+    snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return DistContext(
+        dist.get_rank(), dist.get_world_size(), local_rank, backend, device, local_world_size, snapshot_group
+    )
 
 
 def shutdown_distributed(together: bool = True) -> None:
     """Leave the group. After success, leave together: a worker that tears its connections down
     while a peer is still finishing makes gloo abort that peer ("terminate called without an
-    active exception"). After an error, do not wait for peers that may be stuck elsewhere."""
+    active exception"). After an error, do not wait for peers that may be stuck elsewhere.
+
+    Objects that hold a process group (a DDP reducer, pending works) are collected before the
+    groups are destroyed: one freed later, during interpreter exit, destroys a gloo context whose
+    threads are still joinable, and C++ ``std::terminate``s the process after it has finished."""
     if dist.is_available() and dist.is_initialized():
         try:
             if together:
                 dist.barrier()
         finally:
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()

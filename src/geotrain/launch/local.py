@@ -14,18 +14,21 @@ failed host and on a timeout, every host process is stopped and the namespaces a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.netem.cluster import (
     IFNAME,
     EmulatedCluster,
@@ -37,6 +40,8 @@ from geotrain.netem.links import describe_links
 from geotrain.train import TrainConfig
 
 RDZV_PORT = 29500
+# Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
+KEEPER_LINGER_S = 600.0
 
 
 @dataclass
@@ -47,6 +52,7 @@ class LaunchConfig:
     netem: bool = True
     timeout_s: float = 3600.0
     echo: bool = True  # copy hosts' output to this terminal
+    keepers: bool = True  # one keeper process per host, holding snapshots in memory
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -132,6 +138,55 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
+def keeper_socket(run_dir: Path, host: int) -> Path:
+    """Host ``host``'s keeper socket for this run directory (short: a socket path is <= 107 bytes)."""
+    key = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "geotrain-keepers" / key / f"host{host}.sock"
+
+
+def start_keepers(run_dir: Path, n: int) -> list[Path]:
+    """One keeper per host; a keeper still alive from an earlier launch of this run is kept, with
+    the snapshots it holds. Keepers are not children of the trainers (nor killed with the hosts'
+    namespaces): each stands for its host's memory and outlives the trainer on it."""
+    sockets = []
+    for i in range(n):
+        path = keeper_socket(run_dir, i)
+        sockets.append(path)
+        if KeeperClient(path, timeout_s=2.0).alive():
+            continue
+        log = (run_dir / "logs" / f"keeper{i}.log").open("ab")
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "geotrain.ft.keeper",
+                "--socket",
+                str(path),
+                "--dir",
+                str(run_dir / "snapshots"),
+                "--linger",
+                str(KEEPER_LINGER_S),
+                "--parent-pid",
+                str(os.getpid()),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+    for path in sockets:
+        wait_ready(path)
+    return sockets
+
+
+def stop_keepers(run_dir: Path, n: int) -> None:
+    """Ask this run's keepers to finish their disk writes and exit."""
+    for i in range(n):
+        with contextlib.suppress(KeeperError):
+            KeeperClient(keeper_socket(run_dir, i), timeout_s=60.0).stop()
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").replace("\r", "\n")
@@ -182,6 +237,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     )
 
     threads = max(1, (os.cpu_count() or 1) // launch.workers)
+    sockets = start_keepers(run_dir, launch.workers) if launch.keepers and not cfg.profile_out else []
+    succeeded = False
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     logs = []
@@ -212,10 +269,12 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             cmd = _torchrun_command(
                 launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
             )
-            cmd += cfg.to_argv() + ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
+            host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
+            cmd += host_cfg.to_argv()
+            cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
             if cluster:
                 cmd = cluster.exec_prefix(i) + cmd
-            log = (run_dir / "logs" / f"host{i}.log").open("wb")
+            log = (run_dir / "logs" / f"host{i}.log").open("ab" if cfg.resume else "wb")
             logs.append(log)
             p = subprocess.Popen(
                 cmd,
@@ -254,6 +313,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 f"host {failed} exited with code {code}; its log ({run_dir}/logs/host{failed}.log) ends:\n"
                 + _tail(run_dir / "logs" / f"host{failed}.log")
             )
+        succeeded = True
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -268,6 +328,14 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             log.close()
         if cluster is not None:
             cluster.down()
+        if sockets and succeeded:
+            stop_keepers(run_dir, launch.workers)
+        elif sockets:
+            print(
+                f"geotrain: the keepers hold this run's last snapshots in memory for "
+                f"{KEEPER_LINGER_S / 60:.0f} min: geotrain run --resume {run_dir}",
+                file=sys.stderr,
+            )
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
     if cfg.profile_out:

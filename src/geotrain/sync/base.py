@@ -112,6 +112,15 @@ class SyncAlgorithm:
     def close(self) -> None:
         """Remove hooks."""
 
+    def default_snapshot_every(self) -> int:
+        """Steps between snapshots unless the user says: per-step methods every 50 steps."""
+        return 50
+
+    def replicated_parts(self) -> set[str]:
+        """The parts of a worker's state (``geotrain.ft.state.PARTS``) that are bitwise equal on
+        every worker now, after ``after_step``: a snapshot protects only the rest on peers."""
+        return {"sync"}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -36,8 +36,15 @@ class DDP(SyncAlgorithm):
         self._ddp = None
         if comm.world_size > 1:
             # DDP broadcasts parameters itself; ours (in super) already made them equal.
+            # With a codec, buckets must keep their first layout: DDP otherwise rebuilds them after
+            # its first step, so a resumed run's first step would group (and quantise) gradients
+            # differently from an uninterrupted one, and the codec's residuals would not match
+            # their streams. DDP never rebuilds when it looks for unused parameters.
             self._ddp = DistributedDataParallel(
-                model, process_group=comm.group, bucket_cap_mb=self.config.bucket_mb
+                model,
+                process_group=comm.group,
+                bucket_cap_mb=self.config.bucket_mb,
+                find_unused_parameters=self.codec is not None,
             )
         self._grad_tensors = [p for p in self.parameters()]
         if self.codec is not None and self._ddp is not None:
@@ -68,6 +75,15 @@ class DDP(SyncAlgorithm):
     def after_step(self) -> bool:
         super().after_step()
         return self.comm.world_size > 1  # gradients were averaged this step
+
+    def replicated_parts(self) -> set[str]:
+        return {"model", "optimizer", "sync"} if self.comm.world_size > 1 else {"sync"}
+
+    def close(self) -> None:
+        # Drop the wrapper (and with it the reducer's reference to the process group) now: a
+        # process group destroyed later, at interpreter exit, aborts in gloo's teardown.
+        self._ddp = None
+        self.__dict__.pop("_state", None)  # PowerSGD's hook state holds the group too
 
 
 @dataclass

@@ -81,6 +81,14 @@ class DiLoCo(SyncAlgorithm):
         if self.step_count % self.config.H:
             self.outer_step()
 
+    def default_snapshot_every(self) -> int:
+        return self.config.H  # each sync boundary, where the replicas share the most
+
+    def replicated_parts(self) -> set[str]:
+        # After an outer step every replica is theta_outer; the anchor and outer momentum always
+        # are equal. The inner optimizers never are.
+        return {"model", "sync"} if self.step_count % self.config.H == 0 else {"sync"}
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["outer_params"] = [t.clone() for t in self._outer]

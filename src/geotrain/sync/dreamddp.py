@@ -107,6 +107,7 @@ class DreamDDP(SyncAlgorithm):
         self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
         self._ready = [0] * len(self.layers)
         self.schedule = schedule
+        self._plan = plan
         self.config.H = schedule.H
         self.predicted_step_s = plan.get("predicted_s", {}).get("dreamddp")
         self._begin_iteration()
@@ -225,9 +226,27 @@ class DreamDDP(SyncAlgorithm):
             h.remove()
         self._hooks.clear()
 
+    def default_snapshot_every(self) -> int:
+        return self.config.H  # each sync boundary, where the replicas share the most
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["layers"] = [layer.name for layer in self.layers]
         state["iterations"] = self.schedule.iterations if self.schedule else None
+        state["plan"] = self._plan if self.schedule else None
         state["replans"] = self.replans
+        if self.codec:
+            state["ref"] = {name: [t.clone() for t in ts] for name, ts in self._ref.items()}
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The plan and the position in its period come back with the step: no re-profiling."""
+        super().load_state_dict(state)
+        self.replans = int(state.get("replans", 0))
+        if state.get("plan") is not None:
+            self.set_plan(state["plan"])  # also starts the iteration at step_count % H
+        if self.codec:
+            with torch.no_grad():
+                for name, ts in state["ref"].items():
+                    for dst, src in zip(self._ref[name], ts, strict=True):
+                        dst.copy_(src)

@@ -13,6 +13,9 @@ x <- x_ref + mean_k(x_k - x_ref) is the same average.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
@@ -59,3 +62,23 @@ class LocalSGD(SyncAlgorithm):
     def finalize(self) -> None:
         if self.step_count % self.config.H:
             self.average_parameters()
+
+    def default_snapshot_every(self) -> int:
+        return self.config.H  # each sync boundary, where the replicas share the most
+
+    def replicated_parts(self) -> set[str]:
+        # Right after an average the parameters are equal; the optimizers never are.
+        return {"model", "sync"} if self.step_count % self.config.H == 0 else {"sync"}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.codec:
+            state["ref"] = [t.clone() for t in self._ref]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.codec:
+            with torch.no_grad():
+                for dst, src in zip(self._ref, state["ref"], strict=True):
+                    dst.copy_(src)

@@ -92,3 +92,7 @@ class SSGD(SyncAlgorithm):
     def after_step(self) -> bool:
         super().after_step()
         return self.comm.world_size > 1  # gradients were averaged this step
+
+    def replicated_parts(self) -> set[str]:
+        # Equal parameters, equal averaged gradients, the same optimizer step: all equal.
+        return {"model", "optimizer", "sync"} if self.comm.world_size > 1 else {"sync"}

@@ -1,0 +1,321 @@
+"""The keeper: a process per host that holds snapshots in its own memory and outlives the trainer.
+
+In-memory checkpointing (Wang et al., arXiv 2310.12670; GEMINI, SOSP 2023): a trainer hands each
+snapshot to a process that is not its child, so a crashed or killed trainer loses nothing that
+was handed over, and a restarted one restores from memory instead of disk. The keeper holds:
+
+- ``full``: its host's workers' whole states (the last ``keep`` steps of each);
+- ``piece``: copies or erasure-coded stripes of *other* hosts' unique state (``ft.redundancy``),
+  so that a host that vanished with its keeper can be rebuilt from its peers;
+
+and writes disk checkpoints from its own copy, in a background thread, when a ``put`` asks for
+one (``--checkpoint-every``), so the trainer's critical path never waits on the disk.
+
+It holds its copies in its own memory, never in ``/dev/shm`` (shared by every namespace on one
+machine, so removing an emulated host would not lose them). It speaks a tiny protocol on a Unix
+socket (a JSON header line's length, the header, then ``size`` payload bytes), which works across
+network namespaces because the socket is a file. ``geotrain run`` starts one per host; on a real
+machine run ``geotrain keeper --socket PATH --dir DIR`` beside ``torchrun`` and pass the same
+``--keeper PATH`` to the trainer. A keeper whose launcher is gone exits after ``--linger`` idle
+seconds, so a failed run's snapshots wait in memory for ``geotrain run --resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from geotrain.ft.state import write_atomic
+
+_LEN = struct.Struct("<I")
+KEEP_STEPS = 2
+
+
+def disk_path(directory: Path, owner: int, step: int) -> Path:
+    return Path(directory) / f"rank{owner}" / f"step{step:08d}.snap"
+
+
+def disk_steps(directory: Path, owner: int) -> list[int]:
+    """Steps of the disk snapshots of worker ``owner`` (complete files only: writes are atomic)."""
+    folder = Path(directory) / f"rank{owner}"
+    if not folder.is_dir():
+        return []
+    found = (re.fullmatch(r"step(\d+)\.snap", p.name) for p in folder.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+class KeeperError(RuntimeError):
+    pass
+
+
+# -- wire ------------------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return buf
+
+
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    header = dict(header, size=len(payload))
+    data = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+    if len(payload):
+        sock.sendall(payload)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    header = json.loads(_recv_exact(sock, n))
+    payload = bytes(_recv_exact(sock, header["size"])) if header["size"] else b""
+    return header, payload
+
+
+# -- server ----------------------------------------------------------------------------------
+class Keeper:
+    """The store behind the socket: blobs by (kind, owner, step, index), the newest steps kept."""
+
+    def __init__(self, directory: Path | None, keep: int = KEEP_STEPS) -> None:
+        self.directory = Path(directory) if directory else None
+        self.keep = keep
+        self._blobs: dict[tuple[str, int, int, int], tuple[dict[str, Any], bytes]] = {}
+        self._lock = threading.Lock()
+        self._disk: queue.Queue = queue.Queue()
+        self.last_request = time.monotonic()
+        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+        self._writer.start()
+
+    def put(self, header: dict[str, Any], blob: bytes) -> None:
+        key = (header["kind"], int(header["owner"]), int(header["step"]), int(header.get("index", 0)))
+        meta = {k: header[k] for k in ("kind", "owner", "step", "index", "k", "n") if k in header}
+        meta["committed"] = bool(header.get("commit"))
+        with self._lock:
+            self._blobs[key] = (meta, blob)
+            self._prune(key[0], key[1])
+        if header.get("disk") and self.directory is not None and key[0] == "full":
+            self._disk.put((key[1], key[2], blob))
+
+    def commit(self, owner: int, step: int) -> None:
+        """Step ``step`` is complete everywhere (the worker's own state and every peer's pieces
+        arrived): mark what this keeper holds of it, and let older steps go."""
+        with self._lock:
+            for (kind, o, s, _), (meta, _) in self._blobs.items():
+                if s == step and (kind == "piece" or o == owner):
+                    meta["committed"] = True
+            for kind, o in {(k[0], k[1]) for k in self._blobs}:
+                self._prune(kind, o)
+
+    def _prune(self, kind: str, owner: int) -> None:
+        """Keep the newest ``keep`` committed steps and anything newer: a snapshot whose pieces are
+        still travelling never pushes out the last one that is complete."""
+        mine = {k: meta for k, (meta, _) in self._blobs.items() if k[0] == kind and k[1] == owner}
+        committed = sorted({k[2] for k, meta in mine.items() if meta["committed"]})
+        if len(committed) < self.keep:
+            return
+        oldest_kept = committed[-self.keep]
+        for k in [k for k in mine if k[2] < oldest_kept]:
+            del self._blobs[k]
+
+    def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes | None:
+        with self._lock:
+            item = self._blobs.get((kind, owner, step, index))
+        return item[1] if item else None
+
+    def items(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(meta, size=len(blob)) for meta, blob in self._blobs.values()]
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(blob) for _, blob in self._blobs.values())
+
+    def flush(self) -> None:
+        self._disk.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            owner, step, blob = self._disk.get()
+            try:
+                assert self.directory is not None
+                write_atomic(disk_path(self.directory, owner, step), blob)
+                for old in disk_steps(self.directory, owner)[: -self.keep]:
+                    disk_path(self.directory, owner, old).unlink(missing_ok=True)
+            except OSError as e:
+                print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
+            finally:
+                self._disk.task_done()
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        keeper: Keeper = self.server.keeper  # type: ignore[attr-defined]
+        keeper.last_request = time.monotonic()
+        try:
+            header, payload = _recv(self.request)
+        except (ConnectionError, ValueError):
+            return
+        op = header.get("op")
+        if op == "put":
+            keeper.put(header, payload)
+            _send(self.request, {"ok": True})
+        elif op == "get":
+            blob = keeper.get(header["kind"], header["owner"], header["step"], header.get("index", 0))
+            if blob is None:
+                _send(self.request, {"ok": False, "error": "not held"})
+            else:
+                _send(self.request, {"ok": True}, blob)
+        elif op == "commit":
+            keeper.commit(int(header["owner"]), int(header["step"]))
+            _send(self.request, {"ok": True})
+        elif op == "list":
+            _send(self.request, {"ok": True, "items": keeper.items(), "held_bytes": keeper.held_bytes()})
+        elif op == "flush":
+            keeper.flush()
+            _send(self.request, {"ok": True})
+        elif op == "stop":
+            keeper.flush()
+            _send(self.request, {"ok": True})
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+        else:
+            _send(self.request, {"ok": False, "error": f"unknown op {op!r}"})
+        keeper.last_request = time.monotonic()
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def serve(socket_path: Path, directory: Path | None, linger_s: float, parent_pid: int = 0) -> None:
+    """Run a keeper until told to stop, or until its launcher is gone and it idled ``linger_s``."""
+    socket_path = Path(socket_path)
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    socket_path.unlink(missing_ok=True)
+    server = _Server(str(socket_path), _Handler)
+    server.keeper = Keeper(directory)  # type: ignore[attr-defined]
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(0.5)
+            orphan = parent_pid > 0 and not _alive(parent_pid)
+            idle = time.monotonic() - server.keeper.last_request  # type: ignore[attr-defined]
+            if (orphan or parent_pid <= 0) and linger_s > 0 and idle > linger_s:
+                server.shutdown()
+                return
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(
+            signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start()
+        )
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.keeper.flush()  # type: ignore[attr-defined]
+        server.server_close()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- client ----------------------------------------------------------------------------------
+class KeeperClient:
+    """Talks to one keeper; each call is one short connection."""
+
+    def __init__(self, socket_path: str | Path, timeout_s: float = 120.0) -> None:
+        self.path = str(socket_path)
+        self.timeout_s = timeout_s
+
+    def _call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict, bytes]:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(self.timeout_s)
+                s.connect(self.path)
+                _send(s, header, payload)
+                reply, data = _recv(s)
+        except (OSError, ConnectionError) as e:
+            raise KeeperError(f"keeper at {self.path}: {e}") from None
+        if not reply.get("ok"):
+            raise KeeperError(f"keeper at {self.path}: {reply.get('error')}")
+        return reply, data
+
+    def alive(self) -> bool:
+        try:
+            self._call({"op": "list"})
+        except KeeperError:
+            return False
+        return True
+
+    def put(self, kind: str, owner: int, step: int, blob: bytes, index: int = 0, disk: bool = False, **meta):
+        self._call(
+            {"op": "put", "kind": kind, "owner": owner, "step": step, "index": index, "disk": disk, **meta},
+            blob,
+        )
+
+    def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes:
+        return self._call({"op": "get", "kind": kind, "owner": owner, "step": step, "index": index})[1]
+
+    def items(self) -> list[dict[str, Any]]:
+        return self._call({"op": "list"})[0]["items"]
+
+    def held_bytes(self) -> int:
+        return int(self._call({"op": "list"})[0]["held_bytes"])
+
+    def flush(self) -> None:
+        self._call({"op": "flush"})
+
+    def stop(self) -> None:
+        self._call({"op": "stop"})
+
+
+def wait_ready(path: Path, timeout_s: float = 20.0) -> None:
+    client = KeeperClient(path, timeout_s=2.0)
+    deadline = time.monotonic() + timeout_s
+    while not client.alive():
+        if time.monotonic() > deadline:
+            raise KeeperError(f"no keeper answered at {path} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="geotrain keeper",
+        description="Hold this host's training snapshots in memory, outliving the trainer.",
+    )
+    p.add_argument("--socket", required=True, help="the Unix socket path; give the trainer --keeper PATH")
+    p.add_argument("--dir", default="", help="where disk checkpoints go (empty: none)")
+    p.add_argument("--linger", type=float, default=600.0, help="idle seconds before exiting once orphaned")
+    p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    serve(Path(args.socket), Path(args.dir) if args.dir else None, args.linger, args.parent_pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

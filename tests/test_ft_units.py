@@ -1,0 +1,224 @@
+"""Snapshots, keepers and redundancy without a process group: framing, zfec, choosing a step."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+
+import pytest
+import torch
+
+from geotrain.comm.communicator import Communicator
+from geotrain.compress.codec import ConfigError
+from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, serve, wait_ready
+from geotrain.ft.redundancy import parse_redundancy
+from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, choose_step, preflight
+from geotrain.ft.state import (
+    CorruptSnapshot,
+    capture,
+    decode,
+    encode,
+    join,
+    param_digest,
+    restore,
+    split,
+    verify,
+    write_atomic,
+)
+from geotrain.models.gpt import GPT, gpt_config
+from geotrain.sync import build_sync
+
+
+def _blob(n: int = 10_000, seed: int = 0) -> bytes:
+    return bytes(
+        torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8).tolist()
+    )
+
+
+def test_encode_roundtrip_and_detects_truncation_and_corruption():
+    obj = {"a": torch.arange(10.0), "b": [1, "x"], "c": {"d": torch.ones(3, 3)}}
+    blob = encode(obj)
+    back = decode(blob)
+    assert torch.equal(back["a"], obj["a"]) and back["b"] == [1, "x"]
+    assert verify(blob)
+    with pytest.raises(CorruptSnapshot, match="truncated"):
+        decode(blob[:-1])
+    with pytest.raises(CorruptSnapshot, match="truncated"):
+        decode(blob[:10])
+    bad = bytearray(blob)
+    bad[-5] ^= 0xFF
+    assert not verify(bytes(bad))
+    with pytest.raises(CorruptSnapshot, match="checksum"):
+        decode(bytes(bad))
+
+
+@pytest.mark.parametrize("spec", ["ec:2/3", "ec:3/5", "ec:1/2", "ec:4/4"])
+def test_zfec_rebuilds_from_every_k_subset(spec):
+    scheme = parse_redundancy(spec)
+    for size in (1, 4097, 10_003):
+        data = _blob(size, seed=size)
+        pieces = scheme.pieces(data, owner=1, step=7)
+        assert len(pieces) == scheme.n
+        for subset in itertools.combinations(range(scheme.n), scheme.k):
+            assert scheme.rebuild([pieces[i] for i in subset]) == data
+        if scheme.k < scheme.n:
+            # A corrupted piece is detected and skipped; the others still rebuild.
+            bad = bytearray(pieces[0])
+            bad[-1] ^= 1
+            assert scheme.rebuild([bytes(bad)] + pieces[1:]) == data
+        with pytest.raises(CorruptSnapshot, match="needed"):
+            scheme.rebuild(pieces[: scheme.k - 1])
+
+
+def test_ring_piece_is_the_whole_blob_and_corruption_is_refused():
+    scheme = parse_redundancy("ring")
+    data = _blob()
+    (piece,) = scheme.pieces(data, 0, 1)
+    assert scheme.rebuild([piece]) == data
+    bad = bytearray(piece)
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(CorruptSnapshot):
+        scheme.rebuild([bytes(bad)])
+
+
+@pytest.mark.parametrize("spec", ["ec:3/2", "ec:0/1", "ec:2", "raid5", "ec:a/b"])
+def test_bad_redundancy_specs_say_what_is_accepted(spec):
+    with pytest.raises(ConfigError, match="ec:"):
+        parse_redundancy(spec)
+
+
+def test_redundancy_needs_enough_peers():
+    with pytest.raises(ConfigError, match="only 2"):
+        parse_redundancy("ec:2/3", world_size=3)
+    assert parse_redundancy("ec:2/3", world_size=4).holders(3, 4) == [0, 1, 2]
+
+
+def _model_and_sync(algo="diloco"):
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = build_sync(algo, model, opt, Communicator(), {"H": 2})
+    return model, opt, sync
+
+
+def _train_steps(model, opt, sync, n, gen):
+    for _ in range(n):
+        xy = torch.randint(0, 256, (2, 17), generator=gen)
+        _, loss = sync.model(xy[:, :-1], xy[:, 1:])
+        loss.backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync.after_step()
+
+
+def test_capture_restore_is_exact_and_split_join_rebuilds_the_state():
+    model, opt, sync = _model_and_sync()
+    gen = torch.Generator().manual_seed(1)
+    _train_steps(model, opt, sync, 3, gen)
+    state = capture(
+        step=3,
+        model=model,
+        optimizer=opt,
+        sync=sync,
+        generators={"sampler": gen},
+        progress={"train_s": 1.0},
+        replicated=sync.replicated_parts(),
+    )
+    # The copy is deep: training on does not change it.
+    _train_steps(model, opt, sync, 2, gen)
+    expected_after = param_digest(model)
+
+    model2, opt2, sync2 = _model_and_sync()
+    gen2 = torch.Generator()
+    progress = restore(
+        decode(encode(state)), model=model2, optimizer=opt2, sync=sync2, generators={"sampler": gen2}
+    )
+    assert progress["step"] == 3 and sync2.step_count == 3
+    _train_steps(model2, opt2, sync2, 2, gen2)
+    assert param_digest(model2) == expected_after
+
+    shared, unique = split(state)
+    assert "model" not in unique["parts"] or "model" not in state["shared"]
+    rebuilt = join(decode(encode(unique)), decode(encode(shared)))
+    assert encode(rebuilt["parts"]["optimizer"]) == encode(state["parts"]["optimizer"])
+    # A peer whose "shared" part differs is refused.
+    shared["sync"]["outer_params"][0] += 1
+    with pytest.raises(CorruptSnapshot, match="differs"):
+        join(unique, shared)
+
+
+def _avail(keeper=(), disk=(), pieces=()):
+    return {"keeper": list(keeper), "disk": list(disk), "pieces": [list(p) for p in pieces]}
+
+
+def test_choose_step_prefers_the_newest_step_everyone_can_reach():
+    avail = [_avail(keeper=[4, 8]), _avail(keeper=[4], disk=[8])]
+    assert choose_step(avail) == (8, {0: "keeper", 1: "disk"})
+    # Rank 1 lost everything; rank 0 holds its ring copy at 4 only.
+    avail = [_avail(keeper=[4, 8], pieces=[(1, 4, 0, 1, 1)]), _avail()]
+    assert choose_step(avail) == (4, {0: "keeper", 1: "peers"})
+    # ec:2/3 needs two distinct pieces.
+    avail = [
+        _avail(),
+        _avail(keeper=[5], pieces=[(0, 5, 1, 2, 3)]),
+        _avail(keeper=[5], pieces=[(0, 5, 2, 2, 3)]),
+    ]
+    assert choose_step(avail)[1][0] == "peers"
+    avail[2]["pieces"] = []
+    with pytest.raises(ResumeError, match="rank 0: nothing"):
+        choose_step(avail)
+    with pytest.raises(ResumeError, match="step 3"):
+        choose_step([_avail(keeper=[4])], requested=3)
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    sock = tmp_path / "k.sock"
+    t = threading.Thread(target=serve, args=(sock, tmp_path / "snaps", 0.0), daemon=True)
+    t.start()
+    wait_ready(sock)
+    client = KeeperClient(sock)
+    yield client, tmp_path / "snaps"
+    with contextlib.suppress(KeeperError):  # a test may have stopped it already
+        client.stop()
+    t.join(timeout=10)
+
+
+def test_keeper_holds_the_newest_two_steps_and_writes_disk_from_its_copy(keeper):
+    client, snaps = keeper
+    for step in (1, 2, 3):
+        client.put("full", 0, step, encode({"step": step}), disk=step == 3, commit=True)
+    client.put("piece", 1, 3, b"xyz", index=0, k=1, n=1)
+    assert sorted(i["step"] for i in client.items() if i["kind"] == "full") == [2, 3]
+    assert decode(client.get("full", 0, 3)) == {"step": 3}
+    assert client.get("piece", 1, 3) == b"xyz"
+    client.flush()
+    assert decode(disk_path(snaps, 0, 3).read_bytes()) == {"step": 3}
+    assert not disk_path(snaps, 0, 2).exists()  # only what was asked goes to disk
+
+
+def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_good(keeper, tmp_path):
+    client, snaps = keeper
+    snap = Snapshotter(SnapshotConfig(every=2, keeper=str(client.path), directory=snaps), 0, 1)
+    for step in (2, 4):
+        snap.take(
+            step, lambda step=step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}}, final=True
+        )
+    snap.close()
+    assert snap.stats.taken == 2 and not snap.stats.errors
+    assert preflight([client], snaps)[0] == 4
+    # Keeper gone, the disk copy of step 4 corrupted: refused, naming step 2.
+    client.stop()
+    path = disk_path(snaps, 0, 4)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    write_atomic(path, bytes(data))
+    with pytest.raises(
+        ResumeError, match=r"step 4 .* fails its checksum; the previous good snapshot is step 2"
+    ):
+        preflight([KeeperClient(client.path, timeout_s=1)], snaps)
+    assert preflight([KeeperClient(client.path, timeout_s=1)], snaps, requested=2)[0] == 2
+    assert os.path.exists(disk_path(snaps, 0, 2))

@@ -1,0 +1,145 @@
+"""Resume and snapshots as a user runs them: `geotrain run`, a killed worker, `geotrain run --resume`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from geotrain.ft.keeper import KeeperClient, disk_path
+from geotrain.launch.local import keeper_socket, stop_keepers
+from geotrain.netem.cluster import netem_unavailable_reason
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+JOB = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4"]
+
+
+def _run(args, timeout=240):
+    return subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _keepers_alive(run_dir: Path, n: int) -> list[bool]:
+    return [KeeperClient(keeper_socket(run_dir, i), timeout_s=2).alive() for i in range(n)]
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def cleanup_keepers():
+    run_dirs: list[tuple[Path, int]] = []
+    yield run_dirs
+    for run_dir, n in run_dirs:
+        stop_keepers(run_dir, n)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, cleanup_keepers):
+    net = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
+    job = ["run", "--workers", "2", "--algo", "diloco", "--steps", "16", *JOB, *net]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    cleanup_keepers.append((killed, 2))
+    proc = _run([*job, "--run-dir", str(whole)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not any(_keepers_alive(whole, 2)), "a finished run stops its keepers"
+
+    proc = _run([*job, "--run-dir", str(killed), "--chaos", "kill:step=10,rank=1"])
+    assert proc.returncode == 1
+    assert "geotrain run --resume" in proc.stderr
+    assert _keepers_alive(killed, 2) == [True, True], "keepers outlive the trainers"
+    assert not list((killed / "snapshots").rglob("*.snap")), "nothing was on disk yet"
+
+    proc = _run(["run", "--resume", str(killed)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = _summary(killed)["resumed_from"]
+    assert resumed["sources"] == ["keeper", "keeper"] and resumed["step"] in (4, 8)
+    assert _summary(killed)["param_digest"] == _summary(whole)["param_digest"]
+    steps = [json.loads(x)["step"] for x in (killed / "metrics" / "rank1.jsonl").read_text().splitlines()]
+    assert steps == [*range(1, 17), 16]  # each step once, then the final evaluation
+
+
+def test_a_lost_host_is_rebuilt_from_its_ring_neighbour(tmp_path, cleanup_keepers):
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, "--no-netem"]
+    job += ["--redundancy", "ring"]
+    whole, lost = tmp_path / "whole", tmp_path / "lost"
+    cleanup_keepers.append((lost, 3))
+    assert _run([*job, "--run-dir", str(whole)]).returncode == 0
+    # Snapshots every 2 steps; host 2 dies after step 9, and with it its keeper.
+    proc = _run([*job, "--run-dir", str(lost), "--snapshot-every", "2", "--chaos", "kill:step=9,rank=2"])
+    assert proc.returncode == 1
+    KeeperClient(keeper_socket(lost, 2)).stop()
+    proc = _run(["run", "--resume", str(lost)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank 2 from peers" in proc.stderr
+    summary = _summary(lost)
+    assert summary["resumed_from"]["sources"] == ["keeper", "keeper", "peers"]
+    assert summary["param_digest"] == _summary(whole)["param_digest"]
+
+
+def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "8", *JOB, "--no-netem"]
+    proc = _run([*job, "--run-dir", str(run_dir), "--checkpoint-every", "4"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in sorted((run_dir / "snapshots" / "rank0").iterdir())] == [
+        "step00000004.snap",
+        "step00000008.snap",
+    ]
+    # Corrupt rank 0's newest snapshot: the previous good one is named.
+    path = disk_path(run_dir / "snapshots", 0, 8)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = _tree_digest(run_dir)
+    cases = [
+        (["run", "--resume", str(tmp_path / "nope")], "not a geotrain run directory"),
+        (["run", "--resume", str(run_dir), "--model", "mini"], "made with model='tiny', not 'mini'"),
+        (["run", "--resume", str(run_dir), "--workers", "3"], "the run has 2 workers, not 3"),
+        (["run", "--resume", str(run_dir), "--algo", "diloco"], "algo='ssgd'"),
+        (["run", "--resume", str(run_dir)], "fails its checksum; the previous good snapshot is step 4"),
+        (
+            ["run", "--resume", str(run_dir), "--resume-step", "4", "--steps", "3"],
+            "below the snapshot's step 4",
+        ),
+    ]
+    for args, message in cases:
+        proc = _run(args, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and message in lines[0], (args, proc.stderr)
+    assert _tree_digest(run_dir) == before
+    # The named step resumes.
+    proc = _run(["run", "--resume", str(run_dir), "--resume-step", "4", "--steps", "10"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _summary(run_dir)["resumed_from"]["step"] == 4 and _summary(run_dir)["steps"] == 10
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_finished_runs_always_exit_0(tmp_path):
+    """A gloo abort at interpreter exit (`terminate called without an active exception`) once
+    failed a finished ddp run: every repetition must exit 0 with nothing on stderr about it."""
+    net = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
+    for i, algo in enumerate(["ddp", "ddp", "ddp_powersgd", "ssgd", "ddp"]):
+        run_dir = tmp_path / f"r{i}"
+        start = time.monotonic()
+        proc = _run(
+            ["run", "--workers", "2", "--algo", algo, "--steps", "3", *JOB, *net, "--run-dir", str(run_dir)]
+        )
+        assert proc.returncode == 0, (algo, proc.stderr[-2000:])
+        logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("host*.log"))
+        assert "terminate called" not in logs and "SIGABRT" not in logs
+        assert time.monotonic() - start < 120
