@@ -35,7 +35,11 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
     sync = build_sync("localsgd", model, opt, Communicator(), {"H": 2})
     gen = torch.Generator().manual_seed(rank)
     snaps = Snapshotter(
-        SnapshotConfig(every=2, redundancy=spec, keeper=str(keeper.path)), rank, world_size, snap_comm
+        SnapshotConfig(every=2, redundancy=spec, keeper=str(keeper.path)),
+        rank,
+        world_size,
+        snap_comm,
+        control=Communicator(),
     )
     digests = {}
     for step in range(1, 7):
@@ -58,6 +62,7 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
             )
             digests[step] = {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
             snaps.take(step, lambda state=state: state)
+            snaps.wait()  # each one shipped before the next (training would skip a busy one)
     snaps.close()
     sent_by_snapshots = snap_comm.stats.sent_bytes
     dist.barrier()

@@ -251,18 +251,12 @@ def test_corpus_too_small_for_workers():
 
 
 def test_train_config_round_trips_through_argv():
-    import argparse
+    from geotrain.train import config_from_args, train_parser
 
-    from geotrain.train import add_train_arguments, config_from_args
-
-    cfg = TrainConfig(algo="localsgd", model="tiny", H=5, steps=7, progress=False, data="/x")
-    parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    for name in ("--run-dir", "--latency-ms", "--link", "--network-mode", "--profile-out"):
-        parser.add_argument(name, dest=name[2:].replace("-", "_"))
-    args = parser.parse_args(cfg.to_argv())
-    args.latency_ms = float(args.latency_ms)
-    assert config_from_args(args) == cfg
+    cfg = TrainConfig(
+        algo="localsgd", model="tiny", H=5, steps=7, progress=False, data="/x", resume=True, keeper="/k.sock"
+    )
+    assert config_from_args(train_parser().parse_args(cfg.to_argv())) == cfg
 
 
 @pytest.mark.parametrize(

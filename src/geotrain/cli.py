@@ -20,7 +20,7 @@ from pathlib import Path
 
 from geotrain.data.corpus import DataError, load_corpus
 from geotrain.models.gpt import gpt_config
-from geotrain.netem.cluster import MAX_HOSTS, sweep_stale
+from geotrain.netem.cluster import MAX_HOSTS, netem_unavailable_reason, sweep_stale
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths, parse_latency
 from geotrain.sync import ConfigError
 from geotrain.train import add_train_arguments, config_from_args
@@ -33,6 +33,10 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        # No abbreviations: `--ste 40` must not pass for `--steps` unseen (resume checks flags).
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):  # one line, not argparse's usage dump
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
@@ -114,6 +118,11 @@ def _cmd_resume(argv: list[str]) -> int:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise UsageError(f"--resume {run_dir}: config.json is unreadable; cannot resume this run") from None
     given = _given_flags(argv, parser) - {"resume_dir"}
+    fixed = sorted(given & {"bandwidth", "latency", "no_netem", "run_dir"})
+    if fixed:
+        raise UsageError(
+            f"--resume: a resumed run keeps its links and run directory; drop --{fixed[0].replace('_', '-')}"
+        )
     if "workers" in given and args.workers != workers:
         raise UsageError(
             f"--resume: the run has {workers} workers, not {args.workers}; a resumed run keeps them"
@@ -143,6 +152,11 @@ def _cmd_resume(argv: list[str]) -> int:
     sources = ", ".join(f"rank {r} from {h}" for r, h in sorted(how.items()))
     print(f"geotrain: resuming {run_dir} at step {step} of {cfg.steps} ({sources})", file=sys.stderr)
     rates = saved.get("rates_bps")
+    if saved.get("network_mode") == "netns" and netem_unavailable_reason():
+        raise UsageError(
+            f"--resume: the run had emulated links, which cannot be made here now "
+            f"({netem_unavailable_reason()}); run as root"
+        )
     launch = LaunchConfig(
         workers,
         rates if saved.get("network_mode") == "netns" else None,

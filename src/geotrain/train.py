@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -278,6 +279,9 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     keeper = KeeperClient(cfg.keeper) if cfg.keeper else None
     progress0: dict[str, Any] = {"step": 0, "train_s": 0.0, "eval_s": 0.0, "wall_s": 0.0, "val_loss": None}
     resumed = None
+    if not cfg.resume and snap_dir is not None:
+        # A fresh run in a used directory: an old run's snapshots must never be resumed as its own.
+        shutil.rmtree(snap_dir / f"rank{ctx.rank}", ignore_errors=True)
     if cfg.resume:
         t_restore = time.perf_counter()
         state, source = restore(ctx.rank, ctx.world_size, keeper, snap_dir, snap_comm, cfg.resume_step)
@@ -304,6 +308,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         ctx.rank,
         ctx.world_size,
         snap_comm,
+        control=comm,
     )
 
     records = _metrics_so_far(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
@@ -475,6 +480,7 @@ def _snapshot_summary(snapshots: Snapshotter, snap_comm, comm, steps_here: int, 
         "snapshot_full_bytes": st.full_bytes,
         "snapshot_unique_bytes": st.unique_bytes,
         "redundancy": snapshots.cfg.redundancy if snapshots.scheme is not None else "off",
+        "snapshots_shipped": len(snapshots.shipped),
         "snapshot_errors": st.errors,
         "resumed_from": resumed,
     }
@@ -501,6 +507,8 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
 
 def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step) -> dict[str, Any]:
     # Means, not medians: a periodic algorithm's cost is in the few steps that synchronise.
+    if not records:
+        raise ConfigError("nothing to summarise: the run has no step metrics (metrics/ was removed?)")
     steady = records[1:] or records  # the first step pays for allocation and warm-up
     local = [
         statistics.fmean(r["step_s"] for r in steady),
@@ -541,8 +549,11 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_p
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="geotrain train", description=__doc__.split("\n")[0])
+def train_parser() -> argparse.ArgumentParser:
+    """``geotrain train``'s flags: every ``TrainConfig`` field, so ``to_argv`` round-trips."""
+    parser = argparse.ArgumentParser(
+        prog="geotrain train", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     add_train_arguments(parser)
     parser.add_argument(
         "--run-dir", dest="run_dir", default="", help="where metrics, summary and checkpoint go"
@@ -560,7 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         help="continue the run in --run-dir from the newest snapshot every worker can reach",
     )
     parser.add_argument("--keeper", default="", help="this host's keeper socket (geotrain keeper --socket)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = train_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
     except (ConfigError, DataError) as e:

@@ -124,14 +124,14 @@ class Keeper:
                 self._prune(kind, o)
 
     def _prune(self, kind: str, owner: int) -> None:
-        """Keep the newest ``keep`` committed steps and anything newer: a snapshot whose pieces are
-        still travelling never pushes out the last one that is complete."""
+        """Keep the newest ``keep`` committed steps and the newest ``keep`` newer ones: a snapshot
+        whose pieces are still travelling never pushes out the last one that is complete."""
         mine = {k: meta for k, (meta, _) in self._blobs.items() if k[0] == kind and k[1] == owner}
         committed = sorted({k[2] for k, meta in mine.items() if meta["committed"]})
-        if len(committed) < self.keep:
-            return
-        oldest_kept = committed[-self.keep]
-        for k in [k for k in mine if k[2] < oldest_kept]:
+        kept = set(committed[-self.keep :])
+        newest = committed[-1] if committed else -1
+        kept |= set(sorted({k[2] for k in mine if k[2] > newest})[-self.keep :])
+        for k in [k for k in mine if k[2] not in kept]:
             del self._blobs[k]
 
     def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes | None:
@@ -182,6 +182,9 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(self.request, {"ok": False, "error": "not held"})
             else:
                 _send(self.request, {"ok": True}, blob)
+        elif op == "adopt":  # a new launcher (a resumed run) takes this keeper over
+            self.server.parent_pid = int(header["parent_pid"])  # type: ignore[attr-defined]
+            _send(self.request, {"ok": True})
         elif op == "commit":
             keeper.commit(int(header["owner"]), int(header["step"]))
             _send(self.request, {"ok": True})
@@ -210,13 +213,15 @@ def serve(socket_path: Path, directory: Path | None, linger_s: float, parent_pid
     socket_path.unlink(missing_ok=True)
     server = _Server(str(socket_path), _Handler)
     server.keeper = Keeper(directory)  # type: ignore[attr-defined]
+    server.parent_pid = parent_pid  # type: ignore[attr-defined]
 
     def watchdog() -> None:
         while True:
             time.sleep(0.5)
-            orphan = parent_pid > 0 and not _alive(parent_pid)
+            parent = server.parent_pid  # type: ignore[attr-defined]
+            orphan = parent > 0 and not _alive(parent)
             idle = time.monotonic() - server.keeper.last_request  # type: ignore[attr-defined]
-            if (orphan or parent_pid <= 0) and linger_s > 0 and idle > linger_s:
+            if (orphan or parent <= 0) and linger_s > 0 and idle > linger_s:
                 server.shutdown()
                 return
 
@@ -272,11 +277,26 @@ class KeeperClient:
             return False
         return True
 
-    def put(self, kind: str, owner: int, step: int, blob: bytes, index: int = 0, disk: bool = False, **meta):
-        self._call(
-            {"op": "put", "kind": kind, "owner": owner, "step": step, "index": index, "disk": disk, **meta},
-            blob,
-        )
+    def put(
+        self,
+        kind: str,
+        owner: int,
+        step: int,
+        blob: bytes,
+        index: int = 0,
+        disk: bool = False,
+        commit: bool = False,
+        **meta: Any,
+    ) -> None:
+        header = {"op": "put", "kind": kind, "owner": owner, "step": step, "index": index}
+        self._call({**header, "disk": disk, "commit": commit, **meta}, blob)
+
+    def commit(self, owner: int, step: int) -> None:
+        self._call({"op": "commit", "owner": owner, "step": step})
+
+    def adopt(self, parent_pid: int) -> None:
+        """Make ``parent_pid`` the launcher whose death starts this keeper's linger."""
+        self._call({"op": "adopt", "parent_pid": parent_pid})
 
     def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes:
         return self._call({"op": "get", "kind": kind, "owner": owner, "step": step, "index": index})[1]

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, disk_steps
 from geotrain.ft.redundancy import Redundancy, exchange, parse_redundancy, recv_blob, send_blob
 from geotrain.ft.state import CorruptSnapshot, decode, encode, join, split, write_atomic
@@ -59,11 +57,22 @@ class SnapshotStats:
 
 
 class Snapshotter:
-    def __init__(self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None) -> None:
+    """Takes snapshots on the training thread, stores them in one background thread and ships
+    redundancy in another.
+
+    Storing (frame, checksum, hand to the keeper) is quick and happens for every snapshot. Shipping
+    a worker's unique state to its peers takes as long as the link needs (86 MB of AdamW moments for
+    the ``mini`` model: 7 s at 100 Mbit/s), so it is skipped for a snapshot if the previous one is
+    still travelling on any worker; the workers agree on that with one small all-reduce on the
+    training group (``control``), so their exchanges always pair up. Training never waits for it.
+    """
+
+    def __init__(self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None, control=None) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.comm = comm  # a Communicator over the snapshot process group (redundancy traffic)
+        self.control = control  # the training group's Communicator: agreeing to ship
         self.scheme: Redundancy | None = (
             parse_redundancy(cfg.redundancy, world_size) if world_size > 1 else None
         )
@@ -71,79 +80,131 @@ class Snapshotter:
             raise ResumeError("--redundancy needs a keeper to hold peers' pieces (--keeper SOCKET)")
         self.client = KeeperClient(cfg.keeper) if cfg.keeper else None
         self.stats = SnapshotStats()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="geotrain-snapshots", daemon=True)
-        self._thread.start()
+        # Decided once and the same on every worker: whether shipments are agreed on at all.
+        self.redundant = self.scheme is not None
+        self.shipped: list[int] = []  # steps whose unique state reached the peers
+        self._shipping = False
+        self._store_queue: queue.Queue = queue.Queue()
+        self._ship_queue: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._store_queue, self._store), daemon=True),
+            threading.Thread(target=self._loop, args=(self._ship_queue, self._ship), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     def due(self, step: int) -> bool:
         ce = self.cfg.checkpoint_every
-        return step % self.cfg.every == 0 or bool(ce and step % ce == 0)
+        if bool(ce and step % ce == 0):
+            return True
+        # Without a keeper an in-memory snapshot has nowhere to live: only disk ones are taken.
+        return self.client is not None and step % self.cfg.every == 0
 
     def take(self, step: int, capture, final: bool = False) -> None:
         """Copy the state now (``capture()``); store and replicate it in the background."""
         t0 = time.perf_counter()
-        self._queue.join()  # the previous snapshot must have left (pairs redundancy exchanges)
+        self._store_queue.join()  # the previous one is with the keeper: at most one copy in flight
+        ship = False
+        if self.redundant:
+            # Skipped if any worker is still shipping the previous one, or has given up shipping
+            # (its keeper or the snapshot group failed): every worker decides the same.
+            busy = [float(self._shipping or self.scheme is None)]
+            ship = not (self.control.max_scalars(busy)[0] if self.control is not None else busy[0])
         t1 = time.perf_counter()
         state = capture()
         self.stats.copy_s += time.perf_counter() - t1
         ce = self.cfg.checkpoint_every
         disk = final or bool(ce and step % ce == 0)
-        self._queue.put((step, state, disk))
+        if ship:
+            self._shipping = True
+        self._store_queue.put((step, state, disk, ship))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
 
+    def wait(self) -> None:
+        """Until every snapshot taken is stored and every shipment has arrived."""
+        self._store_queue.join()
+        self._ship_queue.join()
+
     def close(self) -> None:
-        """Wait for every snapshot to be stored (and written, where asked), then stop the thread."""
-        self._queue.join()
-        self._queue.put(None)
-        self._thread.join()
+        """Wait for every snapshot to be stored (and written, where asked) and every shipment to
+        arrive, then stop the threads."""
+        self.wait()
+        self._store_queue.put(None)
+        self._ship_queue.put(None)
+        for t in self._threads:
+            t.join()
         if self.client is not None:
             try:
                 self.client.flush()
             except KeeperError as e:
                 self.stats.errors.append(str(e))
 
-    def _loop(self) -> None:
+    def _loop(self, work: queue.Queue, handle) -> None:
         while True:
-            item = self._queue.get()
+            item = work.get()
             try:
                 if item is None:
                     return
                 t0 = time.perf_counter()
-                self._store(*item)
+                handle(*item)
                 self.stats.background_s += time.perf_counter() - t0
             except Exception as e:  # a lost snapshot must not stop training; it is reported
-                msg = f"snapshot at step {item[0]} not stored: {e}"
+                shipping = handle == self._ship
+                msg = f"snapshot at step {item[0]} not {'shipped' if shipping else 'stored'}: {e}"
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
-                if isinstance(e, (RuntimeError, dist.DistBackendError)) and self.scheme is not None:
-                    self.scheme = None  # the snapshot group is broken; keep local snapshots
+                if shipping or item[3]:  # a store that failed never queued its shipment
+                    self.scheme = None  # keep local snapshots; peers learn it at the next take
+                    self._shipping = False
             finally:
-                self._queue.task_done()
+                work.task_done()
 
-    def _store(self, step: int, state: dict[str, Any], disk: bool) -> None:
+    def _store(self, step: int, state: dict[str, Any], disk: bool, ship: bool) -> None:
         blob = encode(state)
         self.stats.full_bytes = len(blob)
+        kept = False
         if self.client is not None:
-            self.client.put("full", self.rank, step, blob, disk=disk, commit=self.scheme is None)
-        elif disk and self.cfg.directory is not None:
+            try:
+                # Without redundancy a snapshot is complete once the keeper has it.
+                self.client.put("full", self.rank, step, blob, disk=disk, commit=not self.redundant)
+                kept = True
+            except KeeperError as e:
+                if not self.stats.errors:
+                    print(f"geotrain: rank {self.rank}: {e}; snapshots go to disk", file=sys.stderr)
+                self.stats.errors.append(f"step {step}: {e}")
+        if not kept and disk and self.cfg.directory is not None:
             write_atomic(disk_path(self.cfg.directory, self.rank, step), blob)
             for old in disk_steps(self.cfg.directory, self.rank)[:-KEEP_ON_DISK]:
                 disk_path(self.cfg.directory, self.rank, old).unlink(missing_ok=True)
-        if self.scheme is None or self.comm is None:
-            return
-        _, unique = split(state)
-        unique_blob = encode(unique)
-        self.stats.unique_bytes = len(unique_blob)
-        pieces = self.scheme.pieces(unique_blob, self.rank, step)
-        received = exchange(self.comm, self.scheme, pieces, self.cfg.rate_bps)
-        assert self.client is not None
-        for j, piece in enumerate(received):
-            owner = (self.rank - 1 - j) % self.world_size
-            self.client.put("piece", owner, step, piece, index=j, k=self.scheme.k, n=self.scheme.n)
-        # Every worker's pieces are with their holders: only now may older snapshots go.
-        self.comm.barrier()
-        self.client.commit(self.rank, step)
+        if ship:
+            self._ship_queue.put((step, state))
+
+    def _ship(self, step: int, state: dict[str, Any]) -> None:
+        try:
+            if self.scheme is None or self.comm is None or self.client is None:
+                return
+            _, unique = split(state)
+            unique_blob = encode(unique)
+            self.stats.unique_bytes = len(unique_blob)
+            pieces = self.scheme.pieces(unique_blob, self.rank, step)
+            received = exchange(self.comm, self.scheme, pieces, self.cfg.rate_bps)
+            ok = 1.0
+            try:
+                for j, piece in enumerate(received):
+                    owner = (self.rank - 1 - j) % self.world_size
+                    self.client.put("piece", owner, step, piece, index=j, k=self.scheme.k, n=self.scheme.n)
+            except KeeperError as e:
+                self.stats.errors.append(f"step {step}: {e}")
+                ok = 0.0
+            # Every worker's pieces are with their holders: only now may older snapshots go. All
+            # workers learn together whether that is so (a barrier that cannot be left halfway).
+            if self.comm.mean_scalars([ok])[0] < 1.0:
+                raise KeeperError(f"a keeper did not take its pieces of step {step}; redundancy is off")
+            self.client.commit(self.rank, step)
+            self.shipped.append(step)
+        finally:
+            self._shipping = False
 
 
 # -- restoring ---------------------------------------------------------------------------------
@@ -226,19 +287,30 @@ def restore(
     mine = availability(rank, keeper, directory)
     avail = [mine] if world_size == 1 else comm.all_gather_object(mine)
     step, how = choose_step(avail, requested)
+    needy = sorted(r for r, h in how.items() if h == "peers")
     state, error = None, ""
-    if how[rank] != "peers":
-        try:
-            if how[rank] == "keeper":
-                try:
-                    blob = keeper.get("full", rank, step)
-                except KeeperError:
-                    how[rank] = "disk"
-            if how[rank] == "disk":
-                blob = disk_path(directory, rank, step).read_bytes()
-            state = decode(blob, f"rank {rank}'s snapshot at step {step} ({how[rank]})")
-        except (CorruptSnapshot, OSError) as e:
-            error = str(e)
+    to_send: dict[int, list[tuple[int, bytes]]] = {}  # owner -> [(position, blob)] this rank sends
+    try:
+        source = how[rank]
+        if source == "keeper":
+            try:
+                blob = keeper.get("full", rank, step)
+            except KeeperError:
+                source = "disk"
+        if source == "disk":
+            blob = disk_path(directory, rank, step).read_bytes()
+        if source != "peers":
+            state = decode(blob, f"rank {rank}'s snapshot at step {step} ({source})")
+        # Fetch now what this rank will send, so a failure is known to all before any transfer.
+        for owner in needy:
+            donor = min(r for r, h in how.items() if h != "peers")
+            if rank == donor:
+                to_send.setdefault(owner, []).append((-1, encode(split(state)[0])))
+            for pos, (holder, idx, _, _) in enumerate(_pieces_for(avail, owner, step)):
+                if rank == holder:
+                    to_send.setdefault(owner, []).append((pos, keeper.get("piece", owner, step, idx)))
+    except Exception as e:  # every rank must learn of it, or the others wait on a transfer
+        error = str(e) or type(e).__name__
     errors = [error] if world_size == 1 else comm.all_gather_object(error)
     bad = [e for e in errors if e]
     if bad:
@@ -250,22 +322,21 @@ def restore(
             else "no older one"
         )
         raise ResumeError(f"{bad[0]}; {hint}")
-    for owner in sorted(r for r, h in how.items() if h == "peers"):
+    # Each lost worker in turn receives a survivor's shared state, then its pieces in order; a
+    # rank that is both donor and holder sends in that same order.
+    for owner in needy:
         donor = min(r for r, h in how.items() if h != "peers")
         pieces = _pieces_for(avail, owner, step)
-        if rank == donor:
-            shared, _ = split(state)
-            send_blob(comm, encode(shared), owner)
-        for holder, idx, _, _ in pieces:
-            if rank == holder:
-                send_blob(comm, keeper.get("piece", owner, step, idx), owner)
+        for _, blob in sorted(to_send.get(owner, [])):
+            send_blob(comm, blob, owner)
         if rank == owner:
-            shared = decode(recv_blob(comm, donor), f"rank {donor}'s shared state")
-            framed = [recv_blob(comm, holder) for holder, _, _, _ in pieces]
-            _, _, k, n = pieces[0]
-            scheme = Redundancy(k, n, f"ec:{k}/{n}")
             try:
-                unique = decode(scheme.rebuild(framed), f"rank {owner}'s rebuilt state")
+                shared = decode(recv_blob(comm, donor), f"rank {donor}'s shared state")
+                framed = [recv_blob(comm, holder) for holder, _, _, _ in pieces]
+                _, _, k, n = pieces[0]
+                unique = decode(
+                    Redundancy(k, n, f"ec:{k}/{n}").rebuild(framed), f"rank {owner}'s rebuilt state"
+                )
                 state = join(unique, shared)
             except CorruptSnapshot as e:
                 error = str(e)

@@ -148,6 +148,7 @@ def capture(
         "codec": clone_tree(codec_state),
         "rng": {
             "torch": torch.get_rng_state(),
+            **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
             **{name: g.get_state() for name, g in generators.items()},
         },
         "progress": dict(progress, step=step),
@@ -209,6 +210,8 @@ def restore(
         sync_state["codec"] = parts["codec"]
     sync.load_state_dict(sync_state)
     torch.set_rng_state(parts["rng"]["torch"])
+    if "cuda" in parts["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
     for name, g in generators.items():
         g.set_state(parts["rng"][name])
     return parts["progress"]

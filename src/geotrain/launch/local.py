@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,15 +145,21 @@ def keeper_socket(run_dir: Path, host: int) -> Path:
     return Path(tempfile.gettempdir()) / "geotrain-keepers" / key / f"host{host}.sock"
 
 
-def start_keepers(run_dir: Path, n: int) -> list[Path]:
-    """One keeper per host; a keeper still alive from an earlier launch of this run is kept, with
-    the snapshots it holds. Keepers are not children of the trainers (nor killed with the hosts'
-    namespaces): each stands for its host's memory and outlives the trainer on it."""
+def start_keepers(run_dir: Path, n: int, resume: bool) -> list[Path]:
+    """One keeper per host. Resuming, a keeper still alive from an earlier launch of this run is
+    kept, with the snapshots it holds; a fresh run starts from empty keepers and no snapshots.
+    Keepers are not children of the trainers (nor killed with the hosts' namespaces): each stands
+    for its host's memory and outlives the trainer on it."""
+    if not resume:
+        stop_keepers(run_dir, n)
+        shutil.rmtree(run_dir / "snapshots", ignore_errors=True)
     sockets = []
     for i in range(n):
         path = keeper_socket(run_dir, i)
         sockets.append(path)
-        if KeeperClient(path, timeout_s=2.0).alive():
+        client = KeeperClient(path, timeout_s=2.0)
+        if client.alive():
+            client.adopt(os.getpid())
             continue
         log = (run_dir / "logs" / f"keeper{i}.log").open("ab")
         subprocess.Popen(
@@ -181,10 +188,14 @@ def start_keepers(run_dir: Path, n: int) -> list[Path]:
 
 
 def stop_keepers(run_dir: Path, n: int) -> None:
-    """Ask this run's keepers to finish their disk writes and exit."""
+    """Ask this run's keepers to finish their disk writes and exit (and wait until they have)."""
     for i in range(n):
+        path = keeper_socket(run_dir, i)
         with contextlib.suppress(KeeperError):
-            KeeperClient(keeper_socket(run_dir, i), timeout_s=60.0).stop()
+            KeeperClient(path, timeout_s=60.0).stop()
+        deadline = time.monotonic() + 10
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -237,7 +248,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     )
 
     threads = max(1, (os.cpu_count() or 1) // launch.workers)
-    sockets = start_keepers(run_dir, launch.workers) if launch.keepers and not cfg.profile_out else []
+    keepers = launch.keepers and not cfg.profile_out
+    sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
     succeeded = False
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
