@@ -205,7 +205,9 @@ def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_g
     snap = Snapshotter(SnapshotConfig(every=2, keeper=str(client.path), directory=snaps), 0, 1)
     for step in (2, 4):
         snap.take(
-            step, lambda step=step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}}, final=True
+            step,
+            lambda reuse, step=step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}},
+            final=True,
         )
     snap.close()
     assert snap.stats.taken == 2 and not snap.stats.errors

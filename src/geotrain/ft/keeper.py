@@ -82,10 +82,10 @@ def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryvi
         sock.sendall(payload)
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     header = json.loads(_recv_exact(sock, n))
-    payload = bytes(_recv_exact(sock, header["size"])) if header["size"] else b""
+    payload = _recv_exact(sock, header["size"]) if header["size"] else b""  # kept as received
     return header, payload
 
 

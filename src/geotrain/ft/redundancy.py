@@ -47,6 +47,7 @@ class Redundancy:
 
     def pieces(self, blob: bytes, owner: int, step: int) -> list[bytes]:
         """The N framed pieces of ``blob``."""
+        blob = bytes(blob)
         if self.k == 1 and self.n == 1:
             shares, pad = [blob], 0
         else:

@@ -84,6 +84,7 @@ class Snapshotter:
         self.redundant = self.scheme is not None
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
+        self._spare: list[dict[str, Any]] = []  # earlier copies nobody reads: their memory is reused
         self._store_queue: queue.Queue = queue.Queue()
         self._ship_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -101,7 +102,8 @@ class Snapshotter:
         return self.client is not None and step % self.cfg.every == 0
 
     def take(self, step: int, capture, final: bool = False) -> None:
-        """Copy the state now (``capture()``); store and replicate it in the background."""
+        """Copy the state now (``capture(reuse)``, ``reuse`` an earlier copy to overwrite, or
+        None); store and replicate it in the background."""
         t0 = time.perf_counter()
         self._store_queue.join()  # the previous one is with the keeper: at most one copy in flight
         ship = False
@@ -111,7 +113,7 @@ class Snapshotter:
             busy = [float(self._shipping or self.scheme is None)]
             ship = not (self.control.max_scalars(busy)[0] if self.control is not None else busy[0])
         t1 = time.perf_counter()
-        state = capture()
+        state = capture(self._spare.pop() if self._spare else None)
         self.stats.copy_s += time.perf_counter() - t1
         ce = self.cfg.checkpoint_every
         disk = final or bool(ce and step % ce == 0)
@@ -179,6 +181,12 @@ class Snapshotter:
                 disk_path(self.cfg.directory, self.rank, old).unlink(missing_ok=True)
         if ship:
             self._ship_queue.put((step, state))
+        else:
+            self._release(state)
+
+    def _release(self, state: dict[str, Any]) -> None:
+        if len(self._spare) < 1:
+            self._spare.append(state)
 
     def _ship(self, step: int, state: dict[str, Any]) -> None:
         try:
@@ -204,6 +212,7 @@ class Snapshotter:
             self.client.commit(self.rank, step)
             self.shipped.append(step)
         finally:
+            self._release(state)
             self._shipping = False
 
 

@@ -90,14 +90,21 @@ class DiLoCo(SyncAlgorithm):
         return {"model", "sync"} if self.step_count % self.config.H == 0 else {"sync"}
 
     def state_dict(self) -> dict[str, Any]:
+        """Right after an outer step theta_outer *is* the model's parameters: it is not saved
+        twice (a fifth of a snapshot), and ``load_state_dict`` takes it from the parameters."""
         state = super().state_dict()
-        state["outer_params"] = [t.clone() for t in self._outer]
+        at_sync = self.step_count % self.config.H == 0
+        state["outer_params"] = None if at_sync else list(self._outer)  # callers copy or serialise
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load after the model's own state (the parameters may stand for theta_outer)."""
         super().load_state_dict(state)
+        outer = state["outer_params"]
+        if outer is None:
+            outer = [p.detach() for p in self.parameters()]
         with torch.no_grad():
-            for dst, src in zip(self._outer, state["outer_params"], strict=True):
+            for dst, src in zip(self._outer, outer, strict=True):
                 dst.copy_(src)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])

@@ -236,7 +236,7 @@ class DreamDDP(SyncAlgorithm):
         state["plan"] = self._plan if self.schedule else None
         state["replans"] = self.replans
         if self.codec:
-            state["ref"] = {name: [t.clone() for t in ts] for name, ts in self._ref.items()}
+            state["ref"] = {name: list(ts) for name, ts in self._ref.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

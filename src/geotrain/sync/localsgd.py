@@ -73,7 +73,7 @@ class LocalSGD(SyncAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.codec:
-            state["ref"] = [t.clone() for t in self._ref]
+            state["ref"] = list(self._ref)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
