@@ -206,7 +206,7 @@ def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_g
     for step in (2, 4):
         snap.take(
             step,
-            lambda reuse, step=step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}},
+            lambda copy, step=step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}},
             final=True,
         )
     snap.close()

@@ -61,7 +61,7 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
                 replicated=sync.replicated_parts(),
             )
             digests[step] = {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
-            snaps.take(step, lambda reuse, state=state: state)
+            snaps.take(step, lambda copy, state=state: state)
             snaps.wait()  # each one shipped before the next (training would skip a busy one)
     snaps.close()
     sent_by_snapshots = snap_comm.stats.sent_bytes

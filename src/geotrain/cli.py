@@ -5,7 +5,8 @@
     geotrain profile --workers 4 --bandwidth 100mbit --model mini --out profile.json
     geotrain plan --profile profile.json --H 10 --out plan.json     # or --choose
     geotrain bench [--quick]  # algorithms x links x workers: time to loss, plots, report
-    geotrain sweep            # remove namespaces left by crashed runs
+    geotrain keeper --socket PATH --dir DIR   # hold a host's snapshots (real clusters)
+    geotrain sweep [--keepers]  # remove namespaces left by crashed runs (and lingering keepers)
 
 Every mistake in the input gets one line saying what is wrong and what is accepted, exit code 2,
 and nothing is created before the input is known to be good.
@@ -465,12 +466,27 @@ def _cmd_bench(argv: list[str]) -> int:
 
 
 def _cmd_sweep(argv: list[str]) -> int:
-    _Parser(
-        prog="geotrain sweep", description="Remove namespaces and bridges of dead geotrain runs."
-    ).parse_args(argv)
+    from geotrain.launch.local import stop_lingering_keepers
+
+    p = _Parser(prog="geotrain sweep", description="Remove namespaces and bridges of dead geotrain runs.")
+    p.add_argument(
+        "--keepers",
+        action="store_true",
+        help="also stop keepers whose launcher is gone (their snapshots in memory are lost; disk stays)",
+    )
+    args = p.parse_args(argv)
     removed = sweep_stale()
     print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
+    if args.keepers:
+        stopped = stop_lingering_keepers()
+        print(f"stopped {len(stopped)} keepers" if stopped else "no lingering keepers")
     return 0
+
+
+def _cmd_keeper(argv: list[str]) -> int:
+    from geotrain.ft.keeper import main as keeper_main
+
+    return keeper_main(argv)
 
 
 COMMANDS = {
@@ -479,6 +495,7 @@ COMMANDS = {
     "plan": _cmd_plan,
     "bench": _cmd_bench,
     "sweep": _cmd_sweep,
+    "keeper": _cmd_keeper,
 }
 
 

@@ -334,7 +334,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     kill = cfg.chaos_kill()
 
     def take_snapshot(step: int, final: bool = False) -> None:
-        def state(reuse: dict[str, Any] | None) -> dict[str, Any]:
+        def state(copy: bool) -> dict[str, Any]:
             now = time.perf_counter()
             return capture(
                 step=step,
@@ -349,7 +349,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                     "val_loss": val_loss,
                 },
                 replicated=sync.replicated_parts(),
-                reuse=reuse,
+                copy=copy,
             )
 
         snapshots.take(step, state, final=final)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import queue
 import re
@@ -74,19 +75,40 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+def _send(
+    sock: socket.socket,
+    header: dict[str, Any],
+    payload: bytes | memoryview = b"",
+    fds: list[int] | None = None,
+) -> None:
     header = dict(header, size=len(payload))
     data = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    message = _LEN.pack(len(data)) + data
+    if fds:  # the descriptors travel with the first bytes
+        sent = socket.send_fds(sock, [message], fds)
+        message = message[sent:]
+    sock.sendall(message)
     if len(payload):
         sock.sendall(payload)
 
 
 def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray]:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    header, payload, _ = _recv_with_fds(sock)
+    return header, payload
+
+
+def _recv_with_fds(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray, list[int]]:
+    """A message, with any file descriptors that came with its first bytes (SCM_RIGHTS)."""
+    first, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
+    if not first:
+        raise ConnectionError("peer closed the connection")
+    head = bytes(first) + (
+        bytes(_recv_exact(sock, _LEN.size - len(first))) if len(first) < _LEN.size else b""
+    )
+    (n,) = _LEN.unpack(head)
     header = json.loads(_recv_exact(sock, n))
     payload = _recv_exact(sock, header["size"]) if header["size"] else b""  # kept as received
-    return header, payload
+    return header, payload, list(fds)
 
 
 # -- server ----------------------------------------------------------------------------------
@@ -169,12 +191,25 @@ class _Handler(socketserver.BaseRequestHandler):
         keeper: Keeper = self.server.keeper  # type: ignore[attr-defined]
         keeper.last_request = time.monotonic()
         try:
-            header, payload = _recv(self.request)
-        except (ConnectionError, ValueError):
+            header, payload, fds = _recv_with_fds(self.request)
+        except (ConnectionError, ValueError, OSError):
             return
         op = header.get("op")
         if op == "put":
             keeper.put(header, payload)
+            _send(self.request, {"ok": True})
+        elif op == "put_fd":
+            # The trainer's memory file, mapped: this process now holds those pages, no copy made.
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                _send(self.request, {"ok": False, "error": "put_fd needs one file descriptor"})
+                return
+            try:
+                blob = mmap.mmap(fds[0], int(header["length"]), prot=mmap.PROT_READ)
+            finally:
+                os.close(fds[0])
+            keeper.put(header, blob)
             _send(self.request, {"ok": True})
         elif op == "get":
             blob = keeper.get(header["kind"], header["owner"], header["step"], header.get("index", 0))
@@ -189,7 +224,15 @@ class _Handler(socketserver.BaseRequestHandler):
             keeper.commit(int(header["owner"]), int(header["step"]))
             _send(self.request, {"ok": True})
         elif op == "list":
-            _send(self.request, {"ok": True, "items": keeper.items(), "held_bytes": keeper.held_bytes()})
+            _send(
+                self.request,
+                {
+                    "ok": True,
+                    "items": keeper.items(),
+                    "held_bytes": keeper.held_bytes(),
+                    "parent_pid": self.server.parent_pid,  # type: ignore[attr-defined]
+                },
+            )
         elif op == "flush":
             keeper.flush()
             _send(self.request, {"ok": True})
@@ -257,12 +300,14 @@ class KeeperClient:
         self.path = str(socket_path)
         self.timeout_s = timeout_s
 
-    def _call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict, bytes]:
+    def _call(
+        self, header: dict[str, Any], payload: bytes | memoryview = b"", fds: list[int] | None = None
+    ) -> tuple[dict, bytes]:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(self.timeout_s)
                 s.connect(self.path)
-                _send(s, header, payload)
+                _send(s, header, payload, fds)
                 reply, data = _recv(s)
         except (OSError, ConnectionError) as e:
             raise KeeperError(f"keeper at {self.path}: {e}") from None
@@ -291,6 +336,13 @@ class KeeperClient:
         header = {"op": "put", "kind": kind, "owner": owner, "step": step, "index": index}
         self._call({**header, "disk": disk, "commit": commit, **meta}, blob)
 
+    def put_fd(
+        self, kind: str, owner: int, step: int, fd: int, length: int, disk: bool = False, commit: bool = False
+    ) -> None:
+        """Hand over a sealed memory file (``ft.state.encode_to_memfd``): the keeper maps it."""
+        header = {"op": "put_fd", "kind": kind, "owner": owner, "step": step, "index": 0, "length": length}
+        self._call({**header, "disk": disk, "commit": commit}, fds=[fd])
+
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})
 
@@ -306,6 +358,10 @@ class KeeperClient:
 
     def held_bytes(self) -> int:
         return int(self._call({"op": "list"})[0]["held_bytes"])
+
+    def parent_pid(self) -> int:
+        """The launcher this keeper belongs to (0: none)."""
+        return int(self._call({"op": "list"})[0]["parent_pid"])
 
     def flush(self) -> None:
         self._call({"op": "flush"})

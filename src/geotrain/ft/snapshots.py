@@ -16,6 +16,8 @@ disk, else rebuilt from peers' pieces plus a survivor's shared state.
 
 from __future__ import annotations
 
+import mmap
+import os
 import queue
 import sys
 import threading
@@ -26,7 +28,17 @@ from typing import Any
 
 from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, disk_steps
 from geotrain.ft.redundancy import Redundancy, exchange, parse_redundancy, recv_blob, send_blob
-from geotrain.ft.state import CorruptSnapshot, decode, encode, join, split, write_atomic
+from geotrain.ft.state import (
+    CorruptSnapshot,
+    decode,
+    decode_memfd,
+    encode,
+    encode_to_memfd,
+    join,
+    seal_memfd,
+    split,
+    write_atomic,
+)
 
 KEEP_ON_DISK = 2
 
@@ -60,11 +72,17 @@ class Snapshotter:
     """Takes snapshots on the training thread, stores them in one background thread and ships
     redundancy in another.
 
-    Storing (frame, checksum, hand to the keeper) is quick and happens for every snapshot. Shipping
-    a worker's unique state to its peers takes as long as the link needs (86 MB of AdamW moments for
-    the ``mini`` model: 7 s at 100 Mbit/s), so it is skipped for a snapshot if the previous one is
-    still travelling on any worker; the workers agree on that with one small all-reduce on the
-    training group (``control``), so their exchanges always pair up. Training never waits for it.
+    With a keeper, the training thread serialises the state straight into an anonymous memory file
+    (``memfd``): that is the snapshot's only copy. The store thread seals it (length and sha256)
+    and passes the descriptor to the keeper over its socket, so the keeper holds those very pages
+    and no byte crosses the socket. Without a keeper only disk snapshots are taken (a CPU copy,
+    then framed and written by the store thread).
+
+    Shipping a worker's unique state to its peers takes as long as the link needs (86 MB of
+    AdamW moments for the ``mini`` model: 7 s at 100 Mbit/s), so it is skipped for a snapshot if
+    the previous one is still travelling on any worker; the workers agree on that with one small
+    all-reduce on the training group (``control``), so their exchanges always pair up. Training
+    never waits for it.
     """
 
     def __init__(self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None, control=None) -> None:
@@ -84,7 +102,6 @@ class Snapshotter:
         self.redundant = self.scheme is not None
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
-        self._spare: list[dict[str, Any]] = []  # earlier copies nobody reads: their memory is reused
         self._store_queue: queue.Queue = queue.Queue()
         self._ship_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -102,24 +119,27 @@ class Snapshotter:
         return self.client is not None and step % self.cfg.every == 0
 
     def take(self, step: int, capture, final: bool = False) -> None:
-        """Copy the state now (``capture(reuse)``, ``reuse`` an earlier copy to overwrite, or
-        None); store and replicate it in the background."""
+        """Snapshot now: ``capture(copy)`` gives the state (live tensors when ``copy`` is False);
+        it is stored, and maybe shipped, in the background."""
         t0 = time.perf_counter()
-        self._store_queue.join()  # the previous one is with the keeper: at most one copy in flight
+        self._store_queue.join()  # the previous one is with the keeper: at most one in flight
         ship = False
         if self.redundant:
             # Skipped if any worker is still shipping the previous one, or has given up shipping
             # (its keeper or the snapshot group failed): every worker decides the same.
             busy = [float(self._shipping or self.scheme is None)]
             ship = not (self.control.max_scalars(busy)[0] if self.control is not None else busy[0])
-        t1 = time.perf_counter()
-        state = capture(self._spare.pop() if self._spare else None)
-        self.stats.copy_s += time.perf_counter() - t1
         ce = self.cfg.checkpoint_every
         disk = final or bool(ce and step % ce == 0)
+        t1 = time.perf_counter()
+        if self.client is not None:
+            snapshot = encode_to_memfd(capture(False), f"geotrain-rank{self.rank}-step{step}")
+        else:
+            snapshot = capture(True)
+        self.stats.copy_s += time.perf_counter() - t1
         if ship:
             self._shipping = True
-        self._store_queue.put((step, state, disk, ship))
+        self._store_queue.put((step, snapshot, disk, ship))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
 
@@ -162,37 +182,49 @@ class Snapshotter:
             finally:
                 work.task_done()
 
-    def _store(self, step: int, state: dict[str, Any], disk: bool, ship: bool) -> None:
-        blob = encode(state)
-        self.stats.full_bytes = len(blob)
-        kept = False
-        if self.client is not None:
+    def _store(self, step: int, snapshot, disk: bool, ship: bool) -> None:
+        if self.client is None:  # a CPU copy, for disk
+            blob = encode(snapshot)
+            self.stats.full_bytes = len(blob)
+            self._write_disk(step, blob)
+            return
+        fd, size = snapshot
+        try:
+            seal_memfd(fd, size)
+            self.stats.full_bytes = size
             try:
                 # Without redundancy a snapshot is complete once the keeper has it.
-                self.client.put("full", self.rank, step, blob, disk=disk, commit=not self.redundant)
-                kept = True
+                self.client.put_fd("full", self.rank, step, fd, size, disk=disk, commit=not self.redundant)
             except KeeperError as e:
                 if not self.stats.errors:
                     print(f"geotrain: rank {self.rank}: {e}; snapshots go to disk", file=sys.stderr)
                 self.stats.errors.append(f"step {step}: {e}")
-        if not kept and disk and self.cfg.directory is not None:
-            write_atomic(disk_path(self.cfg.directory, self.rank, step), blob)
-            for old in disk_steps(self.cfg.directory, self.rank)[:-KEEP_ON_DISK]:
-                disk_path(self.cfg.directory, self.rank, old).unlink(missing_ok=True)
-        if ship:
-            self._ship_queue.put((step, state))
-        else:
-            self._release(state)
+                if disk:
+                    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+                        self._write_disk(step, mm)
+            if ship:
+                self._ship_queue.put((step, os.dup(fd), size))
+        finally:
+            os.close(fd)
 
-    def _release(self, state: dict[str, Any]) -> None:
-        if len(self._spare) < 1:
-            self._spare.append(state)
+    def _write_disk(self, step: int, blob) -> None:
+        if self.cfg.directory is None:
+            return
+        write_atomic(disk_path(self.cfg.directory, self.rank, step), blob)
+        for old in disk_steps(self.cfg.directory, self.rank)[:-KEEP_ON_DISK]:
+            disk_path(self.cfg.directory, self.rank, old).unlink(missing_ok=True)
 
-    def _ship(self, step: int, state: dict[str, Any]) -> None:
+    def _ship(self, step: int, fd: int, size: int) -> None:
         try:
             if self.scheme is None or self.comm is None or self.client is None:
                 return
+            try:
+                state = decode_memfd(fd, size, f"rank {self.rank}'s snapshot at step {step}")
+            finally:
+                os.close(fd)
+                fd = -1
             _, unique = split(state)
+            del state
             unique_blob = encode(unique)
             self.stats.unique_bytes = len(unique_blob)
             pieces = self.scheme.pieces(unique_blob, self.rank, step)
@@ -212,7 +244,8 @@ class Snapshotter:
             self.client.commit(self.rank, step)
             self.shipped.append(step)
         finally:
-            self._release(state)
+            if fd >= 0:
+                os.close(fd)
             self._shipping = False
 
 

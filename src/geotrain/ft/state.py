@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -36,24 +37,16 @@ class CorruptSnapshot(ValueError):
     """A snapshot blob that is truncated or fails its checksum."""
 
 
-def clone_tree(obj: Any, into: Any = None) -> Any:
-    """A deep copy in which every tensor is a CPU tensor (the device-to-host copy).
-
-    Tensors are copied into ``into``'s where it has a tensor of the same shape and dtype at the
-    same place (an earlier copy no longer in use): fresh memory costs a page fault per 4 KB, which
-    on a shared CPU costs more than the copy itself."""
+def clone_tree(obj: Any) -> Any:
+    """A deep copy in which every tensor is a fresh CPU tensor (the device-to-host copy)."""
     if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype:
-            return into.copy_(src)
-        return src.to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        into = into if isinstance(into, dict) else {}
-        return {k: clone_tree(v, into.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        out = [clone_tree(v, w) for v, w in zip(obj, into, strict=True)]
-        return out if isinstance(obj, list) else tuple(out)
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_tree(v) for v in obj)
     return obj
 
 
@@ -150,20 +143,21 @@ def capture(
     generators: dict[str, torch.Generator],
     progress: dict[str, Any],
     replicated: set[str],
-    reuse: dict[str, Any] | None = None,
+    copy: bool = True,
 ) -> dict[str, Any]:
-    """A deep CPU copy of everything the next step depends on, with the names of the parts that
-    are equal on every worker at this step (``replicated``) and a digest of each of those.
+    """Everything the next step depends on, with the names of the parts that are equal on every
+    worker at this step (``replicated``).
 
-    ``reuse``: an earlier capture nobody reads any more, whose tensors are overwritten."""
+    ``copy``: a deep CPU copy; without it the tensors are the live ones, for a caller that
+    serialises them at once (``encode_to_memfd``), which is then the only copy."""
     sync_state = sync.state_dict()
     codec_state = sync_state.pop("codec", None)
-    old = (reuse or {}).get("parts", {})
+    tree = clone_tree if copy else (lambda obj: obj)
     parts = {
-        "model": clone_tree(model.state_dict(), old.get("model")),
-        "optimizer": clone_tree(optimizer.state_dict(), old.get("optimizer")),
-        "sync": clone_tree(sync_state, old.get("sync")),
-        "codec": clone_tree(codec_state, old.get("codec")),
+        "model": tree(model.state_dict()),
+        "optimizer": tree(optimizer.state_dict()),
+        "sync": tree(sync_state),
+        "codec": tree(codec_state),
         "rng": {
             "torch": torch.get_rng_state(),
             **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
@@ -171,22 +165,17 @@ def capture(
         },
         "progress": dict(progress, step=step),
     }
-    shared = sorted(p for p in replicated if p in parts)
-    return {
-        "step": step,
-        "parts": parts,
-        "shared": shared,
-        "shared_digest": {p: tensor_digest(parts[p]) for p in shared},
-    }
+    return {"step": step, "parts": parts, "shared": sorted(p for p in replicated if p in parts)}
 
 
 def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, unique): the parts every worker holds equal at this step, and the rest."""
+    """(shared, unique): the parts every worker holds equal at this step, and the rest, which
+    records a digest of each shared part so a rebuild can check the survivor's against it."""
     shared = {p: state["parts"][p] for p in state["shared"]}
     unique = {
         "step": state["step"],
         "shared": state["shared"],
-        "shared_digest": state["shared_digest"],
+        "shared_digest": {p: tensor_digest(v) for p, v in shared.items()},
         "parts": {p: v for p, v in state["parts"].items() if p not in state["shared"]},
     }
     return shared, unique
@@ -203,12 +192,42 @@ def join(unique: dict[str, Any], shared_from_peer: dict[str, Any]) -> dict[str, 
             raise CorruptSnapshot(f"the peer's '{p}' differs from the lost worker's at step {unique['step']}")
     parts = dict(unique["parts"])
     parts.update({p: shared_from_peer[p] for p in unique["shared"]})
-    return {
-        "step": unique["step"],
-        "parts": parts,
-        "shared": unique["shared"],
-        "shared_digest": unique["shared_digest"],
-    }
+    return {"step": unique["step"], "parts": parts, "shared": unique["shared"]}
+
+
+# -- zero-copy hand-over to a keeper ------------------------------------------------------------
+def encode_to_memfd(obj: Any, name: str) -> tuple[int, int]:
+    """Serialise ``obj`` into a new anonymous memory file, behind a blank header: (fd, size).
+
+    The serialisation is the only copy of the state: the file's pages are what a keeper will hold
+    once it has the descriptor (passed over its Unix socket), so no byte is copied again. The
+    header (length, sha256) is written by ``seal_memfd``, off the training thread."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    with os.fdopen(os.dup(fd), "wb") as f:
+        f.write(bytes(_HEADER.size))
+        torch.save(obj, f, pickle_protocol=4)
+        size = f.tell()
+    return fd, size
+
+
+def seal_memfd(fd: int, size: int) -> None:
+    """Write the header (magic, length, sha256 of the payload) into a file from ``encode_to_memfd``."""
+    with mmap.mmap(fd, size) as mm:
+        view = memoryview(mm)
+        try:
+            digest = hashlib.sha256(view[_HEADER.size :]).digest()
+            view[: _HEADER.size] = _HEADER.pack(MAGIC, size - _HEADER.size, digest)
+        finally:
+            view.release()
+
+
+def decode_memfd(fd: int, size: int, what: str = "snapshot") -> Any:
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            return decode(view, what)
+        finally:
+            view.release()
 
 
 def restore(

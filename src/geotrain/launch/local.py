@@ -198,6 +198,25 @@ def stop_keepers(run_dir: Path, n: int) -> None:
             time.sleep(0.02)
 
 
+def stop_lingering_keepers() -> list[Path]:
+    """Stop the keepers of every run on this machine whose launcher is gone."""
+    from geotrain.ft.keeper import _alive
+
+    stopped = []
+    for path in sorted((Path(tempfile.gettempdir()) / "geotrain-keepers").glob("*/host*.sock")):
+        client = KeeperClient(path, timeout_s=5.0)
+        try:
+            parent = client.parent_pid()
+        except KeeperError:
+            continue
+        if parent > 0 and _alive(parent):
+            continue  # a live run's keeper
+        with contextlib.suppress(KeeperError):
+            client.stop()
+            stopped.append(path)
+    return stopped
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").replace("\r", "\n")
