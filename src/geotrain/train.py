@@ -309,6 +309,8 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         ctx.world_size,
         snap_comm,
         control=comm,
+        # Parameters, two optimizer moments and one more copy (an anchor): what a snapshot holds.
+        size_hint=4 * sum(p.numel() * p.element_size() for p in model.parameters()),
     )
 
     records = _metrics_so_far(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
@@ -483,6 +485,7 @@ def _snapshot_summary(snapshots: Snapshotter, snap_comm, comm, steps_here: int, 
         "redundancy": snapshots.cfg.redundancy if snapshots.scheme is not None else "off",
         "snapshots_shipped": len(snapshots.shipped),
         "snapshot_errors": st.errors,
+        "snapshot_each": st.each,  # this worker's (rank 0's in the summary): step, wait s, copy s
         "resumed_from": resumed,
     }
 

@@ -35,6 +35,7 @@ from geotrain.ft.state import (
     encode,
     encode_to_memfd,
     join,
+    new_memfd,
     seal_memfd,
     split,
     write_atomic,
@@ -66,6 +67,8 @@ class SnapshotStats:
     full_bytes: int = 0
     unique_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    # (step, seconds waiting for the previous one and agreeing to ship, seconds copying) each
+    each: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 class Snapshotter:
@@ -85,7 +88,9 @@ class Snapshotter:
     never waits for it.
     """
 
-    def __init__(self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None, control=None) -> None:
+    def __init__(
+        self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None, control=None, size_hint: int = 0
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -102,6 +107,8 @@ class Snapshotter:
         self.redundant = self.scheme is not None
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
+        self._next_fd: int | None = None  # the next snapshot's memory file, its pages allocated
+        self._size_hint = size_hint
         self._store_queue: queue.Queue = queue.Queue()
         self._ship_queue: queue.Queue = queue.Queue()
         self._threads = [
@@ -110,6 +117,8 @@ class Snapshotter:
         ]
         for t in self._threads:
             t.start()
+        if self.client is not None and size_hint:
+            self._store_queue.put((0, None, False, False))  # prepares the first one's memory
 
     def due(self, step: int) -> bool:
         ce = self.cfg.checkpoint_every
@@ -133,7 +142,8 @@ class Snapshotter:
         disk = final or bool(ce and step % ce == 0)
         t1 = time.perf_counter()
         if self.client is not None:
-            snapshot = encode_to_memfd(capture(False), f"geotrain-rank{self.rank}-step{step}")
+            fd, self._next_fd = self._next_fd, None
+            snapshot = encode_to_memfd(capture(False), f"geotrain-rank{self.rank}", fd)
         else:
             snapshot = capture(True)
         self.stats.copy_s += time.perf_counter() - t1
@@ -142,6 +152,7 @@ class Snapshotter:
         self._store_queue.put((step, snapshot, disk, ship))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
+        self.stats.each.append((step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4)))
 
     def wait(self) -> None:
         """Until every snapshot taken is stored and every shipment has arrived."""
@@ -156,6 +167,9 @@ class Snapshotter:
         self._ship_queue.put(None)
         for t in self._threads:
             t.join()
+        if self._next_fd is not None:
+            os.close(self._next_fd)
+            self._next_fd = None
         if self.client is not None:
             try:
                 self.client.flush()
@@ -183,6 +197,9 @@ class Snapshotter:
                 work.task_done()
 
     def _store(self, step: int, snapshot, disk: bool, ship: bool) -> None:
+        if snapshot is None:  # nothing to store yet: allocate the first snapshot's pages
+            self._next_fd = new_memfd(f"geotrain-rank{self.rank}", self._size_hint)
+            return
         if self.client is None:  # a CPU copy, for disk
             blob = encode(snapshot)
             self.stats.full_bytes = len(blob)
@@ -206,6 +223,8 @@ class Snapshotter:
                 self._ship_queue.put((step, os.dup(fd), size))
         finally:
             os.close(fd)
+        # The pages of the next one, allocated here rather than while the training thread writes.
+        self._next_fd = new_memfd(f"geotrain-rank{self.rank}", size + (1 << 20))
 
     def _write_disk(self, step: int, blob) -> None:
         if self.cfg.directory is None:

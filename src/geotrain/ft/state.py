@@ -196,17 +196,29 @@ def join(unique: dict[str, Any], shared_from_peer: dict[str, Any]) -> dict[str, 
 
 
 # -- zero-copy hand-over to a keeper ------------------------------------------------------------
-def encode_to_memfd(obj: Any, name: str) -> tuple[int, int]:
-    """Serialise ``obj`` into a new anonymous memory file, behind a blank header: (fd, size).
+def new_memfd(name: str, reserve: int = 0) -> int:
+    """An anonymous memory file, with ``reserve`` bytes of pages allocated now (zeroed by the
+    kernel): allocating them later, page by page as the snapshot is written, costs as much as the
+    copy itself, so the store thread prepares the next snapshot's file in advance."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    if reserve:
+        os.posix_fallocate(fd, 0, reserve)
+    return fd
+
+
+def encode_to_memfd(obj: Any, name: str, fd: int | None = None) -> tuple[int, int]:
+    """Serialise ``obj`` into an anonymous memory file (``fd``, else a new one), behind a blank
+    header: (fd, size).
 
     The serialisation is the only copy of the state: the file's pages are what a keeper will hold
     once it has the descriptor (passed over its Unix socket), so no byte is copied again. The
     header (length, sha256) is written by ``seal_memfd``, off the training thread."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = new_memfd(name) if fd is None else fd
     with os.fdopen(os.dup(fd), "wb") as f:
         f.write(bytes(_HEADER.size))
         torch.save(obj, f, pickle_protocol=4)
         size = f.tell()
+    os.ftruncate(fd, size)  # pages reserved beyond the snapshot go back
     return fd, size
 
 
