@@ -67,22 +67,42 @@ def restore_paths(args, bandwidth: str, out: Path) -> list[dict]:
     for path, redundancy in (("keeper", "off"), ("peers", "ring"), ("disk", "off")):
         run_dir = out / f"restore-{path}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        extra = ["--redundancy", redundancy, "--checkpoint-every", "10", "--chaos", "kill:step=25,rank=1"]
+        extra = [
+            "--redundancy",
+            redundancy,
+            "--checkpoint-every",
+            "10",
+            "--chaos",
+            "kill:step=25,rank=1",
+            "--on-failure",
+            "stop",
+        ]
         proc = _geotrain(["run", *job(args, bandwidth), "--steps", "40", "--run-dir", str(run_dir), *extra])
         if proc.returncode != 1:
             raise SystemExit(f"the chaos run for {path} did not fail as planned:\n{proc.stderr[-2000:]}")
         held = [KeeperClient(keeper_socket(run_dir, i)).held_bytes() for i in range(args.workers)]
-        if path == "peers":
+        if path == "peers":  # the last host is gone: its keeper and its disk
             KeeperClient(keeper_socket(run_dir, args.workers - 1)).stop()
+            shutil.rmtree(run_dir / "snapshots" / f"rank{args.workers - 1}")
         if path == "disk":
             stop_keepers(run_dir, args.workers)
-        proc = _geotrain(["run", "--resume", str(run_dir), "--resume-step", "20", "--steps", "20"])
+        proc = _geotrain(["run", "--resume", str(run_dir), "--resume-step", "10", "--steps", "20"])
         stop_keepers(run_dir, args.workers)
         if proc.returncode != 0:
             raise SystemExit(f"resume from {path} failed:\n{proc.stderr[-3000:]}")
         resumed = json.loads((run_dir / "summary.json").read_text())["resumed_from"]
         rows.append({"path": path, "redundancy": redundancy, "held_mb": [h / 1e6 for h in held], **resumed})
     return rows
+
+
+def print_cells(rows: list[dict]) -> None:
+    print("| link | snapshots | step s | x final-only | critical % (all) | critical % (periodic) "
+          "| shipped MB/step | unique MB | full MB | taken | shipped |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['link']} | {r['snapshots']} | {r['step_s']:.3f} | {r['x_final_only']:.3f} | "
+              f"{r['critical_pct']:.2f} | {r['periodic_pct']:.2f} | {r['shipped_mb_per_step']:.2f} | "
+              f"{r['unique_mb']:.1f} | {r['full_mb']:.1f} | {r['taken']} | {r['shipped']} |")  # fmt: skip
 
 
 def main() -> int:
@@ -95,6 +115,7 @@ def main() -> int:
     p.add_argument("--H", type=int, default=10)
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
     p.add_argument("--no-restore", action="store_true", help="skip the restore-path timings")
+    p.add_argument("--restore-only", action="store_true", help="time only the restore paths")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +126,7 @@ def main() -> int:
         ("ec:2/3", ["--redundancy", "ec:2/3"]),
     ]
     rows = []
-    for bw in args.bandwidths.split(","):
+    for bw in [] if args.restore_only else args.bandwidths.split(","):
         base = None
         for name, extra in settings:
             s = run_cell(args, bw, name, extra, out)
@@ -130,13 +151,8 @@ def main() -> int:
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| link | snapshots | step s | x final-only | critical % (all) | critical % (periodic) "
-          "| shipped MB/step | unique MB | full MB | taken | shipped |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['link']} | {r['snapshots']} | {r['step_s']:.3f} | {r['x_final_only']:.3f} | "
-              f"{r['critical_pct']:.2f} | {r['periodic_pct']:.2f} | {r['shipped_mb_per_step']:.2f} | "
-              f"{r['unique_mb']:.1f} | {r['full_mb']:.1f} | {r['taken']} | {r['shipped']} |")  # fmt: skip
+    if rows:
+        print_cells(rows)
     result = {"cells": rows}
     if not args.no_restore:
         restores = restore_paths(args, args.bandwidths.split(",")[0], out)

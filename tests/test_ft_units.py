@@ -224,3 +224,31 @@ def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_g
         preflight([KeeperClient(client.path, timeout_s=1)], snaps)
     assert preflight([KeeperClient(client.path, timeout_s=1)], snaps, requested=2)[0] == 2
     assert os.path.exists(disk_path(snaps, 0, 2))
+
+
+def test_a_descriptor_message_survives_a_keeper_that_answers_and_closes_at_once(monkeypatch):
+    """The keeper maps the file, answers and closes while the sender may still be in ``_send``:
+    an empty trailing send to that closed peer used to fail one snapshot in five (EPIPE)."""
+    import socket
+
+    from geotrain.ft import keeper as keeper_mod
+
+    a, b = socket.socketpair()
+    real = socket.send_fds
+
+    def send_then_peer_closes(sock, buffers, fds):
+        n = real(sock, buffers, fds)
+        _, _, got = keeper_mod._recv_with_fds(b)
+        for fd in got:
+            os.close(fd)
+        b.close()
+        return n
+
+    monkeypatch.setattr(socket, "send_fds", send_then_peer_closes)
+    r, w = os.pipe()
+    try:
+        keeper_mod._send(a, {"op": "put_fd", "length": 0}, fds=[r])
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()

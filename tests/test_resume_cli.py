@@ -57,7 +57,7 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any(_keepers_alive(whole, 2)), "a finished run stops its keepers"
 
-    proc = _run([*job, "--run-dir", str(killed), "--chaos", "kill:step=10,rank=1"])
+    proc = _run([*job, "--run-dir", str(killed), "--chaos", "kill:step=10,rank=1", "--on-failure", "stop"])
     assert proc.returncode == 1
     assert "geotrain run --resume" in proc.stderr
     assert _keepers_alive(killed, 2) == [True, True], "keepers outlive the trainers"
@@ -79,7 +79,19 @@ def test_a_lost_host_is_rebuilt_from_its_ring_neighbour(tmp_path, cleanup_keeper
     cleanup_keepers.append((lost, 3))
     assert _run([*job, "--run-dir", str(whole)]).returncode == 0
     # Snapshots every 2 steps; host 2 dies after step 9, and with it its keeper.
-    proc = _run([*job, "--run-dir", str(lost), "--snapshot-every", "2", "--chaos", "kill:step=9,rank=2"])
+    proc = _run(
+        [
+            *job,
+            "--run-dir",
+            str(lost),
+            "--snapshot-every",
+            "2",
+            "--chaos",
+            "kill:step=9,rank=2",
+            "--on-failure",
+            "stop",
+        ]
+    )
     assert proc.returncode == 1
     KeeperClient(keeper_socket(lost, 2)).stop()
     proc = _run(["run", "--resume", str(lost)])

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from geotrain.data.corpus import DataError, load_corpus
+from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.models.gpt import gpt_config
 from geotrain.netem.cluster import MAX_HOSTS, netem_unavailable_reason, sweep_stale
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths, parse_latency
@@ -58,6 +59,16 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-netem", action="store_true", help="run on loopback, unshaped, without namespaces")
     p.add_argument("--run-dir", default="", help="output folder (empty: runs/<time>-<algo>-<workers>x<link>)")
     p.add_argument("--timeout", type=float, default=3600.0, help="stop the whole run after this many seconds")
+    p.add_argument(
+        "--on-failure",
+        dest="on_failure",
+        default="rollback",
+        help="when a host fails: rollback (every worker returns to the newest snapshot all can restore, "
+        "a replacement takes the failed one's place, the run goes on, exactly) or stop",
+    )
+    p.add_argument(
+        "--max-faults", dest="max_faults", type=int, default=10, help="with rollback: give up after this many"
+    )
     p.add_argument(
         "--resume",
         dest="resume_dir",
@@ -164,6 +175,8 @@ def _cmd_resume(argv: list[str]) -> int:
         run_dir,
         netem=saved.get("network_mode") == "netns",
         timeout_s=args.timeout,
+        on_failure=args.on_failure,
+        max_faults=args.max_faults,
     )
     try:
         summary = run_local_cluster(launch, replace(cfg, resume=True, resume_step=step))
@@ -216,7 +229,12 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         )
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    except (ConfigError, DataError, LinkSpecError) as e:
+        if getattr(args, "on_failure", "rollback") not in ("rollback", "stop"):
+            raise UsageError(f"--on-failure {args.on_failure!r}: accepted: rollback, stop")
+        if getattr(args, "max_faults", 0) < 0:
+            raise UsageError(f"--max-faults must be >= 0, got {args.max_faults}")
+        parse_chaos(cfg.chaos, args.workers)
+    except (ConfigError, DataError, LinkSpecError, ChaosError) as e:
         raise UsageError(str(e)) from None
 
     return args, cfg, rates
@@ -233,6 +251,8 @@ def _launch_config(args, rates, label: str):
         Path(str(run_dir).replace(",", "_")),
         netem=not args.no_netem,
         timeout_s=args.timeout,
+        on_failure=args.on_failure,
+        max_faults=args.max_faults,
     )
 
 

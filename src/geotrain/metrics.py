@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
+from geotrain.ft.state import write_atomic
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path | None, rank: int) -> None:
@@ -76,3 +78,16 @@ def summary_table(summary: dict[str, Any]) -> str:
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     body = "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
     return f"{line}\n{body}\n{line}"
+
+
+def metrics_up_to(run_dir: Path | None, rank: int, step: int) -> list[dict[str, Any]]:
+    """Cut a worker's metrics file back to steps 1..step and return them (a run rolled back or
+    resumed from a snapshot drops what came after it)."""
+    if run_dir is None:
+        return []
+    path = Path(run_dir) / "metrics" / f"rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    kept = [r for r in read_metrics(path) if r["step"] <= step and not r.get("final")]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return kept

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -27,13 +25,14 @@ import torch
 
 from geotrain.comm.communicator import Communicator
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
+from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.keeper import KeeperClient
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest, write_atomic
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.dist import DistContext, init_distributed, shutdown_distributed
-from geotrain.metrics import MetricsWriter, read_metrics, summary_table
+from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
@@ -80,7 +79,7 @@ class TrainConfig:
     redundancy: str = "off"  # off | ring | ec:K/N: unique state held by peers' keepers
     snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)
     keeper: str = ""  # this host's keeper socket ("": snapshots go to disk from a trainer thread)
-    chaos: str = ""  # kill:step=S,rank=R: that worker SIGKILLs itself after step S (fault injection)
+    chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -119,7 +118,10 @@ class TrainConfig:
         )
         parse_redundancy(self.redundancy)
         self.snapshot_rate_bps()
-        self.chaos_kill()
+        try:
+            parse_chaos(self.chaos)
+        except ChaosError as e:
+            raise ConfigError(str(e)) from None
         self.sync_config()  # validates the algorithm's own options
 
     def snapshot_rate_bps(self) -> float:
@@ -129,15 +131,6 @@ class TrainConfig:
             return float(parse_bandwidth(self.snapshot_bandwidth))
         except LinkSpecError as e:
             raise ConfigError(f"--snapshot-bandwidth: {e}") from None
-
-    def chaos_kill(self) -> tuple[int, int] | None:
-        """(step, rank) of an injected SIGKILL, or None."""
-        if not self.chaos:
-            return None
-        m = re.fullmatch(r"kill:step=(\d+),rank=(\d+)", self.chaos)
-        if not m:
-            raise ConfigError(f"--chaos {self.chaos!r}: accepted: kill:step=S,rank=R")
-        return int(m.group(1)), int(m.group(2))
 
     def sync_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"H": self.H, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
@@ -204,7 +197,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "keeper), ec:K/N (N erasure-coded stripes on N peers, any K rebuild it)",
         "snapshot_bandwidth": "pace of redundancy traffic, e.g. 5mbit (0: as fast as the link goes)",
         "keeper": "this host's keeper socket (`geotrain keeper --socket PATH`); empty: none",
-        "chaos": "fault injection: kill:step=S,rank=R (that worker SIGKILLs itself after step S)",
+        "chaos": "fault injection, ';'-separated: kill:step=S,rank=R | kill-host:step=S,host=H | "
+        "kill:every=60s, each with optional ,restart=SECONDS (see README)",
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -283,6 +277,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         # A fresh run in a used directory: an old run's snapshots must never be resumed as its own.
         shutil.rmtree(snap_dir / f"rank{ctx.rank}", ignore_errors=True)
     if cfg.resume:
+        comm.max_scalars([0.0])  # workers start unevenly: time the restore, not the wait for the slowest
         t_restore = time.perf_counter()
         state, source = restore(ctx.rank, ctx.world_size, keeper, snap_dir, snap_comm, cfg.resume_step)
         progress0 = restore_state(state, model=model, optimizer=optimizer, sync=sync, generators=generators)
@@ -313,7 +308,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         size_hint=4 * sum(p.numel() * p.element_size() for p in model.parameters()),
     )
 
-    records = _metrics_so_far(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
+    records = metrics_up_to(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
     writer = MetricsWriter(run_dir, ctx.rank)
     tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
     progress = None
@@ -333,7 +328,8 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         "eval_s"
     ]  # excluded from train_s, so evaluation frequency does not change time-to-loss
     start = time.perf_counter() - progress0["wall_s"]
-    kill = cfg.chaos_kill()
+    faults = [f for f in parse_chaos(cfg.chaos) if not f.timed]
+    keeper_pid = keeper.pid() if keeper is not None and any(f.kind == "kill-host" for f in faults) else 0
 
     def take_snapshot(step: int, final: bool = False) -> None:
         def state(copy: bool) -> dict[str, Any]:
@@ -398,13 +394,8 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)
-        if kill is not None and kill == (step, ctx.rank):
-            print(
-                f"geotrain: chaos: rank {ctx.rank} kills itself after step {step}",
-                file=sys.stderr,
-                flush=True,
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
+        if faults:
+            fire_at_step(faults, step, ctx.rank, keeper_pid, snap_dir)
         if progress is not None:
             mbit = spent.sent_bytes * 8 / step_s / 1e6
             postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
@@ -453,18 +444,6 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         write_atomic(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     sync.close()
     return summary
-
-
-def _metrics_so_far(run_dir: Path | None, rank: int, step: int) -> list[dict[str, Any]]:
-    """The metrics of steps 1..step (a resumed run drops what came after its snapshot)."""
-    if run_dir is None:
-        return []
-    path = run_dir / "metrics" / f"rank{rank}.jsonl"
-    if not path.exists():
-        return []
-    kept = [r for r in read_metrics(path) if r["step"] <= step and not r.get("final")]
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
-    return kept
 
 
 def _snapshot_summary(snapshots: Snapshotter, snap_comm, comm, steps_here: int, resumed) -> dict[str, Any]:

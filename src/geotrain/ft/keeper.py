@@ -87,7 +87,8 @@ def _send(
     if fds:  # the descriptors travel with the first bytes
         sent = socket.send_fds(sock, [message], fds)
         message = message[sent:]
-    sock.sendall(message)
+    if message:  # an empty send to a peer that has already answered and closed is EPIPE
+        sock.sendall(message)
     if len(payload):
         sock.sendall(payload)
 
@@ -192,7 +193,8 @@ class _Handler(socketserver.BaseRequestHandler):
         keeper.last_request = time.monotonic()
         try:
             header, payload, fds = _recv_with_fds(self.request)
-        except (ConnectionError, ValueError, OSError):
+        except (ConnectionError, ValueError, OSError) as e:
+            print(f"keeper: a request could not be read: {e!r}", file=sys.stderr, flush=True)
             return
         op = header.get("op")
         if op == "put":
@@ -231,6 +233,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     "items": keeper.items(),
                     "held_bytes": keeper.held_bytes(),
                     "parent_pid": self.server.parent_pid,  # type: ignore[attr-defined]
+                    "pid": os.getpid(),
                 },
             )
         elif op == "flush":
@@ -362,6 +365,10 @@ class KeeperClient:
     def parent_pid(self) -> int:
         """The launcher this keeper belongs to (0: none)."""
         return int(self._call({"op": "list"})[0]["parent_pid"])
+
+    def pid(self) -> int:
+        """The keeper's process id (chaos kills it to emulate a lost host)."""
+        return int(self._call({"op": "list"})[0]["pid"])
 
     def flush(self) -> None:
         self._call({"op": "flush"})

@@ -29,7 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from geotrain.ft.chaos import join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
+from geotrain.ft.state import write_atomic
+from geotrain.launch.faults import FaultRecord, TimedChaos, fired_step_fault, last_step
+from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
     IFNAME,
     EmulatedCluster,
@@ -43,6 +47,7 @@ from geotrain.train import TrainConfig
 RDZV_PORT = 29500
 # Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
 KEEPER_LINGER_S = 600.0
+ON_FAILURE = ("rollback", "stop")
 
 
 @dataclass
@@ -54,12 +59,18 @@ class LaunchConfig:
     timeout_s: float = 3600.0
     echo: bool = True  # copy hosts' output to this terminal
     keepers: bool = True  # one keeper process per host, holding snapshots in memory
+    on_failure: str = "rollback"  # rollback: restore every worker from snapshots and go on | stop
+    max_faults: int = 10  # with rollback: the run fails at the fault after this many
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.rates_bps is not None and len(self.rates_bps) != self.workers:
             raise ValueError("one rate per worker")
+        if self.on_failure not in ON_FAILURE:
+            raise ValueError(f"--on-failure {self.on_failure!r}: accepted: {', '.join(ON_FAILURE)}")
+        if self.max_faults < 0:
+            raise ValueError(f"--max-faults must be >= 0, got {self.max_faults}")
 
 
 class RunFailed(RuntimeError):
@@ -226,6 +237,107 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + ln for ln in keep[-lines:])
 
 
+@dataclass
+class _Hosts:
+    procs: list[subprocess.Popen]
+    pumps: list[threading.Thread]
+    logs: list[IO[bytes]]
+
+    def close(self) -> None:
+        for t in self.pumps:
+            t.join(timeout=2)
+        for log in self.logs:
+            log.close()
+        self.logs = []
+
+
+def _start_hosts(
+    launch: LaunchConfig,
+    cluster: EmulatedCluster | None,
+    cfg: TrainConfig,
+    sockets: list[Path],
+    threads: int,
+    attempt: int,
+) -> _Hosts:
+    """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
+    run_dir = launch.run_dir
+    port = RDZV_PORT + attempt if cluster else _free_port()
+    endpoint = f"{cluster.host_ip(0)}:{port}" if cluster else f"127.0.0.1:{port}"
+    run_id = (cluster.run_id if cluster else f"geotrain-{os.getpid()}") + f"-{attempt}"
+    hosts = _Hosts([], [], [])
+    for i in range(launch.workers):
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+            GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
+            LOGLEVEL="WARNING",
+            # c10d warns that namespace addresses have no reverse DNS name; harmless.
+            TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        )
+        cmd = _torchrun_command(
+            launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
+        )
+        host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
+        cmd += host_cfg.to_argv()
+        cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
+        if cluster:
+            cmd = cluster.exec_prefix(i) + cmd
+        log = (run_dir / "logs" / f"host{i}.log").open("ab" if cfg.resume or attempt else "wb")
+        hosts.logs.append(log)
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        hosts.procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
+        t.start()
+        hosts.pumps.append(t)
+    return hosts
+
+
+def _write_faults(run_dir: Path, records: list[FaultRecord]) -> None:
+    text = json.dumps([r.as_dict() for r in records], indent=2) + "\n"
+    write_atomic(run_dir / "faults.json", text.encode())
+
+
+def _rollback(
+    run_dir: Path,
+    launch: LaunchConfig,
+    cfg: TrainConfig,
+    sockets: list[Path],
+    faults: list,
+    record: FaultRecord,
+) -> TrainConfig:
+    """After a fault: replacement keepers for lost hosts, then the step every worker restores."""
+    from geotrain.ft.snapshots import ResumeError, preflight
+
+    if sockets:
+        start_keepers(run_dir, launch.workers, resume=True)
+    keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
+    try:
+        step, how = preflight(keepers, run_dir / "snapshots")
+    except ResumeError as e:
+        held = list((run_dir / "snapshots").rglob("*.snap")) + [
+            i for k in keepers if k is not None for i in k.items()
+        ]
+        if held:
+            raise RunFailed(f"cannot roll back after the fault: {e}") from None
+        # No snapshot anywhere yet: the run starts over.
+        shutil.rmtree(run_dir / "metrics", ignore_errors=True)
+        record.rollback_to, record.steps_lost, record.sources = 0, record.at_step, []
+        return replace(cfg, resume=False, resume_step=0, chaos=join_chaos(faults))
+    for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
+        metrics_up_to(run_dir, rank, step)
+    record.rollback_to, record.steps_lost = step, record.at_step - step
+    record.sources = [how[r] for r in range(launch.workers)]
+    return replace(cfg, resume=True, resume_step=step, chaos=join_chaos(faults))
+
+
 def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     """Start the hosts, wait for them, clean up. Returns the summary rank 0 wrote."""
     run_dir = launch.run_dir
@@ -269,10 +381,11 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     threads = max(1, (os.cpu_count() or 1) // launch.workers)
     keepers = launch.keepers and not cfg.profile_out
     sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
+    faults = parse_chaos(cfg.chaos, launch.workers)
+    timed = TimedChaos(faults, seed=cfg.seed)
+    records: list[FaultRecord] = []
     succeeded = False
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    logs = []
+    hosts: _Hosts | None = None
     interrupted = False
     previous_handlers = {}
 
@@ -283,68 +396,86 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     # stop the hosts and remove the namespaces.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous_handlers[sig] = signal.signal(sig, _on_signal)
+    t_launch = time.monotonic()
+    deadline = t_launch + launch.timeout_s
     try:
-        port = RDZV_PORT if cluster else _free_port()
-        endpoint = f"{cluster.host_ip(0)}:{port}" if cluster else f"127.0.0.1:{port}"
-        run_id = cluster.run_id if cluster else f"geotrain-{os.getpid()}"
-        for i in range(launch.workers):
-            env = dict(
-                os.environ,
-                OMP_NUM_THREADS=str(threads),
-                PYTHONUNBUFFERED="1",
-                GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
-                LOGLEVEL="WARNING",
-                # c10d warns that namespace addresses have no reverse DNS name; harmless.
-                TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-            )
-            cmd = _torchrun_command(
-                launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
-            )
-            host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
-            cmd += host_cfg.to_argv()
-            cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
-            if cluster:
-                cmd = cluster.exec_prefix(i) + cmd
-            log = (run_dir / "logs" / f"host{i}.log").open("ab" if cfg.resume else "wb")
-            logs.append(log)
-            p = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=_die_with_parent,
-            )
-            procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
-            t.start()
-            pumps.append(t)
-
-        deadline = time.monotonic() + launch.timeout_s
-        failed = None
+        attempt = 0
         while True:
-            codes = [p.poll() for p in procs]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
+            hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt)
+            timed.arm(time.monotonic())
+            recovering = records[-1] if records and records[-1].recover_s is None else None
+            failed = None
+            while True:
+                codes = [p.poll() for p in hosts.procs]
+                bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    failed = bad[0]
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    raise RunFailed(
+                        f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
+                    )
+                if recovering is not None and last_step(run_dir, 0)[0] > recovering.rollback_to:
+                    recovering.recover_s = round(time.time() - recovering.detected_at, 2)
+                    _write_faults(run_dir, records)
+                    recovering = None
+                timed.poll(now, [p.pid for p in hosts.procs])
+                time.sleep(0.1)
+            if failed is None:
+                succeeded = True
                 break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise RunFailed(
-                    f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
-                )
-            time.sleep(0.1)
-        if failed is not None:
-            code = procs[failed].returncode
-            _stop(procs)
-            for t in pumps:
-                t.join(timeout=2)
-            raise RunFailed(
-                f"host {failed} exited with code {code}; its log ({run_dir}/logs/host{failed}.log) ends:\n"
-                + _tail(run_dir / "logs" / f"host{failed}.log")
+            # A host failed: note it, stop the rest, and decide whether the run goes on.
+            detected_wall = time.time()
+            code = hosts.procs[failed].returncode
+            reached = [last_step(run_dir, r) for r in range(launch.workers)]
+            furthest = max(s for s, _ in reached)
+            _stop(hosts.procs)
+            hosts.close()
+            fault = fired_step_fault(faults, furthest)
+            kind, rank, restart_s = "exit", failed, 0.0
+            last_alive = reached[failed][1]
+            if fault is not None:
+                kind, rank, restart_s = fault.kind, fault.rank, fault.restart_s
+                faults.remove(fault)
+                last_alive = reached[rank][1]
+            elif timed.fired is not None:
+                f, rank, last_alive = timed.fired
+                kind, restart_s = f.kind, f.restart_s
+            timed.fired = None
+            record = FaultRecord(
+                kind=kind,
+                rank=rank,
+                at_s=round(time.monotonic() - t_launch, 2),
+                at_step=furthest,
+                detected_s=round(max(0.0, detected_wall - last_alive), 2) if last_alive else 0.0,
+                exit_code=code,
+                detected_at=detected_wall,
             )
-        succeeded = True
+            records.append(record)
+            _write_faults(run_dir, records)
+            if launch.on_failure != "rollback" or code == 2 or len(records) > launch.max_faults:
+                why = (
+                    f"; {len(records)} faults, more than --max-faults {launch.max_faults}"
+                    if launch.on_failure == "rollback" and code != 2
+                    else ""
+                )
+                raise RunFailed(
+                    f"host {failed} exited with code {code}{why}; its log ({run_dir}/logs/host{failed}.log) "
+                    "ends:\n" + _tail(run_dir / "logs" / f"host{failed}.log")
+                )
+            time.sleep(restart_s)  # the replacement's time to come up
+            cfg = _rollback(run_dir, launch, cfg, sockets, faults, record)
+            _write_faults(run_dir, records)
+            print(
+                f"geotrain: host {rank} failed after step {furthest} ({kind}); all workers continue "
+                f"from step {record.rollback_to} ({record.steps_lost} steps redone)",
+                file=sys.stderr,
+                flush=True,
+            )
+            attempt += 1
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -352,11 +483,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if interrupted and cluster is not None:
             # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
             cluster.down()
-        _stop(procs, grace_s=2.0 if interrupted else 5.0)
-        for t in pumps:
-            t.join(timeout=2)
-        for log in logs:
-            log.close()
+        if hosts is not None:
+            _stop(hosts.procs, grace_s=2.0 if interrupted else 5.0)
+            hosts.close()
         if cluster is not None:
             cluster.down()
         if sockets and succeeded:
@@ -376,4 +505,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RunFailed(f"the hosts finished but wrote no summary; see {run_dir}/logs")
-    return json.loads(summary_path.read_text())
+    summary = json.loads(summary_path.read_text())
+    if records or launch.on_failure != "stop":
+        summary["on_failure"] = launch.on_failure
+        summary["faults"] = [r.as_dict() for r in records]
+        write_atomic(summary_path, (json.dumps(summary, indent=2) + "\n").encode())
+    return summary

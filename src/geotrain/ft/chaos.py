@@ -1,0 +1,118 @@
+"""Fault injection (``--chaos``): the faults a run is made to survive, and the record of each.
+
+A spec is one fault or several joined by ``;``::
+
+    kill:step=S,rank=R          that worker SIGKILLs itself right after step S
+    kill-host:step=S,host=H     host H is lost after step S: its trainer, its keeper (the snapshots
+                                in its memory) and its local disk's snapshots
+    kill:every=60s              every 60 s of training a random worker is SIGKILLed (seeded)
+
+each optionally with ``restart=SECONDS``: how long the replacement takes to come up (default 0).
+
+Step-triggered faults fire inside the trainer, at an exact step, so tests are deterministic; the
+timed ones are fired by the launcher, as a real failure would be, from outside the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCEPTED = (
+    "kill:step=S,rank=R | kill-host:step=S,host=H | kill:every=SECONDS, each with optional ,restart=SECONDS"
+)
+
+
+class ChaosError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "kill" | "kill-host"
+    step: int = 0  # fire after this step (step-triggered)
+    rank: int = -1
+    every_s: float = 0.0  # fire every this many seconds (timed)
+    restart_s: float = 0.0
+
+    @property
+    def timed(self) -> bool:
+        return self.every_s > 0
+
+    def spec(self) -> str:
+        who = f"host={self.rank}" if self.kind == "kill-host" else f"rank={self.rank}"
+        head = f"{self.kind}:every={self.every_s:g}s" if self.timed else f"{self.kind}:step={self.step},{who}"
+        return head + (f",restart={self.restart_s:g}" if self.restart_s else "")
+
+
+def _seconds(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(s|m)?", text)
+    if not m:
+        raise ChaosError(f"{text!r} is not a duration (e.g. 60s, 2m)")
+    return float(m.group(1)) * (60 if m.group(2) == "m" else 1)
+
+
+def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
+    """The faults of a ``--chaos`` spec; ChaosError says what is wrong and what is accepted."""
+    faults = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        kind, _, args = part.partition(":")
+        if kind not in ("kill", "kill-host") or not args:
+            raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
+        fields: dict[str, str] = {}
+        for item in args.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or key in fields:
+                raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
+            fields[key] = value
+        who = "host" if kind == "kill-host" else "rank"
+        allowed = ({"every"} if "every" in fields else {"step", who}) | {"restart"}
+        if set(fields) - allowed or ("every" not in fields and {"step", who} - set(fields)):
+            raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
+        try:
+            restart = _seconds(fields["restart"]) if "restart" in fields else 0.0
+            if "every" in fields:
+                if kind != "kill":
+                    raise ChaosError("only kill takes every=")
+                every = _seconds(fields["every"])
+                if every <= 0:
+                    raise ChaosError("every= must be > 0")
+                faults.append(Fault("kill", every_s=every, restart_s=restart))
+                continue
+            step, rank = int(fields["step"]), int(fields[who])
+        except (ChaosError, ValueError) as e:
+            raise ChaosError(f"--chaos {part!r}: {e}; accepted: {ACCEPTED}") from None
+        if step < 1 or rank < 0:
+            raise ChaosError(f"--chaos {part!r}: step must be >= 1 and {who} >= 0")
+        if workers is not None and rank >= workers:
+            raise ChaosError(f"--chaos {part!r}: there are {workers} workers ({who} 0 to {workers - 1})")
+        faults.append(Fault(kind, step=step, rank=rank, restart_s=restart))
+    return faults
+
+
+def join_chaos(faults: list[Fault]) -> str:
+    return ";".join(f.spec() for f in faults)
+
+
+def fire_at_step(faults: list[Fault], step: int, rank: int, keeper_pid: int, snap_dir: Path | None) -> None:
+    """In the trainer, after ``step``: carry out the step-triggered fault aimed at this worker."""
+    for f in faults:
+        if f.timed or f.step != step or f.rank != rank:
+            continue
+        what = "its host (trainer, keeper, disk)" if f.kind == "kill-host" else "itself"
+        print(f"geotrain: chaos: rank {rank} kills {what} after step {step}", file=sys.stderr, flush=True)
+        if f.kind == "kill-host":
+            if keeper_pid > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(keeper_pid, signal.SIGKILL)
+            if snap_dir is not None:
+                shutil.rmtree(snap_dir / f"rank{rank}", ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,137 @@
+"""Runs that go on through failures: `geotrain run --chaos ...` under `--on-failure rollback`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geotrain.ft.chaos import ChaosError, parse_chaos
+from geotrain.launch.local import stop_keepers
+from geotrain.netem.cluster import netem_unavailable_reason
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+JOB = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4"]
+
+
+def _run(args, timeout=300):
+    return subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _steps(run_dir: Path, rank: int) -> list[int]:
+    return [
+        json.loads(x)["step"] for x in (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+    ]
+
+
+@pytest.fixture
+def cleanup_keepers():
+    run_dirs: list[tuple[Path, int]] = []
+    yield run_dirs
+    for run_dir, n in run_dirs:
+        stop_keepers(run_dir, n)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_killed_workers_are_replaced_and_the_run_ends_as_if_undisturbed(tmp_path, cleanup_keepers):
+    """rank 0 of the first launch dies after step 5, rank 2 after step 10: both times every worker
+    returns to the newest snapshot (steps 4 and 8) and the run ends bitwise as the undisturbed one."""
+    net = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, *net]
+    whole, faulty = tmp_path / "whole", tmp_path / "faulty"
+    cleanup_keepers.append((faulty, 3))
+    proc = _run([*job, "--run-dir", str(whole)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _summary(whole)["faults"] == []
+
+    proc = _run([*job, "--run-dir", str(faulty), "--chaos", "kill:step=5,rank=0;kill:step=10,rank=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all workers continue from step 4" in proc.stderr
+    assert "all workers continue from step 8" in proc.stderr
+    summary = _summary(faulty)
+    assert summary["on_failure"] == "rollback"
+    faults = summary["faults"]
+    assert [(f["kind"], f["rank"], f["rollback_to"]) for f in faults] == [("kill", 0, 4), ("kill", 2, 8)]
+    for f, killed_at in zip(faults, (5, 10), strict=True):
+        assert f["at_step"] >= killed_at and f["steps_lost"] == f["at_step"] - f["rollback_to"]
+        assert f["sources"] == ["keeper"] * 3
+        assert 0 <= f["detected_s"] < 30 and f["recover_s"] is not None and f["recover_s"] > 0
+    assert summary["param_digest"] == _summary(whole)["param_digest"]
+    assert _steps(faulty, 1) == [*range(1, 13), 12]  # each step once in the end, then the final evaluation
+    assert json.loads((faulty / "faults.json").read_text()) == faults
+
+
+def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cleanup_keepers):
+    job = ["run", "--workers", "3", "--algo", "diloco", "--steps", "12", *JOB, "--no-netem"]
+    job += ["--redundancy", "ring", "--snapshot-every", "2"]
+    whole, lost = tmp_path / "whole", tmp_path / "lost"
+    cleanup_keepers.append((lost, 3))
+    assert _run([*job, "--run-dir", str(whole)]).returncode == 0
+    proc = _run([*job, "--run-dir", str(lost), "--chaos", "kill-host:step=9,host=2,restart=1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (fault,) = _summary(lost)["faults"]
+    assert fault["kind"] == "kill-host" and fault["rank"] == 2
+    assert fault["sources"] == ["keeper", "keeper", "peers"]
+    assert _summary(lost)["param_digest"] == _summary(whole)["param_digest"]
+
+
+def test_without_rollback_or_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers):
+    job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "6", *JOB, "--no-netem"]
+    for extra, message in (
+        (["--on-failure", "stop"], "exited with code"),
+        (["--max-faults", "0"], "--max-faults 0"),
+    ):
+        run_dir = tmp_path / extra[0].strip("-")
+        cleanup_keepers.append((run_dir, 2))
+        proc = _run([*job, "--run-dir", str(run_dir), "--chaos", "kill:step=3,rank=1", *extra])
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
+        (fault,) = json.loads((run_dir / "faults.json").read_text())
+        assert fault["rank"] == 1 and fault["at_step"] >= 3
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("kill:step=3", "accepted: kill:step=S,rank=R"),
+        ("kill:step=0,rank=1", "step must be >= 1"),
+        ("kill:step=3,rank=5", "there are 2 workers"),
+        ("kill-host:every=5s", "only kill takes every="),
+        ("kill:every=soon", "not a duration"),
+        ("explode:step=3,rank=1", "accepted:"),
+        ("kill:step=3,rank=1,restart=x", "not a duration"),
+    ],
+)
+def test_bad_chaos_specs_are_refused_with_one_line(spec, message):
+    with pytest.raises(ChaosError, match=message):
+        parse_chaos(spec, workers=2)
+
+
+def test_chaos_specs_parse_and_print_back():
+    faults = parse_chaos("kill:step=3,rank=1; kill-host:step=9,host=0,restart=2 ;kill:every=1m", workers=2)
+    assert [f.spec() for f in faults] == [
+        "kill:step=3,rank=1",
+        "kill-host:step=9,host=0,restart=2",
+        "kill:every=60s",
+    ]
+    assert [f.timed for f in faults] == [False, False, True]
+
+
+def test_the_cli_refuses_bad_failure_options_with_one_line(tmp_path):
+    for args, message in (
+        (["--on-failure", "pray"], "--on-failure 'pray': accepted: rollback, stop"),
+        (["--max-faults", "-1"], "--max-faults must be >= 0"),
+        (["--chaos", "kill:step=2,rank=9"], "there are 2 workers"),
+    ):
+        proc = _run(
+            ["run", "--workers", "2", "--no-netem", "--run-dir", str(tmp_path / "x"), *args], timeout=60
+        )
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+        assert not (tmp_path / "x").exists()
