@@ -1,4 +1,5 @@
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -17,10 +18,30 @@ def netns_or_skip():
     subprocess.run(["ip", "netns", "del", "geotrain-probe"], capture_output=True)
 
 
+def _geotrain_processes() -> set[int]:
+    """Trainers and coordinators running now (keepers outlive failed runs by design)."""
+    import os
+
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"geotrain.train" in cmd or b"geotrain.launch.coordinator" in cmd:
+            found.add(int(pid))
+    return found
+
+
 @pytest.fixture
 def no_leftovers():
-    """Fails the test if it leaves geotrain namespaces behind."""
+    """Fails the test if it leaves geotrain namespaces, trainers or coordinators behind."""
     before = set(geotrain_namespaces())
+    procs = _geotrain_processes()
     yield
     left = set(geotrain_namespaces()) - before
     assert not left, f"namespaces left behind: {left}"
+    stray = _geotrain_processes() - procs
+    assert not stray, f"processes left behind: {stray}"

@@ -94,7 +94,7 @@ def test_sweep_removes_runs_of_dead_launchers_and_nothing_else():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     run_id = out.stdout.strip()
-    assert run_id and len([ns for ns in geotrain_namespaces() if run_id in ns]) == 2
+    assert run_id and len([ns for ns in geotrain_namespaces() if run_id in ns]) == 3  # 2 hosts, control
     subprocess.run(["ip", "netns", "add", "not-geotrain-test"], check=True)
     # A live run's state must be spared.
     live = EmulatedCluster([10**8]).up()
@@ -114,5 +114,6 @@ def test_state_file_names_the_owner(tmp_path, monkeypatch):
     monkeypatch.setattr(netem, "STATE_DIR", tmp_path)
     with EmulatedCluster([10**8]) as cluster:
         state = json.loads((tmp_path / f"{cluster.run_id}.json").read_text())
-        assert state["pid"] == os.getpid() and state["namespaces"] == [cluster.netns(0)]
+        assert state["pid"] == os.getpid()
+        assert state["namespaces"] == [cluster.netns(0), cluster.control_netns]
     assert not list(tmp_path.iterdir())

@@ -39,19 +39,28 @@ def cleanup_keepers():
         stop_keepers(run_dir, n)
 
 
+NET = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
+LOCALSGD = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, *NET]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> dict:
+    run_dir = tmp_path_factory.mktemp("undisturbed")
+    proc = _run([*LOCALSGD, "--run-dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _summary(run_dir)["faults"] == []
+    return _summary(run_dir)
+
+
 @pytest.mark.usefixtures("no_leftovers")
-def test_killed_workers_are_replaced_and_the_run_ends_as_if_undisturbed(tmp_path, cleanup_keepers):
+def test_killed_workers_are_replaced_and_the_run_ends_as_if_undisturbed(
+    tmp_path, cleanup_keepers, undisturbed
+):
     """rank 0 of the first launch dies after step 5, rank 2 after step 10: both times every worker
     returns to the newest snapshot (steps 4 and 8) and the run ends bitwise as the undisturbed one."""
-    net = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
-    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, *net]
-    whole, faulty = tmp_path / "whole", tmp_path / "faulty"
+    faulty = tmp_path / "faulty"
     cleanup_keepers.append((faulty, 3))
-    proc = _run([*job, "--run-dir", str(whole)])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _summary(whole)["faults"] == []
-
-    proc = _run([*job, "--run-dir", str(faulty), "--chaos", "kill:step=5,rank=0;kill:step=10,rank=2"])
+    proc = _run([*LOCALSGD, "--run-dir", str(faulty), "--chaos", "kill:step=5,rank=0;kill:step=10,rank=2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all workers continue from step 4" in proc.stderr
     assert "all workers continue from step 8" in proc.stderr
@@ -63,9 +72,40 @@ def test_killed_workers_are_replaced_and_the_run_ends_as_if_undisturbed(tmp_path
         assert f["at_step"] >= killed_at and f["steps_lost"] == f["at_step"] - f["rollback_to"]
         assert f["sources"] == ["keeper"] * 3
         assert 0 <= f["detected_s"] < 30 and f["recover_s"] is not None and f["recover_s"] > 0
-    assert summary["param_digest"] == _summary(whole)["param_digest"]
+    assert summary["param_digest"] == undisturbed["param_digest"]
     assert _steps(faulty, 1) == [*range(1, 13), 12]  # each step once in the end, then the final evaluation
     assert json.loads((faulty / "faults.json").read_text()) == faults
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_frozen_worker_is_found_by_its_silent_heartbeat_and_replaced(
+    tmp_path, cleanup_keepers, undisturbed
+):
+    """SIGSTOP keeps the worker's sockets open: its peers get no reset and would wait in their
+    collective until its 600 s timeout. The coordinator hears no heartbeat for --fault-timeout."""
+    frozen = tmp_path / "frozen"
+    cleanup_keepers.append((frozen, 3))
+    job = [*LOCALSGD, "--run-dir", str(frozen), "--chaos", "stop:step=6,rank=1", "--fault-timeout", "3"]
+    proc = _run(job)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (fault,) = _summary(frozen)["faults"]
+    assert fault["kind"] == "stop" and fault["rank"] == 1 and fault["exit_code"] is None
+    assert 3 <= fault["detected_s"] < 6 and fault["rollback_to"] == 4
+    assert _summary(frozen)["param_digest"] == undisturbed["param_digest"]
+
+
+@pytest.mark.skipif(
+    netem_unavailable_reason() is not None, reason="cutting a link needs emulated links (root)"
+)
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_cut_link_is_found_by_its_silent_heartbeat_and_restored(tmp_path, cleanup_keepers, undisturbed):
+    cut = tmp_path / "cut"
+    cleanup_keepers.append((cut, 3))
+    proc = _run([*LOCALSGD, "--run-dir", str(cut), "--chaos", "cut:step=6,host=2", "--fault-timeout", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (fault,) = _summary(cut)["faults"]
+    assert fault["kind"] == "cut" and fault["rank"] == 2 and 3 <= fault["detected_s"] < 6
+    assert _summary(cut)["param_digest"] == undisturbed["param_digest"]
 
 
 def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cleanup_keepers):
@@ -128,6 +168,8 @@ def test_the_cli_refuses_bad_failure_options_with_one_line(tmp_path):
         (["--on-failure", "pray"], "--on-failure 'pray': accepted: rollback, stop"),
         (["--max-faults", "-1"], "--max-faults must be >= 0"),
         (["--chaos", "kill:step=2,rank=9"], "there are 2 workers"),
+        (["--fault-timeout", "0"], "--fault-timeout must be > 0"),
+        (["--chaos", "cut:step=2,host=1", "--no-netem"], "needs emulated links"),
     ):
         proc = _run(
             ["run", "--workers", "2", "--no-netem", "--run-dir", str(tmp_path / "x"), *args], timeout=60

@@ -70,6 +70,13 @@ def _run_parser() -> argparse.ArgumentParser:
         "--max-faults", dest="max_faults", type=int, default=10, help="with rollback: give up after this many"
     )
     p.add_argument(
+        "--fault-timeout",
+        dest="fault_timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat after which a host has failed (frozen, cut off, gone)",
+    )
+    p.add_argument(
         "--resume",
         dest="resume_dir",
         default="",
@@ -177,6 +184,7 @@ def _cmd_resume(argv: list[str]) -> int:
         timeout_s=args.timeout,
         on_failure=args.on_failure,
         max_faults=args.max_faults,
+        fault_timeout_s=args.fault_timeout,
     )
     try:
         summary = run_local_cluster(launch, replace(cfg, resume=True, resume_step=step))
@@ -233,7 +241,11 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(f"--on-failure {args.on_failure!r}: accepted: rollback, stop")
         if getattr(args, "max_faults", 0) < 0:
             raise UsageError(f"--max-faults must be >= 0, got {args.max_faults}")
-        parse_chaos(cfg.chaos, args.workers)
+        if getattr(args, "fault_timeout", 1.0) <= 0:
+            raise UsageError(f"--fault-timeout must be > 0 seconds, got {args.fault_timeout}")
+        chaos = parse_chaos(cfg.chaos, args.workers)
+        if args.no_netem and any(f.kind == "cut" for f in chaos):
+            raise UsageError("--chaos cut: needs emulated links (a cut of loopback would cut every host)")
     except (ConfigError, DataError, LinkSpecError, ChaosError) as e:
         raise UsageError(str(e)) from None
 
@@ -253,6 +265,7 @@ def _launch_config(args, rates, label: str):
         timeout_s=args.timeout,
         on_failure=args.on_failure,
         max_faults=args.max_faults,
+        fault_timeout_s=args.fault_timeout,
     )
 
 

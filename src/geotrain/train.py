@@ -31,6 +31,7 @@ from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest, write_atomic
 from geotrain.ft.state import restore as restore_state
+from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import DistContext, init_distributed, shutdown_distributed
 from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
@@ -79,6 +80,7 @@ class TrainConfig:
     redundancy: str = "off"  # off | ring | ec:K/N: unique state held by peers' keepers
     snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)
     keeper: str = ""  # this host's keeper socket ("": snapshots go to disk from a trainer thread)
+    heartbeat: str = ""  # ADDR:PORT:ATTEMPT:HOST of the coordinator this trainer beats to ("": none)
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
 
     def __post_init__(self) -> None:
@@ -202,7 +204,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name in ("link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper"):
+        launcher_set = ("link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper")
+        if f.name in (*launcher_set, "heartbeat"):
             continue  # set by the launcher or added by the caller
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -554,6 +557,9 @@ def train_parser() -> argparse.ArgumentParser:
         help="continue the run in --run-dir from the newest snapshot every worker can reach",
     )
     parser.add_argument("--keeper", default="", help="this host's keeper socket (geotrain keeper --socket)")
+    parser.add_argument(
+        "--heartbeat", default="", help="ADDR:PORT:ATTEMPT:HOST of the coordinator (set by the launcher)"
+    )
     return parser
 
 
@@ -564,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
+    heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
     ctx = init_distributed(timeout_s=cfg.timeout_s)
     ok = False
     try:
@@ -576,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutdown_distributed(together=ok)
+        if heartbeat is not None:
+            heartbeat.close()
     return 0
 
 

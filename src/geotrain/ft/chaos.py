@@ -5,6 +5,9 @@ A spec is one fault or several joined by ``;``::
     kill:step=S,rank=R          that worker SIGKILLs itself right after step S
     kill-host:step=S,host=H     host H is lost after step S: its trainer, its keeper (the snapshots
                                 in its memory) and its local disk's snapshots
+    stop:step=S,rank=R          that worker freezes (SIGSTOP) after step S: its sockets stay open,
+                                so its peers get no reset and only the heartbeat can tell
+    cut:step=S,host=H           host H's link goes down after step S (emulated links only)
     kill:every=60s              every 60 s of training a random worker is SIGKILLed (seeded)
 
 each optionally with ``restart=SECONDS``: how long the replacement takes to come up (default 0).
@@ -20,13 +23,17 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ACCEPTED = (
-    "kill:step=S,rank=R | kill-host:step=S,host=H | kill:every=SECONDS, each with optional ,restart=SECONDS"
+    "kill:step=S,rank=R | kill-host:step=S,host=H | stop:step=S,rank=R | cut:step=S,host=H | "
+    "kill:every=SECONDS, each with optional ,restart=SECONDS"
 )
+KINDS = ("kill", "kill-host", "stop", "cut")
+BY_HOST = ("kill-host", "cut")  # faults aimed at a host (host=H) rather than a worker (rank=R)
 
 
 class ChaosError(ValueError):
@@ -35,7 +42,7 @@ class ChaosError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "kill" | "kill-host"
+    kind: str  # one of KINDS
     step: int = 0  # fire after this step (step-triggered)
     rank: int = -1
     every_s: float = 0.0  # fire every this many seconds (timed)
@@ -46,7 +53,7 @@ class Fault:
         return self.every_s > 0
 
     def spec(self) -> str:
-        who = f"host={self.rank}" if self.kind == "kill-host" else f"rank={self.rank}"
+        who = f"host={self.rank}" if self.kind in BY_HOST else f"rank={self.rank}"
         head = f"{self.kind}:every={self.every_s:g}s" if self.timed else f"{self.kind}:step={self.step},{who}"
         return head + (f",restart={self.restart_s:g}" if self.restart_s else "")
 
@@ -65,7 +72,7 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
         if not part:
             continue
         kind, _, args = part.partition(":")
-        if kind not in ("kill", "kill-host") or not args:
+        if kind not in KINDS or not args:
             raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
         fields: dict[str, str] = {}
         for item in args.split(","):
@@ -73,7 +80,7 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
             if not eq or key in fields:
                 raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
             fields[key] = value
-        who = "host" if kind == "kill-host" else "rank"
+        who = "host" if kind in BY_HOST else "rank"
         allowed = ({"every"} if "every" in fields else {"step", who}) | {"restart"}
         if set(fields) - allowed or ("every" not in fields and {"step", who} - set(fields)):
             raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
@@ -107,12 +114,22 @@ def fire_at_step(faults: list[Fault], step: int, rank: int, keeper_pid: int, sna
     for f in faults:
         if f.timed or f.step != step or f.rank != rank:
             continue
-        what = "its host (trainer, keeper, disk)" if f.kind == "kill-host" else "itself"
-        print(f"geotrain: chaos: rank {rank} kills {what} after step {step}", file=sys.stderr, flush=True)
+        what = {
+            "kill": "kills itself",
+            "kill-host": "kills its host (trainer, keeper, disk)",
+            "stop": "freezes (SIGSTOP)",
+            "cut": "cuts its host's link",
+        }[f.kind]
+        print(f"geotrain: chaos: rank {rank} {what} after step {step}", file=sys.stderr, flush=True)
+        if f.kind == "cut":
+            from geotrain.netem.cluster import IFNAME
+
+            subprocess.run(["ip", "link", "set", IFNAME, "down"], check=True)
+            return
         if f.kind == "kill-host":
             if keeper_pid > 0:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(keeper_pid, signal.SIGKILL)
             if snap_dir is not None:
                 shutil.rmtree(snap_dir / f"rank{rank}", ignore_errors=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if f.kind == "stop" else signal.SIGKILL)

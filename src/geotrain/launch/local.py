@@ -32,6 +32,7 @@ from typing import IO
 from geotrain.ft.chaos import join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.state import write_atomic
+from geotrain.launch.coordinator import read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, fired_step_fault, last_step
 from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
@@ -61,6 +62,7 @@ class LaunchConfig:
     keepers: bool = True  # one keeper process per host, holding snapshots in memory
     on_failure: str = "rollback"  # rollback: restore every worker from snapshots and go on | stop
     max_faults: int = 10  # with rollback: the run fails at the fault after this many
+    fault_timeout_s: float = 10.0  # a host whose heartbeat stops this long has failed
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -71,6 +73,8 @@ class LaunchConfig:
             raise ValueError(f"--on-failure {self.on_failure!r}: accepted: {', '.join(ON_FAILURE)}")
         if self.max_faults < 0:
             raise ValueError(f"--max-faults must be >= 0, got {self.max_faults}")
+        if self.fault_timeout_s <= 0:
+            raise ValueError(f"--fault-timeout must be > 0 seconds, got {self.fault_timeout_s}")
 
 
 class RunFailed(RuntimeError):
@@ -135,7 +139,26 @@ def _torchrun_command(n: int, endpoint: str, run_id: str, local_addr: str | None
     return cmd + ["-m", "geotrain.train"]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                kids = [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    # Collected first: once an agent is gone its workers are orphans, out of reach of killpg.
+    below = {p.pid: _descendants(p.pid) for p in procs}
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -148,6 +171,9 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+        for pid in below[p.pid]:  # a frozen (SIGSTOPped) worker ignores SIGTERM; not SIGKILL
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def keeper_socket(run_dir: Path, host: int) -> Path:
@@ -258,6 +284,7 @@ def _start_hosts(
     sockets: list[Path],
     threads: int,
     attempt: int,
+    coordinator: subprocess.Popen | None = None,
 ) -> _Hosts:
     """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
     run_dir = launch.run_dir
@@ -279,6 +306,9 @@ def _start_hosts(
             launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
         )
         host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
+        if coordinator is not None:
+            addr = cluster.control_ip if cluster else "127.0.0.1"
+            host_cfg = replace(host_cfg, heartbeat=f"{addr}:{coordinator.port}:{attempt}:{i}")  # type: ignore[attr-defined]
         cmd += host_cfg.to_argv()
         cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
         if cluster:
@@ -298,6 +328,32 @@ def _start_hosts(
         t.start()
         hosts.pumps.append(t)
     return hosts
+
+
+def _start_coordinator(launch: LaunchConfig, cluster: EmulatedCluster | None) -> subprocess.Popen:
+    """The coordinator (``launch/coordinator.py``): in its own namespace on the emulated cluster,
+    on loopback otherwise. Returns its process, with the store's port as ``.port``."""
+    control = launch.run_dir / "control"
+    shutil.rmtree(control, ignore_errors=True)
+    control.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
+    cmd += ["--hosts", str(launch.workers), "--fault-timeout", str(launch.fault_timeout_s)]
+    if cluster is not None:
+        cmd = cluster.control_prefix() + cmd
+    else:
+        cmd += ["--bind", "127.0.0.1"]
+    log = (launch.run_dir / "logs" / "coordinator.log").open("ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)  # fmt: skip
+    log.close()
+    deadline = time.monotonic() + 60
+    while not (control / "port").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop([proc])
+            raise RunFailed(f"the coordinator did not start; see {launch.run_dir}/logs/coordinator.log")
+        time.sleep(0.05)
+    proc.port = int((control / "port").read_text())  # type: ignore[attr-defined]
+    return proc
 
 
 def _write_faults(run_dir: Path, records: list[FaultRecord]) -> None:
@@ -383,6 +439,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
     faults = parse_chaos(cfg.chaos, launch.workers)
     timed = TimedChaos(faults, seed=cfg.seed)
+    coordinator = _start_coordinator(launch, cluster) if launch.workers > 1 and not cfg.profile_out else None
     records: list[FaultRecord] = []
     succeeded = False
     hosts: _Hosts | None = None
@@ -401,15 +458,24 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     try:
         attempt = 0
         while True:
-            hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt)
+            if coordinator is not None:
+                write_atomic(run_dir / "control" / "attempt", str(attempt).encode())
+            if cluster is not None:  # links cut by chaos come back for the next attempt
+                for i in range(launch.workers):
+                    cluster.set_link(i, up=True)
+            hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
             timed.arm(time.monotonic())
             recovering = records[-1] if records and records[-1].recover_s is None else None
-            failed = None
+            failed, silent_s = None, 0.0
             while True:
                 codes = [p.poll() for p in hosts.procs]
                 bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 if bad:
                     failed = bad[0]
+                    break
+                silent = read_verdicts(run_dir / "control", attempt) if coordinator is not None else []
+                if silent:
+                    failed, silent_s = silent[0]["host"], silent[0]["silent_s"]
                     break
                 if all(c == 0 for c in codes):
                     break
@@ -429,18 +495,19 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 break
             # A host failed: note it, stop the rest, and decide whether the run goes on.
             detected_wall = time.time()
-            code = hosts.procs[failed].returncode
+            code = hosts.procs[failed].poll()
             reached = [last_step(run_dir, r) for r in range(launch.workers)]
             furthest = max(s for s, _ in reached)
-            _stop(hosts.procs)
+            # No grace for survivors: their state is in the keepers, and one may be frozen.
+            _stop(hosts.procs, grace_s=1.0)
             hosts.close()
             fault = fired_step_fault(faults, furthest)
-            kind, rank, restart_s = "exit", failed, 0.0
-            last_alive = reached[failed][1]
+            kind, rank, restart_s = ("exit" if code is not None else "silent"), failed, 0.0
+            last_alive = reached[failed][1] if code is not None else detected_wall - silent_s
             if fault is not None:
                 kind, rank, restart_s = fault.kind, fault.rank, fault.restart_s
                 faults.remove(fault)
-                last_alive = reached[rank][1]
+                last_alive = reached[rank][1] if code is not None else detected_wall - silent_s
             elif timed.fired is not None:
                 f, rank, last_alive = timed.fired
                 kind, restart_s = f.kind, f.restart_s
@@ -486,6 +553,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if hosts is not None:
             _stop(hosts.procs, grace_s=2.0 if interrupted else 5.0)
             hosts.close()
+        if coordinator is not None:
+            (run_dir / "control" / "stop").touch()
+            _stop([coordinator], grace_s=2.0)
         if cluster is not None:
             cluster.down()
         if sockets and succeeded:

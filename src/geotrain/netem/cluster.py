@@ -27,6 +27,7 @@ SUBNET = "10.213.0"
 IFNAME = "geo0"
 # One /24 on one bridge; the Linux bridge itself takes up to 1024 ports.
 MAX_HOSTS = 250
+CONTROL_HOST = 254  # the coordinator's address in the subnet
 
 
 class NetemUnavailable(RuntimeError):
@@ -90,6 +91,22 @@ class EmulatedCluster:
     def host_ip(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
+    @property
+    def control_ip(self) -> str:
+        """The coordinator's address: a namespace of its own on the bridge, its link unshaped."""
+        return f"{SUBNET}.{CONTROL_HOST}"
+
+    @property
+    def control_netns(self) -> str:
+        return f"{NS_PREFIX}{self.run_id}-ctl"
+
+    def control_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.control_netns]
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut host ``i`` off the network (its link down: peers get no reset) or bring it back."""
+        _sh("ip", "netns", "exec", self.netns(i), "ip", "link", "set", IFNAME, "up" if up else "down")
+
     def netns(self, i: int) -> str:
         return f"{NS_PREFIX}{self.run_id}-h{i}"
 
@@ -111,24 +128,28 @@ class EmulatedCluster:
             _sh("ip", "link", "add", self.bridge, "type", "bridge")
             _sh("ip", "link", "set", self.bridge, "up")
             for i, bps in enumerate(self.rates_bps):
-                ns, outer, inner = self.netns(i), f"gtv{self.run_id}-{i}", f"gtp{self.run_id}-{i}"
-                _sh("ip", "netns", "add", ns)
-                self.namespaces.append(ns)
-                self._write_state()
-                _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-                _sh("ip", "link", "set", inner, "netns", ns)
-                _sh("ip", "link", "set", outer, "master", self.bridge)
-                _sh("ip", "link", "set", outer, "up")
-                _sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "name", IFNAME)
-                _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", IFNAME)
-                _sh("ip", "netns", "exec", ns, "ip", "link", "set", IFNAME, "up")
-                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                ns, outer = self.netns(i), f"gtv{self.run_id}-{i}"
+                self._add_netns(ns, outer, f"gtp{self.run_id}-{i}", self.host_ip(i))
                 _tbf(IFNAME, bps, netns=ns)  # upload
                 _tbf(outer, bps)  # download
+            self._add_netns(self.control_netns, f"gtv{self.run_id}-c", f"gtp{self.run_id}-c", self.control_ip)
         except BaseException:
             self.down()
             raise
         return self
+
+    def _add_netns(self, ns: str, outer: str, inner: str, ip: str) -> None:
+        _sh("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        self._write_state()
+        _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        _sh("ip", "link", "set", inner, "netns", ns)
+        _sh("ip", "link", "set", outer, "master", self.bridge)
+        _sh("ip", "link", "set", outer, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "name", IFNAME)
+        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", IFNAME)
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", IFNAME, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
 
     def down(self) -> None:
         _teardown(self.namespaces, self.bridge)

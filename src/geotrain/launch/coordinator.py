@@ -1,0 +1,134 @@
+"""The coordinator: a small process that is not a trainer and watches every host's heartbeat.
+
+A gloo collective on a peer that has gone silent (a frozen process, a cut link, a host that lost
+power) returns only at the group's timeout, because no reset ever arrives. So failures are not
+found by collectives: each trainer runs a heartbeat thread that bumps a counter in the
+coordinator's store (torch's ``TCPStore``, reached over the host's own link, so a cut link stops
+it), and the coordinator declares a host failed when its counter has not moved for
+``--fault-timeout`` seconds. The heartbeat thread beats while the training thread sits in a long
+collective (torch releases the GIL there), so the timeout need not cover the slowest collective.
+
+The coordinator runs in a namespace of its own on the emulated cluster (``geotrain run``), on
+loopback without namespaces. It writes each verdict as one JSON line to ``control/verdicts.jsonl``
+in the run directory, which the launcher watches; the launcher tells it the current launch
+attempt through ``control/attempt`` (each attempt's trainers beat under keys of their own).
+
+Heartbeat keys: ``hb/{attempt}/{host}``, and ``bye/{attempt}/{host}`` once a trainer exits in
+order. The trainer side is :class:`Heartbeat`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+BEAT_S = 0.5  # a trainer's heartbeat period
+
+
+def _store(host: str, port: int, master: bool, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host, port, is_master=master, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str) -> None:
+    """Host the store, write its port to ``control/port``, watch heartbeats until told to stop."""
+    store = _store(bind, 0, True, 30.0)
+    (control_dir / "port.tmp").write_text(str(store.port))
+    os.replace(control_dir / "port.tmp", control_dir / "port")
+    verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
+    attempt = -1
+    last: dict[int, tuple[int, float]] = {}  # host -> (beats, when they last moved)
+    reported: set[int] = set()
+    while not (control_dir / "stop").exists():
+        time.sleep(0.2)
+        with contextlib.suppress(OSError, ValueError):
+            now_attempt = int((control_dir / "attempt").read_text())
+            if now_attempt != attempt:
+                attempt, last, reported = now_attempt, {}, set()
+        if attempt < 0:
+            continue
+        now = time.monotonic()
+        for h in range(hosts):
+            key = f"hb/{attempt}/{h}"
+            if not store.check([key]) or store.check([f"bye/{attempt}/{h}"]):
+                continue  # not started yet (a host that never comes up fails its rendezvous), or done
+            beats = store.add(key, 0)
+            if h not in last or last[h][0] != beats:
+                last[h] = (beats, now)
+            elif h not in reported and now - last[h][1] > fault_timeout_s:
+                reported.add(h)
+                silent = round(now - last[h][1], 2)
+                verdict = {"attempt": attempt, "host": h, "silent_s": silent, "at": time.time()}
+                verdicts.write(json.dumps(verdict) + "\n")
+
+
+def read_verdicts(control_dir: Path, attempt: int) -> list[dict]:
+    """The hosts found silent during launch ``attempt`` (for the launcher)."""
+    try:
+        lines = (control_dir / "verdicts.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            v = json.loads(line)
+            if v.get("attempt") == attempt:
+                out.append(v)
+    return out
+
+
+class Heartbeat:
+    """In a trainer: beat to the coordinator at ``spec`` = ``ADDR:PORT:ATTEMPT:HOST`` from a
+    thread. A coordinator that is unreachable is retried: the trainer never fails because of it
+    (a restarted coordinator picks the beats up again). ``close()`` before the interpreter exits:
+    a thread still inside the store's C++ client at exit can abort the process."""
+
+    def __init__(self, spec: str) -> None:
+        addr, port, attempt, host = spec.rsplit(":", 3)
+        self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="geotrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = _store(*self._where, False, 5.0)
+                store.add(self._key, 1)
+            except Exception:  # the coordinator is away: keep trying
+                store = None
+            self._stop.wait(BEAT_S)
+        # An orderly exit (success or error) says so: silence after it is not a failure.
+        with contextlib.suppress(Exception):
+            (store or _store(*self._where, False, 5.0)).set(self._key.replace("hb/", "bye/", 1), "1")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m geotrain.launch.coordinator")
+    p.add_argument("--control-dir", required=True)
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--fault-timeout", type=float, required=True)
+    p.add_argument("--bind", default="0.0.0.0")
+    args = p.parse_args(argv)
+    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
