@@ -108,6 +108,7 @@ def test_a_cut_link_is_found_by_its_silent_heartbeat_and_restored(tmp_path, clea
     assert _summary(cut)["param_digest"] == undisturbed["param_digest"]
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cleanup_keepers):
     job = ["run", "--workers", "3", "--algo", "diloco", "--steps", "12", *JOB, "--no-netem"]
     job += ["--redundancy", "ring", "--snapshot-every", "2"]
@@ -122,6 +123,7 @@ def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cle
     assert _summary(lost)["param_digest"] == _summary(whole)["param_digest"]
 
 
+@pytest.mark.usefixtures("no_leftovers")
 def test_without_rollback_or_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers):
     job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "6", *JOB, "--no-netem"]
     for extra, message in (
@@ -134,6 +136,20 @@ def test_without_rollback_or_past_max_faults_a_fault_ends_the_run(tmp_path, clea
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
         (fault,) = json.loads((run_dir / "faults.json").read_text())
         assert fault["rank"] == 1 and fault["at_step"] >= 3
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_failure_that_repeats_is_not_retried(tmp_path, cleanup_keepers):
+    """Bad input found by the trainers (a plan for another model) fails every attempt alike: the
+    run ends at the first fault, with the trainer's one-line reason."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schedule": {"H": 2}}))
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 2))
+    job = ["run", "--workers", "2", "--algo", "dreamddp", "--plan", str(plan), "--steps", "6", *JOB]
+    proc = _run([*job, "--no-netem", "--run-dir", str(run_dir)])
+    assert proc.returncode == 1 and "does not fit this model" in proc.stderr, proc.stderr[-2000:]
+    assert len(json.loads((run_dir / "faults.json").read_text())) == 1
 
 
 @pytest.mark.parametrize(
@@ -168,7 +184,7 @@ def test_the_cli_refuses_bad_failure_options_with_one_line(tmp_path):
         (["--on-failure", "pray"], "--on-failure 'pray': accepted: rollback, stop"),
         (["--max-faults", "-1"], "--max-faults must be >= 0"),
         (["--chaos", "kill:step=2,rank=9"], "there are 2 workers"),
-        (["--fault-timeout", "0"], "--fault-timeout must be > 0"),
+        (["--fault-timeout", "1"], "--fault-timeout must be >= 2 seconds"),
         (["--chaos", "cut:step=2,host=1", "--no-netem"], "needs emulated links"),
     ):
         proc = _run(

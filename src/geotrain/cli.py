@@ -176,16 +176,19 @@ def _cmd_resume(argv: list[str]) -> int:
             f"--resume: the run had emulated links, which cannot be made here now "
             f"({netem_unavailable_reason()}); run as root"
         )
-    launch = LaunchConfig(
-        workers,
-        rates if saved.get("network_mode") == "netns" else None,
-        run_dir,
-        netem=saved.get("network_mode") == "netns",
-        timeout_s=args.timeout,
-        on_failure=args.on_failure,
-        max_faults=args.max_faults,
-        fault_timeout_s=args.fault_timeout,
-    )
+    try:
+        launch = LaunchConfig(
+            workers,
+            rates if saved.get("network_mode") == "netns" else None,
+            run_dir,
+            netem=saved.get("network_mode") == "netns",
+            timeout_s=args.timeout,
+            on_failure=args.on_failure,
+            max_faults=args.max_faults,
+            fault_timeout_s=args.fault_timeout,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         summary = run_local_cluster(launch, replace(cfg, resume=True, resume_step=step))
     except RunFailed as e:
@@ -241,8 +244,8 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(f"--on-failure {args.on_failure!r}: accepted: rollback, stop")
         if getattr(args, "max_faults", 0) < 0:
             raise UsageError(f"--max-faults must be >= 0, got {args.max_faults}")
-        if getattr(args, "fault_timeout", 1.0) <= 0:
-            raise UsageError(f"--fault-timeout must be > 0 seconds, got {args.fault_timeout}")
+        if getattr(args, "fault_timeout", 10.0) < 2:
+            raise UsageError(f"--fault-timeout must be >= 2 seconds (4 heartbeats), got {args.fault_timeout}")
         chaos = parse_chaos(cfg.chaos, args.workers)
         if args.no_netem and any(f.kind == "cut" for f in chaos):
             raise UsageError("--chaos cut: needs emulated links (a cut of loopback would cut every host)")

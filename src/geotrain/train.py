@@ -4,7 +4,7 @@ Read it top to bottom: join the process group, load this worker's data shard, bu
 its optimizer, wrap both in the chosen sync algorithm, train for ``steps`` steps recording
 metrics, then finalize (so the replicas end as one model), evaluate, save and summarise.
 
-    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+    torchrun --nnodes 4 --nproc-per-node 1 --node-rank I --master-addr HOST0 --master-port 29500 \\
         -m geotrain.train --algo diloco --H 10 --model mini --steps 200 --run-dir runs/x
 """
 
@@ -571,18 +571,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
-    ctx = init_distributed(timeout_s=cfg.timeout_s)
-    ok = False
     try:
-        summary = train(cfg, ctx)
-        ok = True
-        if ctx.is_main and not cfg.profile_out:
-            print(summary_table(summary), flush=True)
-    except (ConfigError, DataError, ResumeError) as e:
-        print(f"geotrain train: error: {e}", file=sys.stderr)
-        return 2
+        ctx = init_distributed(timeout_s=cfg.timeout_s)
+        ok = False
+        try:
+            if heartbeat is not None and heartbeat.host != ctx.rank:
+                raise ConfigError(f"host {heartbeat.host} got rank {ctx.rank}: start it with --node-rank")
+            summary = train(cfg, ctx)
+            ok = True
+            if ctx.is_main and not cfg.profile_out:
+                print(summary_table(summary), flush=True)
+        except (ConfigError, DataError, ResumeError) as e:
+            print(f"geotrain train: error: {e}", file=sys.stderr)
+            if cfg.run_dir:  # the launcher must not retry what fails the same way every time
+                write_atomic(Path(cfg.run_dir) / "control" / f"fatal-rank{ctx.rank}", f"{e}\n".encode())
+            return 2
+        finally:
+            shutdown_distributed(together=ok)
     finally:
-        shutdown_distributed(together=ok)
         if heartbeat is not None:
             heartbeat.close()
     return 0

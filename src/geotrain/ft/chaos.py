@@ -52,10 +52,17 @@ class Fault:
     def timed(self) -> bool:
         return self.every_s > 0
 
+    @staticmethod
+    def _num(x: float) -> str:
+        return format(x, "f").rstrip("0").rstrip(".")  # never an exponent: _seconds reads it back
+
     def spec(self) -> str:
         who = f"host={self.rank}" if self.kind in BY_HOST else f"rank={self.rank}"
-        head = f"{self.kind}:every={self.every_s:g}s" if self.timed else f"{self.kind}:step={self.step},{who}"
-        return head + (f",restart={self.restart_s:g}" if self.restart_s else "")
+        if self.timed:
+            head = f"{self.kind}:every={self._num(self.every_s)}s"
+        else:
+            head = f"{self.kind}:step={self.step},{who}"
+        return head + (f",restart={self._num(self.restart_s)}" if self.restart_s else "")
 
 
 def _seconds(text: str) -> float:

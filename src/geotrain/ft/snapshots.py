@@ -48,6 +48,10 @@ class ResumeError(RuntimeError):
     """A resume that cannot be done as asked; the message says why and what to do."""
 
 
+class NoCommonStep(ResumeError):
+    """No step at which every worker's state can be restored (each may hold some)."""
+
+
 @dataclass
 class SnapshotConfig:
     every: int  # steps between snapshots (> 0)
@@ -331,7 +335,7 @@ def choose_step(avail: list[dict[str, Any]], requested: int = 0) -> tuple[int, d
     held = "; ".join(
         f"rank {r}: {sorted(set(a['keeper'] + a['disk'])) or 'nothing'}" for r, a in enumerate(avail)
     )
-    raise ResumeError(f"no step at which every worker's state can be restored ({held})")
+    raise NoCommonStep(f"no step at which every worker's state can be restored ({held})")
 
 
 def restore(
@@ -408,15 +412,16 @@ def restore(
 
 
 def preflight(
-    keepers: list[KeeperClient | None], directory: Path, requested: int = 0
+    keepers: list[KeeperClient | None], directory: Path, requested: int = 0, check: bool = True
 ) -> tuple[int, dict[int, str]]:
     """Before a resumed run starts: the step to restore and each worker's source, with every full
-    state it will read verified (checksum) now, so a bad snapshot is refused before anything runs."""
+    state it will read verified (checksum) now, so a bad snapshot is refused before anything runs.
+    ``check=False`` (a rollback, where seconds count) leaves the checksums to the trainers."""
     from geotrain.ft.state import verify
 
     avail = [availability(r, k, directory) for r, k in enumerate(keepers)]
     step, how = choose_step(avail, requested)
-    for r, source in how.items():
+    for r, source in how.items() if check else ():
         if source == "peers":
             continue
         blob = b""

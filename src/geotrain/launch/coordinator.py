@@ -40,9 +40,10 @@ def _store(host: str, port: int, master: bool, timeout_s: float):
     )
 
 
-def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str) -> None:
-    """Host the store, write its port to ``control/port``, watch heartbeats until told to stop."""
-    store = _store(bind, 0, True, 30.0)
+def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port: int = 0) -> None:
+    """Host the store, write its port to ``control/port``, watch heartbeats until told to stop.
+    A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
+    store = _store(bind, port, True, 30.0)
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
@@ -55,17 +56,29 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str) -> N
             now_attempt = int((control_dir / "attempt").read_text())
             if now_attempt != attempt:
                 attempt, last, reported = now_attempt, {}, set()
+                if port:  # a restart: the hosts of this attempt were beating before; one that
+                    # never beats again (frozen meanwhile) must still be found
+                    last = {h: (-1, time.monotonic()) for h in range(hosts)}
         if attempt < 0:
             continue
         now = time.monotonic()
         for h in range(hosts):
-            key = f"hb/{attempt}/{h}"
-            if not store.check([key]) or store.check([f"bye/{attempt}/{h}"]):
-                continue  # not started yet (a host that never comes up fails its rendezvous), or done
-            beats = store.add(key, 0)
+            key, bye = f"hb/{attempt}/{h}", f"bye/{attempt}/{h}"
+            if h in reported:
+                continue
+            if store.check([bye]):
+                (control_dir / f"bye-{attempt}-{h}").touch()  # exited in order: not a failure
+                reported.add(h)
+                continue
+            if store.check([key]):
+                beats = store.add(key, 0)
+            elif h in last:
+                beats = -1
+            else:
+                continue  # not started yet: a host that never comes up fails its rendezvous instead
             if h not in last or last[h][0] != beats:
                 last[h] = (beats, now)
-            elif h not in reported and now - last[h][1] > fault_timeout_s:
+            elif now - last[h][1] > fault_timeout_s:
                 reported.add(h)
                 silent = round(now - last[h][1], 2)
                 verdict = {"attempt": attempt, "host": h, "silent_s": silent, "at": time.time()}
@@ -95,6 +108,7 @@ class Heartbeat:
 
     def __init__(self, spec: str) -> None:
         addr, port, attempt, host = spec.rsplit(":", 3)
+        self.host = int(host)
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="geotrain-heartbeat", daemon=True)
@@ -105,18 +119,19 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 if store is None:
-                    store = _store(*self._where, False, 5.0)
+                    store = _store(*self._where, False, 2.0)
                 store.add(self._key, 1)
             except Exception:  # the coordinator is away: keep trying
                 store = None
             self._stop.wait(BEAT_S)
         # An orderly exit (success or error) says so: silence after it is not a failure.
-        with contextlib.suppress(Exception):
-            (store or _store(*self._where, False, 5.0)).set(self._key.replace("hb/", "bye/", 1), "1")
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(self._key.replace("hb/", "bye/", 1), "1")
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=15)
+        self._thread.join(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--fault-timeout", type=float, required=True)
     p.add_argument("--bind", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
-    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind)
+    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind, args.port)
     return 0
 
 

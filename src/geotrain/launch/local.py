@@ -2,8 +2,12 @@
 
 Every host runs the same command a user runs on a real machine::
 
-    torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+    torchrun --nnodes N --nproc-per-node 1 --node-rank I --master-addr HOST0 --master-port 29500 \\
         -m geotrain.train ...
+
+The static rendezvous (``--node-rank``) makes host I rank I on every launch: a host's keeper holds
+that rank's snapshots, so a restarted host must get its rank back (the c10d rendezvous orders
+hosts by address string, so ``10.213.0.10`` would come before ``10.213.0.2``).
 
 inside its own network namespace (``netns`` mode) or, where namespaces cannot be made, on
 loopback, unshaped (``loopback`` mode); the summary records which. Each host's output goes to
@@ -33,7 +37,7 @@ from geotrain.ft.chaos import join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.state import write_atomic
 from geotrain.launch.coordinator import read_verdicts
-from geotrain.launch.faults import FaultRecord, TimedChaos, fired_step_fault, last_step
+from geotrain.launch.faults import FaultRecord, TimedChaos, last_step
 from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
     IFNAME,
@@ -49,6 +53,7 @@ RDZV_PORT = 29500
 # Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
 KEEPER_LINGER_S = 600.0
 ON_FAILURE = ("rollback", "stop")
+MIN_FAULT_TIMEOUT_S = 2.0  # four heartbeats: one late beat on a busy link is not a failure
 
 
 @dataclass
@@ -73,8 +78,11 @@ class LaunchConfig:
             raise ValueError(f"--on-failure {self.on_failure!r}: accepted: {', '.join(ON_FAILURE)}")
         if self.max_faults < 0:
             raise ValueError(f"--max-faults must be >= 0, got {self.max_faults}")
-        if self.fault_timeout_s <= 0:
-            raise ValueError(f"--fault-timeout must be > 0 seconds, got {self.fault_timeout_s}")
+        if self.fault_timeout_s < MIN_FAULT_TIMEOUT_S:
+            raise ValueError(
+                f"--fault-timeout must be >= {MIN_FAULT_TIMEOUT_S:g} seconds (4 heartbeats), "
+                f"got {self.fault_timeout_s}"
+            )
 
 
 class RunFailed(RuntimeError):
@@ -114,8 +122,8 @@ def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
             sys.stderr.buffer.flush()
 
 
-def _torchrun_command(n: int, endpoint: str, run_id: str, local_addr: str | None, is_host: bool) -> list[str]:
-    cmd = [
+def _torchrun_command(n: int, host: int, master_addr: str, port: int) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -123,20 +131,17 @@ def _torchrun_command(n: int, endpoint: str, run_id: str, local_addr: str | None
         str(n),
         "--nproc-per-node",
         "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
+        "--node-rank",
+        str(host),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(port),
         "--max-restarts",
         "0",
-        "--rdzv-conf",
-        f"is_host={str(is_host).lower()}",
+        "-m",
+        "geotrain.train",
     ]
-    if local_addr:
-        cmd += ["--local-addr", local_addr]
-    return cmd + ["-m", "geotrain.train"]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -158,7 +163,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     # Collected first: once an agent is gone its workers are orphans, out of reach of killpg.
-    below = {p.pid: _descendants(p.pid) for p in procs}
+    below = {p.pid: _descendants(p.pid) if p.poll() is None else [] for p in procs}
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -289,8 +294,7 @@ def _start_hosts(
     """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
     run_dir = launch.run_dir
     port = RDZV_PORT + attempt if cluster else _free_port()
-    endpoint = f"{cluster.host_ip(0)}:{port}" if cluster else f"127.0.0.1:{port}"
-    run_id = (cluster.run_id if cluster else f"geotrain-{os.getpid()}") + f"-{attempt}"
+    master = cluster.host_ip(0) if cluster else "127.0.0.1"
     hosts = _Hosts([], [], [])
     for i in range(launch.workers):
         env = dict(
@@ -302,9 +306,7 @@ def _start_hosts(
             # c10d warns that namespace addresses have no reverse DNS name; harmless.
             TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         )
-        cmd = _torchrun_command(
-            launch.workers, endpoint, run_id, cluster.host_ip(i) if cluster else None, is_host=(i == 0)
-        )
+        cmd = _torchrun_command(launch.workers, i, master, port)
         host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
         if coordinator is not None:
             addr = cluster.control_ip if cluster else "127.0.0.1"
@@ -330,14 +332,20 @@ def _start_hosts(
     return hosts
 
 
-def _start_coordinator(launch: LaunchConfig, cluster: EmulatedCluster | None) -> subprocess.Popen:
+def _start_coordinator(
+    launch: LaunchConfig, cluster: EmulatedCluster | None, port: int = 0
+) -> subprocess.Popen:
     """The coordinator (``launch/coordinator.py``): in its own namespace on the emulated cluster,
-    on loopback otherwise. Returns its process, with the store's port as ``.port``."""
+    on loopback otherwise. Returns its process, with the store's port as ``.port``. A restarted
+    one (``port`` given) keeps the verdicts and the attempt of the one before."""
     control = launch.run_dir / "control"
-    shutil.rmtree(control, ignore_errors=True)
-    control.mkdir(parents=True)
+    if not port:
+        shutil.rmtree(control, ignore_errors=True)
+    control.mkdir(parents=True, exist_ok=True)
+    (control / "port").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
     cmd += ["--hosts", str(launch.workers), "--fault-timeout", str(launch.fault_timeout_s)]
+    cmd += ["--port", str(port)]
     if cluster is not None:
         cmd = cluster.control_prefix() + cmd
     else:
@@ -346,7 +354,7 @@ def _start_coordinator(launch: LaunchConfig, cluster: EmulatedCluster | None) ->
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent)  # fmt: skip
     log.close()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + (60 if not port else 15)
     while not (control / "port").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop([proc])
@@ -354,6 +362,26 @@ def _start_coordinator(launch: LaunchConfig, cluster: EmulatedCluster | None) ->
         time.sleep(0.05)
     proc.port = int((control / "port").read_text())  # type: ignore[attr-defined]
     return proc
+
+
+def _restart_coordinator(
+    launch: LaunchConfig, cluster: EmulatedCluster | None, dead: subprocess.Popen
+) -> subprocess.Popen | None:
+    """Training does not depend on the coordinator: a failed restart only stops the watch."""
+    print("geotrain: the coordinator died; restarting it", file=sys.stderr, flush=True)
+    try:
+        return _start_coordinator(launch, cluster, dead.port)  # type: ignore[attr-defined]
+    except RunFailed as e:
+        print(f"geotrain: {e}; silent hosts go unnoticed until --timeout-s", file=sys.stderr, flush=True)
+        return None
+
+
+def _read_faults(run_dir: Path) -> list[FaultRecord]:
+    """The faults of earlier launches of this run (a resumed run keeps counting)."""
+    try:
+        return [FaultRecord(**r) for r in json.loads((run_dir / "faults.json").read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def _write_faults(run_dir: Path, records: list[FaultRecord]) -> None:
@@ -370,23 +398,22 @@ def _rollback(
     record: FaultRecord,
 ) -> TrainConfig:
     """After a fault: replacement keepers for lost hosts, then the step every worker restores."""
-    from geotrain.ft.snapshots import ResumeError, preflight
+    from geotrain.ft.snapshots import NoCommonStep, ResumeError, preflight
 
-    if sockets:
-        start_keepers(run_dir, launch.workers, resume=True)
-    keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
     try:
-        step, how = preflight(keepers, run_dir / "snapshots")
-    except ResumeError as e:
-        held = list((run_dir / "snapshots").rglob("*.snap")) + [
-            i for k in keepers if k is not None for i in k.items()
-        ]
-        if held:
-            raise RunFailed(f"cannot roll back after the fault: {e}") from None
-        # No snapshot anywhere yet: the run starts over.
-        shutil.rmtree(run_dir / "metrics", ignore_errors=True)
+        if sockets:
+            start_keepers(run_dir, launch.workers, resume=True)
+        keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
+        step, how = preflight(keepers, run_dir / "snapshots", check=False)
+    except NoCommonStep as e:
+        # Every worker can start over; that is the newest point all of them share.
+        print(f"geotrain: {e}; all workers start over from step 0", file=sys.stderr, flush=True)
+        for rank in range(launch.workers):
+            metrics_up_to(run_dir, rank, 0)
         record.rollback_to, record.steps_lost, record.sources = 0, record.at_step, []
         return replace(cfg, resume=False, resume_step=0, chaos=join_chaos(faults))
+    except (ResumeError, KeeperError) as e:
+        raise RunFailed(f"cannot roll back after the fault: {e}") from None
     for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
         metrics_up_to(run_dir, rank, step)
     record.rollback_to, record.steps_lost = step, record.at_step - step
@@ -436,11 +463,13 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
 
     threads = max(1, (os.cpu_count() or 1) // launch.workers)
     keepers = launch.keepers and not cfg.profile_out
-    sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
+    rollback = launch.on_failure == "rollback" and not cfg.profile_out
     faults = parse_chaos(cfg.chaos, launch.workers)
     timed = TimedChaos(faults, seed=cfg.seed)
-    coordinator = _start_coordinator(launch, cluster) if launch.workers > 1 and not cfg.profile_out else None
-    records: list[FaultRecord] = []
+    records: list[FaultRecord] = _read_faults(run_dir) if cfg.resume else []
+    sockets: list[Path] = []
+    coordinator: subprocess.Popen | None = None
+    control = run_dir / "control"
     succeeded = False
     hosts: _Hosts | None = None
     interrupted = False
@@ -456,41 +485,60 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     t_launch = time.monotonic()
     deadline = t_launch + launch.timeout_s
     try:
-        attempt = 0
+        if any(f.kind == "cut" for f in faults) and mode != "netns":
+            raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
+        sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
+        coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
+        attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
         while True:
             if coordinator is not None:
-                write_atomic(run_dir / "control" / "attempt", str(attempt).encode())
+                write_atomic(control / "attempt", str(attempt).encode())
+            for old in control.glob("fatal-*"):
+                old.unlink()
             if cluster is not None:  # links cut by chaos come back for the next attempt
                 for i in range(launch.workers):
                     cluster.set_link(i, up=True)
             hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
+            started_wall = time.time()
             timed.arm(time.monotonic())
             recovering = records[-1] if records and records[-1].recover_s is None else None
-            failed, silent_s = None, 0.0
+            failed, silent_s, seen_bad = None, 0.0, []
             while True:
                 codes = [p.poll() for p in hosts.procs]
-                bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    failed = bad[0]
+                if all(c == 0 for c in codes):
                     break
-                silent = read_verdicts(run_dir / "control", attempt) if coordinator is not None else []
+                # The first to fail, in the order noticed; in one poll, one that did not exit in
+                # order (no "bye") before its peers, which exit on the broken collective.
+                new_bad = [i for i, c in enumerate(codes) if c not in (None, 0) and i not in seen_bad]
+                seen_bad += sorted(new_bad, key=lambda i: (control / f"bye-{attempt}-{i}").exists())
+                if seen_bad:
+                    failed = seen_bad[0]
+                    break
+                silent = [
+                    v for v in (read_verdicts(control, attempt) if coordinator is not None else [])
+                    if codes[v["host"]] is None
+                ]  # fmt: skip
                 if silent:
                     failed, silent_s = silent[0]["host"], silent[0]["silent_s"]
-                    break
-                if all(c == 0 for c in codes):
                     break
                 now = time.monotonic()
                 if now > deadline:
                     raise RunFailed(
                         f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
                     )
-                if recovering is not None and last_step(run_dir, 0)[0] > recovering.rollback_to:
+                progress = last_step(run_dir, 0)[0]
+                if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     _write_faults(run_dir, records)
                     recovering = None
-                timed.poll(now, [p.pid for p in hosts.procs])
+                if progress < cfg.steps and not any(c == 0 for c in codes):  # never at the finish
+                    timed.poll(now, [p.pid for p in hosts.procs])
+                if coordinator is not None and coordinator.poll() is not None:
+                    coordinator = _restart_coordinator(launch, cluster, coordinator)
                 time.sleep(0.1)
             if failed is None:
+                if recovering is not None:  # it finished before a new step was seen
+                    recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                 succeeded = True
                 break
             # A host failed: note it, stop the rest, and decide whether the run goes on.
@@ -498,43 +546,62 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             code = hosts.procs[failed].poll()
             reached = [last_step(run_dir, r) for r in range(launch.workers)]
             furthest = max(s for s, _ in reached)
+            fatal = sorted(control.glob("fatal-*"))
             # No grace for survivors: their state is in the keepers, and one may be frozen.
             _stop(hosts.procs, grace_s=1.0)
             hosts.close()
-            fault = fired_step_fault(faults, furthest)
+            hosts = None
+            # Step faults that have fired: their worker got as far as their step.
+            fired = [f for f in faults if not f.timed and reached[f.rank][0] >= f.step]
+            fired.sort(key=lambda f: f.step)
+            for f in fired:
+                faults.remove(f)
             kind, rank, restart_s = ("exit" if code is not None else "silent"), failed, 0.0
-            last_alive = reached[failed][1] if code is not None else detected_wall - silent_s
-            if fault is not None:
-                kind, rank, restart_s = fault.kind, fault.rank, fault.restart_s
-                faults.remove(fault)
-                last_alive = reached[rank][1] if code is not None else detected_wall - silent_s
-            elif timed.fired is not None:
-                f, rank, last_alive = timed.fired
-                kind, restart_s = f.kind, f.restart_s
+            if fired:
+                kind, rank, restart_s = fired[0].kind, fired[0].rank, fired[0].restart_s
+            elif timed.fired is not None and timed.fired[1] == failed:
+                kind, restart_s = timed.fired[0].kind, timed.fired[0].restart_s
+            if code is None:  # silent: its last beat
+                last_alive = detected_wall - silent_s
+            elif timed.fired is not None and timed.fired[1] == rank:
+                last_alive = timed.fired[2]
+            else:  # its last metrics line of this attempt
+                last_alive = max(reached[rank][1], started_wall)
             timed.fired = None
             record = FaultRecord(
                 kind=kind,
                 rank=rank,
                 at_s=round(time.monotonic() - t_launch, 2),
                 at_step=furthest,
-                detected_s=round(max(0.0, detected_wall - last_alive), 2) if last_alive else 0.0,
+                detected_s=round(max(0.0, detected_wall - last_alive), 2),
                 exit_code=code,
                 detected_at=detected_wall,
             )
             records.append(record)
             _write_faults(run_dir, records)
-            if launch.on_failure != "rollback" or code == 2 or len(records) > launch.max_faults:
-                why = (
-                    f"; {len(records)} faults, more than --max-faults {launch.max_faults}"
-                    if launch.on_failure == "rollback" and code != 2
-                    else ""
-                )
+            what = f"exited with code {code}" if code is not None else f"went silent for {silent_s:.1f} s"
+            log_tail = f"; its log ({run_dir}/logs/host{failed}.log) ends:\n" + _tail(
+                run_dir / "logs" / f"host{failed}.log"
+            )
+            if fatal:  # bad input: the same on every attempt
+                raise RunFailed(f"host {failed} {what}: {fatal[0].read_text().strip()}")
+            if not rollback:
+                raise RunFailed(f"host {failed} {what}{log_tail}")
+            # A failure of its own (no chaos) before any new step, twice running: it will fail the
+            # same way after every rollback.
+            stuck = stuck + 1 if kind in ("exit", "silent") and furthest <= start_step else 0
+            if stuck >= 2:
                 raise RunFailed(
-                    f"host {failed} exited with code {code}{why}; its log ({run_dir}/logs/host{failed}.log) "
-                    "ends:\n" + _tail(run_dir / "logs" / f"host{failed}.log")
+                    f"host {failed} {what} before any new step, twice running; not retrying{log_tail}"
+                )
+            if len(records) > launch.max_faults:
+                raise RunFailed(
+                    f"host {failed} {what}; {len(records)} faults, more than --max-faults "
+                    f"{launch.max_faults}{log_tail}"
                 )
             time.sleep(restart_s)  # the replacement's time to come up
             cfg = _rollback(run_dir, launch, cfg, sockets, faults, record)
+            start_step = record.rollback_to
             _write_faults(run_dir, records)
             print(
                 f"geotrain: host {rank} failed after step {furthest} ({kind}); all workers continue "
@@ -554,7 +621,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             _stop(hosts.procs, grace_s=2.0 if interrupted else 5.0)
             hosts.close()
         if coordinator is not None:
-            (run_dir / "control" / "stop").touch()
+            (control / "stop").touch()
             _stop([coordinator], grace_s=2.0)
         if cluster is not None:
             cluster.down()

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
+from geotrain.compress.codec import ConfigError
 from geotrain.plan.cost import predict_schedule
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import build_profile, models_from_profile
@@ -97,7 +98,13 @@ class DreamDDP(SyncAlgorithm):
         ]
         self._hooks.append(model.register_forward_pre_hook(self._on_forward))
         if self.config.plan_path:
-            self.set_plan(json.loads(Path(self.config.plan_path).read_text()))
+            try:
+                self.set_plan(json.loads(Path(self.config.plan_path).read_text()))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ConfigError(
+                    f"plan {self.config.plan_path!r} does not fit this model ({type(e).__name__}: {e}); "
+                    "make one with `geotrain plan` for it"
+                ) from None
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
