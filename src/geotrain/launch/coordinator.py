@@ -55,9 +55,11 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
         with contextlib.suppress(OSError, ValueError):
             now_attempt = int((control_dir / "attempt").read_text())
             if now_attempt != attempt:
+                # A restart takes over an attempt whose hosts were beating already: one that never
+                # beats again (frozen meanwhile) must still be found. Later attempts start afresh.
+                restarted = bool(port) and attempt == -1
                 attempt, last, reported = now_attempt, {}, set()
-                if port:  # a restart: the hosts of this attempt were beating before; one that
-                    # never beats again (frozen meanwhile) must still be found
+                if restarted:
                     last = {h: (-1, time.monotonic()) for h in range(hosts)}
         if attempt < 0:
             continue
