@@ -175,6 +175,8 @@ def _start(run_dir: Path, steps: int = 100000) -> subprocess.Popen:
             "ssgd",
             "--run-dir",
             str(run_dir),
+            "--on-failure",  # these tests watch a run fail and clean up; rollback has its own
+            "stop",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

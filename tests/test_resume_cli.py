@@ -72,36 +72,6 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     assert steps == [*range(1, 17), 16]  # each step once, then the final evaluation
 
 
-def test_a_lost_host_is_rebuilt_from_its_ring_neighbour(tmp_path, cleanup_keepers):
-    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, "--no-netem"]
-    job += ["--redundancy", "ring"]
-    whole, lost = tmp_path / "whole", tmp_path / "lost"
-    cleanup_keepers.append((lost, 3))
-    assert _run([*job, "--run-dir", str(whole)]).returncode == 0
-    # Snapshots every 2 steps; host 2 dies after step 9, and with it its keeper.
-    proc = _run(
-        [
-            *job,
-            "--run-dir",
-            str(lost),
-            "--snapshot-every",
-            "2",
-            "--chaos",
-            "kill:step=9,rank=2",
-            "--on-failure",
-            "stop",
-        ]
-    )
-    assert proc.returncode == 1
-    KeeperClient(keeper_socket(lost, 2)).stop()
-    proc = _run(["run", "--resume", str(lost)])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rank 2 from peers" in proc.stderr
-    summary = _summary(lost)
-    assert summary["resumed_from"]["sources"] == ["keeper", "keeper", "peers"]
-    assert summary["param_digest"] == _summary(whole)["param_digest"]
-
-
 def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):
     run_dir = tmp_path / "run"
     job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "8", *JOB, "--no-netem"]
@@ -145,7 +115,7 @@ def test_finished_runs_always_exit_0(tmp_path):
     """A gloo abort at interpreter exit (`terminate called without an active exception`) once
     failed a finished ddp run: every repetition must exit 0 with nothing on stderr about it."""
     net = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
-    for i, algo in enumerate(["ddp", "ddp", "ddp_powersgd", "ssgd", "ddp"]):
+    for i, algo in enumerate(["ddp", "ddp_powersgd", "ddp"]):
         run_dir = tmp_path / f"r{i}"
         start = time.monotonic()
         proc = _run(

@@ -11,6 +11,7 @@ metrics, then finalize (so the replicas end as one model), evaluate, save and su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -584,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, DataError, ResumeError) as e:
             print(f"geotrain train: error: {e}", file=sys.stderr)
             if cfg.run_dir:  # the launcher must not retry what fails the same way every time
-                write_atomic(Path(cfg.run_dir) / "control" / f"fatal-rank{ctx.rank}", f"{e}\n".encode())
+                with contextlib.suppress(OSError):
+                    write_atomic(Path(cfg.run_dir) / "control" / f"fatal-rank{ctx.rank}", f"{e}\n".encode())
             return 2
         finally:
             shutdown_distributed(together=ok)

@@ -59,8 +59,12 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
                 # beats again (frozen meanwhile) must still be found. Later attempts start afresh.
                 restarted = bool(port) and attempt == -1
                 attempt, last, reported = now_attempt, {}, set()
-                if restarted:
-                    last = {h: (-1, time.monotonic()) for h in range(hosts)}
+                if restarted:  # only the hosts that had begun to beat: others may be starting
+                    last = {
+                        h: (-1, time.monotonic())
+                        for h in range(hosts)
+                        if (control_dir / f"beating-{attempt}-{h}").exists()
+                    }
         if attempt < 0:
             continue
         now = time.monotonic()
@@ -79,6 +83,8 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
             else:
                 continue  # not started yet: a host that never comes up fails its rendezvous instead
             if h not in last or last[h][0] != beats:
+                if h not in last or last[h][0] == -1:
+                    (control_dir / f"beating-{attempt}-{h}").touch()
                 last[h] = (beats, now)
             elif now - last[h][1] > fault_timeout_s:
                 reported.add(h)

@@ -233,11 +233,24 @@ def stop_keepers(run_dir: Path, n: int) -> None:
     """Ask this run's keepers to finish their disk writes and exit (and wait until they have)."""
     for i in range(n):
         path = keeper_socket(run_dir, i)
+        client = KeeperClient(path, timeout_s=60.0)
+        pid = 0
         with contextlib.suppress(KeeperError):
-            KeeperClient(path, timeout_s=60.0).stop()
+            pid = client.pid()
+            client.stop()
         deadline = time.monotonic() + 10
-        while path.exists() and time.monotonic() < deadline:
+        # Gone when its socket is gone and the process has exited (a zombie has no command line).
+        while time.monotonic() < deadline and (path.exists() or _running(pid)):
             time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
 
 
 def stop_lingering_keepers() -> list[Path]:
@@ -354,7 +367,7 @@ def _start_coordinator(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent)  # fmt: skip
     log.close()
-    deadline = time.monotonic() + (60 if not port else 15)
+    deadline = time.monotonic() + 60
     while not (control / "port").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop([proc])
@@ -490,6 +503,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
         coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
+        prior = len(records)  # faults of earlier launches: reported, not counted again
+        for rank in range(launch.workers):  # what an earlier launch wrote past this start is void
+            metrics_up_to(run_dir, rank, start_step)
         while True:
             if coordinator is not None:
                 write_atomic(control / "attempt", str(attempt).encode())
@@ -501,7 +517,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
             started_wall = time.time()
             timed.arm(time.monotonic())
-            recovering = records[-1] if records and records[-1].recover_s is None else None
+            recovering = records[-1] if len(records) > prior and records[-1].recover_s is None else None
             failed, silent_s, seen_bad = None, 0.0, []
             while True:
                 codes = [p.poll() for p in hosts.procs]
@@ -547,6 +563,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             reached = [last_step(run_dir, r) for r in range(launch.workers)]
             furthest = max(s for s, _ in reached)
             fatal = sorted(control.glob("fatal-*"))
+            if timed.fired is not None and hosts.procs[timed.fired[1]].poll() not in (None, 0):
+                failed = timed.fired[1]  # the one it killed, not a peer that fell with it
             # No grace for survivors: their state is in the keepers, and one may be frozen.
             _stop(hosts.procs, grace_s=1.0)
             hosts.close()
@@ -594,9 +612,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 raise RunFailed(
                     f"host {failed} {what} before any new step, twice running; not retrying{log_tail}"
                 )
-            if len(records) > launch.max_faults:
+            if len(records) - prior > launch.max_faults:
                 raise RunFailed(
-                    f"host {failed} {what}; {len(records)} faults, more than --max-faults "
+                    f"host {failed} {what}; {len(records) - prior} faults, more than --max-faults "
                     f"{launch.max_faults}{log_tail}"
                 )
             time.sleep(restart_s)  # the replacement's time to come up
