@@ -45,3 +45,14 @@ def no_leftovers():
     assert not left, f"namespaces left behind: {left}"
     stray = _geotrain_processes() - procs
     assert not stray, f"processes left behind: {stray}"
+
+
+@pytest.fixture
+def cleanup_keepers():
+    """Run directories (and their host counts) whose lingering keepers the test stops at the end."""
+    from geotrain.launch.local import stop_keepers
+
+    run_dirs: list[tuple[Path, int]] = []
+    yield run_dirs
+    for run_dir, n in run_dirs:
+        stop_keepers(run_dir, n)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.ft.keeper import KeeperClient, disk_path
-from geotrain.launch.local import keeper_socket, stop_keepers
+from geotrain.launch.local import keeper_socket
 from geotrain.netem.cluster import netem_unavailable_reason
 
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
@@ -37,14 +37,6 @@ def _tree_digest(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-@pytest.fixture
-def cleanup_keepers():
-    run_dirs: list[tuple[Path, int]] = []
-    yield run_dirs
-    for run_dir, n in run_dirs:
-        stop_keepers(run_dir, n)
 
 
 @pytest.mark.usefixtures("no_leftovers")

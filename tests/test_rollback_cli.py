@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from geotrain.ft.chaos import ChaosError, parse_chaos
-from geotrain.launch.local import stop_keepers
 from geotrain.netem.cluster import netem_unavailable_reason
 
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
@@ -29,14 +28,6 @@ def _steps(run_dir: Path, rank: int) -> list[int]:
     return [
         json.loads(x)["step"] for x in (run_dir / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
     ]
-
-
-@pytest.fixture
-def cleanup_keepers():
-    run_dirs: list[tuple[Path, int]] = []
-    yield run_dirs
-    for run_dir, n in run_dirs:
-        stop_keepers(run_dir, n)
 
 
 NET = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]

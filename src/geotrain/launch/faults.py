@@ -95,9 +95,3 @@ class TimedChaos:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 self.fired = (f, rank, time.time())
-
-
-def fired_step_fault(faults: list[Fault], reached: int) -> Fault | None:
-    """The step-triggered fault that has fired by step ``reached``, if any (the earliest)."""
-    due = [f for f in faults if not f.timed and f.step <= reached]
-    return min(due, key=lambda f: f.step) if due else None

@@ -421,17 +421,14 @@ def _rollback(
     except NoCommonStep as e:
         # Every worker can start over; that is the newest point all of them share.
         print(f"geotrain: {e}; all workers start over from step 0", file=sys.stderr, flush=True)
-        for rank in range(launch.workers):
-            metrics_up_to(run_dir, rank, 0)
-        record.rollback_to, record.steps_lost, record.sources = 0, record.at_step, []
-        return replace(cfg, resume=False, resume_step=0, chaos=join_chaos(faults))
+        step, how = 0, {}
     except (ResumeError, KeeperError) as e:
         raise RunFailed(f"cannot roll back after the fault: {e}") from None
     for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
         metrics_up_to(run_dir, rank, step)
     record.rollback_to, record.steps_lost = step, record.at_step - step
-    record.sources = [how[r] for r in range(launch.workers)]
-    return replace(cfg, resume=True, resume_step=step, chaos=join_chaos(faults))
+    record.sources = [how[r] for r in sorted(how)]
+    return replace(cfg, resume=bool(how), resume_step=step, chaos=join_chaos(faults))
 
 
 def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
