@@ -31,7 +31,19 @@ def _steps(run_dir: Path, rank: int) -> list[int]:
 
 
 NET = ["--bandwidth", "100mbit"] if netem_unavailable_reason() is None else ["--no-netem"]
-LOCALSGD = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, *NET]
+LOCALSGD = [
+    "run",
+    "--workers",
+    "3",
+    "--algo",
+    "localsgd",
+    "--steps",
+    "12",
+    *JOB,
+    *NET,
+    "--on-failure",
+    "rollback",
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +101,7 @@ def test_silent_hosts_are_found_by_their_heartbeat_and_replaced(tmp_path, cleanu
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cleanup_keepers):
     job = ["run", "--workers", "3", "--algo", "diloco", "--steps", "12", *JOB, "--no-netem"]
-    job += ["--redundancy", "ring", "--snapshot-every", "2"]
+    job += ["--redundancy", "ring", "--snapshot-every", "2", "--on-failure", "rollback"]
     whole, lost = tmp_path / "whole", tmp_path / "lost"
     cleanup_keepers.append((lost, 3))
     assert _run([*job, "--run-dir", str(whole)]).returncode == 0
@@ -102,7 +114,7 @@ def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cle
 
 
 @pytest.mark.usefixtures("no_leftovers")
-def test_without_rollback_or_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers):
+def test_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers):
     job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "6", *JOB, "--no-netem"]
     for extra, message in ((["--max-faults", "0"], "--max-faults 0"),):
         run_dir = tmp_path / extra[0].strip("-")
@@ -156,7 +168,9 @@ def test_chaos_specs_parse_and_print_back():
 
 def test_the_cli_refuses_bad_failure_options_with_one_line(tmp_path):
     for args, message in (
-        (["--on-failure", "pray"], "--on-failure 'pray': accepted: rollback, stop"),
+        (["--on-failure", "pray"], "--on-failure 'pray': accepted: continue, rollback, stop"),
+        (["--min-workers", "3"], "--min-workers must be in [1, --workers 2]"),
+        (["--chaos", "kill:step=2,rank=1,restart=1"], "a replacement joins only with --on-failure rollback"),
         (["--max-faults", "-1"], "--max-faults must be >= 0"),
         (["--chaos", "kill:step=2,rank=9"], "there are 2 workers"),
         (["--fault-timeout", "1"], "--fault-timeout must be >= 2 seconds"),

@@ -62,12 +62,20 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--on-failure",
         dest="on_failure",
-        default="rollback",
-        help="when a host fails: rollback (every worker returns to the newest snapshot all can restore, "
-        "a replacement takes the failed one's place, the run goes on, exactly) or stop",
+        default="continue",
+        help="when a host fails: continue (the survivors regroup without it and go on, keeping their "
+        "progress), rollback (every worker returns to the newest snapshot all can restore, a "
+        "replacement takes the failed one's place, the run goes on, exactly) or stop",
     )
     p.add_argument(
-        "--max-faults", dest="max_faults", type=int, default=10, help="with rollback: give up after this many"
+        "--max-faults", dest="max_faults", type=int, default=10, help="give up at the fault after this many"
+    )
+    p.add_argument(
+        "--min-workers",
+        dest="min_workers",
+        type=int,
+        default=1,
+        help="with continue: stop (snapshots kept for --resume) when fewer workers are left",
     )
     p.add_argument(
         "--fault-timeout",
@@ -240,8 +248,19 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         )
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
-        if getattr(args, "on_failure", "rollback") not in ("rollback", "stop"):
-            raise UsageError(f"--on-failure {args.on_failure!r}: accepted: rollback, stop")
+        if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):
+            raise UsageError(f"--on-failure {args.on_failure!r}: accepted: continue, rollback, stop")
+        if not 1 <= getattr(args, "min_workers", 1) <= args.workers:
+            raise UsageError(
+                f"--min-workers must be in [1, --workers {args.workers}], got {args.min_workers}"
+            )
+        if getattr(args, "on_failure", "") == "continue" and any(
+            f.restart_s for f in parse_chaos(cfg.chaos, args.workers)
+        ):
+            raise UsageError(
+                "--chaos ...,restart=S: a replacement joins only with --on-failure rollback "
+                "(continue does not admit joiners yet)"
+            )
         if getattr(args, "max_faults", 0) < 0:
             raise UsageError(f"--max-faults must be >= 0, got {args.max_faults}")
         if getattr(args, "fault_timeout", 10.0) < 2:
@@ -269,6 +288,7 @@ def _launch_config(args, rates, label: str):
         on_failure=args.on_failure,
         max_faults=args.max_faults,
         fault_timeout_s=args.fault_timeout,
+        min_workers=getattr(args, "min_workers", 1),
     )
 
 

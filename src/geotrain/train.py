@@ -23,11 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from geotrain.comm.communicator import Communicator
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
+from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
+from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest, write_atomic
@@ -83,6 +86,7 @@ class TrainConfig:
     keeper: str = ""  # this host's keeper socket ("": snapshots go to disk from a trainer thread)
     heartbeat: str = ""  # ADDR:PORT:ATTEMPT:HOST of the coordinator this trainer beats to ("": none)
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
+    elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -205,7 +209,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        launcher_set = ("link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper")
+        launcher_set = (
+            "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
+        )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat"):
             continue  # set by the launcher or added by the caller
         if f.type in ("bool", bool):
@@ -241,8 +247,11 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    """Train on this worker; returns the run summary (numbers averaged over workers)."""
+def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
+    """Train on this worker; returns the run summary (numbers averaged over workers).
+
+    With ``cfg.elastic`` and a ``heartbeat``, a failure of another worker does not end the run:
+    this worker regroups with the survivors (``ft/elastic.py``) and goes on."""
     torch.manual_seed(cfg.seed)
     torch.set_flush_denormal(True)  # denormals slow CPU runs by 10-20% here
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size)
@@ -257,7 +266,11 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
 
     model = GPT(model_cfg).to(device)
     optimizer = make_optimizer(model, cfg)
-    comm = Communicator(latency_s=cfg.latency_ms / 1000)
+    membership = None
+    if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
+        membership = Membership(*heartbeat.address, ctx.rank, list(range(ctx.world_size)), cfg.timeout_s)
+        heartbeat.membership = membership
+    comm = Communicator(latency_s=cfg.latency_ms / 1000, interrupt=membership.changed if membership else None)
     # Profiling batches come from their own sampler so that the training data stream is the same
     # for every algorithm.
     profile_sampler = BatchSampler(
@@ -315,6 +328,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     records = metrics_up_to(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
     writer = MetricsWriter(run_dir, ctx.rank)
     tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
+    tokens_done = progress0["step"] * tokens_per_step
     progress = None
     if ctx.is_main and cfg.progress:
         from tqdm import tqdm
@@ -356,21 +370,80 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
 
         snapshots.take(step, state, final=final)
 
-    for step in range(first_step, cfg.steps + 1):
-        t0 = time.perf_counter()
-        before = comm.stats.copy()
+    host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
+    events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
+    phase, loss = "compute", torch.tensor(float("nan"))
+
+    def one_step(x: torch.Tensor, y: torch.Tensor, step: int) -> bool:
+        nonlocal phase, loss
+        phase = "compute"
+        if membership is not None and membership.changed():
+            raise MembershipChanged("a new epoch was published")
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step - 1, cfg)
-        x, y = sampler.next_train()
         _, loss = sync.model(x.to(device), y.to(device))
         loss.backward()
         sync.before_step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        phase = "sync"  # the local step is applied: only its synchronisation can still fail
         synced = sync.after_step()
+        phase = "after"
+        return synced
+
+    def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
+        """Regroup with the survivors (or re-raise what is not a lost member)."""
+        nonlocal tokens_per_step, snapshots_on
+        if membership is None or not (
+            isinstance(error, MembershipChanged) or membership.wait_published(cfg.timeout_s)
+        ):
+            raise error
+        optimizer.zero_grad(set_to_none=True)
+        event = regroup(membership, comm, sync, model, optimizer, status, ctx.backend or "gloo")
+        sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
+        tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
+        if snapshots_on:
+            # Snapshots and the resume they serve assume the first epoch's workers: they stop
+            # here, and the keepers keep the last ones taken before the fault.
+            snapshots_on = False
+            snapshots.close()
+        resume = event.pop("resume")
+        event.update(at_step=status.committed + 1, step=resume.committed + resume.local_done)
+        events.append(event)
+        print(
+            f"geotrain: host {host}: epoch {event['epoch']} with hosts {event['members']}; training "
+            f"goes on after step {event['step']} (regrouped in {event['regroup_s']:.2f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return resume
+
+    snapshots_on = True
+    batch = None
+    step = first_step
+    while step <= cfg.steps:
+        t0 = time.perf_counter()
+        before = comm.stats.copy()
+        if batch is None:
+            batch = sampler.next_train()
+        try:
+            synced = one_step(*batch, step)
+            batch = None
+        except RuntimeError as e:
+            if phase == "sync":
+                batch = None  # this worker's step used it
+            resume = recover(e, StepStatus(step - 1, phase == "sync"))
+            if not resume.local_done:
+                step = resume.committed + 1  # redo it (or, behind the leader, go on from it)
+                continue
+            # The failed averaging was redone on the new group: the step is complete.
+            step, synced = resume.committed + 1, True
+            if phase != "sync":
+                loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step == cfg.steps or snapshots.due(step):
+        tokens_done += tokens_per_step
+        if snapshots_on and (step == cfg.steps or snapshots.due(step)):
             # The final one too, before the end-of-run average: a resumed run continues from it.
             take_snapshot(step, final=step == cfg.steps)
         step_s = time.perf_counter() - t0
@@ -378,7 +451,7 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         blocked = spent.blocked_s if sync.measures_blocked_time else None
         record = {
             "step": step,
-            "tokens": step * tokens_per_step,
+            "tokens": tokens_done,
             "train_loss": loss.item(),
             "wall_s": time.perf_counter() - start,
             "train_s": time.perf_counter() - start - eval_s,
@@ -391,35 +464,49 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
             "calls": spent.calls,
             "synced": synced,
         }
+        if membership is not None:
+            record["workers"] = comm.world_size
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
             # The mean over replicas of each replica's loss on the same batches.
             t_eval = time.perf_counter()
-            record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+            try:
+                record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+            except RuntimeError as e:  # a member lost here: this evaluation is skipped
+                resume = recover(e, StepStatus(step, False))
+                step = resume.committed + int(resume.local_done)
             eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)
         if faults:
-            fire_at_step(faults, step, ctx.rank, keeper_pid, snap_dir)
+            fire_at_step(faults, step, host, keeper_pid, snap_dir)
         if progress is not None:
             mbit = spent.sent_bytes * 8 / step_s / 1e6
             postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
             if val_loss is not None:
                 postfix["val"] = f"{val_loss:.3f}"
             postfix["link"] = f"{mbit:.1f}Mbit/s"
+            if membership is not None and comm.world_size != ctx.world_size:
+                postfix["workers"] = comm.world_size
             progress.set_postfix(postfix, refresh=False)
             progress.update(1)
+        step += 1
     train_s = time.perf_counter() - start - eval_s
 
     before = comm.stats.copy()
     t_final = time.perf_counter()
-    sync.finalize()  # part of training: the replicas become one model
-    final_s = time.perf_counter() - t_final
-    final_spent = comm.stats.delta(before)
-    val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+    while True:
+        try:
+            sync.finalize()  # part of training: the replicas become one model
+            final_s = time.perf_counter() - t_final
+            final_spent = comm.stats.delta(before)
+            val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+            break
+        except RuntimeError as e:  # a member lost in the last average: average the survivors
+            recover(e, StepStatus(cfg.steps, False))
     writer.write(
         {
             "step": cfg.steps,
-            "tokens": cfg.steps * tokens_per_step,
+            "tokens": tokens_done,
             "val_loss": val_loss,
             "final": True,
             "train_s": train_s + final_s,
@@ -429,12 +516,16 @@ def train(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     writer.close()
     if progress is not None:
         progress.close()
-    snapshots.close()  # every snapshot stored, the final disk checkpoint written
+    if snapshots_on:
+        snapshots.close()  # every snapshot stored, the final disk checkpoint written
 
-    summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step)
+    summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_done)
     summary.update(_snapshot_summary(snapshots, snap_comm, comm, len(records) - (first_step - 1), resumed))
     summary["param_digest"] = param_digest(model)
-    if run_dir is not None and ctx.is_main:
+    if membership is not None:
+        summary["membership"] = events
+        summary["snapshots_stopped_at_step"] = events[0]["at_step"] if events else None
+    if run_dir is not None and comm.rank == 0:  # the lowest surviving host
         torch.save(
             {
                 "model": model.state_dict(),
@@ -492,7 +583,7 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
     return profile
 
 
-def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_per_step) -> dict[str, Any]:
+def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) -> dict[str, Any]:
     # Means, not medians: a periodic algorithm's cost is in the few steps that synchronise.
     if not records:
         raise ConfigError("nothing to summarise: the run has no step metrics (metrics/ was removed?)")
@@ -512,20 +603,21 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_p
         "algo_config": " ".join(f"{k}={v}" for k, v in sync_cfg.items()),
         "model": cfg.model,
         "parameters": model.num_parameters(),
-        "workers": ctx.world_size,
+        "workers": comm.world_size,  # at the end (fewer than at the start after a failure)
+        "workers_start": ctx.world_size,
         "link": cfg.link,
         "network_mode": cfg.network_mode,
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,
         "steps": cfg.steps,
-        "tokens": cfg.steps * tokens_per_step,
+        "tokens": tokens,
         "first_train_loss": records[0]["train_loss"],
         "final_train_loss": statistics.fmean(r["train_loss"] for r in records[-min(10, len(records)) :]),
         "final_val_loss": val_loss,
         "step_s_mean": step_s,
         "compute_s_mean": compute_s,
         "blocked_s_mean": None if blocked_s != blocked_s else blocked_s,  # NaN: not measurable
-        "tokens_per_s": cfg.steps * tokens_per_step / wall_s,
+        "tokens_per_s": tokens / wall_s,
         "sent_bytes_per_step": sent_per_step,
         "link_mbit_s": sent_per_step * 8 / step_s / 1e6 if step_s else None,
         "syncs": sync.syncs,
@@ -561,6 +653,12 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--heartbeat", default="", help="ADDR:PORT:ATTEMPT:HOST of the coordinator (set by the launcher)"
     )
+    parser.add_argument(
+        "--elastic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --heartbeat: survivors of a failure regroup and go on (set by the launcher)",
+    )
     return parser
 
 
@@ -572,27 +670,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
+    code = 1
     try:
-        ctx = init_distributed(timeout_s=cfg.timeout_s)
-        ok = False
-        try:
-            if heartbeat is not None and heartbeat.host != ctx.rank:
-                raise ConfigError(f"host {heartbeat.host} got rank {ctx.rank}: start it with --node-rank")
-            summary = train(cfg, ctx)
-            ok = True
-            if ctx.is_main and not cfg.profile_out:
-                print(summary_table(summary), flush=True)
-        except (ConfigError, DataError, ResumeError) as e:
-            print(f"geotrain train: error: {e}", file=sys.stderr)
-            if cfg.run_dir:  # the launcher must not retry what fails the same way every time
-                with contextlib.suppress(OSError):
-                    write_atomic(Path(cfg.run_dir) / "control" / f"fatal-rank{ctx.rank}", f"{e}\n".encode())
-            return 2
-        finally:
-            shutdown_distributed(together=ok)
+        code = _main(cfg, heartbeat)
+        return code
     finally:
         if heartbeat is not None:
             heartbeat.close()
+            if cfg.elastic and cfg.run_dir:
+                # torchrun's agent waits for its peers' agents at exit (300 s if one is gone):
+                # the launcher takes the trainer's own word that it is done.
+                with contextlib.suppress(OSError):
+                    exit_file = Path(cfg.run_dir) / "control" / f"exit-{heartbeat.host}"
+                    write_atomic(exit_file, f"{code}\n".encode())
+
+
+def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
+    ctx = init_distributed(timeout_s=cfg.timeout_s)
+    ok = False
+    try:
+        if heartbeat is not None and heartbeat.host != ctx.rank:
+            raise ConfigError(f"host {heartbeat.host} got rank {ctx.rank}: start it with --node-rank")
+        summary = train(cfg, ctx, heartbeat)
+        ok = True
+        if (not dist.is_initialized() or dist.get_rank() == 0) and not cfg.profile_out:
+            print(summary_table(summary), flush=True)
+    except Excluded as e:  # declared failed (silent too long) while it was only slow
+        print(f"geotrain train: {e}; this worker leaves the run", file=sys.stderr)
+        return 3
+    except (ConfigError, DataError, ResumeError) as e:
+        print(f"geotrain train: error: {e}", file=sys.stderr)
+        if cfg.run_dir:  # the launcher must not retry what fails the same way every time
+            with contextlib.suppress(OSError):
+                write_atomic(Path(cfg.run_dir) / "control" / f"fatal-rank{ctx.rank}", f"{e}\n".encode())
+        return 2
+    finally:
+        shutdown_distributed(together=ok)
     return 0
 
 

@@ -14,15 +14,47 @@ bytes, and so that every algorithm's cost is accounted the same way:
 gloo has no ``AVG`` reduction, so a mean is a ``SUM`` followed by a division on wait. Optional
 software latency (this kernel has no netem) makes each collective last at least
 ``2 (N-1) * latency``: one link latency per step of the ring.
+
+With ``interrupt`` (``--on-failure continue``), every wait polls it: a collective on a peer
+that froze or lost its link never returns (no reset arrives), so when the coordinator publishes
+a new membership the wait is abandoned with ``MembershipChanged`` and the caller regroups.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from geotrain.ft.membership import MembershipChanged
+
+INTERRUPT_POLL = timedelta(milliseconds=50)
+
+
+def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
+    """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
+
+    A wait with a timeout returns the moment the work completes, so polling costs no latency;
+    a timed-out wait leaves the work as it was (gloo)."""
+    if interrupt is None:
+        work.wait()
+        return
+    while True:
+        if work.is_completed():
+            work.wait()  # its result, or its error
+            return
+        try:
+            work.wait(timeout=INTERRUPT_POLL)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the collective's own error
+        if interrupt():
+            raise MembershipChanged("the group lost a member while this collective waited")
 
 
 @dataclass
@@ -69,7 +101,7 @@ class Handle:
             return self._tensor
         start = time.perf_counter()
         for work in self._works:
-            work.wait()
+            wait_work(work, self._comm.interrupt)
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -93,10 +125,16 @@ class Communicator:
     latency_s: float = 0.0
     stats: CommStats = field(default_factory=CommStats)
     control_calls: int = 0
+    interrupt: Callable[[], bool] | None = None  # True: abandon the wait (a new membership)
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        self.rebind(self.group)
+
+    def rebind(self, group: dist.ProcessGroup | None) -> None:
+        """Talk over ``group`` from now on (a new membership epoch's group; None: the default)."""
+        self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
@@ -233,7 +271,7 @@ class Communicator:
         for j in range(self.world_size):
             self.barrier()
             start = time.perf_counter()
-            dist.broadcast(probe, src=j, group=self.group)
+            self._wait(dist.broadcast(probe, src=j, group=self.group, async_op=True))
             mine[j] = time.perf_counter() - start
         self.control_calls += self.world_size
         # A broadcast is done when its slowest receiver has it.
@@ -251,7 +289,7 @@ class Communicator:
             self.stats.sent_bytes += nbytes
         else:
             self.stats.recv_bytes += nbytes
-        dist.broadcast(tensor, src=src, group=self.group)
+        self._wait(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
         self.stats.blocked_s += time.perf_counter() - start
         return tensor
 
@@ -264,7 +302,7 @@ class Communicator:
             return list(values)
         self.control_calls += 1
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return (t / self.world_size).tolist()
 
     def max_scalars(self, values: list[float]) -> list[float]:
@@ -272,7 +310,7 @@ class Communicator:
             return list(values)
         self.control_calls += 1
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return t.tolist()
 
     def all_gather_object(self, obj):
@@ -287,4 +325,7 @@ class Communicator:
     def barrier(self) -> None:
         if self.world_size > 1:
             self.control_calls += 1
-            dist.barrier(group=self.group)
+            self._wait(dist.barrier(group=self.group, async_op=True))
+
+    def _wait(self, work) -> None:
+        wait_work(work, self.interrupt)

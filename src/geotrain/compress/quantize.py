@@ -125,7 +125,14 @@ class _BlockQuantizer(Codec):
         v = torch.zeros(world * chunk)
         v[:n] = flat
         if "residual" in state:
-            v += state["residual"]
+            residual = state["residual"]
+            if residual.numel() != v.numel():
+                # The group changed size (a lost worker): the padding changes with it. This
+                # worker's own error carries over; its share of the mean (the server residual)
+                # was another chunk, and is dropped.
+                residual = torch.cat([residual[:n], torch.zeros(v.numel() - n)])
+                state.pop("server_residual", None)
+            v += residual
         data = self.encode(v.reshape(world, chunk), block)
         state["residual"] = v - self.decode(data, chunk, block).reshape(-1)
         if world == 1:

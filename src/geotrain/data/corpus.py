@@ -152,6 +152,8 @@ class BatchSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
         corpus.check_fits(block_size, world_size)
+        self._train, self._world = corpus.train, world_size
+        self.shards = [rank]
         shard = len(corpus.train) // world_size
         self.shard = corpus.train[rank * shard : (rank + 1) * shard]
         self.val = corpus.val
@@ -166,11 +168,26 @@ class BatchSampler:
         xy = torch.from_numpy(rows)
         return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
+    def read_shards(self, shards: list[int]) -> None:
+        """Sample from these shards from now on (a worker that left hands its shard to the
+        survivors, so its part of the data is still seen). The generator goes on as it was."""
+        if not shards:
+            raise ValueError("a worker needs at least one shard")
+        size = len(self._train) // self._world
+        self.shards = list(shards)
+        self.shard = np.concatenate([self._train[s * size : (s + 1) * size] for s in shards])
+
     def next_train(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(
-            0, len(self.shard) - self.block_size - 1, (self.batch_size,), generator=self.gen
-        )
-        return self._windows(self.shard, starts, self.block_size)
+        if len(self.shards) == 1:
+            starts = torch.randint(
+                0, len(self.shard) - self.block_size - 1, (self.batch_size,), generator=self.gen
+            )
+            return self._windows(self.shard, starts, self.block_size)
+        # A window never straddles two shards: a shard, then a start inside it.
+        size = len(self.shard) // len(self.shards)
+        which = torch.randint(0, len(self.shards), (self.batch_size,), generator=self.gen)
+        offset = torch.randint(0, size - self.block_size - 1, (self.batch_size,), generator=self.gen)
+        return self._windows(self.shard, which * size + offset, self.block_size)
 
     def val_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same validation batches on every worker and at every evaluation."""

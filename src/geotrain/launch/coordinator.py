@@ -15,6 +15,14 @@ attempt through ``control/attempt`` (each attempt's trainers beat under keys of 
 
 Heartbeat keys: ``hb/{attempt}/{host}``, and ``bye/{attempt}/{host}`` once a trainer exits in
 order. The trainer side is :class:`Heartbeat`.
+
+With ``--elastic`` (``--on-failure continue``) the coordinator also owns the membership: a host
+found silent, or named by the launcher in ``control/dead-{host}`` (its trainer exited with an
+error), leaves, and the coordinator publishes the next epoch (``ft/membership.py``). Epochs are
+appended to ``control/epochs.jsonl``; a restarted coordinator reads them back and publishes them
+again in its fresh store, so the survivors' next regroup finds them. Losing the coordinator
+stops nothing: training does not touch it between failures, and the launcher restarts it on the
+same port within a second (a failure in that second is found after it restarts).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 
 BEAT_S = 0.5  # a trainer's heartbeat period
+EPOCH_POLL_S = 0.1  # how often an elastic trainer asks for the newest epoch
 
 
 def _store(host: str, port: int, master: bool, timeout_s: float):
@@ -40,10 +49,56 @@ def _store(host: str, port: int, master: bool, timeout_s: float):
     )
 
 
-def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port: int = 0) -> None:
+class Epochs:
+    """The membership the coordinator publishes (``--elastic``)."""
+
+    def __init__(self, store, control_dir: Path, hosts: int) -> None:
+        self.store, self.path = store, control_dir / "epochs.jsonl"
+        self.epoch, self.live = 0, list(range(hosts))
+        with contextlib.suppress(OSError):
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError):
+                    e = json.loads(line)
+                    self.epoch, self.live = int(e["epoch"]), list(e["members"])
+                    store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
+        store.set("members/0", ",".join(map(str, range(hosts))))
+        store.add("epoch", self.epoch - store.add("epoch", 0))
+
+    def leave(self, gone: set[int], why: str) -> None:
+        gone = gone & set(self.live)
+        if not gone:
+            return
+        self.epoch += 1
+        self.live = [h for h in self.live if h not in gone]
+        # Members first: a trainer that sees the counter move reads them at once.
+        self.store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
+        self.store.add("epoch", 1)
+        line = {"epoch": self.epoch, "members": self.live, "left": sorted(gone), "why": why}
+        line["at"] = time.time()
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def read_epochs(control_dir: Path) -> list[dict]:
+    """The epochs published so far (after the first), oldest first."""
+    try:
+        lines = (control_dir / "epochs.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def serve(
+    control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port: int = 0, elastic: bool = False
+) -> None:
     """Host the store, write its port to ``control/port``, watch heartbeats until told to stop.
     A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
     store = _store(bind, port, True, 30.0)
+    epochs = Epochs(store, control_dir, hosts) if elastic else None
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
@@ -59,6 +114,8 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
                 # beats again (frozen meanwhile) must still be found. Later attempts start afresh.
                 restarted = bool(port) and attempt == -1
                 attempt, last, reported = now_attempt, {}, set()
+                if epochs is not None:  # hosts gone in an earlier epoch are not watched
+                    reported = set(range(hosts)) - set(epochs.live)
                 if restarted:  # only the hosts that had begun to beat: others may be starting
                     last = {
                         h: (-1, time.monotonic())
@@ -67,6 +124,10 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
                     }
         if attempt < 0:
             continue
+        if epochs is not None:  # the launcher's deathrattles: trainers that exited with an error
+            dead = {int(f.name.split("-")[1]) for f in control_dir.glob("dead-*")}
+            reported |= dead
+            epochs.leave(dead, "exited")
         now = time.monotonic()
         for h in range(hosts):
             key, bye = f"hb/{attempt}/{h}", f"bye/{attempt}/{h}"
@@ -91,6 +152,8 @@ def serve(control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port
                 silent = round(now - last[h][1], 2)
                 verdict = {"attempt": attempt, "host": h, "silent_s": silent, "at": time.time()}
                 verdicts.write(json.dumps(verdict) + "\n")
+                if epochs is not None:
+                    epochs.leave({h}, "silent")
 
 
 def read_verdicts(control_dir: Path, attempt: int) -> list[dict]:
@@ -117,6 +180,8 @@ class Heartbeat:
     def __init__(self, spec: str) -> None:
         addr, port, attempt, host = spec.rsplit(":", 3)
         self.host = int(host)
+        self.address = (addr, int(port))
+        self.membership = None  # a Membership whose ``published`` this thread keeps current
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="geotrain-heartbeat", daemon=True)
@@ -124,14 +189,20 @@ class Heartbeat:
 
     def _beat(self) -> None:
         store = None
+        next_beat = 0.0
         while not self._stop.is_set():
             try:
                 if store is None:
                     store = _store(*self._where, False, 2.0)
-                store.add(self._key, 1)
+                if time.monotonic() >= next_beat:
+                    store.add(self._key, 1)
+                    next_beat = time.monotonic() + BEAT_S
+                membership = self.membership
+                if membership is not None:  # a new epoch is news within a tenth of a second
+                    membership.published = max(membership.published, int(store.add("epoch", 0)))
             except Exception:  # the coordinator is away: keep trying
                 store = None
-            self._stop.wait(BEAT_S)
+            self._stop.wait(EPOCH_POLL_S if self.membership is not None else BEAT_S)
         # An orderly exit (success or error) says so: silence after it is not a failure.
         if store is not None:
             with contextlib.suppress(Exception):
@@ -149,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-timeout", type=float, required=True)
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--elastic", action="store_true", help="publish membership epochs")
     args = p.parse_args(argv)
-    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind, args.port)
+    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind, args.port, args.elastic)
     return 0
 
 

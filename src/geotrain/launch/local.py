@@ -52,7 +52,7 @@ from geotrain.train import TrainConfig
 RDZV_PORT = 29500
 # Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
 KEEPER_LINGER_S = 600.0
-ON_FAILURE = ("rollback", "stop")
+ON_FAILURE = ("continue", "rollback", "stop")
 MIN_FAULT_TIMEOUT_S = 2.0  # four heartbeats: one late beat on a busy link is not a failure
 
 
@@ -65,8 +65,11 @@ class LaunchConfig:
     timeout_s: float = 3600.0
     echo: bool = True  # copy hosts' output to this terminal
     keepers: bool = True  # one keeper process per host, holding snapshots in memory
-    on_failure: str = "rollback"  # rollback: restore every worker from snapshots and go on | stop
-    max_faults: int = 10  # with rollback: the run fails at the fault after this many
+    # continue: the survivors regroup and go on | rollback: restore every worker from snapshots
+    # and go on | stop
+    on_failure: str = "continue"
+    max_faults: int = 10  # the run fails at the fault after this many
+    min_workers: int = 1  # with continue: the run stops when fewer workers are left
     fault_timeout_s: float = 10.0  # a host whose heartbeat stops this long has failed
 
     def __post_init__(self) -> None:
@@ -78,6 +81,10 @@ class LaunchConfig:
             raise ValueError(f"--on-failure {self.on_failure!r}: accepted: {', '.join(ON_FAILURE)}")
         if self.max_faults < 0:
             raise ValueError(f"--max-faults must be >= 0, got {self.max_faults}")
+        if not 1 <= self.min_workers <= self.workers:
+            raise ValueError(
+                f"--min-workers must be in [1, --workers {self.workers}], got {self.min_workers}"
+            )
         if self.fault_timeout_s < MIN_FAULT_TIMEOUT_S:
             raise ValueError(
                 f"--fault-timeout must be >= {MIN_FAULT_TIMEOUT_S:g} seconds (4 heartbeats), "
@@ -359,6 +366,8 @@ def _start_coordinator(
     cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
     cmd += ["--hosts", str(launch.workers), "--fault-timeout", str(launch.fault_timeout_s)]
     cmd += ["--port", str(port)]
+    if launch.on_failure == "continue" and launch.workers > 1:
+        cmd += ["--elastic"]
     if cluster is not None:
         cmd = cluster.control_prefix() + cmd
     else:
@@ -387,6 +396,27 @@ def _restart_coordinator(
     except RunFailed as e:
         print(f"geotrain: {e}; silent hosts go unnoticed until --timeout-s", file=sys.stderr, flush=True)
         return None
+
+
+def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) -> int | None:
+    """A host's exit code, or None while it runs. With continue, a trainer that said it finished
+    counts as finished: its torchrun agent waits up to 300 s for the agents of lost hosts."""
+    code = proc.poll()
+    if code is None and elastic:
+        with contextlib.suppress(OSError):
+            if (control / f"exit-{host}").read_text().strip() == "0":
+                return 0
+    return code
+
+
+def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
+    """With continue, what each fault cost the survivors, from the trainers' regroup events: the
+    step they went on after, and so the steps they redid."""
+    for record in records:
+        event = next((e for e in events if record.rank not in e["members"]), None)
+        if event is not None:
+            record.rollback_to = event["step"]
+            record.steps_lost = max(0, record.at_step - event["step"])
 
 
 def _read_faults(run_dir: Path) -> list[FaultRecord]:
@@ -456,7 +486,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     )
     if train_cfg.latency_ms:
         link += f" +{train_cfg.latency_ms:g}ms emulated latency"
-    cfg = replace(train_cfg, run_dir=str(run_dir), link=link, network_mode=mode)
+    elastic = launch.on_failure == "continue" and launch.workers > 1 and not train_cfg.profile_out
+    cfg = replace(train_cfg, run_dir=str(run_dir), link=link, network_mode=mode, elastic=elastic)
     (run_dir / "config.json").write_text(
         json.dumps(
             {
@@ -497,39 +528,47 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     try:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
+        if elastic and any(f.restart_s for f in faults):
+            raise RunFailed(
+                "--chaos ...,restart=S brings a replacement, which --on-failure continue does not "
+                "admit yet (the survivors go on without it); use --on-failure rollback"
+            )
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
         coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
         prior = len(records)  # faults of earlier launches: reported, not counted again
         for rank in range(launch.workers):  # what an earlier launch wrote past this start is void
             metrics_up_to(run_dir, rank, start_step)
+        dead: set[int] = set()  # with continue: hosts the survivors went on without
         while True:
-            if coordinator is not None:
-                write_atomic(control / "attempt", str(attempt).encode())
-            for old in control.glob("fatal-*"):
-                old.unlink()
-            if cluster is not None:  # links cut by chaos come back for the next attempt
-                for i in range(launch.workers):
-                    cluster.set_link(i, up=True)
-            hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
-            started_wall = time.time()
-            timed.arm(time.monotonic())
+            if hosts is None:
+                if coordinator is not None:
+                    write_atomic(control / "attempt", str(attempt).encode())
+                for old in control.glob("fatal-*"):
+                    old.unlink()
+                if cluster is not None:  # links cut by chaos come back for the next attempt
+                    for i in range(launch.workers):
+                        cluster.set_link(i, up=True)
+                hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
+                started_wall = time.time()
+                timed.arm(time.monotonic())
             recovering = records[-1] if len(records) > prior and records[-1].recover_s is None else None
             failed, silent_s, seen_bad = None, 0.0, []
             while True:
-                codes = [p.poll() for p in hosts.procs]
-                if all(c == 0 for c in codes):
+                codes = [_host_code(p, control, i, elastic) for i, p in enumerate(hosts.procs)]
+                live = [i for i in range(launch.workers) if i not in dead]
+                if all(codes[i] == 0 for i in live):
                     break
                 # The first to fail, in the order noticed; in one poll, one that did not exit in
                 # order (no "bye") before its peers, which exit on the broken collective.
-                new_bad = [i for i, c in enumerate(codes) if c not in (None, 0) and i not in seen_bad]
+                new_bad = [i for i in live if codes[i] not in (None, 0) and i not in seen_bad]
                 seen_bad += sorted(new_bad, key=lambda i: (control / f"bye-{attempt}-{i}").exists())
                 if seen_bad:
                     failed = seen_bad[0]
                     break
                 silent = [
                     v for v in (read_verdicts(control, attempt) if coordinator is not None else [])
-                    if codes[v["host"]] is None
+                    if codes[v["host"]] is None and v["host"] not in dead
                 ]  # fmt: skip
                 if silent:
                     failed, silent_s = silent[0]["host"], silent[0]["silent_s"]
@@ -539,17 +578,21 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     raise RunFailed(
                         f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
                     )
-                progress = last_step(run_dir, 0)[0]
+                progress = last_step(run_dir, live[0])[0]
                 if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     _write_faults(run_dir, records)
                     recovering = None
                 if progress < cfg.steps and not any(c == 0 for c in codes):  # never at the finish
-                    timed.poll(now, [p.pid for p in hosts.procs])
+                    timed.poll(now, [0 if i in dead else p.pid for i, p in enumerate(hosts.procs)])
                 if coordinator is not None and coordinator.poll() is not None:
                     coordinator = _restart_coordinator(launch, cluster, coordinator)
                 time.sleep(0.1)
             if failed is None:
+                for p in hosts.procs:  # agents waiting at torchrun's exit barrier for lost ones
+                    if elastic and p.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(p.pid, signal.SIGKILL)
                 if recovering is not None:  # it finished before a new step was seen
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                 succeeded = True
@@ -562,10 +605,12 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             fatal = sorted(control.glob("fatal-*"))
             if timed.fired is not None and hosts.procs[timed.fired[1]].poll() not in (None, 0):
                 failed = timed.fired[1]  # the one it killed, not a peer that fell with it
-            # No grace for survivors: their state is in the keepers, and one may be frozen.
-            _stop(hosts.procs, grace_s=1.0)
-            hosts.close()
-            hosts = None
+            if elastic:  # the failed host only: a frozen one must not come back into the new epoch
+                _stop([hosts.procs[failed]], grace_s=0.5)
+            else:  # no grace for survivors: their state is in the keepers, and one may be frozen
+                _stop(hosts.procs, grace_s=1.0)
+                hosts.close()
+                hosts = None
             # Step faults that have fired: their worker got as far as their step.
             fired = [f for f in faults if not f.timed and reached[f.rank][0] >= f.step]
             fired.sort(key=lambda f: f.step)
@@ -600,6 +645,32 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             )
             if fatal:  # bad input: the same on every attempt
                 raise RunFailed(f"host {failed} {what}: {fatal[0].read_text().strip()}")
+            if elastic:
+                # The deathrattle: the coordinator publishes the next epoch at once (a silent host
+                # it has found itself) and the survivors regroup without it.
+                dead.add(failed)
+                write_atomic(control / f"dead-{failed}", b"")
+                record.rollback_to = furthest  # nobody goes back: the survivors keep their steps
+                _write_faults(run_dir, records)
+                left = launch.workers - len(dead)
+                if len(records) - prior > launch.max_faults:
+                    raise RunFailed(
+                        f"host {failed} {what}; {len(records) - prior} faults, more than --max-faults "
+                        f"{launch.max_faults}{log_tail}"
+                    )
+                if left < launch.min_workers:
+                    raise RunFailed(
+                        f"host {failed} {what}; {left} workers left, fewer than --min-workers "
+                        f"{launch.min_workers}. The keepers hold the snapshots taken before the first "
+                        f"fault: geotrain run --resume {run_dir}{log_tail}"
+                    )
+                print(
+                    f"geotrain: host {rank} failed after step {furthest} ({kind}); the {left} others "
+                    "go on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
             if not rollback:
                 raise RunFailed(f"host {failed} {what}{log_tail}")
             # A failure of its own (no chaos) before any new step, twice running: it will fail the
@@ -658,6 +729,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     if not summary_path.exists():
         raise RunFailed(f"the hosts finished but wrote no summary; see {run_dir}/logs")
     summary = json.loads(summary_path.read_text())
+    if elastic:
+        _credit_regroups(records[prior:], summary.get("membership") or [])
+        _write_faults(run_dir, records)
     if records or launch.on_failure != "stop":
         summary["on_failure"] = launch.on_failure
         summary["faults"] = [r.as_dict() for r in records]

@@ -112,6 +112,15 @@ class SyncAlgorithm:
     def close(self) -> None:
         """Remove hooks."""
 
+    def rebind(self) -> None:
+        """The communicator now talks over a new membership epoch's group (``--on-failure
+        continue``): drop what was bound to the old one (handles in flight, a DDP wrapper) and
+        adapt to the new worker count. Called on every member at once, so it may communicate."""
+
+    def retry_sync(self) -> None:
+        """Redo this step's synchronisation, which failed after the local optimizer step (the
+        periodic methods' averaging at a sync boundary), on the new group."""
+
     def default_snapshot_every(self) -> int:
         """Steps between snapshots unless the user says: per-step methods every 50 steps."""
         return 50

@@ -33,6 +33,10 @@ class DDP(SyncAlgorithm):
 
     def __init__(self, model, optimizer, comm, config: DDPConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DDPConfig())
+        self._wrap()
+
+    def _wrap(self) -> None:
+        model, comm = self.module, self.comm
         self._ddp = None
         if comm.world_size > 1:
             # DDP broadcasts parameters itself; ours (in super) already made them equal.
@@ -61,6 +65,11 @@ class DDP(SyncAlgorithm):
 
     def broadcast_parameters(self) -> None:
         pass  # DistributedDataParallel's constructor does it
+
+    def rebind(self) -> None:
+        # A reducer is bound to its group for life: a new wrapper for the new epoch's group.
+        self.close()
+        self._wrap()
 
     @property
     def model(self):
@@ -114,10 +123,15 @@ class DDPPowerSGD(DDP):
     name = "ddp_powersgd"
 
     def __init__(self, model, optimizer, comm, config: DDPPowerSGDConfig | None = None) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
         config = config or DDPPowerSGDConfig()
         SyncAlgorithm.__init__(self, model, optimizer, comm, config)
+        self._wrap()
+
+    def _wrap(self) -> None:
+        """The wrapper and a fresh PowerSGD state (a new epoch starts its warm-up again)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        model, comm, config = self.module, self.comm, self.config
         self._ddp = None
         self._grad_tensors = self.parameters()
         if comm.world_size > 1:

@@ -228,6 +228,17 @@ class DreamDDP(SyncAlgorithm):
     def finalize(self) -> None:
         reduce_tensors(self.comm, [p.data for p in self.parameters()])
 
+    def rebind(self) -> None:
+        """A new worker count changes every all-reduce's time: re-plan (profile on the new group)
+        and restart the period's bookkeeping; a failed iteration is redone with the same layers."""
+        self._inflight = {}
+        self._period_s = 0.0
+        if self._profile_fn is not None and self.comm.world_size > 1:
+            self.replans += 1
+            self._replan()
+        if self.schedule is not None:
+            self._begin_iteration()
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

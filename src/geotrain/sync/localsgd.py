@@ -63,6 +63,10 @@ class LocalSGD(SyncAlgorithm):
         if self.step_count % self.config.H:
             self.average_parameters()
 
+    def retry_sync(self) -> None:
+        if self.step_count % self.config.H == 0:
+            self.average_parameters()  # a failed average wrote nothing back, or only some buckets
+
     def default_snapshot_every(self) -> int:
         return self.config.H  # each sync boundary, where the replicas share the most
 

@@ -1,0 +1,206 @@
+"""Membership epochs and regrouping (``--on-failure continue``), below the CLI.
+
+Pure logic first (the shard deal, the step agreement, abandoning a wait), then the coordinator's
+epochs on a real TCPStore, then real gloo processes that lose a member and regroup: the survivor
+that fell behind adopts the leader's state bitwise, and a failed periodic average is redone over
+the survivors with its closed-form result.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from geotrain.comm.communicator import wait_work
+from geotrain.data.corpus import BatchSampler, TokenCorpus
+from geotrain.ft.elastic import StepStatus, owned_shards
+from geotrain.ft.membership import Excluded, Membership, MembershipChanged
+from geotrain.launch.coordinator import Epochs, read_epochs
+
+
+def test_the_shards_of_lost_hosts_are_dealt_to_the_survivors_each_exactly_once():
+    for members in ([0, 1, 2, 3], [1, 2, 3], [1, 3], [2]):
+        deal = {h: owned_shards(h, 4, members) for h in members}
+        assert sorted(s for shards in deal.values() for s in shards) == [0, 1, 2, 3]
+        assert all(shards[0] == h for h, shards in deal.items())  # its own first
+    assert owned_shards(1, 4, [1, 3]) == [1, 0] and owned_shards(3, 4, [1, 3]) == [3, 2]
+
+
+def test_a_sampler_reads_only_the_shards_it_holds_and_never_across_two():
+    train = np.repeat(np.arange(4, dtype=np.uint16), 1000)  # shard k is all k
+    corpus = TokenCorpus(train, np.zeros(200, dtype=np.uint16), 256, "test")
+    sampler = BatchSampler(corpus, block_size=16, batch_size=64, rank=1, world_size=4, seed=0)
+    assert set(sampler.next_train()[0].unique().tolist()) == {1}
+    sampler.read_shards([1, 3])
+    x, _ = sampler.next_train()
+    assert set(x.unique().tolist()) == {1, 3}
+    assert all(len(row.unique()) == 1 for row in x)
+
+
+def test_the_agreed_point_is_the_furthest_any_survivor_got():
+    assert max([StepStatus(4, True), StepStatus(5, False), StepStatus(4, False)]) == StepStatus(5, False)
+    assert StepStatus(4, True) > StepStatus(4, False)
+
+
+class _Work:
+    def __init__(self, polls_to_finish: int | None, error: str = "") -> None:
+        self.left, self.error = polls_to_finish, error
+
+    def is_completed(self) -> bool:
+        return self.left is not None and self.left <= 0
+
+    def wait(self, timeout=None) -> bool:
+        if self.left is not None:
+            self.left -= 1  # it completes during this wait, or not
+        if self.is_completed():
+            if self.error:
+                raise RuntimeError(self.error)
+            return True
+        raise RuntimeError("Operation timed out!")
+
+
+def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_not_hidden():
+    wait_work(_Work(3), interrupt=lambda: False)  # finishes after a few polls
+    with pytest.raises(MembershipChanged):
+        wait_work(_Work(None), interrupt=lambda: True)  # a frozen peer: never completes
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as err:
+        wait_work(_Work(1, "Connection closed by peer"), interrupt=lambda: False)
+    assert not isinstance(err.value, MembershipChanged)
+
+
+def _master():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_epochs_are_published_and_a_restarted_coordinator_publishes_them_again(tmp_path):
+    store = _master()
+    epochs = Epochs(store, tmp_path, 4)
+    assert store.add("epoch", 0) == 0 and store.get("members/0") == b"0,1,2,3"
+    epochs.leave({0}, "exited")
+    epochs.leave({0}, "silent")  # already gone: no new epoch
+    epochs.leave({2}, "silent")
+    assert store.add("epoch", 0) == 2 and store.get("members/2") == b"1,3"
+    assert [(e["epoch"], e["left"], e["why"]) for e in read_epochs(tmp_path)] == [
+        (1, [0], "exited"),
+        (2, [2], "silent"),
+    ]
+    fresh = _master()  # the restarted coordinator's empty store
+    again = Epochs(fresh, tmp_path, 4)
+    assert (again.epoch, again.live) == (2, [1, 3])
+    assert fresh.add("epoch", 0) == 2 and fresh.get("members/1") == b"1,2,3"
+
+
+def test_a_member_waits_for_the_others_and_a_host_declared_failed_is_told_so(tmp_path):
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "silent")
+    host0 = Membership("127.0.0.1", store.port, 0, [0, 1, 2], timeout_s=1.0)
+    with pytest.raises(TimeoutError, match="did not all get ready"):
+        host0.next_epoch()  # host 1 never says it is ready
+    store.set("ready/1/1", "1")
+    assert host0.next_epoch() == (1, [0, 1])
+    with pytest.raises(Excluded, match="host 2 is not in epoch 1"):
+        Membership("127.0.0.1", store.port, 2, [0, 1, 2], timeout_s=1.0).next_epoch()
+
+
+# -- real gloo processes ----------------------------------------------------------------------
+
+
+def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.elastic import regroup
+    from geotrain.sync import build_sync
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+        rounds = []
+        for algo in ("ssgd", "localsgd"):  # built by the first epoch's three workers
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+            comm = Communicator(interrupt=membership.changed)
+            rounds.append((algo, model, optimizer, build_sync(algo, model, optimizer, comm, {"H": 4})))
+        if host == 2:
+            os._exit(0)  # lost
+        results = {}
+        for algo, model, optimizer, sync in rounds:
+            comm = sync.comm
+            status = StepStatus(5 - host, False) if algo == "ssgd" else StepStatus(3, True)
+            with torch.no_grad():  # replicas that differ, as after a failure
+                for p in model.parameters():
+                    p.add_(host + 1)
+            model(torch.ones(3, 8)).sum().backward()
+            optimizer.step()
+            sync.step_count = 4 if algo == "localsgd" else status.committed
+            before = [p.detach().clone() for p in model.parameters()]
+            event = regroup(membership, comm, sync, model, optimizer, status)
+            results[algo] = {
+                "event": event,
+                "before": before,
+                "after": [p.detach().clone() for p in model.parameters()],
+                "step_count": sync.step_count,
+                "optimizer": optimizer.state_dict()["state"][0]["exp_avg"].clone(),
+            }
+            sync.close()
+            dist.barrier()
+            if host == 0 and algo == "ssgd":  # the next round needs an epoch of its own
+                membership.store().set("members/2", "0,1")
+                membership.store().add("epoch", 1)
+        dist.destroy_process_group()
+        torch.save({"ok": results}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average_is_redone(tmp_path):
+    """Host 2 leaves. ssgd: host 0 finished step 5, host 1 only step 4 (its collective failed
+    where host 0's had finished): host 1 adopts host 0's model, optimizer and step, bitwise.
+    localsgd: both applied step 4 locally and their average failed: it is redone over the two,
+    giving exactly their mean."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
+        outs = [os.path.join(tmp, f"host{h}.pt") for h in range(3)]
+        procs = [
+            ctx.Process(target=_survivor, args=(h, store.port, os.path.join(tmp, "fs"), outs[h]), daemon=True)
+            for h in range(3)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        got = [torch.load(outs[h], weights_only=False) for h in (0, 1)]
+    for g in got:
+        assert "ok" in g, g.get("error")
+    (h0, h1) = (g["ok"] for g in got)
+
+    e0, e1 = h0["ssgd"]["event"], h1["ssgd"]["event"]
+    assert e0["members"] == [0, 1] and e0["leader"] == 0 and e0["behind"] == [1] and e0["adopted_bytes"] > 0
+    assert e1["resume"] == StepStatus(5, False)
+    for a, b, mine in zip(h0["ssgd"]["after"], h1["ssgd"]["after"], h0["ssgd"]["before"], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, mine)
+    assert torch.equal(h0["ssgd"]["optimizer"], h1["ssgd"]["optimizer"])
+    assert h0["ssgd"]["step_count"] == h1["ssgd"]["step_count"] == 5
+
+    l0, l1 = h0["localsgd"], h1["localsgd"]
+    assert l0["event"]["epoch"] == 2 and l0["event"]["behind"] == [] and l0["event"]["adopted_bytes"] == 0
+    for a, b, x0, x1 in zip(l0["after"], l1["after"], l0["before"], l1["before"], strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
+    assert not torch.equal(l0["before"][0], l1["before"][0])
