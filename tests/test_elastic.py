@@ -124,7 +124,7 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         rounds = []
-        for algo in ("ssgd", "localsgd"):  # built by the first epoch's three workers
+        for algo in ("ssgd", "localsgd", "ddp"):  # built by the first epoch's three workers
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -135,7 +135,9 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
         results = {}
         for algo, model, optimizer, sync in rounds:
             comm = sync.comm
-            status = StepStatus(5 - host, False) if algo == "ssgd" else StepStatus(3, True)
+            status = {"ssgd": StepStatus(5 - host, False), "localsgd": StepStatus(3, True)}.get(
+                algo, StepStatus(2, False)
+            )
             with torch.no_grad():  # replicas that differ, as after a failure
                 for p in model.parameters():
                     p.add_(host + 1)
@@ -151,10 +153,14 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
                 "step_count": sync.step_count,
                 "optimizer": optimizer.state_dict()["state"][0]["exp_avg"].clone(),
             }
+            if algo == "ddp":  # the new wrapper averages over the new group
+                optimizer.zero_grad()
+                sync.model(torch.full((3, 8), float(host))).sum().backward()
+                results[algo]["grads"] = [p.grad.clone() for p in model.parameters()]
             sync.close()
             dist.barrier()
-            if host == 0 and algo == "ssgd":  # the next round needs an epoch of its own
-                membership.store().set("members/2", "0,1")
+            if host == 0 and algo != "ddp":  # the next round needs an epoch of its own
+                membership.store().set(f"members/{membership.epoch + 1}", "0,1")
                 membership.store().add("epoch", 1)
         dist.destroy_process_group()
         torch.save({"ok": results}, out)
@@ -167,7 +173,7 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     """Host 2 leaves. ssgd: host 0 finished step 5, host 1 only step 4 (its collective failed
     where host 0's had finished): host 1 adopts host 0's model, optimizer and step, bitwise.
     localsgd: both applied step 4 locally and their average failed: it is redone over the two,
-    giving exactly their mean."""
+    giving exactly their mean. ddp: a new wrapper on the new group averages the two gradients."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
@@ -204,3 +210,8 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
         assert torch.equal(a, b)
         torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
     assert not torch.equal(l0["before"][0], l1["before"][0])
+
+    d0, d1 = h0["ddp"], h1["ddp"]
+    assert d0["event"]["epoch"] == 3 and d0["event"]["members"] == [0, 1]
+    for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
+        assert torch.equal(g0, g1)

@@ -116,11 +116,27 @@ def join_chaos(faults: list[Fault]) -> str:
     return ";".join(f.spec() for f in faults)
 
 
-def fire_at_step(faults: list[Fault], step: int, rank: int, keeper_pid: int, snap_dir: Path | None) -> None:
+def fired_marker(control_dir: Path, fault: Fault) -> Path:
+    """The file a trainer leaves just before it carries out ``fault``: the launcher's proof that
+    the fault fired (peers can run past its step before the fault is noticed)."""
+    return control_dir / ("fired-" + fault.spec().replace(":", "-").replace(",", "-").replace("=", ""))
+
+
+def fire_at_step(
+    faults: list[Fault],
+    step: int,
+    rank: int,
+    keeper_pid: int,
+    snap_dir: Path | None,
+    control_dir: Path | None = None,
+) -> None:
     """In the trainer, after ``step``: carry out the step-triggered fault aimed at this worker."""
     for f in faults:
         if f.timed or f.step != step or f.rank != rank:
             continue
+        if control_dir is not None:
+            with contextlib.suppress(OSError):
+                fired_marker(control_dir, f).touch()
         what = {
             "kill": "kills itself",
             "kill-host": "kills its host (trainer, keeper, disk)",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from geotrain.ft.chaos import join_chaos, parse_chaos
+from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.state import write_atomic
 from geotrain.launch.coordinator import read_verdicts
@@ -611,8 +611,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 _stop(hosts.procs, grace_s=1.0)
                 hosts.close()
                 hosts = None
-            # Step faults that have fired: their worker got as far as their step.
-            fired = [f for f in faults if not f.timed and reached[f.rank][0] >= f.step]
+            # Step faults that have fired: their trainer left a marker just before.
+            fired = [f for f in faults if not f.timed and fired_marker(control, f).exists()]
             fired.sort(key=lambda f: f.step)
             for f in fired:
                 faults.remove(f)
