@@ -67,8 +67,19 @@ class _Work:
         raise RuntimeError("Operation timed out!")
 
 
+class _RacyWork(_Work):
+    """Completes just as a wait times out: the timeout's error must not be taken for its own."""
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None and not self.is_completed():
+            self.left = 0
+            raise RuntimeError("Operation timed out!")
+        return super().wait(timeout)
+
+
 def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_not_hidden():
     wait_work(_Work(3), interrupt=lambda: False)  # finishes after a few polls
+    wait_work(_RacyWork(1), interrupt=lambda: False)
     with pytest.raises(MembershipChanged):
         wait_work(_Work(None), interrupt=lambda: True)  # a frozen peer: never completes
     with pytest.raises(RuntimeError, match="Connection closed by peer") as err:

@@ -87,6 +87,7 @@ class TrainConfig:
     heartbeat: str = ""  # ADDR:PORT:ATTEMPT:HOST of the coordinator this trainer beats to ("": none)
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
+    fault_timeout_s: float = 10.0  # the coordinator's verdict on a silent host comes this late
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -211,6 +212,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
+            "fault_timeout_s",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat"):
             continue  # set by the launcher or added by the caller
@@ -395,7 +397,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, snapshots_on
         if membership is None or not (
-            isinstance(error, MembershipChanged) or membership.wait_published(cfg.timeout_s)
+            # A collective's error is a lost member if the coordinator says so within the time
+            # it takes to find one (an exit at once, a silent host after the fault timeout).
+            isinstance(error, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
         ):
             raise error
         optimizer.zero_grad(set_to_none=True)
@@ -612,7 +616,10 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "steps": cfg.steps,
         "tokens": tokens,
         "first_train_loss": records[0]["train_loss"],
-        "final_train_loss": statistics.fmean(r["train_loss"] for r in records[-min(10, len(records)) :]),
+        # A step completed by adopting a peer's state has no loss of its own (NaN): skipped.
+        "final_train_loss": statistics.fmean(
+            [x for r in records[-min(10, len(records)) :] if (x := r["train_loss"]) == x] or [float("nan")]
+        ),
         "final_val_loss": val_loss,
         "step_s_mean": step_s,
         "compute_s_mean": compute_s,
@@ -658,6 +665,9 @@ def train_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="with --heartbeat: survivors of a failure regroup and go on (set by the launcher)",
+    )
+    parser.add_argument(
+        "--fault-timeout-s", dest="fault_timeout_s", type=float, default=10.0, help=argparse.SUPPRESS
     )
     return parser
 

@@ -51,8 +51,9 @@ def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
             work.wait(timeout=INTERRUPT_POLL)
             return
         except RuntimeError:
-            if work.is_completed():
-                raise  # the collective's own error
+            if work.is_completed():  # it finished (or failed) as the wait timed out
+                work.wait()  # its result, or its own error
+                return
         if interrupt():
             raise MembershipChanged("the group lost a member while this collective waited")
 

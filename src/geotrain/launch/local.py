@@ -487,7 +487,14 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     if train_cfg.latency_ms:
         link += f" +{train_cfg.latency_ms:g}ms emulated latency"
     elastic = launch.on_failure == "continue" and launch.workers > 1 and not train_cfg.profile_out
-    cfg = replace(train_cfg, run_dir=str(run_dir), link=link, network_mode=mode, elastic=elastic)
+    cfg = replace(
+        train_cfg,
+        run_dir=str(run_dir),
+        link=link,
+        network_mode=mode,
+        elastic=elastic,
+        fault_timeout_s=launch.fault_timeout_s,
+    )
     (run_dir / "config.json").write_text(
         json.dumps(
             {
