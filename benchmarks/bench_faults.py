@@ -83,13 +83,13 @@ def main() -> int:
     calm = run(args, out / "undisturbed", [])
     faulty = run(args, out / "faulty", ["--chaos", args.chaos, "--max-faults", "100"])
     print(f"chaos: {args.chaos} (--on-failure {args.on_failure}, --fault-timeout {args.fault_timeout:g})\n")
-    print("| fault | kind | rank | at step | detected s | steps redone | recover s | regroup s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| fault | kind | rank | at step | detected s | steps redone | recover s | regroup s | redone sync s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     regroups = {tuple(e["members"]): e for e in faulty.get("membership") or []}
     for i, f in enumerate(faulty["faults"], 1):
         recover = f"{f['recover_s']:.1f}" if f["recover_s"] is not None else "-"
         event = next((e for m, e in regroups.items() if f["rank"] not in m), None)
-        regroup = f"{event['regroup_s']:.2f}" if event else "-"
+        regroup = f"{event['regroup_s']:.2f} | {event['redo_sync_s']:.2f}" if event else "- | -"
         print(f"| {i} | {f['kind']} | {f['rank']} | {f['at_step']} | {f['detected_s']:.1f} | "
               f"{f['steps_lost']} | {recover} | {regroup} |")  # fmt: skip
     rows = {"undisturbed": calm, "faulty": faulty}
