@@ -83,7 +83,8 @@ def main() -> int:
     calm = run(args, out / "undisturbed", [])
     faulty = run(args, out / "faulty", ["--chaos", args.chaos, "--max-faults", "100"])
     print(f"chaos: {args.chaos} (--on-failure {args.on_failure}, --fault-timeout {args.fault_timeout:g})\n")
-    print("| fault | kind | rank | at step | detected s | steps redone | recover s | regroup s | redone sync s |")
+    print("| fault | kind | rank | at step | detected s | steps redone | recover s | regroup s "
+          "| sync redone s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     regroups = {tuple(e["members"]): e for e in faulty.get("membership") or []}
     for i, f in enumerate(faulty["faults"], 1):
