@@ -139,7 +139,7 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-            comm = Communicator(interrupt=membership.changed)
+            comm = Communicator(membership=membership)
             rounds.append((algo, model, optimizer, build_sync(algo, model, optimizer, comm, {"H": 4})))
         if host == 2:
             os._exit(0)  # lost

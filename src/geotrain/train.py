@@ -30,7 +30,7 @@ from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
-from geotrain.ft.membership import Excluded, Membership, MembershipChanged
+from geotrain.ft.membership import RETIRED, Excluded, Membership, MembershipChanged
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest, write_atomic
@@ -272,7 +272,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
         membership = Membership(*heartbeat.address, ctx.rank, list(range(ctx.world_size)), cfg.timeout_s)
         heartbeat.membership = membership
-    comm = Communicator(latency_s=cfg.latency_ms / 1000, interrupt=membership.changed if membership else None)
+    comm = Communicator(latency_s=cfg.latency_ms / 1000, membership=membership)
     # Profiling batches come from their own sampler so that the training data stream is the same
     # for every algorithm.
     profile_sampler = BatchSampler(
@@ -685,6 +685,13 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(cfg, heartbeat)
         return code
     finally:
+        _leave(cfg, heartbeat, code)
+
+
+def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
+    """Say goodbye to the coordinator and the launcher; skip the destructors of groups abandoned
+    in a regroup (``ft.membership.RETIRED``), which could wait forever for a cut-off peer."""
+    try:
         if heartbeat is not None:
             heartbeat.close()
             if cfg.elastic and cfg.run_dir:
@@ -693,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(OSError):
                     exit_file = Path(cfg.run_dir) / "control" / f"exit-{heartbeat.host}"
                     write_atomic(exit_file, f"{code}\n".encode())
+    finally:
+        if RETIRED:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:

@@ -131,6 +131,9 @@ class Bench:
             netem=self.cfg.netem,
             echo=False,
             timeout_s=3600,
+            # A cell measures an algorithm, not fault tolerance: a fault fails it, and no
+            # membership machinery is in its timings.
+            on_failure="stop",
         )
 
     def profile(self, w: int, bw: str) -> dict[str, Any]:

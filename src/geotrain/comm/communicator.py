@@ -15,9 +15,11 @@ gloo has no ``AVG`` reduction, so a mean is a ``SUM`` followed by a division on 
 software latency (this kernel has no netem) makes each collective last at least
 ``2 (N-1) * latency``: one link latency per step of the ring.
 
-With ``interrupt`` (``--on-failure continue``), every wait polls it: a collective on a peer
-that froze or lost its link never returns (no reset arrives), so when the coordinator publishes
-a new membership the wait is abandoned with ``MembershipChanged`` and the caller regroups.
+With a ``membership`` (``--on-failure continue``), every wait polls it: a collective on a peer
+that froze or lost its link never returns (no reset arrives), so once the coordinator publishes
+an epoch newer than the one the collective was launched in, the wait is abandoned with
+``MembershipChanged`` and the caller regroups. (Newer than at launch, not than now: a wait in
+another thread, such as a DDP bucket's, must give up even after the main thread has regrouped.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +92,7 @@ class Handle:
         self._divide_by = divide_by
         self._launched = launched
         self._done = False
+        self._interrupt = comm.interrupt_after_now()
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -102,7 +106,7 @@ class Handle:
             return self._tensor
         start = time.perf_counter()
         for work in self._works:
-            wait_work(work, self._comm.interrupt)
+            wait_work(work, self._interrupt)
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -126,7 +130,7 @@ class Communicator:
     latency_s: float = 0.0
     stats: CommStats = field(default_factory=CommStats)
     control_calls: int = 0
-    interrupt: Callable[[], bool] | None = None  # True: abandon the wait (a new membership)
+    membership: Any = None  # with .epoch and .published (ft.membership.Membership): waits give up
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
@@ -329,4 +333,12 @@ class Communicator:
             self._wait(dist.barrier(group=self.group, async_op=True))
 
     def _wait(self, work) -> None:
-        wait_work(work, self.interrupt)
+        wait_work(work, self.interrupt_after_now())
+
+    def interrupt_after_now(self) -> Callable[[], bool] | None:
+        """True once an epoch newer than the current one is published (None: never)."""
+        membership = self.membership
+        if membership is None:
+            return None
+        epoch = membership.epoch
+        return lambda: membership.published > epoch

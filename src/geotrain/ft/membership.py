@@ -33,6 +33,17 @@ import torch.distributed as dist
 
 POLL_S = 0.05
 
+# Objects bound to an abandoned group (a DDP wrapper whose reducer holds it). Freeing the last
+# reference to a gloo group destroys it, and that joins its threads: one stuck receiving from a
+# peer whose link is down never returns, and the join would hold the GIL, silencing even this
+# trainer's heartbeat. So they are kept, and a trainer that kept any leaves with ``os._exit``.
+RETIRED: list = []
+
+
+def retire(obj) -> None:
+    if obj is not None:
+        RETIRED.append(obj)
+
 
 class MembershipChanged(RuntimeError):
     """The group this collective ran on has lost a member: abandon it and regroup."""

@@ -10,11 +10,13 @@ the codec's collectives and hands DDP a finished future, so those buckets do not
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from geotrain.ft.membership import retire
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
@@ -51,8 +53,15 @@ class DDP(SyncAlgorithm):
                 find_unused_parameters=self.codec is not None,
             )
         self._grad_tensors = [p for p in self.parameters()]
+        self._interruptible = self._ddp is not None and self.codec is None and comm.membership is not None
         if self.codec is not None and self._ddp is not None:
             self._ddp.register_comm_hook(None, self._codec_hook)
+        elif self._interruptible:
+            # --on-failure continue: DDP's own all-reduce waits inside backward, where no new
+            # membership can reach it (a peer cut off sends no reset: it would wait until the
+            # group's timeout). The same all-reduce through the Communicator, finished by a
+            # thread whose wait gives up when the coordinator publishes a new epoch.
+            self._ddp.register_comm_hook(None, self._interruptible_hook)
 
     def _codec_hook(self, _state, bucket):  # no annotation: DDP checks it against a runtime type
         grads = bucket.gradients()  # views into bucket.buffer(): the mean lands in the buffer
@@ -63,11 +72,31 @@ class DDP(SyncAlgorithm):
         future.set_result(bucket.buffer())
         return future
 
+    def _interruptible_hook(self, _state, bucket):  # no annotation: DDP checks its runtime type
+        buffer = bucket.buffer()
+        handle = self.comm.all_reduce(buffer, op="mean", async_op=True)
+        future: torch.futures.Future = torch.futures.Future()
+
+        def finish() -> None:
+            try:
+                handle.wait()
+                future.set_result(buffer)
+            except BaseException as e:  # noqa: BLE001 - DDP raises it from backward
+                future.set_exception(e)
+
+        threading.Thread(target=finish, name="geotrain-ddp-bucket", daemon=True).start()
+        return future
+
     def broadcast_parameters(self) -> None:
         pass  # DistributedDataParallel's constructor does it
 
     def rebind(self) -> None:
-        # A reducer is bound to its group for life: a new wrapper for the new epoch's group.
+        # A reducer is bound to its group for life: a new wrapper for the new epoch's group. The
+        # old one is kept, never freed (see ``ft.membership.RETIRED``), and its reducer's hooks
+        # on the parameters are removed so that it does nothing more.
+        if self._ddp is not None:
+            self._ddp.reducer._remove_autograd_hooks()
+            retire(self._ddp)
         self.close()
         self._wrap()
 
@@ -77,7 +106,7 @@ class DDP(SyncAlgorithm):
 
     def before_step(self) -> None:
         if self.comm.world_size > 1:
-            if self.codec is None:  # the codec's messages went through the communicator
+            if self.codec is None and not self._interruptible:  # else counted by the communicator
                 self.comm.account_external(self._grad_tensors)
             self.syncs += 1
 
