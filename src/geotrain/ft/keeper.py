@@ -130,6 +130,8 @@ class Keeper:
         key = (header["kind"], int(header["owner"]), int(header["step"]), int(header.get("index", 0)))
         meta = {k: header[k] for k in ("kind", "owner", "step", "index", "k", "n") if k in header}
         meta["committed"] = bool(header.get("commit"))
+        # Being shipped to the peers: it may become the newest complete step, so it stays.
+        meta["pending"] = bool(header.get("pending")) and not meta["committed"]
         with self._lock:
             self._blobs[key] = (meta, blob)
             self._prune(key[0], key[1])
@@ -142,18 +144,21 @@ class Keeper:
         with self._lock:
             for (kind, o, s, _), (meta, _) in self._blobs.items():
                 if s == step and (kind == "piece" or o == owner):
-                    meta["committed"] = True
+                    meta["committed"], meta["pending"] = True, False
             for kind, o in {(k[0], k[1]) for k in self._blobs}:
                 self._prune(kind, o)
 
     def _prune(self, kind: str, owner: int) -> None:
         """Keep the newest ``keep`` committed steps and the newest ``keep`` newer ones: a snapshot
-        whose pieces are still travelling never pushes out the last one that is complete."""
+        whose pieces are still travelling never pushes out the last one that is complete. One
+        being shipped (``pending``) is kept too: newer snapshots taken while its pieces travel
+        (shipments are skipped meanwhile) must not push it out before it is committed."""
         mine = {k: meta for k, (meta, _) in self._blobs.items() if k[0] == kind and k[1] == owner}
         committed = sorted({k[2] for k, meta in mine.items() if meta["committed"]})
         kept = set(committed[-self.keep :])
         newest = committed[-1] if committed else -1
         kept |= set(sorted({k[2] for k in mine if k[2] > newest})[-self.keep :])
+        kept |= {k[2] for k, meta in mine.items() if meta.get("pending")}
         for k in [k for k in mine if k[2] not in kept]:
             del self._blobs[k]
 
@@ -340,11 +345,20 @@ class KeeperClient:
         self._call({**header, "disk": disk, "commit": commit, **meta}, blob)
 
     def put_fd(
-        self, kind: str, owner: int, step: int, fd: int, length: int, disk: bool = False, commit: bool = False
+        self,
+        kind: str,
+        owner: int,
+        step: int,
+        fd: int,
+        length: int,
+        disk: bool = False,
+        commit: bool = False,
+        pending: bool = False,
     ) -> None:
-        """Hand over a sealed memory file (``ft.state.encode_to_memfd``): the keeper maps it."""
+        """Hand over a sealed memory file (``ft.state.encode_to_memfd``): the keeper maps it.
+        ``pending``: it is about to be shipped to the peers and committed."""
         header = {"op": "put_fd", "kind": kind, "owner": owner, "step": step, "index": 0, "length": length}
-        self._call({**header, "disk": disk, "commit": commit}, fds=[fd])
+        self._call({**header, "disk": disk, "commit": commit, "pending": pending}, fds=[fd])
 
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})

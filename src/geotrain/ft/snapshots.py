@@ -215,7 +215,9 @@ class Snapshotter:
             self.stats.full_bytes = size
             try:
                 # Without redundancy a snapshot is complete once the keeper has it.
-                self.client.put_fd("full", self.rank, step, fd, size, disk=disk, commit=not self.redundant)
+                self.client.put_fd(
+                    "full", self.rank, step, fd, size, disk=disk, commit=not self.redundant, pending=ship
+                )
             except KeeperError as e:
                 if not self.stats.errors:
                     print(f"geotrain: rank {self.rank}: {e}; snapshots go to disk", file=sys.stderr)
