@@ -250,17 +250,11 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
         if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):
             raise UsageError(f"--on-failure {args.on_failure!r}: accepted: continue, rollback, stop")
-        if not 1 <= getattr(args, "min_workers", 1) <= args.workers:
-            raise UsageError(
-                f"--min-workers must be in [1, --workers {args.workers}], got {args.min_workers}"
-            )
-        if getattr(args, "on_failure", "") == "continue" and any(
-            f.restart_s for f in parse_chaos(cfg.chaos, args.workers)
-        ):
-            raise UsageError(
-                "--chaos ...,restart=S: a replacement joins only with --on-failure rollback "
-                "(continue does not admit joiners yet)"
-            )
+        from geotrain.launch.local import unsupported_chaos
+
+        why = unsupported_chaos(getattr(args, "on_failure", ""), parse_chaos(cfg.chaos, args.workers))
+        if why:
+            raise UsageError(why)
         if getattr(args, "max_faults", 0) < 0:
             raise UsageError(f"--max-faults must be >= 0, got {args.max_faults}")
         if getattr(args, "fault_timeout", 10.0) < 2:
@@ -279,17 +273,20 @@ def _launch_config(args, rates, label: str):
 
     links = describe_links(rates) if not args.no_netem else "loopback"
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{label}-{args.workers}x{links}")
-    return LaunchConfig(
-        args.workers,
-        None if args.no_netem else rates,
-        Path(str(run_dir).replace(",", "_")),
-        netem=not args.no_netem,
-        timeout_s=args.timeout,
-        on_failure=args.on_failure,
-        max_faults=args.max_faults,
-        fault_timeout_s=args.fault_timeout,
-        min_workers=getattr(args, "min_workers", 1),
-    )
+    try:
+        return LaunchConfig(
+            args.workers,
+            None if args.no_netem else rates,
+            Path(str(run_dir).replace(",", "_")),
+            netem=not args.no_netem,
+            timeout_s=args.timeout,
+            on_failure=args.on_failure,
+            max_faults=args.max_faults,
+            fault_timeout_s=args.fault_timeout,
+            min_workers=getattr(args, "min_workers", 1),
+        )
+    except ValueError as e:  # what LaunchConfig refuses (e.g. --min-workers): one line, exit 2
+        raise UsageError(str(e)) from None
 
 
 def _cmd_run(argv: list[str]) -> int:

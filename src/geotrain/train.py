@@ -402,7 +402,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             isinstance(error, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
         ):
             raise error
-        optimizer.zero_grad(set_to_none=True)
         event = regroup(membership, comm, sync, model, optimizer, status, ctx.backend or "gloo")
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
@@ -412,7 +411,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             snapshots_on = False
             snapshots.close()
         resume = event.pop("resume")
-        event.update(at_step=status.committed + 1, step=resume.committed + resume.local_done)
+        event.update(at_step=status.committed + 1, step=resume.done)
         events.append(event)
         print(
             f"geotrain: host {host}: epoch {event['epoch']} with hosts {event['members']}; training "
@@ -441,7 +440,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 step = resume.committed + 1  # redo it (or, behind the leader, go on from it)
                 continue
             # The failed averaging was redone on the new group: the step is complete.
-            step, synced = resume.committed + 1, True
+            step, synced = resume.done, True
             if phase != "sync":
                 loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
         if device.type == "cuda":
@@ -477,7 +476,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
             except RuntimeError as e:  # a member lost here: this evaluation is skipped
                 resume = recover(e, StepStatus(step, False))
-                step = resume.committed + int(resume.local_done)
+                step = resume.done
             eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)

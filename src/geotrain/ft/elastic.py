@@ -42,6 +42,11 @@ class StepStatus:
     committed: int  # the last step finished on this worker, synchronisation included
     local_done: bool  # the step after it applied its optimizer step, and its sync failed
 
+    @property
+    def done(self) -> int:
+        """The last complete step once the failed sync (if any) is redone: training goes on after it."""
+        return self.committed + int(self.local_done)
+
 
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     """The data shards (one per first-epoch host) this host reads from: its own, and, dealt in

@@ -24,7 +24,6 @@ private ones and guard only all-reduce; ours guard every collective the Communic
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from datetime import timedelta
@@ -69,7 +68,6 @@ class Membership:
         self.published = 0  # the newest epoch the heartbeat thread has seen
         self._where = (addr, port)
         self._store = None
-        self.history: list[dict] = [{"epoch": 0, "members": list(members)}]
 
     def store(self):
         """The main thread's client (the heartbeat thread has its own). Reconnects after the
@@ -147,8 +145,3 @@ class Membership:
         )
         self.epoch, self.members = epoch, list(members)
         self.published = max(self.published, epoch)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            del self._store
-        self._store = None

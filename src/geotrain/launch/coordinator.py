@@ -49,18 +49,29 @@ def _store(host: str, port: int, master: bool, timeout_s: float):
     )
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file the coordinator appends to (none if it is not there; a
+    line cut short by a crash is skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
 class Epochs:
     """The membership the coordinator publishes (``--elastic``)."""
 
     def __init__(self, store, control_dir: Path, hosts: int) -> None:
         self.store, self.path = store, control_dir / "epochs.jsonl"
         self.epoch, self.live = 0, list(range(hosts))
-        with contextlib.suppress(OSError):
-            for line in self.path.read_text().splitlines():
-                with contextlib.suppress(ValueError, KeyError):
-                    e = json.loads(line)
-                    self.epoch, self.live = int(e["epoch"]), list(e["members"])
-                    store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
+        for e in _read_jsonl(self.path):  # a restarted coordinator publishes them again
+            self.epoch, self.live = int(e["epoch"]), list(e["members"])
+            store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
         store.set("members/0", ",".join(map(str, range(hosts))))
         store.add("epoch", self.epoch - store.add("epoch", 0))
 
@@ -81,15 +92,7 @@ class Epochs:
 
 def read_epochs(control_dir: Path) -> list[dict]:
     """The epochs published so far (after the first), oldest first."""
-    try:
-        lines = (control_dir / "epochs.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+    return _read_jsonl(control_dir / "epochs.jsonl")
 
 
 def serve(
@@ -158,17 +161,7 @@ def serve(
 
 def read_verdicts(control_dir: Path, attempt: int) -> list[dict]:
     """The hosts found silent during launch ``attempt`` (for the launcher)."""
-    try:
-        lines = (control_dir / "verdicts.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            v = json.loads(line)
-            if v.get("attempt") == attempt:
-                out.append(v)
-    return out
+    return [v for v in _read_jsonl(control_dir / "verdicts.jsonl") if v.get("attempt") == attempt]
 
 
 class Heartbeat:

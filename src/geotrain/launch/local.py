@@ -96,6 +96,16 @@ class RunFailed(RuntimeError):
     pass
 
 
+def unsupported_chaos(on_failure: str, faults: list) -> str | None:
+    """Why these faults cannot be injected under ``on_failure`` (None: they can)."""
+    if on_failure == "continue" and any(f.restart_s for f in faults):
+        return (
+            "--chaos ...,restart=S: a replacement joins only with --on-failure rollback "
+            "(continue does not admit joiners yet)"
+        )
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -535,11 +545,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     try:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
-        if elastic and any(f.restart_s for f in faults):
-            raise RunFailed(
-                "--chaos ...,restart=S brings a replacement, which --on-failure continue does not "
-                "admit yet (the survivors go on without it); use --on-failure rollback"
-            )
+        if elastic and (why := unsupported_chaos(launch.on_failure, faults)):
+            raise RunFailed(why)
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
         coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
@@ -652,6 +659,11 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             )
             if fatal:  # bad input: the same on every attempt
                 raise RunFailed(f"host {failed} {what}: {fatal[0].read_text().strip()}")
+            if (rollback or elastic) and len(records) - prior > launch.max_faults:
+                raise RunFailed(
+                    f"host {failed} {what}; {len(records) - prior} faults, more than --max-faults "
+                    f"{launch.max_faults}{log_tail}"
+                )
             if elastic:
                 # The deathrattle: the coordinator publishes the next epoch at once (a silent host
                 # it has found itself) and the survivors regroup without it.
@@ -660,11 +672,6 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 record.rollback_to = furthest  # nobody goes back: the survivors keep their steps
                 _write_faults(run_dir, records)
                 left = launch.workers - len(dead)
-                if len(records) - prior > launch.max_faults:
-                    raise RunFailed(
-                        f"host {failed} {what}; {len(records) - prior} faults, more than --max-faults "
-                        f"{launch.max_faults}{log_tail}"
-                    )
                 if left < launch.min_workers:
                     raise RunFailed(
                         f"host {failed} {what}; {left} workers left, fewer than --min-workers "
@@ -686,11 +693,6 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             if stuck >= 2:
                 raise RunFailed(
                     f"host {failed} {what} before any new step, twice running; not retrying{log_tail}"
-                )
-            if len(records) - prior > launch.max_faults:
-                raise RunFailed(
-                    f"host {failed} {what}; {len(records) - prior} faults, more than --max-faults "
-                    f"{launch.max_faults}{log_tail}"
                 )
             time.sleep(restart_s)  # the replacement's time to come up
             cfg = _rollback(run_dir, launch, cfg, sockets, faults, record)

@@ -88,9 +88,6 @@ class SSGD(SyncAlgorithm):
         # The failed step is redone from its backward: nothing of it is kept.
         self._ready = [0] * len(self._buckets)
         self._launched = [None] * len(self._buckets)
-        if not self._hooks and self.comm.world_size > 1:
-            for p in self._params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def close(self) -> None:
         for h in self._hooks:
