@@ -18,42 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
-
-
-def run(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> dict:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [*GEOTRAIN, "run", "--workers", str(args.workers), "--bandwidth", args.bandwidth]
-    cmd += ["--model", args.model, "--algo", args.algo, "--H", str(args.H), "--steps", str(args.steps)]
-    cmd += ["--batch-size", str(args.batch_size), "--no-progress", "--run-dir", str(run_dir)]
-    cmd += ["--eval-every", str(args.eval_every), "--on-failure", args.on_failure]
-    cmd += ["--fault-timeout", str(args.fault_timeout), *extra]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    elapsed = time.monotonic() - t0  # the launcher's time, faults included (the summary's wall_s is not)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir.name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads((run_dir / "summary.json").read_text()) | {"elapsed_s": elapsed}
-
-
-def val_at_tokens(run_dir: Path, tokens: int) -> float | None:
-    """The run's validation loss at ``tokens``, interpolated between its evaluations."""
-    points = []
-    for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.get("val_loss") is not None:
-            points.append((r["tokens"], r["val_loss"]))
-    points.sort()
-    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
-        if t0 <= tokens <= t1:
-            return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
-    return None
+from geotrain.bench.soak import SoakJob, fault_table, run_job, val_at_tokens
 
 
 def main() -> int:
@@ -80,19 +48,15 @@ def main() -> int:
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    calm = run(args, out / "undisturbed", [])
-    faulty = run(args, out / "faulty", ["--chaos", args.chaos, "--max-faults", "100"])
+    job = SoakJob(
+        workers=args.workers, bandwidth=args.bandwidth, model=args.model, algo=args.algo, H=args.H,
+        batch_size=args.batch_size, steps=args.steps, eval_every=args.eval_every,
+        on_failure=args.on_failure, fault_timeout=args.fault_timeout,
+    )  # fmt: skip
+    calm = run_job(job, out / "undisturbed", [])
+    faulty = run_job(job, out / "faulty", ["--chaos", args.chaos, "--max-faults", "100"])
     print(f"chaos: {args.chaos} (--on-failure {args.on_failure}, --fault-timeout {args.fault_timeout:g})\n")
-    print("| fault | kind | rank | at step | detected s | steps redone | recover s | regroup s "
-          "| sync redone s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    regroups = {tuple(e["members"]): e for e in faulty.get("membership") or []}
-    for i, f in enumerate(faulty["faults"], 1):
-        recover = f"{f['recover_s']:.1f}" if f["recover_s"] is not None else "-"
-        event = next((e for m, e in regroups.items() if f["rank"] not in m), None)
-        regroup = f"{event['regroup_s']:.2f} | {event['redo_sync_s']:.2f}" if event else "- | -"
-        print(f"| {i} | {f['kind']} | {f['rank']} | {f['at_step']} | {f['detected_s']:.1f} | "
-              f"{f['steps_lost']} | {recover} | {regroup} |")  # fmt: skip
+    print(fault_table(faulty))
     rows = {"undisturbed": calm, "faulty": faulty}
     print("\n| run | faults | workers at the end | elapsed s | x undisturbed | tokens | final val loss |"
           " undisturbed val loss at these tokens | param digest |")  # fmt: skip

@@ -104,3 +104,47 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
     if algo == "dreamddp":
         assert summary["replans"] >= 1
     assert summary["final_val_loss"] < summary["first_train_loss"]
+
+
+@pytest.mark.parametrize(
+    "algo, chaos, period",
+    [
+        ("localsgd", "kill:step=6,rank=1,restart=0.5", 4),
+        ("ddp", "kill:step=4,rank=0,restart=0.5", 1),  # the first epoch's rank 0 comes back
+    ],
+)
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bitwise(
+    tmp_path, cleanup_keepers, algo, chaos, period
+):
+    """The killed host's replacement starts half a second later, asks to join, and is admitted
+    where every member has finished a sync (for local SGD, a multiple of H): it receives their
+    state in stripes, and every member's parameters hash the same there. It trains to the end,
+    ranked after the survivors, so the summary still comes from a survivor with the whole run."""
+    run_dir = tmp_path / algo
+    cleanup_keepers.append((run_dir, 3))
+    lost = int(chaos.split("rank=")[1].split(",")[0])
+    job = ["run", "--workers", "3", "--algo", algo, "--steps", "400", *JOB]
+    proc = _run([*job, "--run-dir", str(run_dir), "--chaos", chaos])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    (fault,) = summary["faults"]
+    left, joined = summary["membership"]
+    assert (summary["workers_start"], summary["workers"]) == (3, 3)
+    survivors = [h for h in range(3) if h != lost]
+    assert left["members"] == survivors and joined["members"] == [*survivors, lost]
+    assert joined["joined"] == [lost] and joined["behind"] == [lost]
+    s = joined["step"]
+    assert s % period == 0 and fault["rejoined_after_step"] == s and 0 < fault["rejoin_s"] < 60
+    # Stripes from both survivors where their copies are bitwise equal (all of it under DDP).
+    assert joined["stripes"]["model"] == 2 and joined["handed_over_bytes"] > 0
+    digests = {
+        json.loads((run_dir / "control" / f"admitted-e2-h{h}.json").read_text())["param_digest"]
+        for h in range(3)
+    }
+    assert len(digests) == 1
+    for h in survivors:
+        assert [r["step"] for r in _records(run_dir, h)] == list(range(1, 401))
+    after = [r for r in _records(run_dir, lost) if r["step"] > s]
+    assert [r["step"] for r in after] == list(range(s + 1, 401)) and {r["workers"] for r in after} == {3}
+    assert f"geotrain: host {lost} was admitted after step {s}" in proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import traceback
 from datetime import timedelta
 
@@ -122,6 +123,54 @@ def test_a_member_waits_for_the_others_and_a_host_declared_failed_is_told_so(tmp
         Membership("127.0.0.1", store.port, 2, [0, 1, 2], timeout_s=1.0).next_epoch()
 
 
+def test_a_joiner_gets_an_epoch_of_its_own_last_in_rank_order_and_a_lost_host_can_come_back(tmp_path):
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({0}, "exited")
+    epochs.join(0)
+    epochs.join(0)  # already in: no new epoch
+    assert store.add("epoch", 0) == 2 and store.get("members/2") == b"1,2,0"
+    assert (store.get("kind/1"), store.get("kind/2")) == (b"leave", b"join")
+    assert [(e["epoch"], e.get("left"), e.get("joined")) for e in read_epochs(tmp_path)] == [
+        (1, [0], None),
+        (2, None, [0]),
+    ]
+    fresh = _master()
+    Epochs(fresh, tmp_path, 3)  # a restarted coordinator: the kinds come back too
+    assert (fresh.get("kind/1"), fresh.get("kind/2"), fresh.get("members/2")) == (b"leave", b"join", b"1,2,0")
+
+
+def test_members_admit_a_joiner_at_the_same_sync_boundary_the_furthest_any_has_committed_to(tmp_path):
+    """H=4. Host 0 starts step 9 (it has just finished the boundary at 8) when the join epoch
+    appears; host 1 is inside step 10 (its heartbeat posts the boundary it is heading for, 12).
+    Both finish the period and regroup before step 13; a join interrupts no collective."""
+    store = _master()
+    Epochs(store, tmp_path, 2).join(2)  # host 2 had never been in: a joiner like any other
+    m0, m1 = (Membership("127.0.0.1", store.port, h, [0, 1], timeout_s=2.0, period=4) for h in (0, 1))
+    assert not m0.admit_before(8) and not m1.admit_before(10)  # before they learn of it
+    m1.observe(store, store.add("epoch", 0))  # host 1's heartbeat thread, during step 10
+    assert store.get("at/0/1") == b"12" and not m1.changed() and m1.joining()
+    m0.observe(store, 1)
+    assert not m0.admit_before(9)  # it proposes 8, and learns the others' proposals
+    assert store.get("at/0/0") == b"8"
+    assert [m0.admit_before(t) for t in (10, 11, 12, 13)] == [False, False, False, True]
+    assert [m1.admit_before(t) for t in (11, 12, 13)] == [False, False, True]
+
+
+def test_a_member_that_waits_to_admit_a_joiner_regroups_for_a_lost_member_instead(tmp_path):
+    store = _master()
+    epochs = Epochs(store, tmp_path, 2)
+    epochs.join(2)
+    m0 = Membership("127.0.0.1", store.port, 0, [0, 1], timeout_s=5.0, period=1)
+    m0.observe(store, 1)
+    timer = threading.Timer(0.3, epochs.leave, args=({1}, "silent"))  # host 1 never proposes
+    timer.start()
+    with pytest.raises(MembershipChanged):
+        m0.admit_before(5)  # it waits for host 1's proposal until host 1 is declared lost
+    timer.join()
+    assert m0.changed()
+
+
 # -- real gloo processes ----------------------------------------------------------------------
 
 
@@ -208,7 +257,9 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     (h0, h1) = (g["ok"] for g in got)
 
     e0, e1 = h0["ssgd"]["event"], h1["ssgd"]["event"]
-    assert e0["members"] == [0, 1] and e0["leader"] == 0 and e0["behind"] == [1] and e0["adopted_bytes"] > 0
+    assert (
+        e0["members"] == [0, 1] and e0["leader"] == 0 and e0["behind"] == [1] and e0["handed_over_bytes"] > 0
+    )
     assert e1["resume"] == StepStatus(5, False)
     for a, b, mine in zip(h0["ssgd"]["after"], h1["ssgd"]["after"], h0["ssgd"]["before"], strict=True):
         assert torch.equal(a, b) and torch.equal(a, mine)
@@ -216,7 +267,7 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     assert h0["ssgd"]["step_count"] == h1["ssgd"]["step_count"] == 5
 
     l0, l1 = h0["localsgd"], h1["localsgd"]
-    assert l0["event"]["epoch"] == 2 and l0["event"]["behind"] == [] and l0["event"]["adopted_bytes"] == 0
+    assert l0["event"]["epoch"] == 2 and l0["event"]["behind"] == [] and l0["event"]["handed_over_bytes"] == 0
     for a, b, x0, x1 in zip(l0["after"], l1["after"], l0["before"], l1["before"], strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)

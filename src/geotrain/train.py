@@ -30,13 +30,13 @@ from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
-from geotrain.ft.membership import RETIRED, Excluded, Membership, MembershipChanged
+from geotrain.ft.membership import RETIRED, Excluded, Membership, MembershipChanged, RunFinished, first_hosts
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest, write_atomic
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.coordinator import Heartbeat
-from geotrain.launch.dist import DistContext, init_distributed, shutdown_distributed
+from geotrain.launch.dist import DistContext, init_distributed, init_joiner, shutdown_distributed
 from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
@@ -87,6 +87,7 @@ class TrainConfig:
     heartbeat: str = ""  # ADDR:PORT:ATTEMPT:HOST of the coordinator this trainer beats to ("": none)
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
+    join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
     fault_timeout_s: float = 10.0  # the coordinator's verdict on a silent host comes this late
 
     def __post_init__(self) -> None:
@@ -212,7 +213,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
-            "fault_timeout_s",
+            "fault_timeout_s", "join",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat"):
             continue  # set by the launcher or added by the caller
@@ -253,7 +254,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     """Train on this worker; returns the run summary (numbers averaged over workers).
 
     With ``cfg.elastic`` and a ``heartbeat``, a failure of another worker does not end the run:
-    this worker regroups with the survivors (``ft/elastic.py``) and goes on."""
+    this worker regroups with the survivors (``ft/elastic.py``) and goes on. With ``cfg.join`` it
+    is a replacement: it waits to be admitted, receives the members' state, and trains with them."""
     torch.manual_seed(cfg.seed)
     torch.set_flush_denormal(True)  # denormals slow CPU runs by 10-20% here
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_world_size)
@@ -270,7 +272,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     optimizer = make_optimizer(model, cfg)
     membership = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
-        membership = Membership(*heartbeat.address, ctx.rank, list(range(ctx.world_size)), cfg.timeout_s)
+        first = [] if cfg.join else list(range(ctx.world_size))  # a joiner is in no epoch yet
+        membership = Membership(*heartbeat.address, ctx.rank, first, cfg.timeout_s)
         heartbeat.membership = membership
     comm = Communicator(latency_s=cfg.latency_ms / 1000, membership=membership)
     # Profiling batches come from their own sampler so that the training data stream is the same
@@ -286,6 +289,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.profile_out:
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
+    if membership is not None:
+        membership.period = sync.sync_period()
     generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
     snap_dir = run_dir / "snapshots" if run_dir is not None else None
     snap_comm = Communicator(group=ctx.snapshot_group) if ctx.snapshot_group is not None else None
@@ -381,6 +386,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         phase = "compute"
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
+        if membership is not None and membership.admit_before(step):
+            raise MembershipChanged("a joiner is admitted")
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step - 1, cfg)
         _, loss = sync.model(x.to(device), y.to(device))
@@ -395,14 +402,25 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
-        nonlocal tokens_per_step, snapshots_on
+        nonlocal tokens_per_step, snapshots_on, tokens_done
         if membership is None or not (
             # A collective's error is a lost member if the coordinator says so within the time
             # it takes to find one (an exit at once, a silent host after the fault timeout).
             isinstance(error, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
         ):
             raise error
-        event = regroup(membership, comm, sync, model, optimizer, status, ctx.backend or "gloo")
+        while True:
+            try:
+                event = regroup(
+                    membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done
+                )
+                break
+            except RuntimeError as e:  # a member lost while the group formed: regroup again
+                if not (
+                    isinstance(e, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
+                ):
+                    raise
+        tokens_done = event.pop("tokens")
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
         if snapshots_on:
@@ -411,7 +429,21 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             snapshots_on = False
             snapshots.close()
         resume = event.pop("resume")
-        event.update(at_step=status.committed + 1, step=resume.done)
+        if host in event["joined"]:
+            stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
+            print(
+                f"geotrain: host {host} was admitted after step {resume.done}: "
+                f"{event['handed_over_bytes'] / 1e6:.1f} MB of state ({stripes} member(s), "
+                f"checked) in {event['hand_over_s']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        if event["joined"] and run_dir is not None:  # each member's view of the admission, for audit
+            view = {"epoch": event["epoch"], "step": resume.done, "param_digest": param_digest(model)}
+            write_atomic(
+                run_dir / "control" / f"admitted-e{event['epoch']}-h{host}.json", json.dumps(view).encode()
+            )
+        event.update(at_step=status.committed + 1, step=resume.done, at=round(time.time(), 3))
         events.append(event)
         print(
             f"geotrain: host {host}: epoch {event['epoch']} with hosts {event['members']}; training "
@@ -421,9 +453,16 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         )
         return resume
 
-    snapshots_on = True
+    snapshots_on = not cfg.join  # a joiner's state is the members' (snapshots stopped at the fault)
     batch = None
     step = first_step
+    if cfg.join:
+        # A replacement: admitted at the members' next sync boundary; it takes their state there.
+        membership.request_join()
+        resume = recover(MembershipChanged("joining"), StepStatus(-1, False))
+        step = resume.done + 1
+        # Fresh windows of its shard: its predecessor's stream from the start would repeat data.
+        sampler.gen.manual_seed(cfg.seed * 100_003 + host + 1_000_003 * membership.epoch)
     while step <= cfg.steps:
         t0 = time.perf_counter()
         before = comm.stats.copy()
@@ -494,6 +533,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             progress.update(1)
         step += 1
     train_s = time.perf_counter() - start - eval_s
+    if membership is not None:
+        membership.finish()  # a joiner still waiting is not admitted any more
 
     before = comm.stats.copy()
     t_final = time.perf_counter()
@@ -668,6 +709,12 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fault-timeout-s", dest="fault_timeout_s", type=float, default=10.0, help=argparse.SUPPRESS
     )
+    parser.add_argument(
+        "--join",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --elastic: a replacement, admitted into the running group (set by the launcher)",
+    )
     return parser
 
 
@@ -707,7 +754,16 @@ def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
 
 
 def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
-    ctx = init_distributed(timeout_s=cfg.timeout_s)
+    if cfg.join and (heartbeat is None or not cfg.elastic):
+        print(
+            "geotrain train: error: --join needs --elastic and --heartbeat (set by the launcher)",
+            file=sys.stderr,
+        )
+        return 2
+    if cfg.join:
+        ctx = init_joiner(heartbeat.host, first_hosts(*heartbeat.address), cfg.timeout_s)
+    else:
+        ctx = init_distributed(timeout_s=cfg.timeout_s)
     ok = False
     try:
         if heartbeat is not None and heartbeat.host != ctx.rank:
@@ -719,6 +775,9 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
     except Excluded as e:  # declared failed (silent too long) while it was only slow
         print(f"geotrain train: {e}; this worker leaves the run", file=sys.stderr)
         return 3
+    except RunFinished as e:  # a joiner that came too late: nothing was lost
+        print(f"geotrain train: {e}", file=sys.stderr)
+        return 0
     except (ConfigError, DataError, ResumeError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         if cfg.run_dir:  # the launcher must not retry what fails the same way every time

@@ -332,13 +332,38 @@ class Communicator:
             self.control_calls += 1
             self._wait(dist.barrier(group=self.group, async_op=True))
 
+    def exchange(
+        self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]
+    ) -> None:
+        """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
+        message between two workers is told from the others between them by its tag."""
+        if self.world_size == 1 or not (sends or recvs):
+            return
+        start = time.perf_counter()
+
+        def peer(r: int) -> int:
+            return r if self.group is None else dist.get_global_rank(self.group, r)
+
+        works = [dist.isend(t, peer(r), group=self.group, tag=tag) for t, r, tag in sends]
+        works += [dist.irecv(t, peer(r), group=self.group, tag=tag) for t, r, tag in recvs]
+        self.stats.calls += 1
+        for t, _, _ in sends:
+            self.stats.payload_bytes += t.numel() * t.element_size()
+            self.stats.sent_bytes += t.numel() * t.element_size()
+        for t, _, _ in recvs:
+            self.stats.recv_bytes += t.numel() * t.element_size()
+        for work in works:
+            self._wait(work)
+        self.stats.blocked_s += time.perf_counter() - start
+
     def _wait(self, work) -> None:
         wait_work(work, self.interrupt_after_now())
 
     def interrupt_after_now(self) -> Callable[[], bool] | None:
-        """True once an epoch newer than the current one is published (None: never)."""
+        """True once an epoch newer than the current one loses members (None: never). An epoch
+        that admits a joiner interrupts nothing: the group in use is healthy."""
         membership = self.membership
         if membership is None:
             return None
         epoch = membership.epoch
-        return lambda: membership.published > epoch
+        return lambda: membership.published_leave > epoch

@@ -6,8 +6,12 @@ trainer exits with an error (the launcher's "deathrattle"), it publishes epoch e
 in its store (torch's ``TCPStore``)::
 
     epoch            a counter: the newest epoch published
-    members/{e}      the hosts of epoch e, e.g. "0,2,3"
+    members/{e}      the hosts of epoch e, e.g. "0,2,3" (joiners last: never rank 0)
+    kind/{e}         "leave" (members were lost) or "join" (a joiner is admitted)
     ready/{e}/{h}    set by each member of epoch e once it has left the old group
+    join/{h}         a joiner's request to be admitted (the coordinator takes it)
+    at/{e}/{h}       the step after which member h of epoch e goes to the next (a join)
+    finished         set when the first member leaves its training loop: joiners stop waiting
 
 Each trainer learns of a new epoch within a tenth of a second (its heartbeat thread reads the
 counter), abandons the collective it is waiting for (the Communicator polls, so a frozen peer
@@ -17,6 +21,13 @@ members on the store prefix ``geotrain/epoch{e}``. Ranks follow the order of hos
 of an epoch is its lowest surviving host: losing the first epoch's rank 0 (whose torchrun hosted
 the first rendezvous) loses nothing, because no epoch after the first uses that store.
 
+A *join* epoch interrupts nothing: the group in use is healthy. The members agree on the step
+after which they admit the joiner, the next sync boundary none of them has passed: each posts the
+boundary it has committed to (the end of the period it is in, or the one it just finished, posted
+by whichever thread sees the epoch first) and all go on to the largest. There they regroup, and
+the joiner receives the state of those at that step (``ft/elastic.py``). A joiner waits meanwhile
+in a world of one of its own; its rank in the new epoch comes after every survivor's.
+
 Only public torch APIs: ``TCPStore``, ``PrefixStore``, ``destroy_process_group`` and
 ``init_process_group(store=...)``. torchft's reconfigurable process groups do the same with
 private ones and guard only all-reduce; ours guard every collective the Communicator issues.
@@ -25,6 +36,7 @@ private ones and guard only all-reduce; ours guard every collective the Communic
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from datetime import timedelta
 
@@ -52,6 +64,10 @@ class Excluded(RuntimeError):
     """This host is not a member of the newest epoch (it was declared failed)."""
 
 
+class RunFinished(RuntimeError):
+    """A joiner's wait ended because the run finished before the members could admit it."""
+
+
 def parse_members(text: str) -> list[int]:
     return [int(h) for h in text.split(",") if h != ""]
 
@@ -60,14 +76,24 @@ class Membership:
     """A trainer's view of the epochs. ``changed()`` is cheap (a field the heartbeat thread
     updates) and is what the Communicator polls while it waits for a collective."""
 
-    def __init__(self, addr: str, port: int, host: int, members: list[int], timeout_s: float) -> None:
+    def __init__(
+        self, addr: str, port: int, host: int, members: list[int], timeout_s: float, period: int = 1
+    ) -> None:
         self.host = host
         self.epoch = 0
         self.members = list(members)
         self.timeout_s = timeout_s
+        self.period = period  # steps between sync boundaries, where joiners are admitted
         self.published = 0  # the newest epoch the heartbeat thread has seen
+        self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
+        # Admission of joiners: the boundary this worker has committed to reach in this epoch
+        # (None: just regrouped), what it proposed, and the step all agreed on.
+        self._lock = threading.Lock()
+        self._horizon: int | None = None
+        self._proposal: int | None = None
+        self._target: int | None = None
 
     def store(self):
         """The main thread's client (the heartbeat thread has its own). Reconnects after the
@@ -88,14 +114,82 @@ class Membership:
                 time.sleep(0.5)
 
     def changed(self) -> bool:
-        return self.published > self.epoch
+        """Members were lost since this worker's epoch began: abandon what waits on them."""
+        return self.published_leave > self.epoch
+
+    def joining(self) -> bool:
+        return self.published > self.epoch and not self.changed()
+
+    def observe(self, store, newest: int) -> None:
+        """The heartbeat thread's poll: learn of new epochs (and which lost members), and post
+        this worker's proposal for a join at once, so that peers waiting for it need not wait
+        for this worker's next step (it may be inside a collective that waits for them)."""
+        for e in range(self.published + 1, newest + 1):
+            if not store.check([f"kind/{e}"]) or store.get(f"kind/{e}") != b"join":
+                self.published_leave = max(self.published_leave, e)
+        self.published = max(self.published, newest)
+        if self.joining():
+            with self._lock:
+                if self._proposal is None and self._horizon is not None:
+                    self._propose(store, self._horizon)
+
+    def _boundary(self, step: int) -> int:
+        """The first sync boundary at or after ``step``."""
+        return -(-step // self.period) * self.period
+
+    def _propose(self, store, step: int) -> None:
+        store.set(f"at/{self.epoch}/{self.host}", str(step))
+        self._proposal = step
+
+    def admit_before(self, step: int) -> bool:
+        """At the start of ``step``: whether to regroup now, before it, to admit a joiner. Every
+        member of this epoch returns True at the same step (see the module's docstring)."""
+        with self._lock:
+            if self._horizon is None:
+                self._horizon = self._boundary(step - 1)
+            if not self.joining():
+                self._horizon = self._boundary(step)
+                return False
+            if self._proposal is None:
+                self._propose(self.store(), self._horizon)
+            if step - 1 < self._proposal:
+                return False  # this worker finishes the period it is in first
+        if self._target is None:
+            self._target = self._agree()
+        return step - 1 >= self._target
+
+    def _agree(self) -> int:
+        """The largest of the members' proposals, once all have posted one."""
+        store = self.store()
+        keys = [f"at/{self.epoch}/{h}" for h in self.members]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            self.observe(store, int(store.add("epoch", 0)))  # the heartbeat thread's job, sooner
+            if self.changed():  # a member was lost meanwhile: regroup for that first
+                raise MembershipChanged("a member was lost while a joiner waited")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the members of epoch {self.epoch} did not agree when to admit a joiner")
+            time.sleep(POLL_S)
+        return max(int(store.get(k)) for k in keys)
+
+    def request_join(self) -> None:
+        """A joiner asks the coordinator to be admitted; the epochs after the current one are
+        what it waits for."""
+        store = self.store()
+        self.epoch = self.published = self.published_leave = int(store.add("epoch", 0))
+        store.set(f"join/{self.host}", "1")
+
+    def finish(self) -> None:
+        """This member has left its training loop: a joiner still waiting will not be admitted."""
+        self.store().set("finished", "1")
 
     def wait_published(self, timeout_s: float) -> bool:
-        """After a collective failed on its own: is a new epoch coming? (False: the error was
-        not a lost member, and is the caller's to raise.)"""
+        """After a collective failed on its own: is an epoch that lost members coming? (False:
+        the error was not a lost member, and is the caller's to raise.)"""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.changed() or self._newest() > self.epoch:
+            self.observe(self.store(), self._newest())
+            if self.changed():
                 return True
             time.sleep(POLL_S)
         return False
@@ -105,19 +199,26 @@ class Membership:
 
     def next_epoch(self) -> tuple[int, list[int]]:
         """The newest epoch once all its members are ready to form it: hosts that fail while the
-        others wait make the coordinator publish yet another epoch, which is taken instead."""
+        others wait make the coordinator publish yet another epoch, which is taken instead. A
+        joiner (no members yet) waits past epochs that do not admit it."""
         store = self.store()
-        announced = -1
+        joiner = not self.members
+        announced, floor = -1, self.epoch
         deadline = time.monotonic() + self.timeout_s
         while True:
             epoch = self._newest()
-            if epoch <= self.epoch:
+            if epoch <= floor:
+                if joiner and store.check(["finished"]):
+                    raise RunFinished("the run finished before this joiner could be admitted")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no epoch after {self.epoch} was published in {self.timeout_s:.0f} s")
                 time.sleep(POLL_S)
                 continue
             members = parse_members(store.get(f"members/{epoch}").decode())
             if self.host not in members:
+                if joiner:
+                    floor = epoch
+                    continue
                 raise Excluded(
                     f"host {self.host} is not in epoch {epoch} ({members}): it was declared failed"
                 )
@@ -126,6 +227,8 @@ class Membership:
                 announced = epoch
             if store.check([f"ready/{epoch}/{h}" for h in members]):
                 return epoch, members
+            if joiner and store.check(["finished"]):  # admitted too late: the members are done
+                raise RunFinished("the run finished before this joiner could be admitted")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"members of epoch {epoch} ({members}) did not all get ready")
             time.sleep(POLL_S)
@@ -143,5 +246,15 @@ class Membership:
             world_size=len(members),
             timeout=timedelta(seconds=self.timeout_s),
         )
-        self.epoch, self.members = epoch, list(members)
-        self.published = max(self.published, epoch)
+        with self._lock:
+            self.epoch, self.members = epoch, list(members)
+            self.published = max(self.published, epoch)
+            self._horizon = self._proposal = self._target = None
+
+
+def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> int:
+    """How many hosts the run started with (a joiner's data shards are dealt over them)."""
+    store = dist.TCPStore(
+        addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+    return len(parse_members(store.get("members/0").decode()))

@@ -30,6 +30,7 @@ import torch
 
 MAGIC = b"GEOSNAP1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
+HEADER_BYTES = _HEADER.size
 PARTS = ("model", "optimizer", "sync", "codec", "rng", "progress")
 
 

@@ -71,23 +71,33 @@ class Epochs:
         self.epoch, self.live = 0, list(range(hosts))
         for e in _read_jsonl(self.path):  # a restarted coordinator publishes them again
             self.epoch, self.live = int(e["epoch"]), list(e["members"])
+            store.set(f"kind/{self.epoch}", "join" if e.get("joined") else "leave")
             store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
         store.set("members/0", ",".join(map(str, range(hosts))))
         store.add("epoch", self.epoch - store.add("epoch", 0))
 
-    def leave(self, gone: set[int], why: str) -> None:
-        gone = gone & set(self.live)
-        if not gone:
-            return
+    def _publish(self, kind: str, why: str, **change: list[int]) -> None:
         self.epoch += 1
-        self.live = [h for h in self.live if h not in gone]
-        # Members first: a trainer that sees the counter move reads them at once.
+        # Members and kind first: a trainer that sees the counter move reads them at once.
+        self.store.set(f"kind/{self.epoch}", kind)
         self.store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
         self.store.add("epoch", 1)
-        line = {"epoch": self.epoch, "members": self.live, "left": sorted(gone), "why": why}
-        line["at"] = time.time()
+        line = {"epoch": self.epoch, "members": self.live, **change, "why": why, "at": time.time()}
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def leave(self, gone: set[int], why: str) -> None:
+        gone = gone & set(self.live)
+        if gone:
+            self.live = [h for h in self.live if h not in gone]
+            self._publish("leave", why, left=sorted(gone))
+
+    def join(self, host: int) -> None:
+        """Admit a joiner: last in rank order, so rank 0 stays a survivor's (it writes the run's
+        summary from its whole history)."""
+        if host not in self.live:
+            self.live = [*self.live, host]
+            self._publish("join", "requested", joined=[host])
 
 
 def read_epochs(control_dir: Path) -> list[dict]:
@@ -128,9 +138,20 @@ def serve(
         if attempt < 0:
             continue
         if epochs is not None:  # the launcher's deathrattles: trainers that exited with an error
-            dead = {int(f.name.split("-")[1]) for f in control_dir.glob("dead-*")}
+            files = list(control_dir.glob("dead-*"))
+            dead = {int(f.name.split("-")[1]) for f in files}
             reported |= dead
             epochs.leave(dead, "exited")
+            for f in files:  # taken: the same host may come back as a joiner
+                f.unlink(missing_ok=True)
+            for h in range(hosts):
+                if h not in epochs.live and store.check([f"join/{h}"]):
+                    store.delete_key(f"join/{h}")
+                    # Watched afresh: its beats restart from where its predecessor's stopped.
+                    store.delete_key(f"bye/{attempt}/{h}")
+                    reported.discard(h)
+                    last.pop(h, None)
+                    epochs.join(h)
         now = time.monotonic()
         for h in range(hosts):
             key, bye = f"hb/{attempt}/{h}", f"bye/{attempt}/{h}"
@@ -192,7 +213,7 @@ class Heartbeat:
                     next_beat = time.monotonic() + BEAT_S
                 membership = self.membership
                 if membership is not None:  # a new epoch is news within a tenth of a second
-                    membership.published = max(membership.published, int(store.add("epoch", 0)))
+                    membership.observe(store, int(store.add("epoch", 0)))
             except Exception:  # the coordinator is away: keep trying
                 store = None
             self._stop.wait(EPOCH_POLL_S if self.membership is not None else BEAT_S)

@@ -57,6 +57,19 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     )
 
 
+def init_joiner(host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
+    """A replacement worker (``--join``): a world of one of its own until the members admit it
+    (``ft/membership.py``), so that its model, optimizer and algorithm are built as everywhere.
+    ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    return DistContext(host, hosts, 0, "nccl" if cuda else "gloo", device, 1, None)
+
+
 def shutdown_distributed(together: bool = True) -> None:
     """Leave the group. After success, leave together: a worker that tears its connections down
     while a peer is still finishing makes gloo abort that peer ("terminate called without an

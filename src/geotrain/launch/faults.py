@@ -33,11 +33,16 @@ class FaultRecord:
     sources: list[str] | None = None
     recover_s: float | None = None  # from detection to the first new step after the rollback
     exit_code: int | None = None
+    # With continue and restart=: the step after which the replacement was admitted, and the
+    # seconds from its start to its admission (the state handed over included).
+    rejoined_after_step: int | None = None
+    rejoin_s: float | None = None
     detected_at: float = 0.0  # wall clock, for recover_s; not reported
+    rejoin_started_at: float = 0.0  # wall clock, for rejoin_s; not reported
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["detected_at"]
+        del d["detected_at"], d["rejoin_started_at"]
         return d
 
 
@@ -83,15 +88,16 @@ class TimedChaos:
         """(Re)start the clocks: at launch and after each recovery."""
         self.next_at = [now + f.every_s for f in self.faults]
 
-    def poll(self, now: float, agent_pids: list[int]) -> None:
+    def poll(self, now: float, trainer_pids: list[int | None]) -> None:
+        """Fire what is due at a random live worker (``None``: not running, not a target)."""
         for i, f in enumerate(self.faults):
             if now < self.next_at[i]:
                 continue
-            rank = self.rng.randrange(len(agent_pids))
-            pid = trainer_pid(agent_pids[rank])
             self.next_at[i] = now + f.every_s
-            if pid is None:
+            live = [r for r, pid in enumerate(trainer_pids) if pid]
+            if not live:
                 continue
+            rank = self.rng.choice(live)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(trainer_pids[rank], signal.SIGKILL)
                 self.fired = (f, rank, time.time())

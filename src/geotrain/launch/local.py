@@ -37,7 +37,7 @@ from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.state import write_atomic
 from geotrain.launch.coordinator import read_verdicts
-from geotrain.launch.faults import FaultRecord, TimedChaos, last_step
+from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
     IFNAME,
@@ -94,16 +94,6 @@ class LaunchConfig:
 
 class RunFailed(RuntimeError):
     pass
-
-
-def unsupported_chaos(on_failure: str, faults: list) -> str | None:
-    """Why these faults cannot be injected under ``on_failure`` (None: they can)."""
-    if on_failure == "continue" and any(f.restart_s for f in faults):
-        return (
-            "--chaos ...,restart=S: a replacement joins only with --on-failure rollback "
-            "(continue does not admit joiners yet)"
-        )
-    return None
 
 
 def _free_port() -> int:
@@ -312,6 +302,43 @@ class _Hosts:
         self.logs = []
 
 
+def _host_env(cluster: EmulatedCluster | None, threads: int) -> dict[str, str]:
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
+        LOGLEVEL="WARNING",
+        # c10d warns that namespace addresses have no reverse DNS name; harmless.
+        TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+    )
+
+
+def _spawn(hosts: _Hosts, launch: LaunchConfig, cluster, i: int, cmd: list[str], threads: int, mode: str):
+    """Start host ``i``'s command (in its namespace), its output pumped to its log."""
+    if cluster:
+        cmd = cluster.exec_prefix(i) + cmd
+    log = (launch.run_dir / "logs" / f"host{i}.log").open(mode)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=_host_env(cluster, threads),
+        preexec_fn=_die_with_parent,
+    )
+    t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
+    t.start()
+    hosts.logs.append(log)
+    hosts.pumps.append(t)
+    return p
+
+
+def _heartbeat_spec(cluster, coordinator: subprocess.Popen, attempt: int, host: int) -> str:
+    addr = cluster.control_ip if cluster else "127.0.0.1"
+    return f"{addr}:{coordinator.port}:{attempt}:{host}"  # type: ignore[attr-defined]
+
+
 def _start_hosts(
     launch: LaunchConfig,
     cluster: EmulatedCluster | None,
@@ -322,44 +349,45 @@ def _start_hosts(
     coordinator: subprocess.Popen | None = None,
 ) -> _Hosts:
     """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
-    run_dir = launch.run_dir
     port = RDZV_PORT + attempt if cluster else _free_port()
     master = cluster.host_ip(0) if cluster else "127.0.0.1"
     hosts = _Hosts([], [], [])
     for i in range(launch.workers):
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS=str(threads),
-            PYTHONUNBUFFERED="1",
-            GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
-            LOGLEVEL="WARNING",
-            # c10d warns that namespace addresses have no reverse DNS name; harmless.
-            TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-        )
         cmd = _torchrun_command(launch.workers, i, master, port)
         host_cfg = replace(cfg, keeper=str(sockets[i])) if sockets else cfg
         if coordinator is not None:
-            addr = cluster.control_ip if cluster else "127.0.0.1"
-            host_cfg = replace(host_cfg, heartbeat=f"{addr}:{coordinator.port}:{attempt}:{i}")  # type: ignore[attr-defined]
+            host_cfg = replace(host_cfg, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, i))
         cmd += host_cfg.to_argv()
         cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
-        if cluster:
-            cmd = cluster.exec_prefix(i) + cmd
-        log = (run_dir / "logs" / f"host{i}.log").open("ab" if cfg.resume or attempt else "wb")
-        hosts.logs.append(log)
-        p = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        hosts.procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
-        t.start()
-        hosts.pumps.append(t)
+        mode = "ab" if cfg.resume or attempt else "wb"
+        hosts.procs.append(_spawn(hosts, launch, cluster, i, cmd, threads, mode))
     return hosts
+
+
+def _start_joiner(
+    hosts: _Hosts, launch: LaunchConfig, cluster, cfg: TrainConfig, host: int, threads: int, attempt: int,
+    coordinator: subprocess.Popen, faults: list,
+) -> subprocess.Popen:  # fmt: skip
+    """A replacement for ``host`` under continue: a plain trainer process (no torchrun: the
+    first rendezvous may be gone with its host) that asks the coordinator to be admitted."""
+    control = launch.run_dir / "control"
+    (control / f"exit-{host}").unlink(missing_ok=True)
+    if cluster is not None:
+        cluster.set_link(host, up=True)
+    joiner = replace(
+        cfg, join=True, keeper="", redundancy="off", chaos=join_chaos(faults),
+        heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
+    )  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "geotrain.train",
+        *joiner.to_argv(),
+        "--threads",
+        str(threads),
+        "--no-progress",
+    ]
+    return _spawn(hosts, launch, cluster, host, cmd, threads, "ab")
 
 
 def _start_coordinator(
@@ -421,12 +449,18 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
 
 def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
     """With continue, what each fault cost the survivors, from the trainers' regroup events: the
-    step they went on after, and so the steps they redid."""
+    step they went on after, and so the steps they redid; and when its replacement was admitted."""
     for record in records:
-        event = next((e for e in events if record.rank not in e["members"]), None)
+        after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
+        event = next((e for e in after if record.rank not in e["members"]), None)
         if event is not None:
             record.rollback_to = event["step"]
             record.steps_lost = max(0, record.at_step - event["step"])
+        if record.rejoin_started_at:
+            admitted = next((e for e in after if record.rank in e.get("joined", [])), None)
+            if admitted is not None:
+                record.rejoined_after_step = admitted["step"]
+                record.rejoin_s = round(admitted["at"] - record.rejoin_started_at, 2)
 
 
 def _read_faults(run_dir: Path) -> list[FaultRecord]:
@@ -545,8 +579,6 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     try:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
-        if elastic and (why := unsupported_chaos(launch.on_failure, faults)):
-            raise RunFailed(why)
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
         coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
@@ -554,6 +586,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         for rank in range(launch.workers):  # what an earlier launch wrote past this start is void
             metrics_up_to(run_dir, rank, start_step)
         dead: set[int] = set()  # with continue: hosts the survivors went on without
+        rejoin: dict[int, tuple[float, FaultRecord]] = {}  # with continue: replacements due
+        handled: set[tuple[int, float]] = set()  # silent verdicts acted on (host, when)
+        joiners: set[int] = set()
         while True:
             if hosts is None:
                 if coordinator is not None:
@@ -565,7 +600,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                         cluster.set_link(i, up=True)
                 hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
                 started_wall = time.time()
-                timed.arm(time.monotonic())
+                armed = False  # timed faults count from the first step: not during start-up
             recovering = records[-1] if len(records) > prior and records[-1].recover_s is None else None
             failed, silent_s, seen_bad = None, 0.0, []
             while True:
@@ -583,11 +618,25 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 silent = [
                     v for v in (read_verdicts(control, attempt) if coordinator is not None else [])
                     if codes[v["host"]] is None and v["host"] not in dead
+                    and (v["host"], v["at"]) not in handled
                 ]  # fmt: skip
                 if silent:
                     failed, silent_s = silent[0]["host"], silent[0]["silent_s"]
+                    handled.add((failed, silent[0]["at"]))
                     break
                 now = time.monotonic()
+                for h, (due, fault) in list(rejoin.items()):
+                    if now >= due and coordinator is not None:
+                        del rejoin[h]
+                        hosts.procs[h] = _start_joiner(
+                            hosts, launch, cluster, cfg, h, threads, attempt, coordinator, faults
+                        )
+                        dead.discard(h)
+                        joiners.add(h)  # its process is the trainer itself, not torchrun's agent
+                        fault.rejoin_started_at = time.time()
+                        print(
+                            f"geotrain: a replacement for host {h} asks to join", file=sys.stderr, flush=True
+                        )
                 if now > deadline:
                     raise RunFailed(
                         f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
@@ -597,8 +646,14 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     _write_faults(run_dir, records)
                     recovering = None
-                if progress < cfg.steps and not any(c == 0 for c in codes):  # never at the finish
-                    timed.poll(now, [0 if i in dead else p.pid for i, p in enumerate(hosts.procs)])
+                if not armed and progress > start_step:
+                    timed.arm(now)
+                    armed = True
+                if armed and progress < cfg.steps and not any(c == 0 for c in codes):  # not at the end
+                    timed.poll(now, [
+                        None if i in dead else p.pid if i in joiners else trainer_pid(p.pid)
+                        for i, p in enumerate(hosts.procs)
+                    ])  # fmt: skip
                 if coordinator is not None and coordinator.poll() is not None:
                     coordinator = _restart_coordinator(launch, cluster, coordinator)
                 time.sleep(0.1)
@@ -672,15 +727,18 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 record.rollback_to = furthest  # nobody goes back: the survivors keep their steps
                 _write_faults(run_dir, records)
                 left = launch.workers - len(dead)
-                if left < launch.min_workers:
+                if restart_s:
+                    rejoin[failed] = (time.monotonic() + restart_s, record)
+                if left < launch.min_workers and not rejoin:
                     raise RunFailed(
                         f"host {failed} {what}; {left} workers left, fewer than --min-workers "
                         f"{launch.min_workers}. The keepers hold the snapshots taken before the first "
                         f"fault: geotrain run --resume {run_dir}{log_tail}"
                     )
+                then = f"; a replacement comes in {restart_s:g} s" if restart_s else ""
                 print(
                     f"geotrain: host {rank} failed after step {furthest} ({kind}); the {left} others "
-                    "go on without it",
+                    f"go on without it{then}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -121,6 +121,11 @@ class SyncAlgorithm:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
         periodic methods' averaging at a sync boundary), on the new group."""
 
+    def sync_period(self) -> int:
+        """Steps between the points where every replica has synchronised all it will (a joiner
+        is admitted at one of them): every step for per-step methods."""
+        return 1
+
     def default_snapshot_every(self) -> int:
         """Steps between snapshots unless the user says: per-step methods every 50 steps."""
         return 50

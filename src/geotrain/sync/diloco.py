@@ -85,6 +85,9 @@ class DiLoCo(SyncAlgorithm):
         if self.step_count % self.config.H == 0:
             self.outer_step()  # the anchor and momentum change only after the reduce succeeded
 
+    def sync_period(self) -> int:
+        return self.config.H
+
     def default_snapshot_every(self) -> int:
         return self.config.H  # each sync boundary, where the replicas share the most
 

@@ -67,6 +67,9 @@ class LocalSGD(SyncAlgorithm):
         if self.step_count % self.config.H == 0:
             self.average_parameters()  # a failed average wrote nothing back, or only some buckets
 
+    def sync_period(self) -> int:
+        return self.config.H
+
     def default_snapshot_every(self) -> int:
         return self.config.H  # each sync boundary, where the replicas share the most
 
