@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -155,6 +156,25 @@ def test_members_admit_a_joiner_at_the_same_sync_boundary_the_furthest_any_has_c
     assert store.get("at/0/0") == b"8"
     assert [m0.admit_before(t) for t in (10, 11, 12, 13)] == [False, False, False, True]
     assert [m1.admit_before(t) for t in (11, 12, 13)] == [False, False, True]
+
+
+def test_an_epoch_all_members_were_ready_for_is_taken_even_when_a_newer_one_appears(tmp_path):
+    """Host 0 is ready for epoch 1 and waits for host 1; a joiner's epoch 2 appears; then host 1
+    says it is ready for epoch 1 and forms it. Host 0 must form epoch 1 too, not wait in 2."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    host0 = Membership("127.0.0.1", store.port, 0, [0, 1, 2], timeout_s=5.0)
+
+    def later():
+        epochs.join(2)
+        time.sleep(0.3)
+        store.set("ready/1/1", "1")
+
+    timer = threading.Timer(0.3, later)
+    timer.start()
+    assert host0.next_epoch() == (1, [0, 1])
+    timer.join()
 
 
 def test_a_member_that_waits_to_admit_a_joiner_regroups_for_a_lost_member_instead(tmp_path):

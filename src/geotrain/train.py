@@ -297,7 +297,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     keeper = KeeperClient(cfg.keeper) if cfg.keeper else None
     progress0: dict[str, Any] = {"step": 0, "train_s": 0.0, "eval_s": 0.0, "wall_s": 0.0, "val_loss": None}
     resumed = None
-    if not cfg.resume and snap_dir is not None:
+    if not cfg.resume and not cfg.join and snap_dir is not None:
         # A fresh run in a used directory: an old run's snapshots must never be resumed as its own.
         shutil.rmtree(snap_dir / f"rank{ctx.rank}", ignore_errors=True)
     if cfg.resume:
@@ -409,12 +409,16 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             isinstance(error, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
         ):
             raise error
+        previous = list(membership.members)
         while True:
             try:
                 event = regroup(
-                    membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done
-                )
+                    membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
+                    previous,
+                )  # fmt: skip
                 break
+            except (Excluded, RunFinished):
+                raise
             except RuntimeError as e:  # a member lost while the group formed: regroup again
                 if not (
                     isinstance(e, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)

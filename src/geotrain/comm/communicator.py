@@ -336,7 +336,8 @@ class Communicator:
         self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]
     ) -> None:
         """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
-        message between two workers is told from the others between them by its tag."""
+        message between two workers is told from the others between them by its tag. Not
+        interruptible by a new epoch (see below): used only inside a regroup."""
         if self.world_size == 1 or not (sends or recvs):
             return
         start = time.perf_counter()
@@ -352,8 +353,11 @@ class Communicator:
             self.stats.sent_bytes += t.numel() * t.element_size()
         for t, _, _ in recvs:
             self.stats.recv_bytes += t.numel() * t.element_size()
+        # Plain waits: gloo takes a timed-out wait on a send or receive for a failed transfer and
+        # closes the group's connections, so these cannot be polled like collectives. A lost
+        # peer's connection error still ends them; a frozen one holds them to the group timeout.
         for work in works:
-            self._wait(work)
+            work.wait()
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work) -> None:

@@ -125,13 +125,15 @@ def regroup(
     status: StepStatus,
     backend: str = "gloo",
     tokens: int = 0,
+    previous: list[int] | None = None,
 ) -> dict[str, Any]:
     """Join the newest epoch and agree where training goes on. Returns the event for the summary:
     ``resume`` is the agreed status (every member is now at it), ``tokens`` the leader's count.
-    A joiner comes with ``StepStatus(-1, False)``: behind everyone, it receives their state."""
+    A joiner comes with ``StepStatus(-1, False)``: behind everyone, it receives their state.
+    ``previous``: the members before this regroup (a retried one has changed them already)."""
     t0 = time.perf_counter()
     epoch, members = membership.next_epoch()
-    before = membership.members
+    before = membership.members if previous is None else previous
     t_join = time.perf_counter()
     membership.join(epoch, members, backend)
     comm.rebind(None)

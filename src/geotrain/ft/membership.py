@@ -163,7 +163,10 @@ class Membership:
         store = self.store()
         keys = [f"at/{self.epoch}/{h}" for h in self.members]
         deadline = time.monotonic() + self.timeout_s
+        mine = f"at/{self.epoch}/{self.host}"
         while not store.check(keys):
+            if not store.check([mine]):  # a restarted coordinator's store: post it again
+                store.set(mine, str(self._proposal))
             self.observe(store, int(store.add("epoch", 0)))  # the heartbeat thread's job, sooner
             if self.changed():  # a member was lost meanwhile: regroup for that first
                 raise MembershipChanged("a member was lost while a joiner waited")
@@ -199,13 +202,20 @@ class Membership:
 
     def next_epoch(self) -> tuple[int, list[int]]:
         """The newest epoch once all its members are ready to form it: hosts that fail while the
-        others wait make the coordinator publish yet another epoch, which is taken instead. A
-        joiner (no members yet) waits past epochs that do not admit it."""
+        others wait make the coordinator publish yet another epoch, which is taken instead. But
+        an epoch this worker said it was ready for, and all its members were, is the one taken,
+        even if a newer one has appeared: a member that saw them all ready is forming it already.
+        A joiner (no members yet) waits past epochs that do not admit it, and, once one does, as
+        long as the members take to reach their sync boundary."""
         store = self.store()
         joiner = not self.members
-        announced, floor = -1, self.epoch
+        announced: dict[int, list[int]] = {}  # epochs this worker said it was ready for
+        floor = self.epoch
         deadline = time.monotonic() + self.timeout_s
         while True:
+            for e, members in sorted(announced.items()):
+                if store.check([f"ready/{e}/{h}" for h in members]):
+                    return e, members
             epoch = self._newest()
             if epoch <= floor:
                 if joiner and store.check(["finished"]):
@@ -222,14 +232,13 @@ class Membership:
                 raise Excluded(
                     f"host {self.host} is not in epoch {epoch} ({members}): it was declared failed"
                 )
-            if announced != epoch:
+            if epoch not in announced:
                 store.set(f"ready/{epoch}/{self.host}", "1")
-                announced = epoch
-            if store.check([f"ready/{epoch}/{h}" for h in members]):
-                return epoch, members
+                announced[epoch] = members
+                continue
             if joiner and store.check(["finished"]):  # admitted too late: the members are done
                 raise RunFinished("the run finished before this joiner could be admitted")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not joiner:
                 raise TimeoutError(f"members of epoch {epoch} ({members}) did not all get ready")
             time.sleep(POLL_S)
 

@@ -144,6 +144,8 @@ def serve(
             epochs.leave(dead, "exited")
             for f in files:  # taken: the same host may come back as a joiner
                 f.unlink(missing_ok=True)
+            for h in dead:  # a joiner that died before its request was taken
+                store.delete_key(f"join/{h}")
             for h in range(hosts):
                 if h not in epochs.live and store.check([f"join/{h}"]):
                     store.delete_key(f"join/{h}")

@@ -375,7 +375,7 @@ def _start_joiner(
     if cluster is not None:
         cluster.set_link(host, up=True)
     joiner = replace(
-        cfg, join=True, keeper="", redundancy="off", chaos=join_chaos(faults),
+        cfg, join=True, keeper="", redundancy="off", chaos=join_chaos(faults), resume=False, resume_step=0,
         heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
     )  # fmt: skip
     cmd = [
@@ -641,7 +641,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     raise RunFailed(
                         f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
                     )
-                progress = last_step(run_dir, live[0])[0]
+                progress = last_step(run_dir, ([i for i in live if i not in joiners] or live)[0])[0]
                 if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     _write_faults(run_dir, records)
@@ -651,7 +651,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     armed = True
                 if armed and progress < cfg.steps and not any(c == 0 for c in codes):  # not at the end
                     timed.poll(now, [
-                        None if i in dead else p.pid if i in joiners else trainer_pid(p.pid)
+                        None if i in dead or p.poll() is not None
+                        else p.pid if i in joiners else trainer_pid(p.pid)
                         for i, p in enumerate(hosts.procs)
                     ])  # fmt: skip
                 if coordinator is not None and coordinator.poll() is not None:
@@ -729,7 +730,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 left = launch.workers - len(dead)
                 if restart_s:
                     rejoin[failed] = (time.monotonic() + restart_s, record)
-                if left < launch.min_workers and not rejoin:
+                if left < launch.min_workers and not (rejoin and left):  # nobody left to admit one
                     raise RunFailed(
                         f"host {failed} {what}; {left} workers left, fewer than --min-workers "
                         f"{launch.min_workers}. The keepers hold the snapshots taken before the first "
