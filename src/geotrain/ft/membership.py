@@ -246,6 +246,10 @@ class Membership:
         """Leave the old default group without a word to it and form the new one."""
         gc.collect()  # pending works and DDP reducers of the old group go first
         if dist.is_initialized():
+            # Never freed: its destructor joins its threads, and one may wait on a live peer for
+            # data of an abandoned collective that only that peer's own destructor would cut off
+            # (each waiting for the other: seen with four hosts, a kill in DiLoCo's all-reduce).
+            retire(dist.group.WORLD)
             dist.destroy_process_group()
         gc.collect()
         dist.init_process_group(
