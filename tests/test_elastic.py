@@ -136,6 +136,9 @@ def test_a_joiner_gets_an_epoch_of_its_own_last_in_rank_order_and_a_lost_host_ca
         (1, [0], None),
         (2, None, [0]),
     ]
+    store.set("ready/2/0", "1")  # the joiner waits, ready, for the members' boundary
+    epochs.leave({0}, "exited")  # and is killed there: its mark must not complete epoch 2
+    assert not store.check(["ready/2/0"])
     fresh = _master()
     Epochs(fresh, tmp_path, 3)  # a restarted coordinator: the kinds come back too
     assert (fresh.get("kind/1"), fresh.get("kind/2"), fresh.get("members/2")) == (b"leave", b"join", b"1,2,0")

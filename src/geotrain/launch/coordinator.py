@@ -89,6 +89,11 @@ class Epochs:
     def leave(self, gone: set[int], why: str) -> None:
         gone = gone & set(self.live)
         if gone:
+            # Their ready marks are void: an epoch would look complete with a member that is
+            # gone (a joiner is ready long before it is admitted), and its group never forms.
+            for e in range(1, self.epoch + 1):
+                for h in gone:
+                    self.store.delete_key(f"ready/{e}/{h}")
             self.live = [h for h in self.live if h not in gone]
             self._publish("leave", why, left=sorted(gone))
 
