@@ -155,7 +155,7 @@ def test_unknown_command():
     proc = _run(["fly"])
     assert (
         proc.returncode == 2
-        and "unknown command 'fly'; accepted: train, run, profile, plan, bench, sweep" in proc.stderr
+        and "unknown command 'fly'; accepted: train, run, profile, plan, bench, soak, sweep" in proc.stderr
     )
 
 

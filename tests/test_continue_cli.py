@@ -109,8 +109,9 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
 @pytest.mark.parametrize(
     "algo, chaos, period",
     [
-        ("localsgd", "kill:step=6,rank=1,restart=0.5", 4),
-        ("ddp", "kill:step=4,rank=0,restart=0.5", 1),  # the first epoch's rank 0 comes back
+        # The first epoch's rank 0 comes back. (Local SGD's admission at a multiple of H is the
+        # same path; its agreement on the boundary is tested in test_elastic.py.)
+        ("ddp", "kill:step=4,rank=0,restart=0.5", 1),
     ],
 )
 @pytest.mark.usefixtures("no_leftovers")

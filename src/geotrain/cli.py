@@ -533,7 +533,7 @@ def _cmd_soak(argv: list[str]) -> int:
         "--steps",
         type=int,
         default=job.steps,
-        help="steps of each run (4 mini hosts at 100mbit: ~45 a minute)",
+        help="steps of each run (4 mini hosts at 100mbit, diloco: ~19 a minute undisturbed)",
     )
     p.add_argument("--eval-every", dest="eval_every", type=int, default=job.eval_every)
     p.add_argument(

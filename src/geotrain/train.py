@@ -449,6 +449,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             )
         event.update(at_step=status.committed + 1, step=resume.done, at=round(time.time(), 3))
         events.append(event)
+        if run_dir is not None:  # every host's view: the summary's writer may have joined late
+            with (
+                contextlib.suppress(OSError),
+                (run_dir / "control" / f"regroups-h{host}.jsonl").open("a") as f,
+            ):
+                f.write(json.dumps(dict(event, host=host)) + "\n")
         print(
             f"geotrain: host {host}: epoch {event['epoch']} with hosts {event['members']}; training "
             f"goes on after step {event['step']} (regrouped in {event['regroup_s']:.2f} s)",

@@ -447,17 +447,47 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
     return code
 
 
+def _regroup_events(control: Path) -> list[dict]:
+    """Every epoch the trainers formed, oldest first, merged over the hosts' own records (the
+    summary's writer knows only those since it joined): the slowest member's times."""
+    merged: dict[int, dict] = {}
+    for path in sorted(control.glob("regroups-h*.jsonl")):
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    e = json.loads(line)
+                    e.pop("host", None)
+                    m = merged.setdefault(e["epoch"], e)
+                    for k in ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s"):
+                        m[k] = max(m.get(k, 0.0), e.get(k, 0.0))
+                    m["at"] = min(m.get("at", e.get("at", 0)), e.get("at", 0))
+                    m["joined"] = sorted(set(m.get("joined", [])) | set(e.get("joined", [])))
+                    m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
+    return [merged[e] for e in sorted(merged)]
+
+
 def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
     """With continue, what each fault cost the survivors, from the trainers' regroup events: the
     step they went on after, and so the steps they redid; and when its replacement was admitted."""
     for record in records:
         after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
-        event = next((e for e in after if record.rank not in e["members"]), None)
+        event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
         if event is not None:
             record.rollback_to = event["step"]
             record.steps_lost = max(0, record.at_step - event["step"])
         if record.rejoin_started_at:
-            admitted = next((e for e in after if record.rank in e.get("joined", [])), None)
+            # Before the same host fails again: a replacement killed while it waited has none.
+            again = [
+                r.detected_at for r in records if r.rank == record.rank and r.detected_at > record.detected_at
+            ]
+            admitted = next(
+                (
+                    e
+                    for e in after
+                    if record.rank in e.get("joined", []) and e["at"] < min(again, default=1e18)
+                ),
+                None,
+            )
             if admitted is not None:
                 record.rejoined_after_step = admitted["step"]
                 record.rejoin_s = round(admitted["at"] - record.rejoin_started_at, 2)
@@ -798,7 +828,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         raise RunFailed(f"the hosts finished but wrote no summary; see {run_dir}/logs")
     summary = json.loads(summary_path.read_text())
     if elastic:
-        _credit_regroups(records[prior:], summary.get("membership") or [])
+        summary["membership"] = _regroup_events(control) or summary.get("membership") or []
+        _credit_regroups(records[prior:], summary["membership"])
         _write_faults(run_dir, records)
     if records or launch.on_failure != "stop":
         summary["on_failure"] = launch.on_failure
