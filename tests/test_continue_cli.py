@@ -142,10 +142,14 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert s % period == 0 and fault["rejoined_after_step"] == s and 0 < fault["rejoin_s"] < 60
     # Stripes from both survivors where their copies are bitwise equal (all of it under DDP).
     assert joined["stripes"]["model"] == 2 and joined["handed_over_bytes"] > 0
-    digests = {
-        json.loads((run_dir / "control" / f"admitted-e2-h{h}.json").read_text())["param_digest"]
+    views = [
+        e
         for h in range(3)
-    }
+        for e in map(json.loads, (run_dir / "control" / f"regroups-h{h}.jsonl").read_text().splitlines())
+        if e["epoch"] == 2
+    ]
+    assert sorted(v["host"] for v in views) == [0, 1, 2]
+    digests = {v["param_digest"] for v in views}
     assert len(digests) == 1
     for h in survivors:
         assert [r["step"] for r in _records(run_dir, h)] == list(range(1, 401))

@@ -403,11 +403,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, snapshots_on, tokens_done
-        if membership is None or not (
+
+        def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
             # it takes to find one (an exit at once, a silent host after the fault timeout).
-            isinstance(error, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
-        ):
+            return isinstance(e, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
+
+        if membership is None or not lost_member(error):
             raise error
         previous = list(membership.members)
         while True:
@@ -420,9 +422,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             except (Excluded, RunFinished):
                 raise
             except RuntimeError as e:  # a member lost while the group formed: regroup again
-                if not (
-                    isinstance(e, MembershipChanged) or membership.wait_published(cfg.fault_timeout_s + 5)
-                ):
+                if not lost_member(e):
                     raise
         tokens_done = event.pop("tokens")
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
@@ -442,19 +442,17 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 file=sys.stderr,
                 flush=True,
             )
-        if event["joined"] and run_dir is not None:  # each member's view of the admission, for audit
-            view = {"epoch": event["epoch"], "step": resume.done, "param_digest": param_digest(model)}
-            write_atomic(
-                run_dir / "control" / f"admitted-e{event['epoch']}-h{host}.json", json.dumps(view).encode()
-            )
         event.update(at_step=status.committed + 1, step=resume.done, at=round(time.time(), 3))
         events.append(event)
         if run_dir is not None:  # every host's view: the summary's writer may have joined late
+            view = dict(event, host=host)
+            if event["joined"]:  # for audit: every member's parameters at an admission
+                view["param_digest"] = param_digest(model)
             with (
                 contextlib.suppress(OSError),
                 (run_dir / "control" / f"regroups-h{host}.jsonl").open("a") as f,
             ):
-                f.write(json.dumps(dict(event, host=host)) + "\n")
+                f.write(json.dumps(view) + "\n")
         print(
             f"geotrain: host {host}: epoch {event['epoch']} with hosts {event['members']}; training "
             f"goes on after step {event['step']} (regrouped in {event['regroup_s']:.2f} s)",

@@ -113,7 +113,7 @@ def _hand_over(comm: Communicator, statuses: list[StepStatus], model, optimizer,
         sync.load_state_dict(dict(got["sync"]))
         if param_digest(model) != digest:
             raise CorruptSnapshot("the parameters received differ from the leader's after loading")
-    return {"handed_over_bytes": total if behind else 0, "stripes": stripes if behind else {}}
+    return {"handed_over_bytes": total, "stripes": stripes}
 
 
 def regroup(

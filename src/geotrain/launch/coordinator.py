@@ -49,8 +49,8 @@ def _store(host: str, port: int, master: bool, timeout_s: float):
     )
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file the coordinator appends to (none if it is not there; a
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file appended to as things happen (none if it is not there; a
     line cut short by a crash is skipped)."""
     try:
         lines = path.read_text().splitlines()
@@ -69,7 +69,7 @@ class Epochs:
     def __init__(self, store, control_dir: Path, hosts: int) -> None:
         self.store, self.path = store, control_dir / "epochs.jsonl"
         self.epoch, self.live = 0, list(range(hosts))
-        for e in _read_jsonl(self.path):  # a restarted coordinator publishes them again
+        for e in read_jsonl(self.path):  # a restarted coordinator publishes them again
             self.epoch, self.live = int(e["epoch"]), list(e["members"])
             store.set(f"kind/{self.epoch}", "join" if e.get("joined") else "leave")
             store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
@@ -107,7 +107,7 @@ class Epochs:
 
 def read_epochs(control_dir: Path) -> list[dict]:
     """The epochs published so far (after the first), oldest first."""
-    return _read_jsonl(control_dir / "epochs.jsonl")
+    return read_jsonl(control_dir / "epochs.jsonl")
 
 
 def serve(
@@ -189,7 +189,7 @@ def serve(
 
 def read_verdicts(control_dir: Path, attempt: int) -> list[dict]:
     """The hosts found silent during launch ``attempt`` (for the launcher)."""
-    return [v for v in _read_jsonl(control_dir / "verdicts.jsonl") if v.get("attempt") == attempt]
+    return [v for v in read_jsonl(control_dir / "verdicts.jsonl") if v.get("attempt") == attempt]
 
 
 class Heartbeat:

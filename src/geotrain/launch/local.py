@@ -36,7 +36,7 @@ from typing import IO
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.state import write_atomic
-from geotrain.launch.coordinator import read_verdicts
+from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
@@ -452,17 +452,14 @@ def _regroup_events(control: Path) -> list[dict]:
     summary's writer knows only those since it joined): the slowest member's times."""
     merged: dict[int, dict] = {}
     for path in sorted(control.glob("regroups-h*.jsonl")):
-        with contextlib.suppress(OSError):
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    e = json.loads(line)
-                    e.pop("host", None)
-                    m = merged.setdefault(e["epoch"], e)
-                    for k in ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s"):
-                        m[k] = max(m.get(k, 0.0), e.get(k, 0.0))
-                    m["at"] = min(m.get("at", e.get("at", 0)), e.get("at", 0))
-                    m["joined"] = sorted(set(m.get("joined", [])) | set(e.get("joined", [])))
-                    m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
+        for e in read_jsonl(path):
+            e.pop("host", None)
+            e.pop("param_digest", None)  # each member's own
+            m = merged.setdefault(e["epoch"], e)
+            for k in ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s", "handed_over_bytes"):
+                m[k] = max(m.get(k, 0), e.get(k, 0))
+            m["at"] = min(m["at"], e["at"])
+            m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
     return [merged[e] for e in sorted(merged)]
 
 
@@ -477,16 +474,16 @@ def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
             record.steps_lost = max(0, record.at_step - event["step"])
         if record.rejoin_started_at:
             # Before the same host fails again: a replacement killed while it waited has none.
-            again = [
-                r.detected_at for r in records if r.rank == record.rank and r.detected_at > record.detected_at
-            ]
-            admitted = next(
+            until = min(
                 (
-                    e
-                    for e in after
-                    if record.rank in e.get("joined", []) and e["at"] < min(again, default=1e18)
+                    r.detected_at
+                    for r in records
+                    if r.rank == record.rank and r.detected_at > record.detected_at
                 ),
-                None,
+                default=float("inf"),
+            )
+            admitted = next(
+                (e for e in after if record.rank in e.get("joined", []) and e["at"] < until), None
             )
             if admitted is not None:
                 record.rejoined_after_step = admitted["step"]
