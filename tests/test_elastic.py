@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from geotrain.comm.communicator import wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
-from geotrain.ft.elastic import StepStatus, owned_shards
+from geotrain.ft.elastic import StepStatus, catching_up, owned_shards
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
 
@@ -50,6 +50,22 @@ def test_a_sampler_reads_only_the_shards_it_holds_and_never_across_two():
 def test_the_agreed_point_is_the_furthest_any_survivor_got():
     assert max([StepStatus(4, True), StepStatus(5, False), StepStatus(4, False)]) == StepStatus(5, False)
     assert StepStatus(4, True) > StepStatus(4, False)
+
+
+def test_who_adopts_the_leaders_state():
+    S = StepStatus
+    # Per-step methods: everyone not at the furthest step.
+    assert catching_up([S(5, False), S(4, False), S(5, False)], 1) == [1]
+    assert catching_up([S(5, False), S(5, False)], 1) == []
+    # Periodic (H=10): local steps drift between syncs; the same syncs done is consistent,
+    # an averaging that failed (19, True) is met by a member still before it (17, False).
+    assert catching_up([S(13, False), S(16, False), S(11, False)], 10) == []
+    assert catching_up([S(19, True), S(17, False)], 10) == []
+    # ...but one that finished the averaging (20) leads those whose copy of it failed (19, True).
+    assert catching_up([S(19, True), S(20, False), S(19, True)], 10) == [0, 2]
+    # A joiner (-1) is behind every sync.
+    assert catching_up([S(20, False), S(20, False), S(-1, False)], 10) == [2]
+    assert catching_up([S(3, False), S(-1, False)], 10) == [1]
 
 
 class _Work:
@@ -207,20 +223,23 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         rounds = []
-        for algo in ("ssgd", "localsgd", "ddp"):  # built by the first epoch's three workers
+        for algo in ("ssgd", "localsgd", "drift", "ddp"):  # built by the first epoch's three workers
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
             comm = Communicator(membership=membership)
-            rounds.append((algo, model, optimizer, build_sync(algo, model, optimizer, comm, {"H": 4})))
+            method = "localsgd" if algo == "drift" else algo
+            rounds.append((algo, model, optimizer, build_sync(method, model, optimizer, comm, {"H": 4})))
         if host == 2:
             os._exit(0)  # lost
         results = {}
         for algo, model, optimizer, sync in rounds:
             comm = sync.comm
-            status = {"ssgd": StepStatus(5 - host, False), "localsgd": StepStatus(3, True)}.get(
-                algo, StepStatus(2, False)
-            )
+            status = {
+                "ssgd": StepStatus(5 - host, False),
+                "localsgd": StepStatus(3, True),
+                "drift": StepStatus(5 + host, False),
+            }.get(algo, StepStatus(2, False))
             with torch.no_grad():  # replicas that differ, as after a failure
                 for p in model.parameters():
                     p.add_(host + 1)
@@ -256,7 +275,9 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     """Host 2 leaves. ssgd: host 0 finished step 5, host 1 only step 4 (its collective failed
     where host 0's had finished): host 1 adopts host 0's model, optimizer and step, bitwise.
     localsgd: both applied step 4 locally and their average failed: it is redone over the two,
-    giving exactly their mean. ddp: a new wrapper on the new group averages the two gradients."""
+    giving exactly their mean. localsgd between syncs (H=4), host 0 at step 5 and host 1 at 6:
+    nothing moves, each goes on from its own step. ddp: a new wrapper on the new group averages
+    the two gradients."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
@@ -296,7 +317,15 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
         torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
     assert not torch.equal(l0["before"][0], l1["before"][0])
 
+    for h, r in enumerate((h0["drift"], h1["drift"])):
+        event = r["event"]
+        assert event["epoch"] == 3 and event["behind"] == [] and event["handed_over_bytes"] == 0
+        assert r["event"]["resume"] == StepStatus(5 + h, False) and r["step_count"] == 5 + h
+        assert r["event"]["furthest"] == 6
+        assert all(torch.equal(a, b) for a, b in zip(r["after"], r["before"], strict=True))
+    assert not torch.equal(h0["drift"]["after"][0], h1["drift"]["after"][0])
+
     d0, d1 = h0["ddp"], h1["ddp"]
-    assert d0["event"]["epoch"] == 3 and d0["event"]["members"] == [0, 1]
+    assert d0["event"]["epoch"] == 4 and d0["event"]["members"] == [0, 1]
     for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
         assert torch.equal(g0, g1)

@@ -12,6 +12,7 @@ import torch
 
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import ConfigError
+from geotrain.ft.atomic import write_atomic
 from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, serve, wait_ready
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, choose_step, preflight
@@ -25,7 +26,6 @@ from geotrain.ft.state import (
     restore,
     split,
     verify,
-    write_atomic,
 )
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync

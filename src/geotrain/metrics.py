@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
-from geotrain.ft.state import write_atomic
+from geotrain.ft.atomic import write_atomic
 
 
 class MetricsWriter:

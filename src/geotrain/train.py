@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from geotrain.comm.communicator import Communicator
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
+from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
 from geotrain.ft.membership import RETIRED, Excluded, Membership, MembershipChanged, RunFinished, first_hosts
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
-from geotrain.ft.state import capture, param_digest, write_atomic
+from geotrain.ft.state import capture, param_digest
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import DistContext, init_distributed, init_joiner, shutdown_distributed
@@ -380,6 +381,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
+    no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
 
     def one_step(x: torch.Tensor, y: torch.Tensor, step: int) -> bool:
         nonlocal phase, loss
@@ -402,7 +404,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
-        nonlocal tokens_per_step, snapshots_on, tokens_done
+        nonlocal tokens_per_step, snapshots_on, tokens_done, no_eval_through
 
         def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
@@ -425,6 +427,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 if not lost_member(e):
                     raise
         tokens_done = event.pop("tokens")
+        # A member behind the furthest (periodic methods: each goes on from its own step) must
+        # not wait in an evaluation the others have done or skipped.
+        no_eval_through = max(no_eval_through, event.pop("furthest"))
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
         if snapshots_on:
@@ -516,7 +521,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         }
         if membership is not None:
             record["workers"] = comm.world_size
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and no_eval_through < step < cfg.steps:
             # The mean over replicas of each replica's loss on the same batches.
             t_eval = time.perf_counter()
             try:

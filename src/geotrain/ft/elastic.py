@@ -7,13 +7,17 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
    (``ft/membership.py``); the algorithm drops what was bound to the old group;
 2. agree on a consistent point. Each survivor reports how far it got: ``committed`` (the last
    step it finished, synchronisation included) and ``local_done`` (step t's optimizer step was
-   applied but its synchronisation failed: a periodic method's sync boundary). Usually all report
-   the same, and nothing moves: per-step methods redo step t with the same batch (no survivor
-   applied it: their collectives come before the optimizer step), periodic methods redo only the
-   failed averaging among the survivors, keeping every survivor's local progress. A collective
-   can finish on some survivors and fail on others (the lost peer had sent its last chunk); then
-   the one that got furthest (the leader) sends its model, optimizer and algorithm state to the
-   others, who adopt it. Codec residuals and data streams stay with their owners;
+   applied but its synchronisation failed: a periodic method's sync boundary). Nothing moves
+   where that is consistent. Per-step methods all report the same step and redo it with the same
+   batch (no survivor applied it: their collectives come before the optimizer step). Periodic
+   methods (``sync_period() = H > 1``) run free between syncs, so survivors are at different
+   local steps when a fault stops them; as long as all have completed the same number of syncs,
+   each goes on from its own step: those whose averaging failed redo it (``retry_sync``) and the
+   others meet it at that boundary from their own ``after_step``. A collective can finish on some
+   survivors and fail on others (the lost peer had sent its last chunk); then the one that got
+   furthest (the leader) sends its model and algorithm state (its optimizer too where every
+   worker's is the same: S-SGD, DDP) to the others, who adopt it. Codec residuals and data
+   streams stay with their owners;
 3. the algorithm adapts to the new group (a new DDP wrapper; DreamDDP profiles and re-plans for
    the new worker count).
 
@@ -48,6 +52,16 @@ class StepStatus:
         return self.committed + int(self.local_done)
 
 
+def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
+    """The ranks that must adopt the leader's state: none where periodic members (``period`` > 1)
+    have all completed the same syncs (each goes on from its own local step), otherwise every
+    rank not at the furthest status (a joiner is at step -1, behind every sync)."""
+    best = max(statuses)
+    if period > 1 and len({s.committed // period for s in statuses}) == 1:
+        return []
+    return [r for r, s in enumerate(statuses) if s != best]
+
+
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     """The data shards (one per first-epoch host) this host reads from: its own, and, dealt in
     turn over the members, those of hosts that have left. Every worker computes the same deal."""
@@ -59,22 +73,23 @@ def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
 HANDED_OVER = ("model", "optimizer", "sync")  # not the codec: residuals stay with their owner
 
 
-def _hand_over(comm: Communicator, statuses: list[StepStatus], model, optimizer, sync) -> dict[str, Any]:
-    """The members behind the furthest status (a joiner; a survivor whose collective failed where
-    the leader's finished) receive the state of the members at it, and load it.
+def _hand_over(
+    comm: Communicator, statuses: list[StepStatus], behind: list[int], model, optimizer, sync
+) -> dict[str, Any]:
+    """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
+    finished) receive the state of the members at the furthest status, and load it.
 
     Each part (model, optimizer, algorithm state) is encoded by every member at the furthest
     status; where several hold it bitwise equal (the parameters after a sync; everything under
     S-SGD) it comes in stripes from all of them at once, point to point, so no single uplink
     carries it all; otherwise from the leader alone. The receiver checks each part's sha256 and,
     once loaded, that its parameters hash to the leader's. A joiner gets the optimizer only where
-    the algorithm keeps it equal on every worker (S-SGD, DDP); under the periodic methods each
-    worker's inner optimizer is its own, and a joiner starts a fresh one rather than wait for a
-    copy of another's (at 100 Mbit/s, 7 s for ``mini``'s AdamW moments). Returns bytes and stripes
-    per part handed over."""
+    the algorithm keeps it equal on every worker (S-SGD, DDP); under the local methods each
+    worker's inner optimizer is its own: a survivor keeps its own and a joiner starts a fresh one
+    rather than wait for a copy of another's (at 100 Mbit/s, 7 s for ``mini``'s AdamW moments).
+    Returns bytes and stripes per part handed over."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
-    behind = [r for r, s in enumerate(statuses) if s != best]
     leader = up[0]
     blobs: dict[str, memoryview] = {}
     mine = None
@@ -89,8 +104,7 @@ def _hand_over(comm: Communicator, statuses: list[StepStatus], model, optimizer,
         mine = (headers, param_digest(model), "optimizer" in sync.replicated_parts())
     metas = comm.all_gather_object(mine)
     headers, digest, shared_optimizer = metas[leader]
-    joiners_only = all(statuses[r].committed < 0 for r in behind)
-    parts = [p for p in HANDED_OVER if p != "optimizer" or shared_optimizer or not joiners_only]
+    parts = [p for p in HANDED_OVER if p != "optimizer" or shared_optimizer]
     sends, recvs, bufs, stripes, total = [], [], {}, {}, 0
     for tag, part in enumerate(parts):
         servers = [r for r in up if metas[r][0][part] == headers[part]]
@@ -128,7 +142,8 @@ def regroup(
     previous: list[int] | None = None,
 ) -> dict[str, Any]:
     """Join the newest epoch and agree where training goes on. Returns the event for the summary:
-    ``resume`` is the agreed status (every member is now at it), ``tokens`` the leader's count.
+    ``resume`` is where this member goes on from (the leader's status once it adopted the
+    leader's state, else its own), ``tokens`` the token count that goes with it.
     A joiner comes with ``StepStatus(-1, False)``: behind everyone, it receives their state.
     ``previous``: the members before this regroup (a retried one has changed them already)."""
     t0 = time.perf_counter()
@@ -141,23 +156,28 @@ def regroup(
     statuses = [StepStatus(c, d) for c, d, _ in reports]
     best = max(statuses)
     leader = statuses.index(best)
+    behind = catching_up(statuses, sync.sync_period())
     handed = {"handed_over_bytes": 0, "stripes": {}}
-    if any(s != best for s in statuses):
-        handed = _hand_over(comm, statuses, model, optimizer, sync)
+    if behind:
+        handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
+    mine = best if comm.rank in behind else status  # behind none: each at its own step
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     sync.rebind()
     t_redo = time.perf_counter()
-    if best.local_done:
-        sync.retry_sync()  # the failed averaging itself, on the new group: link time, not overhead
+    if mine.local_done:
+        # The failed averaging itself, on the new group: link time, not overhead. Members that
+        # had not reached this boundary meet it from their own after_step.
+        sync.retry_sync()
     return {
         "epoch": epoch,
         "members": members,
-        "resume": best,
+        "resume": mine,
         "joined": [m for m in members if m not in before] if before else [membership.host],
-        "behind": [m for m, s in zip(members, statuses, strict=True) if s != best],
+        "behind": [members[r] for r in behind],
         "leader": members[leader],
-        "tokens": reports[leader][2],
+        "furthest": best.done,  # collectives up to it (an evaluation) are behind every member
+        "tokens": reports[leader][2] if comm.rank in behind else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),
         "hand_over_s": round(t_handed - t_join, 3),

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geotrain.ft.state import write_atomic
+from geotrain.ft.atomic import write_atomic
 
 _LEN = struct.Struct("<I")
 KEEP_STEPS = 2

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geotrain.ft.atomic import write_atomic
 from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, disk_steps
 from geotrain.ft.redundancy import Redundancy, exchange, parse_redundancy, recv_blob, send_blob
 from geotrain.ft.state import (
@@ -38,7 +39,6 @@ from geotrain.ft.state import (
     new_memfd,
     seal_memfd,
     split,
-    write_atomic,
 )
 
 KEEP_ON_DISK = 2

@@ -23,7 +23,6 @@ import io
 import mmap
 import os
 import struct
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,18 +119,6 @@ def verify(blob: bytes | memoryview) -> bool:
     magic, length, digest = _HEADER.unpack(blob[: _HEADER.size])
     payload = blob[_HEADER.size :]
     return magic == MAGIC and len(payload) == length and hashlib.sha256(payload).digest() == digest
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers never see half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # -- a worker's state ---------------------------------------------------------------------------

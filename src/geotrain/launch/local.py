@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
-from geotrain.ft.state import write_atomic
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to

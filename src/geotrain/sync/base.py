@@ -123,7 +123,9 @@ class SyncAlgorithm:
 
     def sync_period(self) -> int:
         """Steps between the points where every replica has synchronised all it will (a joiner
-        is admitted at one of them): every step for per-step methods."""
+        is admitted at one of them): every step for per-step methods. A method returning H > 1
+        issues no collective between them: its replicas run free, and survivors of a fault go
+        on each from its own step (``ft/elastic.py``)."""
         return 1
 
     def default_snapshot_every(self) -> int:
