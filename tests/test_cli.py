@@ -242,7 +242,7 @@ def test_a_dead_host_fails_the_run_cleanly(tmp_path):
         workers = [
             ln.split()[0]
             for ln in _stray_processes(str(run_dir))
-            if "geotrain.train" in ln and "torch.distributed.run" not in ln
+            if "geotrain.train" in ln and "geotrain.launch.agent" not in ln
         ]
         assert len(workers) == 2
         os.kill(int(workers[-1]), signal.SIGKILL)

@@ -429,7 +429,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         tokens_done = event.pop("tokens")
         # A member behind the furthest (periodic methods: each goes on from its own step) must
         # not wait in an evaluation the others have done or skipped.
-        no_eval_through = max(no_eval_through, event.pop("furthest"))
+        no_eval_through = max(no_eval_through, event["furthest"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
         if snapshots_on:

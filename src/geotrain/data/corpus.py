@@ -92,7 +92,7 @@ def load_corpus(data: str | None = None) -> TokenCorpus:
         # 0.8 s, and every worker of every run loads the corpus.
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         where = f"{sys.version}:{stdlib}:{stdlib.stat().st_mtime_ns}"
-        key = "stdlib-{}-{}".format(sys.version.split()[0], hashlib.sha1(where.encode()).hexdigest()[:10])
+        key = f"stdlib-{sys.version.split()[0]}-{hashlib.sha1(where.encode()).hexdigest()[:10]}"
         tokens = _cached_bytes(key, lambda: _bytes_of(stdlib_files()))
         return _split(tokens, 256, f"the standard library of Python {sys.version.split()[0]}")
 

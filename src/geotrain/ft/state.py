@@ -23,6 +23,8 @@ import io
 import mmap
 import os
 import struct
+import sys
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -80,6 +82,30 @@ def param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def canonical(obj: Any) -> Any:
+    """``obj`` rebuilt so that equal states pickle to equal bytes on every worker.
+
+    Pickle refers back to an object it has written once (its memo) by identity: an optimizer
+    whose state a joiner loaded holds its own copies of the key strings that the original holds
+    once, so the same numbers pickled to different bytes, and members could not stripe a hand-over
+    (nor a snapshot's replicated part) from each other's copies. Plain containers are rebuilt
+    fresh and strings interned; anything else (tensors, numbers) is kept as it is."""
+    if isinstance(obj, str):
+        return sys.intern(obj)
+    if type(obj) is dict:
+        return {canonical(k): canonical(v) for k, v in obj.items()}
+    if type(obj) is OrderedDict:  # a module's state_dict, with the versions its loader reads
+        out = OrderedDict((canonical(k), canonical(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = canonical(obj._metadata)  # type: ignore[attr-defined]
+        return out
+    if type(obj) is list:
+        return [canonical(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(canonical(v) for v in obj)
+    return obj
+
+
 def encode(obj: Any) -> memoryview:
     """``obj`` (tensors, dicts, lists, numbers, strings) as framed, checksummed bytes.
 
@@ -88,7 +114,7 @@ def encode(obj: Any) -> memoryview:
     buf = io.BytesIO()
     buf.write(bytes(_HEADER.size))
     # Protocol 4 pickles ``bytes`` as they are; torch's default (2) inflates them 1.5x via latin-1.
-    torch.save(obj, buf, pickle_protocol=4)
+    torch.save(canonical(obj), buf, pickle_protocol=4)
     view = buf.getbuffer()
     payload = view[_HEADER.size :]
     view[: _HEADER.size] = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
@@ -204,7 +230,7 @@ def encode_to_memfd(obj: Any, name: str, fd: int | None = None) -> tuple[int, in
     fd = new_memfd(name) if fd is None else fd
     with os.fdopen(os.dup(fd), "wb") as f:
         f.write(bytes(_HEADER.size))
-        torch.save(obj, f, pickle_protocol=4)
+        torch.save(canonical(obj), f, pickle_protocol=4)
         size = f.tell()
     os.ftruncate(fd, size)  # pages reserved beyond the snapshot go back
     return fd, size

@@ -115,7 +115,11 @@ def _die_with_parent() -> None:
 
 # torchrun agents that do not host the rendezvous warn when the host agent exits first; harmless,
 # kept in the host logs, kept off the terminal.
-_QUIET = (b"failed to shutdown the rendezvous",)
+_QUIET = (  # written to the host's log, not echoed: the launcher reports the failure itself
+    b"failed to shutdown the rendezvous",
+    b"geotrain agent:",  # launch/agent.py
+    b"failed (exitcode: ",  # torchrun's log line for a trainer that died
+)
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
@@ -133,7 +137,7 @@ def _torchrun_command(n: int, host: int, master_addr: str, port: int) -> list[st
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "geotrain.launch.agent",  # torchrun, its failure report kept to the host's log
         "--nnodes",
         str(n),
         "--nproc-per-node",
@@ -358,7 +362,7 @@ def _start_hosts(
         if coordinator is not None:
             host_cfg = replace(host_cfg, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, i))
         cmd += host_cfg.to_argv()
-        cmd += ["--threads", str(threads), "--progress" if i == 0 else "--no-progress"]
+        cmd += ["--threads", str(threads), "--progress" if i == 0 and cfg.progress else "--no-progress"]
         mode = "ab" if cfg.resume or attempt else "wb"
         hosts.procs.append(_spawn(hosts, launch, cluster, i, cmd, threads, mode))
     return hosts
@@ -447,19 +451,35 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
     return code
 
 
+_REGROUP_TIMES = ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s")
+
+
 def _regroup_events(control: Path) -> list[dict]:
     """Every epoch the trainers formed, oldest first, merged over the hosts' own records (the
-    summary's writer knows only those since it joined): the slowest member's times."""
+    summary's writer knows only those since it joined): the times of the slowest member that was
+    one before (a joiner's own wait for the boundary is its ``rejoin_s``), ``step`` the earliest
+    step a member went on after (between syncs of the local methods each goes on from its own),
+    ``steps_redone`` the most finished steps any member redid, and at an admission how many
+    different parameter digests the members had (1: bitwise equal)."""
     merged: dict[int, dict] = {}
+    digests: dict[int, set] = {}
     for path in sorted(control.glob("regroups-h*.jsonl")):
         for e in read_jsonl(path):
-            e.pop("host", None)
-            e.pop("param_digest", None)  # each member's own
-            m = merged.setdefault(e["epoch"], e)
-            for k in ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s", "handed_over_bytes"):
-                m[k] = max(m.get(k, 0), e.get(k, 0))
+            host = e.pop("host", None)
+            digest = e.pop("param_digest", None)  # each member's own
+            m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0), "steps_redone": 0})
+            if digest is not None:
+                digests.setdefault(e["epoch"], set()).add(digest)
+            if host not in e["joined"]:
+                for k in _REGROUP_TIMES:
+                    m[k] = max(m[k], e.get(k, 0))
+                m["steps_redone"] = max(m["steps_redone"], e.get("at_step", 0) - 1 - e["step"])
+            m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
+            m["step"] = min(m["step"], e["step"])
             m["at"] = min(m["at"], e["at"])
             m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
+    for epoch, seen in digests.items():
+        merged[epoch]["param_digests"] = len(seen)
     return [merged[e] for e in sorted(merged)]
 
 
@@ -471,7 +491,7 @@ def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
         event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
         if event is not None:
             record.rollback_to = event["step"]
-            record.steps_lost = max(0, record.at_step - event["step"])
+            record.steps_lost = event.get("steps_redone", 0)
         if record.rejoin_started_at:
             # Before the same host fails again: a replacement killed while it waited has none.
             until = min(

@@ -1,0 +1,31 @@
+"""Each host's agent: torchrun itself (``torch.distributed.run``), with its report of a failed
+trainer kept out of the user's terminal.
+
+When a trainer dies (a fault, ``--chaos``), torchrun raises ``ChildFailedError`` and Python prints
+its 25-line traceback and report; the launcher echoes every host's output, so each lost host put
+that block between the progress lines, under the launcher's own one-line account of the same
+failure ("host 2 failed after step 7 (kill); ..."). Here the report becomes one line marked for
+the host's log only (``launch/local.py`` does not echo it); the exit code is torchrun's own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+
+LOG_ONLY = "geotrain agent:"  # lines the launcher writes to the host's log and does not echo
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(
+            f"{LOG_ONLY} the trainer (rank {rank}, pid {failure.pid}) exited with code "
+            f"{failure.exitcode} ({failure.signal_name()})",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
