@@ -62,3 +62,37 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 raise RuntimeError(f"rank {r} failed:\n{got['error']}")
             results.append(got["ok"])
         return results
+
+
+def _each_case(rank: int, world_size: int, fn, cases: list[tuple]) -> list:
+    # No case's error is caught: its peers would wait in that case's collectives while this
+    # rank went on to the next case's. The group fails as a whole, and every test of it with it.
+    return [fn(rank, world_size, *args) for args in cases]
+
+
+class Cases:
+    """Many calls of ``fn(rank, world_size, *args)`` on one gloo group of ``world_size``, run
+    together on first use: a group per call spent most of its time starting processes (each
+    imports torch). ``get(*args)`` returns that call's results by rank; if the group failed,
+    every ``get`` raises its error (once run, never again)."""
+
+    def __init__(self, fn, world_size: int, cases: list[tuple], timeout: float = 300.0) -> None:
+        self.fn, self.world_size, self.cases, self.timeout = fn, world_size, cases, timeout
+        self._results: list | None = None
+        self._error: BaseException | None = None
+
+    def get(self, *args) -> list:
+        keys = [repr(c) for c in self.cases]
+        if repr(args) not in keys:
+            raise KeyError(f"{args!r} is not among the cases of this group: add it to the list")
+        if self._results is None and self._error is None:
+            try:
+                self._results = run_workers(
+                    _each_case, self.world_size, self.fn, self.cases, timeout=self.timeout
+                )
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise RuntimeError(f"the group of {len(self.cases)} cases failed") from self._error
+        i = keys.index(repr(args))
+        return [r[i] for r in self._results]

@@ -10,7 +10,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import ConfigError, codec_names, make_codec
 from geotrain.compress.quantize import Sign
 from geotrain.sync import build_sync
-from helpers import run_workers
+from helpers import Cases, run_workers
 
 LOCAL_LOSSY = ["fp16", "bf16", "int8", "int4", "sign", "topk:ratio=0.05", "powersgd:rank=2", "acpsgd:rank=2"]
 ALL_SPECS = LOCAL_LOSSY + ["adatopk:ratio=0.05"]
@@ -181,6 +181,20 @@ def _compressed_mean_worker(rank, world_size, spec, steps):
     return {"results": results, "sent": sent, "estimates": estimates}
 
 
+MEAN_SPECS = ["fp16", "bf16", "topk:ratio=0.1", "adatopk:ratio=0.1"]
+TWO_PHASE_SPECS = ["int8", "int4", "sign"]
+SPECS_AT = {  # world size: every spec the tests below run there
+    2: MEAN_SPECS + TWO_PHASE_SPECS,
+    3: list(dict.fromkeys(TWO_PHASE_SPECS + ALL_SPECS)),
+    4: MEAN_SPECS,
+}
+
+
+MEAN_RUNS = {
+    n: Cases(_compressed_mean_worker, n, [(spec, 2) for spec in specs]) for n, specs in SPECS_AT.items()
+}
+
+
 def _decoded_input(spec: str, x: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
     """What the codec makes of one worker's first message, computed locally."""
     codec = make_codec(spec)
@@ -190,9 +204,9 @@ def _decoded_input(spec: str, x: list[torch.Tensor], world_size: int) -> list[to
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("spec", ["fp16", "bf16", "topk:ratio=0.1", "adatopk:ratio=0.1"])
+@pytest.mark.parametrize("spec", MEAN_SPECS)
 def test_compressed_mean_equals_mean_of_decompressed_inputs(world_size, spec):
-    out = run_workers(_compressed_mean_worker, world_size, spec, 1, timeout=90)
+    out = MEAN_RUNS[world_size].get(spec, 2)
     if spec.startswith("adatopk"):  # every worker keeps its own share of the values
         ratios = make_codec(spec).ratios_for([1.0 + r for r in range(world_size)])
         decoded = [
@@ -208,9 +222,9 @@ def test_compressed_mean_equals_mean_of_decompressed_inputs(world_size, spec):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("spec", ["int8", "int4", "sign"])
+@pytest.mark.parametrize("spec", TWO_PHASE_SPECS)
 def test_two_phase_quantised_mean_is_the_owner_requantised_mean_of_decoded_inputs(world_size, spec):
-    out = run_workers(_compressed_mean_worker, world_size, spec, 1, timeout=90)
+    out = MEAN_RUNS[world_size].get(spec, 2)
     codec = make_codec(spec)
     flats = [torch.cat([t.reshape(-1) for t in _inputs(r, 0)]) for r in range(world_size)]
     n = flats[0].numel()
@@ -260,7 +274,7 @@ def _lowrank_worker(rank, world_size, spec):
 @pytest.mark.parametrize("spec", ALL_SPECS)
 def test_bytes_on_the_wire_match_the_codec_estimate(spec):
     world_size = 3
-    out = run_workers(_compressed_mean_worker, world_size, spec, 2, timeout=90)
+    out = MEAN_RUNS[world_size].get(spec, 2)
     raw = 2 * (world_size - 1) * 4 * sum(torch.Size(s).numel() for s in SHAPES) // world_size
     for rank in range(world_size):
         for sent, estimate in zip(out[rank]["sent"], out[rank]["estimates"], strict=True):
@@ -303,21 +317,25 @@ def _train_with_codec(rank, world_size, algo, codec, steps=4):
     return {"synced": synced_params, "sent": comm.stats.sent_bytes - start, "state": sync.state_dict()}
 
 
-@pytest.mark.parametrize(
-    "algo,codec",
-    [
-        ("ssgd", "int8"),
-        ("ssgd", "acpsgd:rank=2"),
-        ("ssgd", "topk:ratio=0.05"),
-        ("ddp", "powersgd:rank=2"),
-        ("localsgd", "int4"),
-        ("diloco", "sign"),
-        ("dreamddp", "int8"),
-    ],
-)
+CODEC_CASES = [
+    ("ssgd", "int8"),
+    ("ssgd", "acpsgd:rank=2"),
+    ("ssgd", "topk:ratio=0.05"),
+    ("ddp", "powersgd:rank=2"),
+    ("localsgd", "int4"),
+    ("diloco", "sign"),
+    ("dreamddp", "int8"),
+]
+
+
+PLAIN = [(algo, "") for algo in dict.fromkeys(a for a, _ in CODEC_CASES)]
+CODEC_RUNS = Cases(_train_with_codec, 2, [*CODEC_CASES, *PLAIN, ("ssgd", "fp16")])
+
+
+@pytest.mark.parametrize("algo,codec", CODEC_CASES)
 def test_algorithms_with_a_codec_keep_replicas_identical_and_send_less(algo, codec):
-    a, b = run_workers(_train_with_codec, 2, algo, codec, timeout=120)
-    plain = run_workers(_train_with_codec, 2, algo, "", timeout=120)[0]
+    a, b = CODEC_RUNS.get(algo, codec)
+    plain = CODEC_RUNS.get(algo, "")[0]
     assert len(a["synced"]) >= 2
     for pa, pb in zip(a["synced"], b["synced"], strict=True):
         for x, y in zip(pa, pb, strict=True):
@@ -327,7 +345,7 @@ def test_algorithms_with_a_codec_keep_replicas_identical_and_send_less(algo, cod
 
 
 def test_ssgd_fp16_stays_close_to_uncompressed_ssgd():
-    fp16 = run_workers(_train_with_codec, 2, "ssgd", "fp16", timeout=120)[0]["synced"][-1]
-    plain = run_workers(_train_with_codec, 2, "ssgd", "", timeout=120)[0]["synced"][-1]
+    fp16 = CODEC_RUNS.get("ssgd", "fp16")[0]["synced"][-1]
+    plain = CODEC_RUNS.get("ssgd", "")[0]["synced"][-1]
     for x, y in zip(fp16, plain, strict=True):
         torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)

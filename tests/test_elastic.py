@@ -223,12 +223,12 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         rounds = []
-        for algo in ("ssgd", "localsgd", "drift", "ddp"):  # built by the first epoch's three workers
+        for algo in ("ssgd", "localsgd", "drift", "meet", "ddp"):  # built by the first epoch's 3 workers
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
             comm = Communicator(membership=membership)
-            method = "localsgd" if algo == "drift" else algo
+            method = "localsgd" if algo in ("drift", "meet") else algo
             rounds.append((algo, model, optimizer, build_sync(method, model, optimizer, comm, {"H": 4})))
         if host == 2:
             os._exit(0)  # lost
@@ -239,15 +239,18 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
                 "ssgd": StepStatus(5 - host, False),
                 "localsgd": StepStatus(3, True),
                 "drift": StepStatus(5 + host, False),
+                "meet": StepStatus(3, host == 0),  # host 1 had not applied step 4 yet
             }.get(algo, StepStatus(2, False))
             with torch.no_grad():  # replicas that differ, as after a failure
                 for p in model.parameters():
                     p.add_(host + 1)
             model(torch.ones(3, 8)).sum().backward()
             optimizer.step()
-            sync.step_count = 4 if algo == "localsgd" else status.committed
+            sync.step_count = 4 if algo == "localsgd" or status.local_done else status.committed
             before = [p.detach().clone() for p in model.parameters()]
             event = regroup(membership, comm, sync, model, optimizer, status)
+            if algo == "meet" and not status.local_done:
+                sync.after_step()  # its step 4 done: its average meets host 0's redone one
             results[algo] = {
                 "event": event,
                 "before": before,
@@ -276,8 +279,10 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     where host 0's had finished): host 1 adopts host 0's model, optimizer and step, bitwise.
     localsgd: both applied step 4 locally and their average failed: it is redone over the two,
     giving exactly their mean. localsgd between syncs (H=4), host 0 at step 5 and host 1 at 6:
-    nothing moves, each goes on from its own step. ddp: a new wrapper on the new group averages
-    the two gradients."""
+    nothing moves, each goes on from its own step. localsgd, host 0's average after step 4 failed
+    and host 1 had not finished step 4: host 0 redoes it in the regroup, host 1 meets it from its
+    own after_step, and both hold their mean. ddp: a new wrapper on the new group averages the two
+    gradients."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
@@ -325,7 +330,14 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
         assert all(torch.equal(a, b) for a, b in zip(r["after"], r["before"], strict=True))
     assert not torch.equal(h0["drift"]["after"][0], h1["drift"]["after"][0])
 
+    m0, m1 = h0["meet"], h1["meet"]
+    assert m0["event"]["behind"] == [] and m0["event"]["resume"] == StepStatus(3, True)
+    assert m1["event"]["resume"] == StepStatus(3, False) and m0["step_count"] == m1["step_count"] == 4
+    for a, b, x0, x1 in zip(m0["after"], m1["after"], m0["before"], m1["before"], strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
+
     d0, d1 = h0["ddp"], h1["ddp"]
-    assert d0["event"]["epoch"] == 4 and d0["event"]["members"] == [0, 1]
+    assert d0["event"]["epoch"] == 5 and d0["event"]["members"] == [0, 1]
     for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
         assert torch.equal(g0, g1)

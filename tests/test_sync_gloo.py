@@ -8,7 +8,7 @@ import torch
 from geotrain.comm.communicator import Communicator
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
-from helpers import run_workers
+from helpers import Cases, run_workers
 
 STEPS = 4
 BATCH, BLOCK = 2, 16
@@ -71,11 +71,43 @@ def _assert_close(a, b, atol=2e-6, rtol=1e-5):
         torch.testing.assert_close(pa, pb, atol=atol, rtol=rtol)
 
 
+SMALL_BUCKETS = {"bucket_mb": 0.05}
+TRAINED = {  # every training call below, one gloo group per world size
+    2: Cases(
+        _train,
+        2,
+        [
+            ("ssgd", SMALL_BUCKETS, "sgd"),
+            ("ssgd", SMALL_BUCKETS, "adamw"),
+            ("ddp", {}, "sgd"),
+            ("localsgd", {"H": 1}, "sgd"),
+            ("ssgd", {}, "sgd"),
+            ("diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd"),
+            ("localsgd", {"H": 2}, "sgd"),
+            ("nosync", {}, "sgd"),
+            ("ssgd", SMALL_BUCKETS, "sgd", 3),
+            ("ddp_powersgd", {"start_iter": 2, "rank": 2}, "sgd", 4),
+        ],
+    ),
+    3: Cases(
+        _train,
+        3,
+        [
+            ("ssgd", SMALL_BUCKETS, "sgd"),
+            ("ssgd", SMALL_BUCKETS, "adamw"),
+            ("ssgd", SMALL_BUCKETS, "adamw", 6, True),
+            ("localsgd", {"H": 2}, "adamw", 6, True),
+            ("diloco", {"H": 2}, "adamw", 6, True),
+        ],
+    ),
+}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
 def test_ssgd_matches_single_process_on_union_of_batches(world_size, opt_kind):
     # Small buckets so several all-reduces overlap with backward.
-    results = run_workers(_train, world_size, "ssgd", {"bucket_mb": 0.05}, opt_kind)
+    results = TRAINED[world_size].get("ssgd", SMALL_BUCKETS, opt_kind)
     reference = _reference_union(world_size, opt_kind)
     # SGD is linear in the gradient: the mean of per-worker gradients matches the union's gradient
     # to float rounding. Adam divides by sqrt(v), so a rounding-level difference in a near-zero
@@ -86,33 +118,33 @@ def test_ssgd_matches_single_process_on_union_of_batches(world_size, opt_kind):
 
 
 def test_ddp_matches_single_process_on_union_of_batches():
-    results = run_workers(_train, 2, "ddp", {}, "sgd")
+    results = TRAINED[2].get("ddp", {}, "sgd")
     _assert_close(results[0]["params"], _reference_union(2, "sgd"))
 
 
 def test_localsgd_h1_sgd_matches_ssgd():
-    local = run_workers(_train, 2, "localsgd", {"H": 1}, "sgd")
-    ssgd = run_workers(_train, 2, "ssgd", {}, "sgd")
+    local = TRAINED[2].get("localsgd", {"H": 1}, "sgd")
+    ssgd = TRAINED[2].get("ssgd", {}, "sgd")
     _assert_close(local[0]["params"], ssgd[0]["params"])
 
 
 def test_diloco_outer_lr1_no_momentum_matches_localsgd():
     # Plain SGD inside: theta_outer - (theta_outer - mean) equals the mean only to an ulp, which
     # Adam would amplify in later steps (see the ssgd test); SGD keeps the comparison tight.
-    diloco = run_workers(_train, 2, "diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd")
-    local = run_workers(_train, 2, "localsgd", {"H": 2}, "sgd")
+    diloco = TRAINED[2].get("diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd")
+    local = TRAINED[2].get("localsgd", {"H": 2}, "sgd")
     _assert_close(diloco[0]["params"], local[0]["params"], atol=1e-6)
     # and it is not a trivially-equal comparison: the replicas did train apart between syncs
-    nosync = run_workers(_train, 2, "nosync", {}, "sgd")
+    nosync = TRAINED[2].get("nosync", {}, "sgd")
     assert not torch.equal(nosync[0]["params"][0], nosync[1]["params"][0])
 
 
 @pytest.mark.parametrize(
     "algo,options",
-    [("ssgd", {"bucket_mb": 0.05}), ("localsgd", {"H": 2}), ("diloco", {"H": 2})],
+    [("ssgd", SMALL_BUCKETS), ("localsgd", {"H": 2}), ("diloco", {"H": 2})],
 )
 def test_replicas_bitwise_identical_after_every_sync(algo, options):
-    results = run_workers(_train, 3, algo, options, "adamw", 6, True)
+    results = TRAINED[3].get(algo, options, "adamw", 6, True)
     syncs = results[0]["after_sync"]
     assert len(syncs) == (6 if algo == "ssgd" else 3)
     for other in results[1:]:
@@ -172,14 +204,14 @@ def test_communicator_emulated_latency_sets_a_floor_per_collective():
 
 
 def test_ssgd_moves_every_gradient_byte_each_step():
-    results = run_workers(_train, 2, "ssgd", {"bucket_mb": 0.05}, "sgd", 3)
+    results = TRAINED[2].get("ssgd", SMALL_BUCKETS, "sgd", 3)
     n_bytes = sum(p.numel() * 4 for p in _model().parameters())
     # 3 steps of gradients, plus the initial parameter broadcast
     assert results[0]["stats"]["payload_bytes"] == 3 * n_bytes + n_bytes
 
 
 def test_ddp_powersgd_sends_fewer_bytes_after_start_and_keeps_replicas_equal():
-    results = run_workers(_train, 2, "ddp_powersgd", {"start_iter": 2, "rank": 2}, "sgd", 4)
+    results = TRAINED[2].get("ddp_powersgd", {"start_iter": 2, "rank": 2}, "sgd", 4)
     n_bytes = sum(p.numel() * 4 for p in _model().parameters())
     payload = results[0]["stats"]["payload_bytes"]
     # steps 1-2: plain all-reduce of every gradient; steps 3-4: P and Q of each matrix (rank 2), plus vectors

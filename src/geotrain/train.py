@@ -413,12 +413,17 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         if membership is None or not lost_member(error):
             raise error
-        previous = list(membership.members)
+        previous, stopped_at = list(membership.members), status
+
+        def adopted(leaders: StepStatus, tokens: int) -> None:
+            nonlocal status, tokens_done  # a retried regroup starts from the state now loaded
+            status, tokens_done = leaders, tokens
+
         while True:
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
-                    previous,
+                    previous, adopted,
                 )  # fmt: skip
                 break
             except (Excluded, RunFinished):
@@ -447,7 +452,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 file=sys.stderr,
                 flush=True,
             )
-        event.update(at_step=status.committed + 1, step=resume.done, at=round(time.time(), 3))
+        event.update(at_step=stopped_at.committed + 1, step=resume.done, at=round(time.time(), 3))
         events.append(event)
         if run_dir is not None:  # every host's view: the summary's writer may have joined late
             view = dict(event, host=host)

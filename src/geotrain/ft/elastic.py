@@ -31,6 +31,7 @@ was updated when it was encoded): one step's compressed gradient, once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,12 +141,15 @@ def regroup(
     backend: str = "gloo",
     tokens: int = 0,
     previous: list[int] | None = None,
+    adopted: Callable[[StepStatus, int], None] | None = None,
 ) -> dict[str, Any]:
     """Join the newest epoch and agree where training goes on. Returns the event for the summary:
     ``resume`` is where this member goes on from (the leader's status once it adopted the
     leader's state, else its own), ``tokens`` the token count that goes with it.
     A joiner comes with ``StepStatus(-1, False)``: behind everyone, it receives their state.
-    ``previous``: the members before this regroup (a retried one has changed them already)."""
+    ``previous``: the members before this regroup (a retried one has changed them already).
+    ``adopted(status, tokens)`` is told as soon as this member has loaded the leader's state, so
+    that a regroup retried after a later failure reports where this member now is."""
     t0 = time.perf_counter()
     epoch, members = membership.next_epoch()
     before = membership.members if previous is None else previous
@@ -160,6 +164,8 @@ def regroup(
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
+        if comm.rank in behind and adopted is not None:
+            adopted(best, reports[leader][2])
     mine = best if comm.rank in behind else status  # behind none: each at its own step
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)

@@ -90,7 +90,7 @@ def canonical(obj: Any) -> Any:
     once, so the same numbers pickled to different bytes, and members could not stripe a hand-over
     (nor a snapshot's replicated part) from each other's copies. Plain containers are rebuilt
     fresh and strings interned; anything else (tensors, numbers) is kept as it is."""
-    if isinstance(obj, str):
+    if type(obj) is str:  # not a subclass: sys.intern refuses those
         return sys.intern(obj)
     if type(obj) is dict:
         return {canonical(k): canonical(v) for k, v in obj.items()}
