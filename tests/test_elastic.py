@@ -177,6 +177,19 @@ def test_members_admit_a_joiner_at_the_same_sync_boundary_the_furthest_any_has_c
     assert [m1.admit_before(t) for t in (11, 12, 13)] == [False, False, True]
 
 
+def test_a_member_redoing_an_average_after_a_regroup_still_posts_its_boundary(tmp_path):
+    """After a regroup the member redoes its failed average (H=4, step 8) before any step starts;
+    a join epoch published meanwhile must get its proposal from the heartbeat thread."""
+    store = _master()
+    Epochs(store, tmp_path, 2).join(2)
+    m0 = Membership("127.0.0.1", store.port, 0, [0, 1], timeout_s=2.0, period=4)
+    m0.observe(store, 0)
+    assert not m0.joining()
+    m0.going_on_after(8)  # as regroup says, for StepStatus(7, True)
+    m0.observe(store, store.add("epoch", 0))  # the heartbeat thread, during the redone average
+    assert store.get("at/0/0") == b"8"
+
+
 def test_an_epoch_all_members_were_ready_for_is_taken_even_when_a_newer_one_appears(tmp_path):
     """Host 0 is ready for epoch 1 and waits for host 1; a joiner's epoch 2 appears; then host 1
     says it is ready for epoch 1 and forms it. Host 0 must form epoch 1 too, not wait in 2."""

@@ -167,6 +167,7 @@ def regroup(
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
     mine = best if comm.rank in behind else status  # behind none: each at its own step
+    membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     sync.rebind()

@@ -141,6 +141,14 @@ class Membership:
         store.set(f"at/{self.epoch}/{self.host}", str(step))
         self._proposal = step
 
+    def going_on_after(self, step: int) -> None:
+        """A regroup has just agreed that this member goes on after ``step``: the boundary it is
+        heading for is known before its next step starts, so its heartbeat can post it while
+        the training thread still redoes a failed average (else a join epoch published then
+        would wait on this member's proposal until the store timeout)."""
+        with self._lock:
+            self._horizon = self._boundary(step)
+
     def admit_before(self, step: int) -> bool:
         """At the start of ``step``: whether to regroup now, before it, to admit a joiner. Every
         member of this epoch returns True at the same step (see the module's docstring)."""
