@@ -66,6 +66,9 @@ def test_who_adopts_the_leaders_state():
     # A joiner (-1) is behind every sync.
     assert catching_up([S(20, False), S(20, False), S(-1, False)], 10) == [2]
     assert catching_up([S(3, False), S(-1, False)], 10) == [1]
+    # The final average (20 steps, H=4): done on host 0 (it reports 20 + H), failed on host 1.
+    assert catching_up([S(24, False), S(20, False)], 4) == [1]
+    assert catching_up([S(21, False), S(20, False)], 1) == [1]
 
 
 class _Work:

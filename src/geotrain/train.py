@@ -556,15 +556,21 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     before = comm.stats.copy()
     t_final = time.perf_counter()
+    finalized = False
     while True:
         try:
-            sync.finalize()  # part of training: the replicas become one model
+            if not finalized:
+                sync.finalize()  # part of training: the replicas become one model
+                finalized = True
             final_s = time.perf_counter() - t_final
             final_spent = comm.stats.delta(before)
             val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
             break
         except RuntimeError as e:  # a member lost in the last average: average the survivors
-            recover(e, StepStatus(cfg.steps, False))
+            # A member whose last average completed reports a step past every sync, so the ones
+            # whose copy of it failed adopt its model instead of all redoing it (twice for it).
+            past = cfg.steps + sync.sync_period()
+            finalized = recover(e, StepStatus(past if finalized else cfg.steps, False)).committed > cfg.steps
     writer.write(
         {
             "step": cfg.steps,
