@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main
-
 LOG_ONLY = "geotrain agent:"  # lines the launcher writes to the host's log and does not echo
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # torch only here: the launcher imports LOG_ONLY
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
     try:
         main()
     except ChildFailedError as e:

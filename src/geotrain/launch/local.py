@@ -36,6 +36,7 @@ from typing import IO
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
+from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to
@@ -117,7 +118,7 @@ def _die_with_parent() -> None:
 # kept in the host logs, kept off the terminal.
 _QUIET = (  # written to the host's log, not echoed: the launcher reports the failure itself
     b"failed to shutdown the rendezvous",
-    b"geotrain agent:",  # launch/agent.py
+    AGENT_LOG_ONLY.encode(),
     b"failed (exitcode: ",  # torchrun's log line for a trainer that died
 )
 
@@ -459,21 +460,20 @@ def _regroup_events(control: Path) -> list[dict]:
     summary's writer knows only those since it joined): the times of the slowest member that was
     one before (a joiner's own wait for the boundary is its ``rejoin_s``), ``step`` the earliest
     step a member went on after (between syncs of the local methods each goes on from its own),
-    ``steps_redone`` the most finished steps any member redid, and at an admission how many
-    different parameter digests the members had (1: bitwise equal)."""
+    and at an admission how many different parameter digests the members had (1: bitwise
+    equal)."""
     merged: dict[int, dict] = {}
     digests: dict[int, set] = {}
     for path in sorted(control.glob("regroups-h*.jsonl")):
         for e in read_jsonl(path):
             host = e.pop("host", None)
             digest = e.pop("param_digest", None)  # each member's own
-            m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0), "steps_redone": 0})
+            m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0)})
             if digest is not None:
                 digests.setdefault(e["epoch"], set()).add(digest)
             if host not in e["joined"]:
                 for k in _REGROUP_TIMES:
                     m[k] = max(m[k], e.get(k, 0))
-                m["steps_redone"] = max(m["steps_redone"], e.get("at_step", 0) - 1 - e["step"])
             m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
             m["step"] = min(m["step"], e["step"])
             m["at"] = min(m["at"], e["at"])
@@ -485,13 +485,14 @@ def _regroup_events(control: Path) -> list[dict]:
 
 def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
     """With continue, what each fault cost the survivors, from the trainers' regroup events: the
-    step they went on after, and so the steps they redid; and when its replacement was admitted."""
+    step they went on after, and when its replacement was admitted. ``steps_lost`` stays 0: a
+    member goes on from its own step or from a leader's further one, never redoing a finished
+    step."""
     for record in records:
         after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
         event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
         if event is not None:
             record.rollback_to = event["step"]
-            record.steps_lost = event.get("steps_redone", 0)
         if record.rejoin_started_at:
             # Before the same host fails again: a replacement killed while it waited has none.
             until = min(
