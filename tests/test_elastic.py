@@ -8,12 +8,14 @@ the survivors with its closed-form result.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 
 import numpy as np
@@ -21,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.communicator import wait_work
+from geotrain.comm.communicator import Communicator, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
 from geotrain.ft.elastic import StepStatus, catching_up, owned_shards
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
@@ -106,6 +108,143 @@ def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_n
     with pytest.raises(RuntimeError, match="Connection closed by peer") as err:
         wait_work(_Work(1, "Connection closed by peer"), interrupt=lambda: False)
     assert not isinstance(err.value, MembershipChanged)
+
+
+class _Transfer:
+    """A point-to-point work as gloo leaves it: ``wait()`` blocks until the transfer ends. gloo
+    tells a connection's error to the transfers queued on it, not to the one whose payload it
+    is reading (``tcp::Pair::signalException`` skips ``rx_``): a receive from a peer killed
+    mid-message waits for the group's timeout. Waited with a timeout, gloo would fail it and
+    close the group's connections, so no test here may do that."""
+
+    def __init__(self, after_s: float | None = None, error: str = "") -> None:
+        self.ends, self.error, self.waits = threading.Event(), error, []
+        if after_s is not None:
+            threading.Timer(after_s, self.ends.set).start()
+
+    def is_completed(self) -> bool:
+        return False  # gloo's send and receive works say so only once waited
+
+    def wait(self, timeout=None) -> bool:
+        self.waits.append(timeout)
+        assert timeout is None, "a timed-out point-to-point wait closes the group's connections"
+        self.ends.wait()
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def _exchanging_comm(monkeypatch, membership, works):
+    """A Communicator of 4 (no real group) whose transfers are ``works``."""
+    comm = Communicator(membership=membership)
+    comm.world_size, comm.rank, comm.distributed = 4, 2, True
+    pending = list(works)
+    monkeypatch.setattr(dist, "isend", lambda *a, **k: pending.pop(0))
+    monkeypatch.setattr(dist, "irecv", lambda *a, **k: pending.pop(0))
+    return comm
+
+
+def _run(fn, timeout_s: float):
+    """``fn()`` in a thread: what it raised (None: returned), or "hung" after ``timeout_s``."""
+    out: list = []
+
+    def body():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return out[0] if out else "hung"
+
+
+def test_a_hand_over_transfer_from_a_peer_killed_mid_message_is_abandoned_for_the_new_epoch(monkeypatch):
+    """The 127 s stall of the 300-step soak: a member killed while sending its stripe of the
+    joiner's state left the joiner in ``exchange`` (its receive never ends), alive and beating,
+    so every epoch after (each waiting for it to be ready) stalled until the next kill."""
+    membership = types.SimpleNamespace(epoch=8, published_leave=8)
+    stuck = _Transfer()  # the receive from the killed member
+    comm = _exchanging_comm(monkeypatch, membership, [_Transfer(0.1), stuck])
+    recvs = [(torch.zeros(4), 1, 0), (torch.zeros(4), 3, 0)]
+    threading.Timer(0.3, setattr, args=(membership, "published_leave", 9)).start()  # heartbeat
+    try:
+        t0 = time.monotonic()
+        outcome = _run(lambda: comm.exchange([], recvs), timeout_s=5.0)
+        assert isinstance(outcome, MembershipChanged), outcome
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stuck.ends.set()
+
+
+def test_a_hand_over_transfer_completes_and_reports_its_error_unless_members_were_lost(monkeypatch):
+    joining = types.SimpleNamespace(epoch=8, published_leave=8)  # a join epoch interrupts nothing
+    works = [_Transfer(0.2), _Transfer(0.1)]
+    comm = _exchanging_comm(monkeypatch, joining, works)
+    assert _run(lambda: comm.exchange([(torch.zeros(4), 3, 0)], [(torch.zeros(4), 1, 1)]), 5.0) is None
+    assert all(w.waits == [None] for w in works)  # waited plainly, each once
+    comm = _exchanging_comm(monkeypatch, joining, [_Transfer(0.1, "Connection closed by peer")])
+    outcome = _run(lambda: comm.exchange([], [(torch.zeros(4), 1, 0)]), 5.0)
+    assert isinstance(outcome, RuntimeError) and not isinstance(outcome, MembershipChanged)
+    assert "Connection closed by peer" in str(outcome)
+
+
+def test_members_regroup_at_once_when_the_joiner_they_hand_over_to_loses_a_server(tmp_path, monkeypatch):
+    """The soak's events on a real store: epoch 2 admits joiner 2 and hosts 0, 1, 3 send it their
+    state; host 3 is killed mid-stripe (epoch 3: 0, 1, 2). Hosts 0 and 1 finished sending and wait
+    for epoch 3's members to be ready; the joiner, alive, must leave the transfer and be ready too
+    (it stayed in it, and everyone waited until the next kill)."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 4)
+    epochs.leave({2}, "exited")
+    epochs.join(2)  # epoch 2 = [0, 1, 3, 2]: formed; the hand-over is under way
+    ms = {h: Membership("127.0.0.1", store.port, h, [0, 1, 3, 2], timeout_s=3.0) for h in (0, 1, 2)}
+    for m in ms.values():
+        m.epoch = m.published = m.published_leave = 2
+    stuck = _Transfer()  # the joiner's receive from host 3
+    comm = _exchanging_comm(monkeypatch, ms[2], [_Transfer(0.05), stuck, _Transfer(0.05)])
+    stop = threading.Event()
+    formed: dict[int, object] = {}
+
+    def heartbeats():  # each trainer's heartbeat thread, one client for all
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        while not stop.is_set():
+            for m in ms.values():
+                m.observe(client, int(client.add("epoch", 0)))
+            time.sleep(0.05)
+
+    def joiner():
+        with contextlib.suppress(MembershipChanged):
+            comm.exchange([], [(torch.zeros(4), r, 0) for r in (0, 2, 1)])  # from hosts 0, 3, 1
+        formed[2] = ms[2].next_epoch()
+
+    def member(h):
+        formed[h] = ms[h].next_epoch()  # it finished sending; its next step saw epoch 3
+
+    def record(h, fn):
+        try:
+            fn()
+        except Exception as e:
+            formed[h] = e
+
+    threads = [threading.Thread(target=heartbeats, daemon=True)]
+    threads += [threading.Thread(target=record, args=(2, joiner), daemon=True)]
+    threads += [threading.Thread(target=record, args=(h, lambda h=h: member(h)), daemon=True) for h in (0, 1)]
+    threading.Timer(0.3, epochs.leave, args=({3}, "exited")).start()  # host 3 killed mid-stripe
+    t0 = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join(5.0)
+    finally:
+        stuck.ends.set()
+        stop.set()
+        threads[0].join()
+    assert formed == {h: (3, [0, 1, 2]) for h in (0, 1, 2)}, formed
+    assert time.monotonic() - t0 < 3.0
 
 
 def _master():

@@ -24,6 +24,7 @@ another thread, such as a DDP bucket's, must give up even after the main thread 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.ft.membership import MembershipChanged
+from geotrain.ft.membership import MembershipChanged, retire
 
 INTERRUPT_POLL = timedelta(milliseconds=50)
 
@@ -59,6 +60,43 @@ def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
                 return
         if interrupt():
             raise MembershipChanged("the group lost a member while this collective waited")
+
+
+def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
+    """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
+    ``interrupt()`` says so.
+
+    Not polled like a collective: gloo takes a timed-out wait on a send or receive for a failed
+    transfer and closes the group's connections. So a thread of its own waits on them plainly
+    while this one watches ``interrupt``. Nor can a lost peer's connection error be counted on to
+    end them: gloo tells it to the transfers queued on that connection, not to the one whose
+    payload it is reading or writing, which waits for the group's timeout (a member killed
+    mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
+    waited for that joiner to be ready). An abandoned waiter and its works are retired."""
+    if interrupt is None:
+        for work in works:
+            work.wait()
+        return
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as e:  # the transfer's own error, raised by the caller
+            failed.append(e)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=waiter, name="geotrain-transfers", daemon=True)
+    thread.start()
+    while not done.wait(INTERRUPT_POLL.total_seconds()):
+        if interrupt():
+            retire((thread, works))
+            raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
+    if failed:
+        raise failed[0]
 
 
 @dataclass
@@ -336,8 +374,8 @@ class Communicator:
         self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]
     ) -> None:
         """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
-        message between two workers is told from the others between them by its tag. Not
-        interruptible by a new epoch (see below): used only inside a regroup."""
+        message between two workers is told from the others between them by its tag. Abandoned,
+        like a collective, once an epoch that lost members is published (``wait_transfers``)."""
         if self.world_size == 1 or not (sends or recvs):
             return
         start = time.perf_counter()
@@ -353,11 +391,7 @@ class Communicator:
             self.stats.sent_bytes += t.numel() * t.element_size()
         for t, _, _ in recvs:
             self.stats.recv_bytes += t.numel() * t.element_size()
-        # Plain waits: gloo takes a timed-out wait on a send or receive for a failed transfer and
-        # closes the group's connections, so these cannot be polled like collectives. A lost
-        # peer's connection error still ends them; a frozen one holds them to the group timeout.
-        for work in works:
-            work.wait()
+        wait_transfers(works, self.interrupt_after_now())
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work) -> None:
