@@ -106,10 +106,11 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
 BAD_INPUTS = [
     (
         ["--algo", "adam"],
-        "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, nosync",
+        "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, "
+        "sparseloco, demo, nosync",
     ),
     (["--model", "huge"], "unknown model size 'huge'; accepted: tiny, mini, small"),
-    (["--algo", "diloco", "--H", "0"], "H (inner steps between outer steps) must be an integer >= 1, got 0"),
+    (["--algo", "diloco", "--H", "-1"], "H (inner steps between outer steps) must be an integer >= 1, got -"),
     (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
     (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),
     (["--bandwidth", "-5mbit"], "bandwidth '-5mbit' is not understood"),

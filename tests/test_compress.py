@@ -12,7 +12,10 @@ from geotrain.compress.quantize import Sign
 from geotrain.sync import build_sync
 from helpers import Cases, run_workers
 
-LOCAL_LOSSY = ["fp16", "bf16", "int8", "int4", "sign", "topk:ratio=0.05", "powersgd:rank=2", "acpsgd:rank=2"]
+LOCAL_LOSSY = [
+    *("fp16", "bf16", "int8", "int4", "sign", "topk:ratio=0.05", "chunktopk:chunk=64,k=8"),
+    *("powersgd:rank=2", "acpsgd:rank=2"),
+]
 ALL_SPECS = LOCAL_LOSSY + ["adatopk:ratio=0.05"]
 
 
@@ -125,7 +128,7 @@ def test_adatopk_gives_the_slowest_link_the_smallest_ratio_and_keeps_the_mean():
 @pytest.mark.parametrize(
     "spec,needle",
     [
-        ("zip", "accepted: fp16, bf16, int8, int4, sign, topk, adatopk, powersgd, acpsgd"),
+        ("zip", "accepted: fp16, bf16, int8, int4, sign, topk, adatopk, chunktopk, powersgd, acpsgd"),
         ("powersgd:rank=0", "rank must be an integer >= 1"),
         ("acpsgd:rank=0", "rank must be an integer >= 1"),
         ("topk:ratio=2.0", "ratio (fraction of values sent) must be in (0, 1]"),
@@ -181,7 +184,7 @@ def _compressed_mean_worker(rank, world_size, spec, steps):
     return {"results": results, "sent": sent, "estimates": estimates}
 
 
-MEAN_SPECS = ["fp16", "bf16", "topk:ratio=0.1", "adatopk:ratio=0.1"]
+MEAN_SPECS = ["fp16", "bf16", "topk:ratio=0.1", "adatopk:ratio=0.1", "chunktopk:chunk=64,k=8"]
 TWO_PHASE_SPECS = ["int8", "int4", "sign"]
 SPECS_AT = {  # world size: every spec the tests below run there
     2: MEAN_SPECS + TWO_PHASE_SPECS,
@@ -324,6 +327,7 @@ CODEC_CASES = [
     ("ddp", "powersgd:rank=2"),
     ("localsgd", "int4"),
     ("diloco", "sign"),
+    ("diloco", "chunktopk:chunk=256,k=16"),
     ("dreamddp", "int8"),
 ]
 

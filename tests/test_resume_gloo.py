@@ -32,6 +32,9 @@ CASES = [
     ("diloco", "int4"),
     ("dreamddp", "acpsgd:rank=2"),
     ("dreamddp", "topk:ratio=0.05"),
+    ("sparseloco", ""),  # stops with its outer step's message in flight (overlap)
+    ("demo", ""),
+    ("diloco", "chunktopk:chunk=256,k=16"),
 ]
 
 

@@ -45,6 +45,9 @@ class FakeCommunicator(Communicator):
         self.log.append(("broadcast", tensor.numel()))
         return tensor
 
+    def max_scalars(self, values):
+        return list(values)  # identical replicas
+
 
 def _tiny():
     torch.manual_seed(0)
@@ -143,7 +146,8 @@ def test_world_of_one_moves_nothing():
         (
             "adam",
             {},
-            "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, nosync",
+            "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, "
+            "sparseloco, demo, nosync",
         ),
     ],
 )
@@ -265,7 +269,7 @@ def test_train_config_round_trips_through_argv():
         ({"model": "huge"}, "unknown model size 'huge'"),
         ({"steps": 0}, "--steps must be >= 1"),
         ({"algo": "x"}, "unknown algorithm 'x'"),
-        ({"H": 0, "algo": "diloco"}, "H (inner steps between outer steps) must be an integer >= 1"),
+        ({"H": -1, "algo": "diloco"}, "H (inner steps between outer steps) must be an integer >= 1"),
         ({"optimizer": "lion"}, "accepted: adamw, sgd"),
     ],
 )

@@ -59,11 +59,18 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: int = 0
-    H: int = 10
+    H: int = 0  # 0: the algorithm's default (10; sparseloco 20)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     bucket_mb: float = 0.0  # 0: the algorithm's default
     compress: str = ""  # a codec, e.g. int8, topk:ratio=0.01, acpsgd:rank=4 ("": none)
+    # sparseloco and demo (0, or beta -1: the algorithm's default; see --help)
+    chunk: int = 0
+    k: int = 0
+    bits: int = 0
+    beta: float = -1.0
+    alpha: float = 0.0
+    overlap: bool = True  # sparseloco: the outer step lands one period late, its gather under compute
     plan: str = ""  # dreamddp: a plan from `geotrain plan` ("": profile and plan at start-up)
     replan_threshold: float = 0.25  # dreamddp: re-plan when measured time drifts this far (0: never)
     profile_out: str = ""  # profile the model and link, write this JSON, and do not train
@@ -143,7 +150,10 @@ class TrainConfig:
             raise ConfigError(f"--snapshot-bandwidth: {e}") from None
 
     def sync_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"H": self.H, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+        opts: dict[str, Any] = {"H": self.H or None, "outer_lr": self.outer_lr}
+        opts |= {"outer_momentum": self.outer_momentum, "overlap": self.overlap}
+        unset = {"chunk": 0, "k": 0, "bits": 0, "beta": -1.0, "alpha": 0.0}  # the algorithm's default
+        opts |= {name: getattr(self, name) for name, no in unset.items() if getattr(self, name) != no}
         if self.bucket_mb:
             opts["bucket_mb"] = self.bucket_mb
         if self.plan:
@@ -181,9 +191,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "lr": "learning rate of the (inner) optimizer",
         "weight_decay": "decoupled weight decay (adamw) or L2 (sgd)",
         "warmup": "steps of linear learning-rate warm-up",
-        "H": "steps between synchronisations (localsgd, diloco); the schedule's period (dreamddp)",
+        "H": "steps between synchronisations (localsgd, diloco, sparseloco); the schedule's period "
+        "(dreamddp); 0: the algorithm's default (10; sparseloco 20)",
         "outer_lr": "diloco's outer learning rate",
         "outer_momentum": "diloco's outer Nesterov momentum",
+        "chunk": "sparseloco: values per top-k chunk (default 4096); demo: DCT block per dimension (64)",
+        "k": "values sent per chunk: sparseloco 64 of 4096 (1.56%%), demo 32 of 64x64",
+        "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8)",
+        "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
+        "alpha": "sparseloco: outer learning rate (default 2)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (empty: uncompressed; "
@@ -692,10 +708,11 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "sent_bytes_per_step": sent_per_step,
         "link_mbit_s": sent_per_step * 8 / step_s / 1e6 if step_s else None,
         "syncs": sync.syncs,
+        "startup_broadcast_bytes": getattr(sync, "startup_broadcast_bytes", 0),
         "wall_s": wall_s,
         "predicted_step_s": getattr(sync, "predicted_step_s", None),
         "replans": getattr(sync, "replans", None),
-        "codec_info": sync.codec.info() if getattr(sync, "codec", None) else "",
+        "codec_info": sync.info(),
     }
 
 

@@ -118,11 +118,12 @@ def numel(shape: tuple[int, ...]) -> int:
 
 # -- specs --------------------------------------------------------------------------------------
 def _registry() -> dict[str, type[Codec]]:
+    from geotrain.compress.chunked import ChunkTopK
     from geotrain.compress.lowrank import ACPSGD, PowerSGD
     from geotrain.compress.quantize import BF16, FP16, Int4, Int8, Sign
     from geotrain.compress.sparse import AdaTopK, TopK
 
-    return {c.name: c for c in (FP16, BF16, Int8, Int4, Sign, TopK, AdaTopK, PowerSGD, ACPSGD)}
+    return {c.name: c for c in (FP16, BF16, Int8, Int4, Sign, TopK, AdaTopK, ChunkTopK, PowerSGD, ACPSGD)}
 
 
 def codec_names() -> list[str]:

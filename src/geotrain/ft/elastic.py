@@ -126,6 +126,7 @@ def _hand_over(
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))
+        sync.adopted_state()
         if param_digest(model) != digest:
             raise CorruptSnapshot("the parameters received differ from the leader's after loading")
     return {"handed_over_bytes": total, "stripes": stripes}

@@ -8,10 +8,12 @@ from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import make_codec
 from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
 from geotrain.sync.ddp import DDP, DDPConfig, DDPPowerSGD, DDPPowerSGDConfig
+from geotrain.sync.demo import DeMo, DeMoConfig
 from geotrain.sync.diloco import DiLoCo, DiLoCoConfig
 from geotrain.sync.dreamddp import DreamDDP, DreamDDPConfig
 from geotrain.sync.localsgd import LocalSGD, LocalSGDConfig
 from geotrain.sync.nosync import NoSync, NoSyncConfig
+from geotrain.sync.sparseloco import SparseLoCo, SparseLoCoConfig
 from geotrain.sync.ssgd import SSGD, SSGDConfig
 
 ALGORITHMS: dict[str, tuple[type[SyncAlgorithm], type[SyncConfig]]] = {
@@ -21,6 +23,8 @@ ALGORITHMS: dict[str, tuple[type[SyncAlgorithm], type[SyncConfig]]] = {
     "localsgd": (LocalSGD, LocalSGDConfig),
     "diloco": (DiLoCo, DiLoCoConfig),
     "dreamddp": (DreamDDP, DreamDDPConfig),
+    "sparseloco": (SparseLoCo, SparseLoCoConfig),
+    "demo": (DeMo, DeMoConfig),
     "nosync": (NoSync, NoSyncConfig),
 }
 

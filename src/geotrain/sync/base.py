@@ -14,6 +14,7 @@ create process groups.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -89,11 +90,22 @@ class SyncAlgorithm:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def broadcast_parameters(self) -> None:
-        """Start every replica from rank 0's parameters, as DDP does."""
+        """Start every replica from rank 0's parameters, as DDP does, but move them only if some
+        replica differs: workers that built the model from the same seed compare an 8-byte digest
+        instead (at 350 kbit/s, ``mini``'s 43 MB from one host would take 17 minutes)."""
+        self.startup_broadcast_bytes = 0
         if self.comm.world_size == 1:
             return
         params = [p.data for p in self.module.parameters()]
-        unflatten_into(self.comm.broadcast(flatten(params), src=0), params)
+        flat = flatten(params)
+        digest = hashlib.sha256(flat.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
+        # 52 bits, exact in the float64 of the control channel: equal everywhere iff max == min.
+        mine = float(int.from_bytes(digest[:8], "little") >> 12)
+        most, least = self.comm.max_scalars([mine, -mine])
+        if most == -least:
+            return
+        self.startup_broadcast_bytes = flat.numel() * flat.element_size()
+        unflatten_into(self.comm.broadcast(flat, src=0), params)
 
     def prepare(self, loss_fn) -> None:
         """Once before training, with a closure that computes a training loss (for profiling)."""
@@ -120,6 +132,15 @@ class SyncAlgorithm:
     def retry_sync(self) -> None:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
         periodic methods' averaging at a sync boundary), on the new group."""
+
+    def info(self) -> str:
+        """What the algorithm (its codec) decided at run time, for the summary; "" if nothing."""
+        return self.codec.info() if self.codec else ""
+
+    def adopted_state(self) -> None:
+        """This worker has just loaded another worker's state (``ft/elastic.py``'s hand-over to a
+        joiner or a survivor behind): drop what belongs to that worker alone, such as a
+        residual of unsent error feedback. Nothing, for algorithms that keep none."""
 
     def sync_period(self) -> int:
         """Steps between the points where every replica has synchronised all it will (a joiner

@@ -1,0 +1,101 @@
+"""SparseLoCo and DeMo on a home link, side by side with no communication at all, in one session.
+
+    python benchmarks/bench_frontier.py --bandwidths 350kbit,3.5mbit --steps 80 --H 20
+
+On W1 (GPT ``mini``, 4 hosts, batch 8 x 128, one thread each) every cell runs the same job
+through ``geotrain run`` on the emulated cluster: ``nosync`` (the bound), ``sparseloco`` with its
+defaults (overlap on), ``sparseloco --no-overlap``, and ``demo`` (fewer steps: ``--demo-steps``),
+at each bandwidth. The table
+gives each cell's mean step time as a ratio to ``nosync`` at the same rate (``nosync / algo``:
+1.0 is a link as good as none), the bytes each worker sent per step, and what the emulated rate
+stands for on an accelerator (``geotrain.plan.gather``: an H100 at 40% of bf16 peak taking
+0.5M-token steps unless told otherwise), from ``nosync``'s measured step time.
+
+Ratios, not seconds, are the result: this machine is shared and noisy. ``nosync`` runs first and
+last at each rate; the table shows both and takes their mean as the bound. A cell whose
+``summary.json`` exists is reused, so an interrupted benchmark resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from geotrain.netem.links import parse_bandwidth
+from geotrain.plan.gather import Accelerator, stands_for_bps
+
+CELLS = {  # name: extra flags
+    "nosync": ["--algo", "nosync"],
+    "sparseloco": ["--algo", "sparseloco"],
+    "sparseloco --no-overlap": ["--algo", "sparseloco", "--no-overlap"],
+    "demo": ["--algo", "demo"],
+}
+
+
+def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
+    run_dir = out / rate / name.replace(" ", "_")
+    if (run_dir / "summary.json").exists():
+        return json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "geotrain", "run", "--workers", str(args.workers), "--model", args.model,
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--H", str(args.H),
+           "--bandwidth", rate, "--no-progress", "--run-dir", str(run_dir),
+           *CELLS[name.removesuffix(" (again)")]]  # fmt: skip
+    if name == "demo":  # a step per link round trip: at 350 kbit/s, 80 of them are 20 minutes
+        cmd[cmd.index("--steps") + 1] = str(min(args.steps, args.demo_steps))
+    print(f"{time.strftime('%H:%M:%S')} {rate} {name} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{rate} {name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bandwidths", default="350kbit,3.5mbit")
+    p.add_argument("--cells", default=",".join(CELLS), help=f"among: {', '.join(CELLS)}")
+    p.add_argument("--model", default="mini")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--H", type=int, default=20)
+    p.add_argument("--demo-steps", type=int, default=20, help="demo's steps (it is slow on slow links)")
+    p.add_argument("--accel-flops", type=float, default=Accelerator().flops, help="peak FLOP/s")
+    p.add_argument("--accel-mfu", type=float, default=Accelerator().mfu)
+    p.add_argument("--accel-tokens", type=float, default=Accelerator().tokens_per_step, help="per step")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    accel = Accelerator(args.accel_flops, args.accel_mfu, args.accel_tokens)
+    out = Path(args.out or f"runs/bench-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.cells.split(",") if n != "nosync"]
+    results: dict[str, dict[str, dict]] = {}
+    for rate in args.bandwidths.split(","):
+        order = ["nosync", *names, "nosync (again)"]
+        results[rate] = {name: run_cell(out, rate, name, args) for name in order}
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+
+    job = f"{args.model}, {args.workers} workers, batch {args.batch_size}, {args.steps} steps, H={args.H}"
+    print(f"\n{job}\n")
+    print("| link here | stands for | algo | step s | nosync / algo | sent KB/step | val loss |")
+    print("|---|---|---|---|---|---|---|")
+    for rate, cells in results.items():
+        bound = (cells["nosync"]["step_s_mean"] + cells["nosync (again)"]["step_s_mean"]) / 2
+        n_params = cells["nosync"]["parameters"]
+        accel_bps = stands_for_bps(parse_bandwidth(rate), bound, n_params, accel)
+        for name, r in cells.items():
+            print(
+                f"| {rate} | {accel_bps / 1e6:.1f} Mbit/s | {name} | {r['step_s_mean']:.3f} | "
+                f"{bound / r['step_s_mean']:.2f} | {r['sent_bytes_per_step'] / 1e3:.1f} | "
+                f"{r['final_val_loss']:.4f} |"
+            )
+    print(f"\nresults: {out / 'bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""What a sparse all-gather costs against a compressed all-reduce, and what an emulated link means.
+
+**Gather or reduce.** SparseLoCo's and DeMo's messages cannot be summed on the wire (every worker
+picks other entries), so they travel by all-gather: each worker sends its P-byte message to the
+N-1 others, ``(N-1) P`` bytes, growing with N. A quantised all-reduce (int4: half a byte per value
+and a scale per block) sends ``2 (N-1)/N M`` for an M-byte message, which hardly grows. The gather
+stops sending fewer bytes once ``N > 2 M / P`` (``crossover_workers``); past that a two-level
+gather through site leaders (issue 14's sites) or an int4 all-reduce of the dense pseudo-gradient
+is cheaper, and ``geotrain`` says so when a run is larger (``gather_warning``).
+
+**What an emulated rate stands for.** What decides efficiency is link time over compute time per
+step. A worker here computes a step's share of a parameter in ``step_s / n_params`` seconds; an
+accelerator at ``mfu`` of ``flops`` peak taking ``tokens`` per step in ``6 * tokens / (flops *
+mfu)`` (forward and backward, per parameter). The same bytes per parameter per step then need a
+link ``factor`` times faster on the accelerator: an emulated ``rate`` stands for ``rate * factor``
+on it (``stands_for_bps``; W1 here at 350 kbit/s is an H100 on about 10 Mbit/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+H100_BF16_FLOPS = 989e12
+
+
+def gather_bytes(payload: int, workers: int) -> int:
+    """Bytes one worker sends in an all-gather of a ``payload``-byte message."""
+    return (workers - 1) * payload
+
+
+def allreduce_bytes(message: int, workers: int) -> int:
+    """Bytes one worker sends in a ring (or two-phase compressed) all-reduce of ``message`` bytes."""
+    return 2 * (workers - 1) * message // workers
+
+
+def int4_message_bytes(n_values: int, block: int = 256) -> int:
+    """The int4 codec's message for ``n_values``: half a byte each and an fp32 scale per block."""
+    return n_values // 2 + 4 * -(-n_values // block)
+
+
+def crossover_workers(payload: int, message: int) -> int:
+    """The smallest worker count at which gathering ``payload`` sends more than all-reducing
+    ``message`` (N > 2 M / P)."""
+    n = 2
+    while gather_bytes(payload, n) <= allreduce_bytes(message, n):
+        n += 1
+    return n
+
+
+def gather_warning(payload: int, n_values: int, workers: int) -> str:
+    """A line for a run whose gather sends more than an int4 all-reduce would ("" if not)."""
+    cross = crossover_workers(payload, int4_message_bytes(n_values))
+    if workers < cross:
+        return ""
+    return (
+        f"at {workers} workers the sparse all-gather sends {gather_bytes(payload, workers) / 1e6:.1f} MB "
+        f"per worker, more than an int4 all-reduce of the dense update "
+        f"({allreduce_bytes(int4_message_bytes(n_values), workers) / 1e6:.1f} MB; the gather is smaller "
+        f"below {cross} workers): group the workers by site, or use diloco --compress int4"
+    )
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """An accelerator in the terms that set its step time: peak FLOP/s, utilisation, tokens/step."""
+
+    flops: float = H100_BF16_FLOPS
+    mfu: float = 0.4
+    tokens_per_step: float = 0.5e6
+
+    def __post_init__(self) -> None:
+        if self.flops <= 0 or not 0 < self.mfu <= 1 or self.tokens_per_step <= 0:
+            raise ValueError(
+                f"accelerator needs flops > 0, mfu in (0, 1], tokens per step > 0; got {self.flops}, "
+                f"{self.mfu}, {self.tokens_per_step}"
+            )
+
+    def seconds_per_param_step(self) -> float:
+        return 6 * self.tokens_per_step / (self.flops * self.mfu)
+
+
+def speed_factor(step_s: float, n_params: int, accel: Accelerator | None = None) -> float:
+    """How many times faster the accelerator computes a step's share of a parameter than a worker
+    here that takes ``step_s`` per step for a model of ``n_params``."""
+    return (step_s / n_params) / (accel or Accelerator()).seconds_per_param_step()
+
+
+def stands_for_bps(rate_bps: float, step_s: float, n_params: int, accel: Accelerator | None = None) -> float:
+    """The link on the accelerator that an emulated ``rate_bps`` stands for."""
+    return rate_bps * speed_factor(step_s, n_params, accel)

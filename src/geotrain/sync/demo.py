@@ -1,0 +1,176 @@
+"""``demo``: DeMo, Decoupled Momentum optimisation (Peng, Quesnelle, Kingma, arXiv 2411.19870).
+
+No periodic averaging: every step, each worker
+
+    m    <- beta * m + g                          (a local momentum of its own gradient g)
+    c     = TopK_chunk(DCT(m))                    (k coefficients per block of the DCT of m)
+    m    <- m - IDCT(c)                           (what is sent leaves the momentum)
+    u     = sign(IDCT(mean over workers of c))    (all-gathered, decoded, averaged)
+    theta <- theta * (1 - lr * wd) - lr * u       (signed SGD with decoupled weight decay)
+
+Every worker decodes the same gathered bytes, so every replica applies the same update and the
+replicas stay bitwise equal; the momenta are each worker's own.
+
+The DCT is the orthonormal DCT-II, applied per block by matrix products: a 2-d parameter of shape
+(n1, n2) is cut into blocks of (b1, b2), b the largest divisor of n not above ``chunk`` (the
+reference code's ``get_smaller_split``), each block transformed along both dimensions; 1-d ones
+(and the flattened rows of others) into blocks of b along their length. Each block's ``k``
+largest coefficients travel through ``geotrain.compress.chunked.ChunkTopK`` (one chunk per block,
+values in ``bits`` bits, indices packed): one all-gather per step of all parameters' messages.
+
+Defaults of the reference code: chunk 64 per dimension (blocks of 64 x 64 = 4096 coefficients),
+k=32, momentum decay beta=0.999; its values are sent in full precision, ours in 8 bits with a
+scale per block (the update uses only the sign of the mean). The wrapped optimizer is not used
+for the update (DeMo is the optimizer): its learning rate (and schedule) and weight decay are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geotrain.compress.chunked import VALUE_BITS, ChunkTopK
+from geotrain.plan.gather import gather_warning
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II basis: row k is ``sqrt(2/n) cos(pi (2j+1) k / 2n)`` (row 0 scaled by
+    ``1/sqrt(2)``), so ``D @ x`` is ``scipy.fft.dct(x, norm="ortho")`` and ``D.T`` inverts it."""
+    j = torch.arange(n, dtype=torch.float64)
+    k = j.unsqueeze(1)
+    d = torch.cos(math.pi * (2 * j + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    d[0] /= math.sqrt(2)
+    return d.float()
+
+
+def block_size(n: int, target: int) -> int:
+    """The largest divisor of ``n`` that is at most ``target``."""
+    return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
+
+
+class BlockDCT:
+    """The DCT of one parameter in blocks; coefficients laid out block after block."""
+
+    def __init__(self, shape: tuple[int, ...], chunk: int) -> None:
+        self.shape = shape
+        rows = shape[0] if len(shape) >= 2 else 1
+        cols = math.prod(shape) // rows
+        self.b1 = block_size(rows, chunk) if rows > 1 else 1
+        self.b2 = block_size(cols, chunk)
+        self.rows, self.cols = rows, cols
+        self.d1, self.d2 = dct_matrix(self.b1), dct_matrix(self.b2)
+
+    @property
+    def block(self) -> int:
+        return self.b1 * self.b2
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        a, c = self.rows // self.b1, self.cols // self.b2
+        blocks = x.reshape(a, self.b1, c, self.b2)
+        coeffs = torch.einsum("ij,ajck,lk->acil", self.d1, blocks, self.d2)
+        return coeffs.reshape(-1)
+
+    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
+        a, c = self.rows // self.b1, self.cols // self.b2
+        blocks = coeffs.reshape(a, c, self.b1, self.b2)
+        x = torch.einsum("ji,acjl,lk->aick", self.d1, blocks, self.d2)
+        return x.reshape(self.shape)
+
+
+@dataclass
+class DeMoConfig(SyncConfig):
+    chunk: int = 64
+    k: int = 32
+    bits: int = 8
+    beta: float = 0.999
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.chunk, int) and self.chunk >= 2,
+            f"--chunk (DCT block per dimension) must be an integer >= 2, got {self.chunk}",
+        )
+        require(
+            isinstance(self.k, int) and 1 <= self.k <= self.chunk * self.chunk,
+            f"--k (coefficients sent per block) must be an integer in [1, --chunk squared = "
+            f"{self.chunk * self.chunk}], got {self.k}",
+        )
+        require(
+            self.bits in VALUE_BITS,
+            f"--bits (per value sent) must be one of {', '.join(map(str, VALUE_BITS))}, got {self.bits}",
+        )
+        require(0 <= self.beta < 1, f"--beta (momentum decay) must be in [0, 1), got {self.beta}")
+
+
+class DeMo(SyncAlgorithm):
+    name = "demo"
+
+    def __init__(self, model, optimizer, comm, config: DeMoConfig | None = None) -> None:
+        super().__init__(model, optimizer, comm, config or DeMoConfig())
+        cfg = self.config
+        self._params = self.parameters()
+        self._transforms = [BlockDCT(tuple(p.shape), cfg.chunk) for p in self._params]
+        self._codecs = [
+            ChunkTopK(chunk=t.block, k=min(cfg.k, t.block), bits=cfg.bits) for t in self._transforms
+        ]
+        self._sizes = [c.payload_bytes(p.numel()) for c, p in zip(self._codecs, self._params, strict=True)]
+        self._momentum = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+    def message_bytes(self) -> int:
+        return sum(self._sizes)
+
+    def before_step(self) -> None:
+        momenta, payloads = [], []
+        for p, m, t, c in zip(self._params, self._momentum, self._transforms, self._codecs, strict=True):
+            g = p.grad.detach().float() if p.grad is not None else torch.zeros_like(m)
+            new = m * self.config.beta + g
+            payload, sent = c.encode(t.encode(new))
+            momenta.append(new.sub_(t.decode(sent)))
+            payloads.append(payload)
+        gathered = self.comm.all_gather(torch.cat(payloads))
+        # Only once the gather arrived: a step redone after a failure starts from the same momenta.
+        self._momentum = momenta
+        offset = 0
+        with torch.no_grad():
+            for p, t, c, size in zip(self._params, self._transforms, self._codecs, self._sizes, strict=True):
+                mean = c.mean_of(gathered[:, offset : offset + size], p.numel())
+                offset += size
+                group = self._group_of[id(p)]
+                lr, wd = group["lr"], group.get("weight_decay", 0.0)
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.add_(t.decode(mean).sign_().to(p.dtype), alpha=-lr)
+                p.grad = None  # DeMo took the step: the wrapped optimizer skips this parameter
+
+    def default_snapshot_every(self) -> int:
+        return 50
+
+    def replicated_parts(self) -> set[str]:
+        return {"model"}  # the momenta in the algorithm's state are each worker's own
+
+    def info(self) -> str:
+        n = sum(p.numel() for p in self._params)
+        warning = gather_warning(self.message_bytes(), n, self.comm.world_size)
+        return (
+            f"{self.config.k} DCT coefficients per block of {self.config.chunk}x{self.config.chunk}, "
+            f"{self.config.bits}-bit: {self.message_bytes()} bytes per worker per step "
+            f"({100 * self.message_bytes() / (4 * n):.2f}% of fp32){'; ' + warning if warning else ''}"
+        )
+
+    def adopted_state(self) -> None:
+        for m in self._momentum:
+            m.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["momentum"] = list(self._momentum)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for dst, src in zip(self._momentum, state["momentum"], strict=True):
+            dst.copy_(src)

@@ -1,0 +1,322 @@
+"""SparseLoCo and DeMo, and the chunked top-k message they share.
+
+Pure logic first (the codec, bit packing, the error-feedback invariant, the DCT against scipy,
+config errors), then real gloo groups of 3 checked against the closed forms of SparseLoCo's outer
+step and DeMo's step, then the CLI's refusals.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from geotrain.comm.buckets import flatten
+from geotrain.comm.communicator import Communicator
+from geotrain.compress.chunked import ChunkTopK, index_bits, pack_bits, unpack_bits
+from geotrain.models.gpt import GPT, gpt_config
+from geotrain.sync import ConfigError, build_sync, sync_config
+from geotrain.sync.demo import BlockDCT, dct_matrix
+from helpers import Cases
+
+
+# -- pure logic ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 7, 8, 12, 16])
+@pytest.mark.parametrize("count", [1, 5, 8, 13, 64, 1001])
+def test_pack_and_unpack_round_trip_every_width(bits, count):
+    gen = torch.Generator().manual_seed(bits * 1000 + count)
+    codes = torch.randint(0, 2**bits, (count,), generator=gen)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-count * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, count), codes)
+
+
+def test_an_index_in_a_chunk_of_4096_takes_12_bits():
+    assert [index_bits(c) for c in (2, 64, 4096, 4097)] == [1, 6, 12, 13]
+
+
+@pytest.mark.parametrize("chunk,k,bits", [(64, 8, 2), (64, 64, 4), (4096, 128, 2), (100, 7, 8)])
+def test_encode_sends_the_top_k_of_each_chunk_within_half_a_level(chunk, k, bits):
+    codec = ChunkTopK(chunk=chunk, k=k, bits=bits)
+    n = 3 * chunk + chunk // 2  # a last chunk that is padded
+    v = torch.randn(n, generator=torch.Generator().manual_seed(chunk + k))
+    payload, sent = codec.encode(v)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(n)
+    assert torch.equal(codec.decode(payload, n), sent)  # the receivers decode what was kept out
+    padded = torch.zeros(codec.chunks(n) * chunk)
+    padded[:n] = v
+    for c, row in enumerate(padded.reshape(-1, chunk)):
+        picked = set(row.abs().topk(k).indices.tolist())
+        got = sent[c * chunk : (c + 1) * chunk]
+        nonzero = set(torch.nonzero(got).flatten().tolist())
+        assert nonzero <= picked and len(nonzero) == min(k, (c * chunk < n) * min(chunk, n - c * chunk))
+        scale = row[list(picked)].abs().max()
+        level = scale / (2**bits - 1)  # levels are 2*scale/(2^bits - 1) apart
+        err = (got[list(nonzero)] - row[list(nonzero)]).abs()
+        assert err.max() <= level * (1 + 1e-5)
+
+
+def test_the_default_message_is_72_times_smaller_than_fp32():
+    codec = ChunkTopK(chunk=4096, k=128, bits=2)
+    n = 4096 * 10
+    assert codec.payload_bytes(n) == 10 * 4 + 10 * 128 * 2 // 8 + 10 * 128 * 12 // 8
+    assert 4 * n / codec.payload_bytes(n) > 71
+
+
+def _tiny_sync(options: dict, comm: Communicator | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, build_sync("sparseloco", model, opt, comm or Communicator(), options)
+
+
+def test_error_feedback_buffer_before_is_sent_plus_buffer_after():
+    _, _, sync = _tiny_sync({"H": 1, "chunk": 256, "k": 8, "overlap": False, "beta": 0.9})
+    gen = torch.Generator().manual_seed(3)
+    sync._error = torch.randn(sync.n, generator=gen)
+    for _ in range(3):
+        delta = torch.randn(sync.n, generator=gen)
+        before = sync._error * 0.9 + delta
+        payload, after = sync._message(delta)
+        sent = sync.chunker.decode(payload, sync.n)
+        untouched = sent == 0
+        assert torch.equal(after[untouched], before[untouched])  # what was not sent stays, exactly
+        torch.testing.assert_close(sent + after, before, atol=1e-6, rtol=0)
+        assert (sent != 0).sum() == sync.chunker.chunks(sync.n) * 8
+        sync._error = after
+
+
+@pytest.mark.parametrize(
+    "options,needle",
+    [
+        ({"k": 5000}, "--k (values sent per chunk) must be an integer in [1, --chunk=4096]"),
+        ({"bits": 3}, "--bits (per value sent) must be one of 2, 4, 8"),
+        ({"beta": 1.0}, "--beta (error-feedback decay) must be in [0, 1)"),
+        ({"H": 0}, "H (inner steps between outer steps) must be an integer >= 1"),
+        ({"alpha": 0}, "--alpha (outer learning rate) must be > 0"),
+    ],
+)
+def test_bad_options_say_what_to_change(options, needle):
+    with pytest.raises(ConfigError, match=r".*") as err:
+        sync_config("sparseloco", options)
+    assert needle in str(err.value)
+
+
+def test_a_chunk_larger_than_the_model_is_refused():
+    with pytest.raises(ConfigError, match="larger than the whole model"):
+        _tiny_sync({"chunk": 2**24, "k": 4})
+
+
+def test_the_dct_is_scipys_orthonormal_dct_ii_per_block():
+    scipy_fft = pytest.importorskip("scipy.fft")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+    want = scipy_fft.dct(x.double().numpy(), norm="ortho", axis=-1)
+    torch.testing.assert_close(x @ dct_matrix(64).T, torch.from_numpy(want).float(), atol=1e-5, rtol=1e-5)
+    t = BlockDCT((128, 192), 64)
+    w = torch.randn(128, 192, generator=torch.Generator().manual_seed(6))
+    coeffs = t.encode(w).reshape(2, 3, 64, 64)  # block (row 1, column 2) of 2 x 3
+    block = scipy_fft.dctn(w[64:, 128:].double().numpy(), norm="ortho")
+    torch.testing.assert_close(coeffs[1, 2], torch.from_numpy(block).float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t.decode(t.encode(w)), w, atol=1e-5, rtol=1e-5)
+    v = BlockDCT((384,), 64)  # 1-d: blocks of 64 along the length
+    assert (v.b1, v.b2) == (1, 64)
+    torch.testing.assert_close(v.decode(v.encode(w[0, : 384 - 192].repeat(2))), w[0, :192].repeat(2))
+
+
+def test_a_demo_message_is_under_1_percent_of_the_model():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("mini", 256))
+    opt = torch.optim.AdamW(model.parameters())
+    sync = build_sync("demo", model, opt, Communicator(), {})
+    n = sum(p.numel() for p in model.parameters())
+    assert sync.message_bytes() < 0.01 * 4 * n
+
+
+# -- real gloo groups ---------------------------------------------------------------------------
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    xy = torch.randint(0, 256, (2, 17), generator=g)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def _outer_steps(rank, world_size, overlap: bool, steps: int = 6):
+    """Train ``steps`` steps (H=2); at each outer step record what the closed form needs."""
+    comm = Communicator()
+    options = {"H": 2, "chunk": 256, "k": 16, "bits": 2, "beta": 0.9, "alpha": 1.5, "overlap": overlap}
+    model, opt, sync = _tiny_sync(options, comm, seed=0)
+    records = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        before = {"anchor": sync._anchor.clone(), "local": sync._local(), "error": sync._error.clone()}
+        if sync.after_step():
+            records.append({**before, "params": sync._local(), "anchor_after": sync._anchor.clone()})
+    sync.finalize()
+    sync.close()
+    return {"records": records, "final": flatten(list(model.parameters())).detach(), "sent": comm.stats}
+
+
+def _demo_steps(rank, world_size, steps: int = 3):
+    """DeMo steps with plain SGD (lr 0.01, weight decay 0.1); what the closed form needs."""
+    comm = Communicator()
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, weight_decay=0.1)
+    sync = build_sync("demo", model, opt, comm, {"chunk": 16, "k": 8, "bits": 8, "beta": 0.9})
+    records = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        before = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.clone() for p in model.parameters()],
+            "momentum": [m.clone() for m in sync._momentum],
+        }
+        sync.before_step()
+        opt.step()  # skips every parameter: DeMo took the step
+        opt.zero_grad(set_to_none=True)
+        sync.after_step()
+        after = {"params": [p.detach().clone() for p in model.parameters()], "momentum": sync._momentum}
+        records.append({"before": before, "after": after})
+    return {"records": records, "sent": comm.stats.sent_bytes, "message": sync.message_bytes()}
+
+
+def _different_seeds(rank, world_size):
+    """Workers whose models differ get rank 0's; equal ones compare 8 bytes and move nothing."""
+    out = {}
+    for name, seed in (("equal", 0), ("differ", rank)):
+        model, _, sync = _tiny_sync({"H": 2}, Communicator(), seed=seed)
+        out[name] = (sync.startup_broadcast_bytes, flatten(list(model.parameters())).detach())
+    return out
+
+
+RUNS = Cases(_outer_steps, 3, [(False,), (True,)])
+DEMO = Cases(_demo_steps, 3, [()])
+
+
+def test_a_demo_step_is_signed_sgd_on_the_decoded_mean_and_replicas_stay_equal():
+    ranks = DEMO.get()
+    torch.manual_seed(0)
+    shapes = [tuple(p.shape) for p in GPT(gpt_config("tiny", 256, 16)).parameters()]
+    transforms = [BlockDCT(s, 16) for s in shapes]
+    codecs = [ChunkTopK(chunk=t.block, k=min(8, t.block), bits=8) for t in transforms]
+    for step in range(3):
+        recs = [r["records"][step] for r in ranks]
+        for i, (t, c) in enumerate(zip(transforms, codecs, strict=True)):
+            n = recs[0]["before"]["params"][i].numel()
+            sents = []
+            for rec in recs:
+                m = rec["before"]["momentum"][i] * 0.9 + rec["before"]["grads"][i]
+                sent = c.decode(c.encode(t.encode(m))[0], n)
+                sents.append(sent)
+                # The momentum keeps what was not sent, in the DCT's basis.
+                torch.testing.assert_close(
+                    rec["after"]["momentum"][i], m - t.decode(sent), atol=1e-6, rtol=1e-5
+                )
+            update = t.decode(torch.stack(sents).mean(dim=0)).sign()
+            p0 = recs[0]["before"]["params"][i]
+            want = p0 * (1 - 0.01 * 0.1) - 0.01 * update
+            for rec in recs:
+                assert torch.equal(rec["after"]["params"][i], recs[0]["after"]["params"][i])  # bitwise
+                torch.testing.assert_close(rec["after"]["params"][i], want, atol=1e-6, rtol=1e-6)
+    # One all-gather of the packed message per step: (N-1) copies of it leave each worker.
+    assert ranks[0]["sent"] == 3 * 2 * ranks[0]["message"]
+
+
+def test_an_outer_step_is_the_closed_form_and_leaves_identical_replicas():
+    ranks = RUNS.get(False)
+    codec = ChunkTopK(chunk=256, k=16, bits=2)
+    for i in range(3):
+        recs = [r["records"][i] for r in ranks]
+        sents = []
+        for rec in recs:
+            e = rec["error"] * 0.9 + (rec["anchor"] - rec["local"])
+            sents.append(codec.decode(codec.encode(e)[0], e.numel()))
+        expected = recs[0]["anchor"] - 1.5 * torch.stack(sents).mean(dim=0)
+        for rec in recs:
+            torch.testing.assert_close(rec["params"], expected, atol=1e-6, rtol=1e-6)
+            assert torch.equal(rec["params"], recs[0]["params"])  # bitwise, on every replica
+    for r in ranks:
+        assert torch.equal(r["final"], ranks[0]["final"])
+
+
+def test_overlap_lands_each_mean_one_period_late_eagerly_and_ends_with_one_model():
+    ranks = RUNS.get(True)
+    codec = ChunkTopK(chunk=256, k=16, bits=2)
+    records = [r["records"] for r in ranks]
+
+    def message(rec: list[dict], j: int) -> torch.Tensor:  # q_j of one replica, decoded
+        start = rec[j - 1]["params"] if j else rec[0]["anchor"]  # where the period started
+        e = rec[j]["error"] * 0.9 + (start - rec[j]["local"])
+        return codec.decode(codec.encode(e)[0], e.numel())
+
+    anchor = records[0][0]["anchor"]
+    for i in range(3):
+        if i:  # sync i lands the mean of sync i-1's messages, gathered during the period
+            anchor = anchor - 1.5 * torch.stack([message(rec, i - 1) for rec in records]).mean(dim=0)
+        for rec in records:
+            torch.testing.assert_close(rec[i]["anchor_after"], anchor, atol=1e-6, rtol=1e-6)
+            assert torch.equal(rec[i]["anchor_after"], records[0][i]["anchor_after"])  # bitwise
+            # ... and goes on from the anchor minus its own message (eager).
+            torch.testing.assert_close(rec[i]["params"], anchor - 1.5 * message(rec, i), atol=1e-6, rtol=1e-6)
+    finals = [r["final"] for r in ranks]
+    assert all(torch.equal(f, finals[0]) for f in finals)
+
+
+def test_only_differing_replicas_are_broadcast_at_start_up():
+    from helpers import run_workers
+
+    out = run_workers(_different_seeds, 2, timeout=120)
+    assert [o["equal"][0] for o in out] == [0, 0]
+    assert all(o["differ"][0] > 0 for o in out)
+    assert torch.equal(out[0]["differ"][1], out[1]["differ"][1])
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "algo,flags,needle",
+    [
+        ("sparseloco", ["--k", "5000"], "--chunk=4096"),
+        ("sparseloco", ["--bits", "3"], "--bits"),
+        ("demo", ["--beta", "1"], "--beta (momentum decay)"),
+        ("demo", ["--compress", "int8"], "demo does not take --compress"),
+    ],
+)
+def test_the_cli_refuses_bad_options_in_one_line_before_starting(tmp_path, algo, flags, needle):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "geotrain", "run", "--workers", "2", "--no-netem", "--algo", algo, *flags]
+    proc = subprocess.run([*cmd, "--run-dir", str(run_dir)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not run_dir.exists()
+
+
+# -- the planner's terms ------------------------------------------------------------------------
+def test_the_gather_stops_beating_an_int4_all_reduce_past_2m_over_p_workers():
+    from geotrain.plan.gather import allreduce_bytes, crossover_workers, gather_bytes, gather_warning
+
+    for payload, message in [(606_480, 5_616_000), (100, 1_000), (1, 10**6)]:
+        n = crossover_workers(payload, message)
+        assert gather_bytes(payload, n) > allreduce_bytes(message, n)
+        assert gather_bytes(payload, n - 1) <= allreduce_bytes(message, n - 1) or n == 2
+        assert n - 1 <= 2 * message / payload <= n
+    assert gather_warning(606_480, 10_893_312, 4) == ""
+    assert "below 19 workers" in gather_warning(606_480, 10_893_312, 19)
+
+
+def test_an_emulated_rate_stands_for_a_faster_link_on_an_h100():
+    from geotrain.plan.gather import Accelerator, speed_factor, stands_for_bps
+
+    # 6 * 0.5M tokens / (989 TFLOP/s * 0.4) = 7.58 ns per parameter per step on an H100.
+    h100 = Accelerator()
+    assert abs(h100.seconds_per_param_step() - 7.583e-9) < 1e-11
+    factor = speed_factor(2.0, 10_000_000, h100)  # a 10M model stepping in 2 s here
+    assert abs(factor - 2e-7 / 7.583e-9) < 0.01
+    assert abs(stands_for_bps(350e3, 2.0, 10_000_000) - 350e3 * factor) < 1.0
+    with pytest.raises(ValueError, match="mfu in"):
+        Accelerator(mfu=1.5)
