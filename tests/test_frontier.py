@@ -79,7 +79,7 @@ def test_error_feedback_buffer_before_is_sent_plus_buffer_after():
     for _ in range(3):
         delta = torch.randn(sync.n, generator=gen)
         before = sync._error * 0.9 + delta
-        payload, after = sync._message(delta)
+        payload, _, after = sync._message(delta)
         sent = sync.chunker.decode(payload, sync.n)
         untouched = sent == 0
         assert torch.equal(after[untouched], before[untouched])  # what was not sent stays, exactly

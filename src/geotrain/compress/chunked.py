@@ -40,6 +40,25 @@ from geotrain.compress.codec import Codec, Shapes, numel, require
 VALUE_BITS = (2, 4, 8)
 
 
+def require_chunking(
+    chunk: int, k: int, bits: int, flag, chunk_means: str, k_limit: int, k_limit_text: str
+) -> None:
+    """The checks every user of chunked top-k makes, worded with ``flag(name)`` (a CLI flag or a
+    codec parameter) so the message says what to change."""
+    require(
+        isinstance(chunk, int) and chunk >= 2,
+        f"{flag('chunk')} ({chunk_means}) must be an integer >= 2, got {chunk}",
+    )
+    require(
+        isinstance(k, int) and 1 <= k <= k_limit,
+        f"{flag('k')} (values sent per chunk) must be an integer in [1, {k_limit_text}], got {k}",
+    )
+    require(
+        bits in VALUE_BITS,
+        f"{flag('bits')} (per value sent) must be one of {', '.join(map(str, VALUE_BITS))}, got {bits}",
+    )
+
+
 def index_bits(chunk: int) -> int:
     """Bits that hold an index in ``[0, chunk)``."""
     return max(1, (chunk - 1).bit_length())
@@ -80,20 +99,10 @@ class ChunkTopK(Codec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(
-            isinstance(self.chunk, int) and self.chunk >= 2,
-            f"{self.name}: chunk (values per chunk) must be an integer >= 2, got {self.chunk}",
-        )
-        require(
-            isinstance(self.k, int) and 1 <= self.k <= self.chunk,
-            f"{self.name}: k (values sent per chunk) must be an integer in [1, chunk={self.chunk}], "
-            f"got {self.k}",
-        )
-        require(
-            self.bits in VALUE_BITS,
-            f"{self.name}: bits (per value sent) must be one of {', '.join(map(str, VALUE_BITS))}, "
-            f"got {self.bits}",
-        )
+        require_chunking(
+            self.chunk, self.k, self.bits, lambda f: f"{self.name}: {f}", "values per chunk",
+            self.chunk, f"chunk={self.chunk}",
+        )  # fmt: skip
         require(
             0 <= self.decay <= 1,
             f"{self.name}: decay (residual kept per message) must be in [0, 1], got {self.decay}",
@@ -108,16 +117,16 @@ class ChunkTopK(Codec):
         c = self.chunks(n)
         return 4 * c + packed_bytes(c * self.k, self.bits) + packed_bytes(c * self.k, index_bits(self.chunk))
 
-    def density(self, n: int) -> float:
-        return self.chunks(n) * self.k / max(n, 1)
-
     def encode(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """1-d float ``v`` -> (payload uint8, the dense float vector the receivers decode)."""
         n = v.numel()
         c = self.chunks(n)
-        rows = torch.zeros(c * self.chunk)
-        rows[:n] = v
-        rows = rows.reshape(c, self.chunk)
+        if n == c * self.chunk:  # DeMo's blocks tile their parameters: no padded copy
+            rows = v.reshape(c, self.chunk)
+        else:
+            rows = torch.zeros(c * self.chunk)
+            rows[:n] = v
+            rows = rows.reshape(c, self.chunk)
         idx = rows.abs().topk(self.k, dim=1, sorted=False).indices
         picked = rows.gather(1, idx)
         scales = picked.abs().amax(dim=1, keepdim=True)
@@ -194,9 +203,4 @@ class ChunkTopK(Codec):
         return f"{self.k} of every {self.chunk} values ({100 * self.k / self.chunk:.3g}%), {self.bits}-bit"
 
 
-def bits_per_value_sent(codec: ChunkTopK) -> float:
-    """Wire bits per value sent, scales included (for reports)."""
-    return codec.bits + index_bits(codec.chunk) + 32 / codec.k
-
-
-__all__ = ["ChunkTopK", "bits_per_value_sent", "index_bits", "pack_bits", "unpack_bits"]
+__all__ = ["ChunkTopK", "index_bits", "pack_bits", "require_chunking", "unpack_bits"]

@@ -41,10 +41,7 @@ def int4_message_bytes(n_values: int, block: int = 256) -> int:
 def crossover_workers(payload: int, message: int) -> int:
     """The smallest worker count at which gathering ``payload`` sends more than all-reducing
     ``message`` (N > 2 M / P)."""
-    n = 2
-    while gather_bytes(payload, n) <= allreduce_bytes(message, n):
-        n += 1
-    return n
+    return max(2, 2 * message // payload + 1)
 
 
 def gather_warning(payload: int, n_values: int, workers: int) -> str:

@@ -174,3 +174,39 @@ class SyncAlgorithm:
         self.syncs = int(state["syncs"])
         if self.codec and "codec" in state:
             self.codec.load_state_dict(state["codec"])
+
+
+class PeriodicSync(SyncAlgorithm):
+    """A method that synchronises every ``config.H`` steps and issues no collective between
+    (``localsgd``, ``diloco``, ``sparseloco``): subclasses say what ``synchronize`` does."""
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def at_boundary(self) -> bool:
+        return self.step_count % self.config.H == 0
+
+    def after_step(self) -> bool:
+        super().after_step()
+        if self.at_boundary():
+            self.synchronize()
+            return True
+        return False
+
+    def finalize(self) -> None:
+        if not self.at_boundary():
+            self.synchronize()
+
+    def retry_sync(self) -> None:
+        if self.at_boundary():
+            self.synchronize()  # a failed synchronisation changed nothing it would redo twice
+
+    def sync_period(self) -> int:
+        return self.config.H
+
+    def default_snapshot_every(self) -> int:
+        return self.config.H  # each sync boundary, where the replicas share the most
+
+    def replicated_parts(self) -> set[str]:
+        # Right after a sync the parameters are equal; the (inner) optimizers never are.
+        return {"model", "sync"} if self.at_boundary() else {"sync"}

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from geotrain.compress.chunked import VALUE_BITS, ChunkTopK
+from geotrain.compress.chunked import ChunkTopK, require_chunking
 from geotrain.plan.gather import gather_warning
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
@@ -89,19 +89,10 @@ class DeMoConfig(SyncConfig):
     beta: float = 0.999
 
     def __post_init__(self) -> None:
-        require(
-            isinstance(self.chunk, int) and self.chunk >= 2,
-            f"--chunk (DCT block per dimension) must be an integer >= 2, got {self.chunk}",
-        )
-        require(
-            isinstance(self.k, int) and 1 <= self.k <= self.chunk * self.chunk,
-            f"--k (coefficients sent per block) must be an integer in [1, --chunk squared = "
-            f"{self.chunk * self.chunk}], got {self.k}",
-        )
-        require(
-            self.bits in VALUE_BITS,
-            f"--bits (per value sent) must be one of {', '.join(map(str, VALUE_BITS))}, got {self.bits}",
-        )
+        require_chunking(
+            self.chunk, self.k, self.bits, lambda f: f"--{f}", "DCT block per dimension",
+            self.chunk * self.chunk, "--chunk squared",
+        )  # fmt: skip
         require(0 <= self.beta < 1, f"--beta (momentum decay) must be in [0, 1), got {self.beta}")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import PeriodicSync, SyncConfig, require
 
 
 @dataclass
@@ -43,7 +43,7 @@ class DiLoCoConfig(SyncConfig):
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
 
 
-class DiLoCo(SyncAlgorithm):
+class DiLoCo(PeriodicSync):
     name = "diloco"
 
     def __init__(self, model, optimizer, comm, config: DiLoCoConfig | None = None) -> None:
@@ -70,38 +70,14 @@ class DiLoCo(SyncAlgorithm):
                 outer.grad = None
         self.syncs += 1
 
-    def after_step(self) -> bool:
-        super().after_step()
-        if self.step_count % self.config.H == 0:
-            self.outer_step()
-            return True
-        return False
-
-    def finalize(self) -> None:
-        if self.step_count % self.config.H:
-            self.outer_step()
-
-    def retry_sync(self) -> None:
-        if self.step_count % self.config.H == 0:
-            self.outer_step()  # the anchor and momentum change only after the reduce succeeded
-
-    def sync_period(self) -> int:
-        return self.config.H
-
-    def default_snapshot_every(self) -> int:
-        return self.config.H  # each sync boundary, where the replicas share the most
-
-    def replicated_parts(self) -> set[str]:
-        # After an outer step every replica is theta_outer; the anchor and outer momentum always
-        # are equal. The inner optimizers never are.
-        return {"model", "sync"} if self.step_count % self.config.H == 0 else {"sync"}
+    synchronize = outer_step
 
     def state_dict(self) -> dict[str, Any]:
         """Right after an outer step theta_outer *is* the model's parameters: it is not saved
         twice (a fifth of a snapshot), and ``load_state_dict`` takes it from the parameters."""
         state = super().state_dict()
-        at_sync = self.step_count % self.config.H == 0
-        state["outer_params"] = None if at_sync else list(self._outer)  # callers copy or serialise
+        # Callers copy or serialise the list.
+        state["outer_params"] = None if self.at_boundary() else list(self._outer)
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         return state
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
+from geotrain.sync.base import PeriodicSync, SyncConfig, adopt_mean_change, require
 
 
 @dataclass
@@ -35,7 +35,7 @@ class LocalSGDConfig(SyncConfig):
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
 
 
-class LocalSGD(SyncAlgorithm):
+class LocalSGD(PeriodicSync):
     name = "localsgd"
 
     def __init__(self, model, optimizer, comm, config: LocalSGDConfig | None = None) -> None:
@@ -52,30 +52,7 @@ class LocalSGD(SyncAlgorithm):
             adopt_mean_change(params, self._ref, deltas)
         self.syncs += 1
 
-    def after_step(self) -> bool:
-        super().after_step()
-        if self.step_count % self.config.H == 0:
-            self.average_parameters()
-            return True
-        return False
-
-    def finalize(self) -> None:
-        if self.step_count % self.config.H:
-            self.average_parameters()
-
-    def retry_sync(self) -> None:
-        if self.step_count % self.config.H == 0:
-            self.average_parameters()  # a failed average wrote nothing back, or only some buckets
-
-    def sync_period(self) -> int:
-        return self.config.H
-
-    def default_snapshot_every(self) -> int:
-        return self.config.H  # each sync boundary, where the replicas share the most
-
-    def replicated_parts(self) -> set[str]:
-        # Right after an average the parameters are equal; the optimizers never are.
-        return {"model", "sync"} if self.step_count % self.config.H == 0 else {"sync"}
+    synchronize = average_parameters
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import flatten, unflatten_into
-from geotrain.compress.chunked import VALUE_BITS, ChunkTopK
+from geotrain.compress.chunked import ChunkTopK, require_chunking
 from geotrain.plan.gather import gather_warning
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import PeriodicSync, SyncConfig, require
 
 
 @dataclass
@@ -65,18 +65,10 @@ class SparseLoCoConfig(SyncConfig):
             isinstance(self.H, int) and self.H >= 1,
             f"H (inner steps between outer steps) must be an integer >= 1, got {self.H}",
         )
-        require(
-            isinstance(self.chunk, int) and self.chunk >= 2,
-            f"--chunk (values per top-k chunk) must be an integer >= 2, got {self.chunk}",
-        )
-        require(
-            isinstance(self.k, int) and 1 <= self.k <= self.chunk,
-            f"--k (values sent per chunk) must be an integer in [1, --chunk={self.chunk}], got {self.k}",
-        )
-        require(
-            self.bits in VALUE_BITS,
-            f"--bits (per value sent) must be one of {', '.join(map(str, VALUE_BITS))}, got {self.bits}",
-        )
+        require_chunking(
+            self.chunk, self.k, self.bits, lambda f: f"--{f}", "values per top-k chunk",
+            self.chunk, f"--chunk={self.chunk}",
+        )  # fmt: skip
         require(0 <= self.beta < 1, f"--beta (error-feedback decay) must be in [0, 1), got {self.beta}")
         require(self.alpha > 0, f"--alpha (outer learning rate) must be > 0, got {self.alpha}")
 
@@ -84,7 +76,7 @@ class SparseLoCoConfig(SyncConfig):
         return ChunkTopK(chunk=self.chunk, k=self.k, bits=self.bits)
 
 
-class SparseLoCo(SyncAlgorithm):
+class SparseLoCo(PeriodicSync):
     name = "sparseloco"
 
     def __init__(self, model, optimizer, comm, config: SparseLoCoConfig | None = None) -> None:
@@ -108,13 +100,13 @@ class SparseLoCo(SyncAlgorithm):
     def _local(self) -> torch.Tensor:
         return flatten([p.detach() for p in self.parameters()]).float()
 
-    def _message(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """beta e + delta and the payload of its chunked top-k; e is not changed yet, so a
-        message that fails to arrive can be made again from the same state (``retry_sync``)."""
+    def _message(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The payload of the chunked top-k of beta e + delta, what it decodes to, and the e
+        that stays. ``self._error`` is not changed yet, so a message that fails to arrive can
+        be made again from the same state (``retry_sync``)."""
         error = self._error * self.config.beta + delta
         payload, sent = self.chunker.encode(error)
-        self._sent = sent
-        return payload, error.sub_(sent)
+        return payload, sent, error.sub_(sent)
 
     def _land(self, handle) -> None:
         """theta <- theta - alpha * mean of the gathered messages."""
@@ -128,17 +120,17 @@ class SparseLoCo(SyncAlgorithm):
     def outer_step(self) -> None:
         local = self._local()
         if not self.config.overlap:
-            payload, error = self._message(self._anchor - local)
+            payload, _, error = self._message(self._anchor - local)
             self._land(self.comm.all_gather(payload, async_op=True))
             self._error = error
             self._set_params(self._anchor)
         else:
-            payload, error = self._message(self._start - local)
+            payload, sent, error = self._message(self._start - local)
             self._wait_in_flight()
             self._error = error
             self._launch(payload)
             # Eager: this worker's own message stands in for the mean until the mean lands.
-            self._start = self._anchor - self.config.alpha * self._sent
+            self._start = self._anchor - self.config.alpha * sent
             self._set_params(self._start)
         self.syncs += 1
 
@@ -154,24 +146,19 @@ class SparseLoCo(SyncAlgorithm):
             self._land(self._pending)
             self._pending = self._pending_payload = None
 
-    def after_step(self) -> bool:
-        super().after_step()
-        if self.step_count % self.config.H == 0:
-            self.outer_step()
-            return True
-        return False
+    synchronize = outer_step
 
     def finalize(self) -> None:
         if self.config.overlap:
             self._wait_in_flight()
-            if self.step_count % self.config.H == 0:
+            if self.at_boundary():
                 # No step since the last message: a message now would be an extra outer step
                 # made of error-feedback residual alone.
                 self._set_params(self._anchor)
                 return
-            payload, error = self._message(self._start - self._local())
-        elif self.step_count % self.config.H:
-            payload, error = self._message(self._anchor - self._local())
+            payload, _, error = self._message(self._start - self._local())
+        elif not self.at_boundary():
+            payload, _, error = self._message(self._anchor - self._local())
         else:
             return
         self._land(self.comm.all_gather(payload, async_op=True))
@@ -189,25 +176,15 @@ class SparseLoCo(SyncAlgorithm):
         if self._pending is not None:
             self._resend, self._pending = self._pending_payload, None
 
-    def retry_sync(self) -> None:
-        if self.step_count % self.config.H == 0:
-            self.outer_step()  # e, theta and the parameters change only once the gather arrived
-
     def adopted_state(self) -> None:
         # This worker loaded another's state (a joiner, a survivor behind): that worker's
         # unsent residual and message in flight are its own, and would count twice here.
         self._error.zero_()
         self._resend = None
 
-    def sync_period(self) -> int:
-        return self.config.H
-
-    def default_snapshot_every(self) -> int:
-        return self.config.H
-
     def replicated_parts(self) -> set[str]:
-        at_sync = self.step_count % self.config.H == 0
-        return {"model", "sync"} if at_sync and not self.config.overlap else set()
+        # e is each worker's own, so "sync" never is; under overlap neither are the parameters.
+        return {"model"} if self.at_boundary() and not self.config.overlap else set()
 
     def info(self) -> str:
         payload = self.chunker.payload_bytes(self.n)
@@ -225,15 +202,8 @@ class SparseLoCo(SyncAlgorithm):
         # A message in flight is saved as this worker's own payload; a resumed run gathers it
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
-        state["in_flight"] = self._own_in_flight()
+        state["in_flight"] = self._resend if self._resend is not None else self._pending_payload
         return state
-
-    def _own_in_flight(self) -> torch.Tensor | None:
-        if self._resend is not None:
-            return self._resend
-        if self._pending is None:
-            return None
-        return self._pending_payload
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
