@@ -158,5 +158,73 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert [r["step"] for r in after] == list(range(s + 1, steps + 1))
     assert {r["workers"] for r in after} == {3}
     assert f"geotrain: host {lost} was admitted after step {s}" in proc.stderr
+    # The replacement's snapshots go to its host's keeper, naming the members: its final one is
+    # on disk, where a resume finds it.
+    members = run_dir / "snapshots" / f"rank{lost}" / f"step{steps:08d}.members"
+    assert sorted(json.loads(members.read_text())) == [0, 1, 2]
     if NETNS:  # 1.7 MB at 100 Mbit/s: over a tenth of a second
         assert joined["hand_over_s"] > 0.1
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_brings_the_lost_host_back(
+    tmp_path, cleanup_keepers
+):
+    """Local SGD on 3 workers with --min-workers 3 loses host 2 after step 5. Hosts 0 and 1 go
+    on to their next sync boundary (step 8), snapshot there (naming who was training), wait
+    --join-timeout for a replacement, and stop with a line that says how to go on. The resume
+    starts from step 8, not from step 4 before the fault: hosts 0 and 1 from their keepers, host
+    2 as a joiner is admitted (a member's model and algorithm state, its own optimizer and data
+    stream fresh); all three train to the end."""
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 3))
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
+    t0 = time.monotonic()
+    proc = _run([*job, "--min-workers", "3", "--join-timeout", "2", "--chaos", "kill:step=5,rank=2"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
+    assert "paused after step 8, waiting up to 2 s for a replacement" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        "fewer than --min-workers 3" in proc.stderr and f"geotrain run --resume {run_dir}" in proc.stderr
+    ), last
+    for host in (0, 1):
+        assert [r["step"] for r in _records(run_dir, host)] == list(range(1, 9))
+        members = run_dir / "snapshots" / f"rank{host}" / "step00000008.members"
+        assert not members.exists()  # not on disk: in the keepers' memory
+    proc = _run(["run", "--resume", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    assert summary["resumed_from"]["step"] == 8
+    assert summary["resumed_from"]["sources"] == ["keeper", "keeper", "member"]
+    assert (summary["workers_start"], summary["workers"]) == (3, 3)
+    for host in range(3):
+        assert [r["step"] for r in _records(run_dir, host)][-8:] == list(range(9, 17))
+    assert [r["step"] for r in _records(run_dir, 2)][:6] == [1, 2, 3, 4, 5, 9]  # lost after 5, back at 9
+    # Tokens go on from the survivors' count at step 8 (not 8 steps of 3), then 8 steps of 3.
+    records = _records(run_dir, 0)
+    per_worker_step = records[0]["tokens"] // 3
+    at_8 = records[7]["tokens"]
+    assert at_8 < 8 * 3 * per_worker_step
+    assert summary["tokens"] == at_8 + 8 * 3 * per_worker_step
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_below_min_workers_the_survivors_wait_at_the_boundary_for_the_replacement(tmp_path, cleanup_keepers):
+    """The same loss with a replacement on its way (half a second, then its start-up): the
+    survivors stop after step 8 until it is admitted there, and all three train on. Without the
+    pause, two tiny workers would have run far past step 8 before it could join."""
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 3))
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
+    proc = _run(
+        [*job, "--min-workers", "3", "--join-timeout", "60", "--chaos", "kill:step=5,rank=2,restart=0.5"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    (fault,) = summary["faults"]
+    assert fault["rejoined_after_step"] == 8 and summary["workers"] == 3
+    records = _records(run_dir, 0)
+    assert [r["step"] for r in records] == list(range(1, 17))
+    assert records[8]["wall_s"] - records[7]["wall_s"] > 1.0  # the wait for the replacement
+    assert [r["step"] for r in _records(run_dir, 2)][-8:] == list(range(9, 17))

@@ -15,7 +15,16 @@ from geotrain.compress.codec import ConfigError
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, serve, wait_ready
 from geotrain.ft.redundancy import parse_redundancy
-from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, choose_step, preflight
+from geotrain.ft.snapshots import (
+    ResumeError,
+    SnapshotConfig,
+    Snapshotter,
+    admitted_state,
+    availability,
+    choose_step,
+    members_at,
+    preflight,
+)
 from geotrain.ft.state import (
     CorruptSnapshot,
     capture,
@@ -203,6 +212,42 @@ def test_choose_step_prefers_the_newest_step_everyone_can_reach():
         choose_step([_avail(keeper=[4])], requested=3)
 
 
+def test_after_a_membership_change_hosts_that_were_not_training_come_back_from_a_member():
+    """Snapshots taken after a membership change name the hosts training then: the newest such
+    step wins, and a host outside it (lost, not replaced) is rebuilt from a member's state."""
+    members = {20: [0, 1]}
+    avail = [
+        _avail(keeper=[10, 20]) | {"members": dict(members)},
+        _avail(disk=[10, 20]) | {"members": dict(members)},
+        _avail(keeper=[10]),  # host 2's keeper still holds its state from before it was lost
+    ]
+    assert members_at(avail, 20) == [0, 1] and members_at(avail, 10) == [0, 1, 2]
+    assert choose_step(avail) == (20, {0: "keeper", 1: "disk", 2: "member"})
+    # Holders that disagree (one took step 20 in the old epoch) fall back to a step all agree on.
+    avail[0]["members"][20] = [0, 1, 2]
+    assert choose_step(avail) == (10, {0: "keeper", 1: "disk", 2: "keeper"})
+    # A holder that recorded no members took it in the first epoch: every host must have it.
+    del avail[0]["members"][20]
+    assert choose_step(avail)[0] == 10
+    # Nobody who was training holds a full state: nothing to rebuild from.
+    with pytest.raises(ResumeError, match="no way to restore"):
+        choose_step([_avail(pieces=[(1, 20, 0, 1, 1)]) | {"members": {}}, _avail()], requested=20)
+
+
+def test_admitted_state_hands_over_what_a_joiner_gets():
+    state = {
+        "step": 8,
+        "parts": {
+            p: {"x": i} for i, p in enumerate(("model", "optimizer", "sync", "codec", "rng", "progress"))
+        },
+        "shared": ["model", "sync"],
+    }
+    got = admitted_state(state)
+    assert got["admitted"] and got["step"] == 8 and sorted(got["parts"]) == ["model", "progress", "sync"]
+    state["shared"].append("optimizer")  # S-SGD, DDP: every worker's optimizer is the same
+    assert "optimizer" in admitted_state(state)["parts"]
+
+
 @pytest.fixture
 def keeper(tmp_path):
     sock = tmp_path / "k.sock"
@@ -253,6 +298,25 @@ def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_g
         preflight([KeeperClient(client.path, timeout_s=1)], snaps)
     assert preflight([KeeperClient(client.path, timeout_s=1)], snaps, requested=2)[0] == 2
     assert os.path.exists(disk_path(snaps, 0, 2))
+
+
+def test_snapshots_after_a_membership_change_record_their_members_in_keeper_and_on_disk(keeper, tmp_path):
+    client, snaps = keeper
+    snap = Snapshotter(SnapshotConfig(every=2, keeper=str(client.path), directory=snaps), 1, 1)
+    state = lambda copy, step: {"step": step, "parts": {}, "shared": [], "shared_digest": {}}  # noqa: E731
+    snap.take(2, lambda copy: state(copy, 2), final=True)
+    snap.take(4, lambda copy: state(copy, 4), final=True, members=[0, 1])
+    snap.take(6, lambda copy: state(copy, 6), final=True, members=[1, 2])
+    snap.close()
+    client.flush()
+    got = availability(1, client, snaps)
+    assert got["keeper"] == [4, 6] and got["disk"] == [4, 6]
+    assert got["members"] == {4: [0, 1], 6: [1, 2]}
+    # Disk alone says the same; the members of a pruned snapshot go with it.
+    assert availability(1, None, snaps)["members"] == {4: [0, 1], 6: [1, 2]}
+    assert sorted(p.name for p in (snaps / "rank1").iterdir()) == [
+        "step00000004.members", "step00000004.snap", "step00000006.members", "step00000006.snap",
+    ]  # fmt: skip
 
 
 def test_a_descriptor_message_survives_a_keeper_that_answers_and_closes_at_once(monkeypatch):

@@ -76,7 +76,15 @@ def _run_parser() -> argparse.ArgumentParser:
         dest="min_workers",
         type=int,
         default=1,
-        help="with continue: stop (snapshots kept for --resume) when fewer workers are left",
+        help="with continue: when fewer workers are left they pause after their next sync boundary, "
+        "snapshot, and wait --join-timeout seconds for a replacement before they stop (--resume goes on)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        dest="join_timeout",
+        type=float,
+        default=120.0,
+        help="with --min-workers: seconds the paused workers wait for a replacement",
     )
     p.add_argument(
         "--fault-timeout",
@@ -177,7 +185,8 @@ def _cmd_resume(argv: list[str]) -> int:
         raise UsageError(f"--resume {run_dir}: {e}") from None
     if cfg.steps < step:
         raise UsageError(f"--steps {cfg.steps} is below the snapshot's step {step}; give the new total")
-    sources = ", ".join(f"rank {r} from {h}" for r, h in sorted(how.items()))
+    where = {"member": "a member's state (it was not training then)"}
+    sources = ", ".join(f"rank {r} from {where.get(h, h)}" for r, h in sorted(how.items()))
     print(f"geotrain: resuming {run_dir} at step {step} of {cfg.steps} ({sources})", file=sys.stderr)
     rates = saved.get("rates_bps")
     if saved.get("network_mode") == "netns" and netem_unavailable_reason():
@@ -280,6 +289,7 @@ def _launch_config(args, rates, label: str):
             max_faults=args.max_faults,
             fault_timeout_s=args.fault_timeout,
             min_workers=getattr(args, "min_workers", 1),
+            join_timeout_s=getattr(args, "join_timeout", 120.0),
         )
     except ValueError as e:  # what LaunchConfig refuses (e.g. --min-workers): one line, exit 2
         raise UsageError(str(e)) from None

@@ -31,7 +31,16 @@ from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
-from geotrain.ft.membership import RETIRED, Excluded, Membership, MembershipChanged, RunFinished, first_hosts
+from geotrain.ft.membership import (
+    EXIT_BELOW_MIN_WORKERS,
+    RETIRED,
+    BelowMinWorkers,
+    Excluded,
+    Membership,
+    MembershipChanged,
+    RunFinished,
+    first_hosts,
+)
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest
@@ -97,6 +106,8 @@ class TrainConfig:
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
     join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
     fault_timeout_s: float = 10.0  # the coordinator's verdict on a silent host comes this late
+    min_workers: int = 1  # elastic: fewer members than this pause at a sync boundary for joiners
+    join_timeout_s: float = 120.0  # elastic: how long they wait there before they snapshot and stop
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -230,7 +241,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
-            "fault_timeout_s", "join",
+            "fault_timeout_s", "join", "min_workers", "join_timeout_s",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat"):
             continue  # set by the launcher or added by the caller
@@ -327,6 +338,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 f"--steps {cfg.steps} is below the snapshot's step {progress0['step']}; give the total, "
                 f"e.g. --steps {2 * progress0['step']}"
             )
+        if source == "member":
+            # Not training at that step (lost and not replaced): it comes back as a joiner is
+            # admitted, with fresh windows of its shard (its old stream would repeat batches).
+            sampler.gen.manual_seed(cfg.seed * 100_003 + ctx.rank + 7_919 * progress0["step"])
         (restore_s,) = comm.max_scalars([time.perf_counter() - t_restore])
         sources = comm.all_gather_object(source)
         resumed = {"step": progress0["step"], "sources": sources, "restore_s": restore_s}
@@ -352,7 +367,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     records = metrics_up_to(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
     writer = MetricsWriter(run_dir, ctx.rank)
     tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
-    tokens_done = progress0["step"] * tokens_per_step
+    tokens_done = progress0.get("tokens", progress0["step"] * tokens_per_step)
     progress = None
     if ctx.is_main and cfg.progress:
         from tqdm import tqdm
@@ -383,6 +398,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 sync=sync,
                 generators=generators,
                 progress={
+                    "tokens": tokens_done,
                     "train_s": now - start - eval_s,
                     "eval_s": eval_s,
                     "wall_s": now - start,
@@ -392,7 +408,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 copy=copy,
             )
 
-        snapshots.take(step, state, final=final)
+        # After a membership change a snapshot says who was training: a resume rebuilds the
+        # others from a member (``ft.snapshots.restorable``).
+        members = membership.members if membership is not None and membership.epoch > 0 else None
+        snapshots.take(step, state, final=final, members=members)
 
     host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
@@ -418,9 +437,37 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         phase = "after"
         return synced
 
+    pause_after: int | None = None  # fewer than --min-workers: the boundary where they wait
+
+    def wait_for_joiners(boundary: int) -> None:
+        """Fewer than ``--min-workers`` are left: every member stops after the same sync boundary
+        (the one the regroup agreed they head for), snapshots there, and waits for a joiner
+        (admitted right there, as at any boundary) or another change of members. After
+        ``--join-timeout`` it stops, and ``--resume`` goes on from that snapshot."""
+        if not snapshots.stats.each or snapshots.stats.each[-1][0] != boundary:
+            take_snapshot(boundary)
+        snapshots.wait()  # in the keeper before anything can stop this trainer
+        left = len(membership.members)
+        if comm.rank == 0:
+            print(
+                f"geotrain: {left} worker(s) left, fewer than --min-workers {cfg.min_workers}: paused "
+                f"after step {boundary}, waiting up to {cfg.join_timeout_s:g} s for a replacement",
+                file=sys.stderr,
+                flush=True,
+            )
+        deadline = time.monotonic() + cfg.join_timeout_s
+        while not (membership.joining() or membership.changed()):
+            if time.monotonic() > deadline:
+                raise BelowMinWorkers(
+                    f"{left} worker(s) left, fewer than --min-workers {cfg.min_workers}, and no replacement "
+                    f"came within --join-timeout {cfg.join_timeout_s:g} s; stopped after step {boundary}, "
+                    "its snapshot kept"
+                )
+            time.sleep(0.1)
+
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
-        nonlocal tokens_per_step, snapshots_on, tokens_done, no_eval_through
+        nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
 
         def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
@@ -453,12 +500,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         no_eval_through = max(no_eval_through, event["furthest"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
-        if snapshots_on:
-            # Snapshots and the resume they serve assume the first epoch's workers: they stop
-            # here, and the keepers keep the last ones taken before the fault.
-            snapshots_on = False
-            snapshots.close()
+        # Snapshots go on, each into this host's keeper; redundancy across hosts stops (its group
+        # was the first epoch's).
+        snapshots.drop_redundancy()
         resume = event.pop("resume")
+        # Every member computes the same boundary: the one the regroup agreed they head for.
+        few = len(event["members"]) < cfg.min_workers
+        pause_after = membership.boundary(resume.done) if few and resume.done < cfg.steps else None
         if host in event["joined"]:
             stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
             print(
@@ -487,7 +535,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         )
         return resume
 
-    snapshots_on = not cfg.join  # a joiner's state is the members' (snapshots stopped at the fault)
     batch = None
     step = first_step
     if cfg.join:
@@ -498,6 +545,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Fresh windows of its shard: its predecessor's stream from the start would repeat data.
         sampler.gen.manual_seed(cfg.seed * 100_003 + host + 1_000_003 * membership.epoch)
     while step <= cfg.steps:
+        if pause_after is not None and step == pause_after + 1:
+            pause_after = None
+            wait_for_joiners(step - 1)
         t0 = time.perf_counter()
         before = comm.stats.copy()
         if batch is None:
@@ -519,7 +569,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if device.type == "cuda":
             torch.cuda.synchronize()
         tokens_done += tokens_per_step
-        if snapshots_on and (step == cfg.steps or snapshots.due(step)):
+        if step == cfg.steps or snapshots.due(step):
             # The final one too, before the end-of-run average: a resumed run continues from it.
             take_snapshot(step, final=step == cfg.steps)
         step_s = time.perf_counter() - t0
@@ -600,15 +650,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     writer.close()
     if progress is not None:
         progress.close()
-    if snapshots_on:
-        snapshots.close()  # every snapshot stored, the final disk checkpoint written
+    snapshots.close()  # every snapshot stored, the final disk checkpoint written
 
     summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_done)
     summary.update(_snapshot_summary(snapshots, snap_comm, comm, len(records) - (first_step - 1), resumed))
     summary["param_digest"] = param_digest(model)
     if membership is not None:
         summary["membership"] = events
-        summary["snapshots_stopped_at_step"] = events[0]["at_step"] if events else None
     if run_dir is not None and comm.rank == 0:  # the lowest surviving host
         torch.save(
             {
@@ -750,6 +798,10 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fault-timeout-s", dest="fault_timeout_s", type=float, default=10.0, help=argparse.SUPPRESS
     )
+    parser.add_argument("--min-workers", dest="min_workers", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--join-timeout-s", dest="join_timeout_s", type=float, default=120.0, help=argparse.SUPPRESS
+    )
     parser.add_argument(
         "--join",
         action=argparse.BooleanOptionalAction,
@@ -819,6 +871,9 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
     except RunFinished as e:  # a joiner that came too late: nothing was lost
         print(f"geotrain train: {e}", file=sys.stderr)
         return 0
+    except BelowMinWorkers as e:  # its snapshot is taken: a resume goes on from it
+        print(f"geotrain train: {e}", file=sys.stderr)
+        return EXIT_BELOW_MIN_WORKERS
     except (ConfigError, DataError, ResumeError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         if cfg.run_dir:  # the launcher must not retry what fails the same way every time

@@ -49,6 +49,35 @@ def disk_path(directory: Path, owner: int, step: int) -> Path:
     return Path(directory) / f"rank{owner}" / f"step{step:08d}.snap"
 
 
+def members_path(directory: Path, owner: int, step: int) -> Path:
+    """The hosts that were training together when a disk snapshot was taken (written only after a
+    membership change: without it, a snapshot is the first epoch's, every host a member)."""
+    return Path(directory) / f"rank{owner}" / f"step{step:08d}.members"
+
+
+def write_disk_snapshot(directory: Path, owner: int, step: int, blob, members: list[int] | None) -> None:
+    """A disk snapshot, atomically, with its members beside it (written first, so a complete
+    snapshot never lacks them)."""
+    if members is not None:
+        write_atomic(members_path(directory, owner, step), json.dumps(members).encode())
+    else:  # an earlier launch's snapshot of this step may have had other members
+        members_path(directory, owner, step).unlink(missing_ok=True)
+    write_atomic(disk_path(directory, owner, step), blob)
+
+
+def prune_disk(directory: Path, owner: int, keep: int) -> None:
+    for old in disk_steps(directory, owner)[:-keep]:
+        disk_path(directory, owner, old).unlink(missing_ok=True)
+        members_path(directory, owner, old).unlink(missing_ok=True)
+
+
+def disk_members(directory: Path, owner: int, step: int) -> list[int] | None:
+    try:
+        return [int(h) for h in json.loads(members_path(directory, owner, step).read_text())]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def disk_steps(directory: Path, owner: int) -> list[int]:
     """Steps of the disk snapshots of worker ``owner`` (complete files only: writes are atomic)."""
     folder = Path(directory) / f"rank{owner}"
@@ -128,7 +157,7 @@ class Keeper:
 
     def put(self, header: dict[str, Any], blob: bytes) -> None:
         key = (header["kind"], int(header["owner"]), int(header["step"]), int(header.get("index", 0)))
-        meta = {k: header[k] for k in ("kind", "owner", "step", "index", "k", "n") if k in header}
+        meta = {k: header[k] for k in ("kind", "owner", "step", "index", "k", "n", "members") if k in header}
         meta["committed"] = bool(header.get("commit"))
         # Being shipped to the peers: it may become the newest complete step, so it stays.
         meta["pending"] = bool(header.get("pending")) and not meta["committed"]
@@ -136,7 +165,7 @@ class Keeper:
             self._blobs[key] = (meta, blob)
             self._prune(key[0], key[1])
         if header.get("disk") and self.directory is not None and key[0] == "full":
-            self._disk.put((key[1], key[2], blob))
+            self._disk.put((key[1], key[2], blob, header.get("members")))
 
     def commit(self, owner: int, step: int) -> None:
         """Step ``step`` is complete everywhere (the worker's own state and every peer's pieces
@@ -180,12 +209,11 @@ class Keeper:
 
     def _write_loop(self) -> None:
         while True:
-            owner, step, blob = self._disk.get()
+            owner, step, blob, members = self._disk.get()
             try:
                 assert self.directory is not None
-                write_atomic(disk_path(self.directory, owner, step), blob)
-                for old in disk_steps(self.directory, owner)[: -self.keep]:
-                    disk_path(self.directory, owner, old).unlink(missing_ok=True)
+                write_disk_snapshot(self.directory, owner, step, blob, members)
+                prune_disk(self.directory, owner, self.keep)
             except OSError as e:
                 print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
             finally:
@@ -354,11 +382,16 @@ class KeeperClient:
         disk: bool = False,
         commit: bool = False,
         pending: bool = False,
+        members: list[int] | None = None,
     ) -> None:
         """Hand over a sealed memory file (``ft.state.encode_to_memfd``): the keeper maps it.
-        ``pending``: it is about to be shipped to the peers and committed."""
+        ``pending``: it is about to be shipped to the peers and committed. ``members``: the hosts
+        training together at this step, after a membership change (None: every host)."""
         header = {"op": "put_fd", "kind": kind, "owner": owner, "step": step, "index": 0, "length": length}
-        self._call({**header, "disk": disk, "commit": commit, "pending": pending}, fds=[fd])
+        header |= {"disk": disk, "commit": commit, "pending": pending}
+        if members is not None:
+            header["members"] = list(members)
+        self._call(header, fds=[fd])
 
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})

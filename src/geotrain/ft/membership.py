@@ -68,6 +68,15 @@ class RunFinished(RuntimeError):
     """A joiner's wait ended because the run finished before the members could admit it."""
 
 
+# A trainer's exit code when it stopped because fewer than --min-workers were left for longer
+# than --join-timeout (its snapshot taken): the launcher tells the user how to resume.
+EXIT_BELOW_MIN_WORKERS = 4
+
+
+class BelowMinWorkers(RuntimeError):
+    """Fewer than ``--min-workers`` members, and no joiner came within ``--join-timeout``."""
+
+
 def parse_members(text: str) -> list[int]:
     return [int(h) for h in text.split(",") if h != ""]
 
@@ -136,6 +145,9 @@ class Membership:
     def _boundary(self, step: int) -> int:
         """The first sync boundary at or after ``step``."""
         return -(-step // self.period) * self.period
+
+    def boundary(self, step: int) -> int:
+        return self._boundary(step)
 
     def _propose(self, store, step: int) -> None:
         store.set(f"at/{self.epoch}/{self.host}", str(step))

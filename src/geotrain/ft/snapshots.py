@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geotrain.ft.atomic import write_atomic
-from geotrain.ft.keeper import KeeperClient, KeeperError, disk_path, disk_steps
+from geotrain.ft.keeper import (
+    KeeperClient,
+    KeeperError,
+    disk_members,
+    disk_path,
+    disk_steps,
+    prune_disk,
+    write_disk_snapshot,
+)
 from geotrain.ft.redundancy import Redundancy, exchange, parse_redundancy, recv_blob, send_blob
 from geotrain.ft.state import (
     CorruptSnapshot,
@@ -111,6 +118,7 @@ class Snapshotter:
         self.redundant = self.scheme is not None
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
+        self._ship_abandoned = False  # the snapshot group lost a member: its thread is left alone
         self._next_fd: int | None = None  # the next snapshot's memory file, its pages allocated
         self._size_hint = size_hint
         self._store_queue: queue.Queue = queue.Queue()
@@ -131,9 +139,18 @@ class Snapshotter:
         # Without a keeper an in-memory snapshot has nowhere to live: only disk ones are taken.
         return self.client is not None and step % self.cfg.every == 0
 
-    def take(self, step: int, capture, final: bool = False) -> None:
+    def drop_redundancy(self) -> None:
+        """The membership changed: the snapshot group is the old epoch's (a shipment on it may
+        wait for a lost peer forever), so from here snapshots are kept locally only, by this
+        host's keeper and disk. Every member calls it at the same regroup, so they still agree."""
+        if self.redundant:
+            self._ship_abandoned = self._shipping
+            self.scheme, self.redundant = None, False
+
+    def take(self, step: int, capture, final: bool = False, members: list[int] | None = None) -> None:
         """Snapshot now: ``capture(copy)`` gives the state (live tensors when ``copy`` is False);
-        it is stored, and maybe shipped, in the background."""
+        it is stored, and maybe shipped, in the background. ``members``: the hosts training
+        together now, after a membership change (None: every host of the first epoch)."""
         t0 = time.perf_counter()
         self._store_queue.join()  # the previous one is with the keeper: at most one in flight
         ship = False
@@ -153,15 +170,17 @@ class Snapshotter:
         self.stats.copy_s += time.perf_counter() - t1
         if ship:
             self._shipping = True
-        self._store_queue.put((step, snapshot, disk, ship))
+        self._store_queue.put((step, snapshot, disk, ship, members))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
         self.stats.each.append((step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4)))
 
     def wait(self) -> None:
-        """Until every snapshot taken is stored and every shipment has arrived."""
+        """Until every snapshot taken is stored and every shipment has arrived (one left on a
+        group that lost a member is not waited for)."""
         self._store_queue.join()
-        self._ship_queue.join()
+        if not self._ship_abandoned:
+            self._ship_queue.join()
 
     def close(self) -> None:
         """Wait for every snapshot to be stored (and written, where asked) and every shipment to
@@ -169,7 +188,7 @@ class Snapshotter:
         self.wait()
         self._store_queue.put(None)
         self._ship_queue.put(None)
-        for t in self._threads:
+        for t in self._threads if not self._ship_abandoned else self._threads[:1]:
             t.join()
         if self._next_fd is not None:
             os.close(self._next_fd)
@@ -195,19 +214,20 @@ class Snapshotter:
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
                 if shipping or item[3]:  # a store that failed never queued its shipment
+                    # (not ``ship_queue`` items: (step, fd, size))
                     self.scheme = None  # keep local snapshots; peers learn it at the next take
                     self._shipping = False
             finally:
                 work.task_done()
 
-    def _store(self, step: int, snapshot, disk: bool, ship: bool) -> None:
+    def _store(self, step: int, snapshot, disk: bool, ship: bool, members: list[int] | None = None) -> None:
         if snapshot is None:  # nothing to store yet: allocate the first snapshot's pages
             self._next_fd = new_memfd(f"geotrain-rank{self.rank}", self._size_hint)
             return
         if self.client is None:  # a CPU copy, for disk
             blob = encode(snapshot)
             self.stats.full_bytes = len(blob)
-            self._write_disk(step, blob)
+            self._write_disk(step, blob, members)
             return
         fd, size = snapshot
         try:
@@ -216,15 +236,16 @@ class Snapshotter:
             try:
                 # Without redundancy a snapshot is complete once the keeper has it.
                 self.client.put_fd(
-                    "full", self.rank, step, fd, size, disk=disk, commit=not self.redundant, pending=ship
-                )
+                    "full", self.rank, step, fd, size, disk=disk, commit=not self.redundant, pending=ship,
+                    members=members,
+                )  # fmt: skip
             except KeeperError as e:
                 if not self.stats.errors:
                     print(f"geotrain: rank {self.rank}: {e}; snapshots go to disk", file=sys.stderr)
                 self.stats.errors.append(f"step {step}: {e}")
                 if disk:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-                        self._write_disk(step, mm)
+                        self._write_disk(step, mm, members)
             if ship:
                 self._ship_queue.put((step, os.dup(fd), size))
         finally:
@@ -232,12 +253,11 @@ class Snapshotter:
         # The pages of the next one, allocated here rather than while the training thread writes.
         self._next_fd = new_memfd(f"geotrain-rank{self.rank}", size + (1 << 20))
 
-    def _write_disk(self, step: int, blob) -> None:
+    def _write_disk(self, step: int, blob, members: list[int] | None = None) -> None:
         if self.cfg.directory is None:
             return
-        write_atomic(disk_path(self.cfg.directory, self.rank, step), blob)
-        for old in disk_steps(self.cfg.directory, self.rank)[:-KEEP_ON_DISK]:
-            disk_path(self.cfg.directory, self.rank, old).unlink(missing_ok=True)
+        write_disk_snapshot(self.cfg.directory, self.rank, step, blob, members)
+        prune_disk(self.cfg.directory, self.rank, KEEP_ON_DISK)
 
     def _ship(self, step: int, fd: int, size: int) -> None:
         try:
@@ -276,20 +296,37 @@ class Snapshotter:
 
 # -- restoring ---------------------------------------------------------------------------------
 def availability(rank: int, keeper: KeeperClient | None, directory: Path | None) -> dict[str, Any]:
-    """What this worker can reach: its full states (keeper, disk) and pieces held for others."""
-    out: dict[str, Any] = {"keeper": [], "disk": [], "pieces": []}
+    """What this worker can reach: its full states (keeper, disk) and pieces held for others, and
+    for a state taken after a membership change, the hosts that were training together then."""
+    out: dict[str, Any] = {"keeper": [], "disk": [], "pieces": [], "members": {}}
     if keeper is not None:
         try:
             for item in keeper.items():
                 if item["kind"] == "full" and item["owner"] == rank:
                     out["keeper"].append(item["step"])
+                    if item.get("members") is not None:
+                        out["members"][item["step"]] = list(item["members"])
                 elif item["kind"] == "piece":
                     out["pieces"].append([item["owner"], item["step"], item["index"], item["k"], item["n"]])
         except KeeperError:
             pass  # a keeper that is gone holds nothing
     if directory is not None:
         out["disk"] = disk_steps(directory, rank)
+        for step in out["disk"]:
+            members = disk_members(directory, rank, step)
+            if members is not None:
+                out["members"].setdefault(step, members)
     return out
+
+
+def members_at(avail: list[dict[str, Any]], step: int) -> list[int]:
+    """The hosts that were training together at ``step``, as the states taken there say: every
+    host, unless all of them were taken after a membership change (then the union of what they
+    recorded, so that holders who disagree fall back to an older step rather than guess)."""
+    holders = [a for a in avail if step in a["keeper"] or step in a["disk"]]
+    if not holders or any(step not in a.get("members", {}) for a in holders):
+        return list(range(len(avail)))
+    return sorted({h for a in holders for h in a["members"][step]})
 
 
 def _pieces_for(avail: list[dict[str, Any]], owner: int, step: int) -> list[tuple[int, int, int, int]]:
@@ -303,7 +340,12 @@ def _pieces_for(avail: list[dict[str, Any]], owner: int, step: int) -> list[tupl
 
 
 def restorable(avail: list[dict[str, Any]], step: int) -> dict[int, str] | None:
-    """How each worker gets its state at ``step`` (keeper, disk or peers), or None if one cannot."""
+    """How each worker gets its state at ``step`` (keeper, disk or peers), or None if one cannot.
+
+    A host that was not training at ``step`` (lost before it under ``--on-failure continue``, and
+    not replaced) comes back as a joiner would have been admitted: ``member``, the model and
+    algorithm state of a host that was, with its own optimizer and data stream fresh."""
+    members = members_at(avail, step)
     donors = [r for r, a in enumerate(avail) if step in a["keeper"] or step in a["disk"]]
     how: dict[int, str] = {}
     for r, a in enumerate(avail):
@@ -311,6 +353,10 @@ def restorable(avail: list[dict[str, Any]], step: int) -> dict[int, str] | None:
             how[r] = "keeper"
         elif step in a["disk"]:
             how[r] = "disk"
+        elif r not in members:
+            if not donors:
+                return None
+            how[r] = "member"
         else:
             pieces = _pieces_for(avail, r, step)
             if not donors or not pieces or len({p[1] for p in pieces}) < pieces[0][2]:
@@ -355,8 +401,10 @@ def restore(
     avail = [mine] if world_size == 1 else comm.all_gather_object(mine)
     step, how = choose_step(avail, requested)
     needy = sorted(r for r, h in how.items() if h == "peers")
+    rebuilt = sorted(r for r, h in how.items() if h == "member")
     state, error = None, ""
     to_send: dict[int, list[tuple[int, bytes]]] = {}  # owner -> [(position, blob)] this rank sends
+    admission = b""  # a member's state, for those rebuilt from it
     try:
         source = how[rank]
         if source == "keeper":
@@ -366,16 +414,18 @@ def restore(
                 source = "disk"
         if source == "disk":
             blob = disk_path(directory, rank, step).read_bytes()
-        if source != "peers":
+        if source in ("keeper", "disk"):
             state = decode(blob, f"rank {rank}'s snapshot at step {step} ({source})")
         # Fetch now what this rank will send, so a failure is known to all before any transfer.
         for owner in needy:
-            donor = min(r for r, h in how.items() if h != "peers")
+            donor = min(r for r, h in how.items() if h in ("keeper", "disk"))
             if rank == donor:
                 to_send.setdefault(owner, []).append((-1, encode(split(state)[0])))
             for pos, (holder, idx, _, _) in enumerate(_pieces_for(avail, owner, step)):
                 if rank == holder:
                     to_send.setdefault(owner, []).append((pos, keeper.get("piece", owner, step, idx)))
+        if rebuilt and rank == min(r for r, h in how.items() if h in ("keeper", "disk")):
+            admission = encode(admitted_state(state))
     except Exception as e:  # every rank must learn of it, or the others wait on a transfer
         error = str(e) or type(e).__name__
     errors = [error] if world_size == 1 else comm.all_gather_object(error)
@@ -392,7 +442,7 @@ def restore(
     # Each lost worker in turn receives a survivor's shared state, then its pieces in order; a
     # rank that is both donor and holder sends in that same order.
     for owner in needy:
-        donor = min(r for r, h in how.items() if h != "peers")
+        donor = min(r for r, h in how.items() if h in ("keeper", "disk"))
         pieces = _pieces_for(avail, owner, step)
         for _, blob in sorted(to_send.get(owner, [])):
             send_blob(comm, blob, owner)
@@ -407,10 +457,30 @@ def restore(
                 state = join(unique, shared)
             except CorruptSnapshot as e:
                 error = str(e)
+    # Hosts that were not training at this step get a member's state, as a joiner is admitted.
+    for owner in rebuilt:
+        donor = min(r for r, h in how.items() if h in ("keeper", "disk"))
+        if rank == donor:
+            send_blob(comm, admission, owner)
+        if rank == owner:
+            try:
+                state = decode(recv_blob(comm, donor), f"rank {donor}'s state at step {step}")
+            except CorruptSnapshot as e:
+                error = str(e)
     errors = [error] if world_size == 1 else comm.all_gather_object(error)
     if any(errors):
         raise ResumeError(next(e for e in errors if e))
     return state, how[rank]
+
+
+def admitted_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What a host that was not training at a snapshot's step gets from one that was: what a
+    joiner is handed at its admission (``ft/elastic.py``): the model and the algorithm's state,
+    the optimizer only where every worker's is the same, and the progress (step, time). Its codec
+    residuals, random streams and (under the local methods) optimizer start fresh."""
+    parts = state["parts"]
+    keep = ["model", "sync", "progress"] + (["optimizer"] if "optimizer" in state["shared"] else [])
+    return {"step": state["step"], "parts": {p: parts[p] for p in keep}, "shared": [], "admitted": True}
 
 
 def preflight(
@@ -424,7 +494,7 @@ def preflight(
     avail = [availability(r, k, directory) for r, k in enumerate(keepers)]
     step, how = choose_step(avail, requested)
     for r, source in how.items() if check else ():
-        if source == "peers":
+        if source in ("peers", "member"):
             continue
         blob = b""
         if source == "keeper":

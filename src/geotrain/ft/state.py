@@ -264,17 +264,25 @@ def restore(
     sync: Any,
     generators: dict[str, torch.Generator],
 ) -> dict[str, Any]:
-    """Load a captured state into live objects; returns its ``progress`` record."""
+    """Load a captured state into live objects; returns its ``progress`` record.
+
+    A state another worker handed over (``ft.snapshots.admitted_state``: no optimizer where each
+    worker's is its own, no codec residuals, no random streams) leaves those parts as they are,
+    and the algorithm drops what belonged to that worker alone."""
     parts = state["parts"]
     model.load_state_dict(parts["model"])
-    optimizer.load_state_dict(parts["optimizer"])
+    if "optimizer" in parts:
+        optimizer.load_state_dict(parts["optimizer"])
     sync_state = dict(parts["sync"])
-    if parts["codec"] is not None:
+    if parts.get("codec") is not None:
         sync_state["codec"] = parts["codec"]
     sync.load_state_dict(sync_state)
-    torch.set_rng_state(parts["rng"]["torch"])
-    if "cuda" in parts["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
-    for name, g in generators.items():
-        g.set_state(parts["rng"][name])
+    if state.get("admitted"):
+        sync.adopted_state()
+    if "rng" in parts:
+        torch.set_rng_state(parts["rng"]["torch"])
+        if "cuda" in parts["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(parts["rng"]["cuda"])
+        for name, g in generators.items():
+            g.set_state(parts["rng"][name])
     return parts["progress"]

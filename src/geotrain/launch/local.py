@@ -36,6 +36,7 @@ from typing import IO
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
+from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
@@ -70,7 +71,8 @@ class LaunchConfig:
     # and go on | stop
     on_failure: str = "continue"
     max_faults: int = 10  # the run fails at the fault after this many
-    min_workers: int = 1  # with continue: the run stops when fewer workers are left
+    min_workers: int = 1  # with continue: fewer workers pause for joiners, then stop
+    join_timeout_s: float = 120.0  # how long they wait for a joiner before they snapshot and stop
     fault_timeout_s: float = 10.0  # a host whose heartbeat stops this long has failed
 
     def __post_init__(self) -> None:
@@ -86,6 +88,8 @@ class LaunchConfig:
             raise ValueError(
                 f"--min-workers must be in [1, --workers {self.workers}], got {self.min_workers}"
             )
+        if self.join_timeout_s < 0:
+            raise ValueError(f"--join-timeout must be >= 0 seconds, got {self.join_timeout_s}")
         if self.fault_timeout_s < MIN_FAULT_TIMEOUT_S:
             raise ValueError(
                 f"--fault-timeout must be >= {MIN_FAULT_TIMEOUT_S:g} seconds (4 heartbeats), "
@@ -371,17 +375,18 @@ def _start_hosts(
 
 def _start_joiner(
     hosts: _Hosts, launch: LaunchConfig, cluster, cfg: TrainConfig, host: int, threads: int, attempt: int,
-    coordinator: subprocess.Popen, faults: list,
+    coordinator: subprocess.Popen, faults: list, keeper: str = "",
 ) -> subprocess.Popen:  # fmt: skip
     """A replacement for ``host`` under continue: a plain trainer process (no torchrun: the
-    first rendezvous may be gone with its host) that asks the coordinator to be admitted."""
+    first rendezvous may be gone with its host) that asks the coordinator to be admitted. Its
+    snapshots go to the host's keeper (``keeper``), as its predecessor's did."""
     control = launch.run_dir / "control"
     (control / f"exit-{host}").unlink(missing_ok=True)
     if cluster is not None:
         cluster.set_link(host, up=True)
     joiner = replace(
-        cfg, join=True, keeper="", redundancy="off", chaos=join_chaos(faults), resume=False, resume_step=0,
-        heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
+        cfg, join=True, keeper=keeper, redundancy="off", chaos=join_chaos(faults), resume=False,
+        resume_step=0, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
     )  # fmt: skip
     cmd = [
         sys.executable,
@@ -443,12 +448,16 @@ def _restart_coordinator(
 
 def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) -> int | None:
     """A host's exit code, or None while it runs. With continue, a trainer that said it finished
-    counts as finished: its torchrun agent waits up to 300 s for the agents of lost hosts."""
+    counts as finished: its torchrun agent waits up to 300 s for the agents of lost hosts; one
+    that stopped below --min-workers says so (torchrun reports any error as 1)."""
     code = proc.poll()
-    if code is None and elastic:
+    if elastic:
         with contextlib.suppress(OSError):
-            if (control / f"exit-{host}").read_text().strip() == "0":
+            said = (control / f"exit-{host}").read_text().strip()
+            if said == "0" and code is None:
                 return 0
+            if said == str(EXIT_BELOW_MIN_WORKERS):
+                return EXIT_BELOW_MIN_WORKERS
     return code
 
 
@@ -586,6 +595,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         network_mode=mode,
         elastic=elastic,
         fault_timeout_s=launch.fault_timeout_s,
+        min_workers=launch.min_workers,
+        join_timeout_s=launch.join_timeout_s,
     )
     (run_dir / "config.json").write_text(
         json.dumps(
@@ -656,6 +667,14 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 live = [i for i in range(launch.workers) if i not in dead]
                 if all(codes[i] == 0 for i in live):
                     break
+                if any(codes[i] == EXIT_BELOW_MIN_WORKERS for i in live):
+                    at = max(last_step(run_dir, i)[0] for i in live)
+                    raise RunFailed(
+                        f"{len(live)} worker(s) left, fewer than --min-workers {launch.min_workers}, and no "
+                        f"replacement came within --join-timeout {launch.join_timeout_s:g} s: stopped after "
+                        f"step {at} with their snapshots. geotrain run --resume {run_dir} goes on from "
+                        "there (hosts lost before it come back from a member's state)"
+                    )
                 # The first to fail, in the order noticed; in one poll, one that did not exit in
                 # order (no "bye") before its peers, which exit on the broken collective.
                 new_bad = [i for i in live if codes[i] not in (None, 0) and i not in seen_bad]
@@ -676,9 +695,12 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 for h, (due, fault) in list(rejoin.items()):
                     if now >= due and coordinator is not None:
                         del rejoin[h]
+                        if sockets:  # a host lost whole gets an empty keeper for its snapshots
+                            start_keepers(run_dir, launch.workers, resume=True)
                         hosts.procs[h] = _start_joiner(
-                            hosts, launch, cluster, cfg, h, threads, attempt, coordinator, faults
-                        )
+                            hosts, launch, cluster, cfg, h, threads, attempt, coordinator, faults,
+                            str(sockets[h]) if sockets else "",
+                        )  # fmt: skip
                         dead.discard(h)
                         joiners.add(h)  # its process is the trainer itself, not torchrun's agent
                         fault.rejoin_started_at = time.time()
@@ -778,13 +800,17 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 left = launch.workers - len(dead)
                 if restart_s:
                     rejoin[failed] = (time.monotonic() + restart_s, record)
-                if left < launch.min_workers and not (rejoin and left):  # nobody left to admit one
+                if not left:
                     raise RunFailed(
-                        f"host {failed} {what}; {left} workers left, fewer than --min-workers "
-                        f"{launch.min_workers}. The keepers hold the snapshots taken before the first "
-                        f"fault: geotrain run --resume {run_dir}{log_tail}"
+                        f"host {failed} {what}; no worker left. The keepers hold the last snapshots: "
+                        f"geotrain run --resume {run_dir}{log_tail}"
                     )
                 then = f"; a replacement comes in {restart_s:g} s" if restart_s else ""
+                if left < launch.min_workers:
+                    then += (
+                        f"; fewer than --min-workers {launch.min_workers}: they pause after their next "
+                        f"sync boundary and wait up to {launch.join_timeout_s:g} s for a replacement"
+                    )
                 print(
                     f"geotrain: host {rank} failed after step {furthest} ({kind}); the {left} others "
                     f"go on without it{then}",
