@@ -6,6 +6,8 @@
     geotrain plan --profile profile.json --H 10 --out plan.json     # or --choose
     geotrain bench [--quick]  # algorithms x links x workers: time to loss, plots, report
     geotrain keeper --socket PATH --dir DIR   # hold a host's snapshots (real clusters)
+    geotrain broker --hosts 4 --port 29400     # coordinate a real cluster: survivors go on
+    geotrain join --broker ADDR:29400 --host 2 ...  # a replacement machine joins the run
     geotrain soak --steps 600 --kill-every 60s   # train through a fault a minute, vs undisturbed
     geotrain sweep [--keepers]  # remove namespaces left by crashed runs (and lingering keepers)
 
@@ -599,6 +601,21 @@ def _cmd_keeper(argv: list[str]) -> int:
     return keeper_main(argv)
 
 
+def _cmd_broker(argv: list[str]) -> int:
+    from geotrain.launch.coordinator import broker
+
+    return broker(argv)
+
+
+def _cmd_join(argv: list[str]) -> int:
+    """A replacement on a real cluster: ``geotrain train --join`` with the run's flags."""
+    from geotrain.train import main as train_main
+
+    if not any(a == "--broker" or a.startswith("--broker=") for a in argv):
+        raise UsageError("geotrain join needs --broker ADDR:PORT and --host I (the lost machine's id)")
+    return train_main([*argv, "--join"])
+
+
 COMMANDS = {
     "run": _cmd_run,
     "profile": _cmd_profile,
@@ -607,6 +624,8 @@ COMMANDS = {
     "soak": _cmd_soak,
     "sweep": _cmd_sweep,
     "keeper": _cmd_keeper,
+    "broker": _cmd_broker,
+    "join": _cmd_join,
 }
 
 

@@ -18,7 +18,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,13 @@ from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, rest
 from geotrain.ft.state import capture, param_digest
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.coordinator import Heartbeat
-from geotrain.launch.dist import DistContext, init_distributed, init_joiner, shutdown_distributed
+from geotrain.launch.dist import (
+    DistContext,
+    init_distributed,
+    init_from_broker,
+    init_joiner,
+    shutdown_distributed,
+)
 from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
@@ -102,6 +108,8 @@ class TrainConfig:
     snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)
     keeper: str = ""  # this host's keeper socket ("": snapshots go to disk from a trainer thread)
     heartbeat: str = ""  # ADDR:PORT:ATTEMPT:HOST of the coordinator this trainer beats to ("": none)
+    broker: str = ""  # ADDR:PORT of `geotrain broker` on a real cluster ("": none; see --host)
+    host: int = -1  # with broker: this machine's host id, 0 .. the broker's --hosts - 1
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
     join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
@@ -243,7 +251,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
             "fault_timeout_s", "join", "min_workers", "join_timeout_s",
         )  # fmt: skip
-        if f.name in (*launcher_set, "heartbeat"):
+        if f.name in (*launcher_set, "heartbeat", "broker", "host"):
             continue  # set by the launcher or added by the caller
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -290,6 +298,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     torch.set_num_threads(threads)
     device = ctx.device
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+    if run_dir is not None and cfg.elastic:  # this host's regroup records (no launcher made it)
+        (run_dir / "control").mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(cfg.data or None)
     model_cfg = gpt_config(cfg.model, corpus.vocab_size, cfg.block_size or None)
@@ -457,11 +467,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             )
         deadline = time.monotonic() + cfg.join_timeout_s
         while not (membership.joining() or membership.changed()):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # the launcher says it to the user, once
                 raise BelowMinWorkers(
-                    f"{left} worker(s) left, fewer than --min-workers {cfg.min_workers}, and no replacement "
-                    f"came within --join-timeout {cfg.join_timeout_s:g} s; stopped after step {boundary}, "
-                    "its snapshot kept"
+                    f"no replacement came; stopped after step {boundary}, its snapshot kept"
                 )
             time.sleep(0.1)
 
@@ -581,6 +589,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             "train_loss": loss.item(),
             "wall_s": time.perf_counter() - start,
             "train_s": time.perf_counter() - start - eval_s,
+            "at": round(time.time(), 3),  # wall clock: hosts that started apart line up (soak plot)
             "step_s": step_s,
             "compute_s": step_s - (blocked or 0.0),
             "comm_blocked_s": blocked,
@@ -790,6 +799,14 @@ def train_parser() -> argparse.ArgumentParser:
         "--heartbeat", default="", help="ADDR:PORT:ATTEMPT:HOST of the coordinator (set by the launcher)"
     )
     parser.add_argument(
+        "--broker",
+        default="",
+        metavar="ADDR:PORT",
+        help="a real cluster's `geotrain broker`: the first rendezvous, heartbeats and membership "
+        "(one process per machine, no torchrun; survivors of a failure go on); needs --host",
+    )
+    parser.add_argument("--host", type=int, default=-1, help="with --broker: this machine's host id (0..N-1)")
+    parser.add_argument(
         "--elastic",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -815,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        if cfg.broker:
+            cfg = replace(cfg, heartbeat=f"{broker_address(cfg.broker, cfg.host)}:0:{cfg.host}", elastic=True)
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
@@ -827,12 +846,24 @@ def main(argv: list[str] | None = None) -> int:
         _leave(cfg, heartbeat, code)
 
 
+def broker_address(spec: str, host: int) -> str:
+    """``ADDR:PORT`` checked, for ``--broker``; ``host`` must be given with it."""
+    addr, _, port = spec.rpartition(":")
+    if not addr or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--broker takes ADDR:PORT (the broker's address and --port), got {spec!r}")
+    if host < 0:
+        raise ConfigError("--broker needs --host I, this machine's host id (0 .. the broker's --hosts - 1)")
+    return f"{addr}:{port}"
+
+
 def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
     """Say goodbye to the coordinator and the launcher; skip the destructors of groups abandoned
     in a regroup (``ft.membership.RETIRED``), which could wait forever for a cut-off peer."""
     try:
         if heartbeat is not None:
-            heartbeat.close()
+            # Under continue, a trainer that failed says so (its host leaves at once: the
+            # deathrattle on a real cluster, where no launcher watches its exit).
+            heartbeat.close(failed=cfg.elastic and code != 0)
             if cfg.elastic and cfg.run_dir:
                 # torchrun's agent waits for its peers' agents at exit (300 s if one is gone):
                 # the launcher takes the trainer's own word that it is done.
@@ -853,8 +884,27 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
             file=sys.stderr,
         )
         return 2
+    hosts = 0
+    if cfg.join or cfg.broker:
+        try:
+            hosts = first_hosts(*heartbeat.address, timeout_s=30.0 if cfg.join else cfg.timeout_s)
+        except Exception as e:  # a broker that is gone (the run is over) or never was
+            where = ":".join(map(str, heartbeat.address))
+            print(
+                f"geotrain train: error: no coordinator answers at {where} ({type(e).__name__})",
+                file=sys.stderr,
+            )
+            return 1
     if cfg.join:
-        ctx = init_joiner(heartbeat.host, first_hosts(*heartbeat.address), cfg.timeout_s)
+        ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s)
+    elif cfg.broker:
+        if not 0 <= heartbeat.host < hosts:
+            print(
+                f"geotrain train: error: --host must be in [0, {hosts}) (the broker's --hosts)",
+                file=sys.stderr,
+            )
+            return 2
+        ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s)
     else:
         ctx = init_distributed(timeout_s=cfg.timeout_s)
     ok = False
@@ -871,8 +921,7 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
     except RunFinished as e:  # a joiner that came too late: nothing was lost
         print(f"geotrain train: {e}", file=sys.stderr)
         return 0
-    except BelowMinWorkers as e:  # its snapshot is taken: a resume goes on from it
-        print(f"geotrain train: {e}", file=sys.stderr)
+    except BelowMinWorkers:  # its snapshot is taken: a resume goes on from it
         return EXIT_BELOW_MIN_WORKERS
     except (ConfigError, DataError, ResumeError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)

@@ -232,8 +232,8 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} img{{max-width:1
 <body><h1>geotrain bench</h1>
 <p>model {html.escape(cfg["model"])}, {cfg["steps"]} steps of batch {cfg["batch_size"]} per worker,
 H={cfg["H"]} (localsgd, diloco; dreamddp plans its own), seed {cfg["seed"]}.</p>
-{_html_table(markdown_table(results))}
-{_html_table(scale_table(results)) if results["scale"] else ""}
+{html_table(markdown_table(results))}
+{html_table(scale_table(results)) if results["scale"] else ""}
 {images}
 </body></html>
 """
@@ -241,7 +241,7 @@ H={cfg["H"]} (localsgd, diloco; dreamddp plans its own), seed {cfg["seed"]}.</p>
     return {name: path for name, (path, _) in plots.items()} | {"html": out / "report.html"}
 
 
-def _html_table(markdown: str) -> str:
+def html_table(markdown: str) -> str:
     lines = [ln for ln in markdown.splitlines() if ln.startswith("|")]
     notes = [ln for ln in markdown.splitlines() if ln and not ln.startswith("|")]
     if not lines:

@@ -7,7 +7,7 @@ the steps the survivors redid, the seconds from detection to the first new step,
 replacement was admitted; overall, the wall time of each run, the tokens trained and the final
 validation loss next to the undisturbed run's at the same number of tokens (interpolated on its
 evaluation curve), which is the comparison that counts: the faulty run trains fewer tokens while
-workers are missing.
+workers are missing. ``soak.png`` and ``report.html`` draw it (``bench/soak_report.py``).
 
 ``benchmarks/bench_faults.py`` runs the same comparison with other defaults (two scripted faults,
 or ``--on-failure rollback``).
@@ -163,4 +163,8 @@ def soak(job: SoakJob, chaos: str, out: Path, max_faults: int = 1000) -> dict:
         "membership": faulty.get("membership"),
     }
     (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    from geotrain.bench.soak_report import write_soak_report
+
+    report = write_soak_report(out, result, [fault_table(faulty), comparison_table(calm, faulty, cmp)])
+    print(f"\ngeotrain soak: the picture is {report['png']}, the report {report['html']}", file=sys.stderr)
     return result

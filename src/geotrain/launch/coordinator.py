@@ -111,9 +111,16 @@ def read_epochs(control_dir: Path) -> list[dict]:
 
 
 def serve(
-    control_dir: Path, hosts: int, fault_timeout_s: float, bind: str, port: int = 0, elastic: bool = False
+    control_dir: Path,
+    hosts: int,
+    fault_timeout_s: float,
+    bind: str,
+    port: int = 0,
+    elastic: bool = False,
+    until_done: bool = False,
 ) -> None:
-    """Host the store, write its port to ``control/port``, watch heartbeats until told to stop.
+    """Host the store, write its port to ``control/port``, watch heartbeats until told to stop
+    (``until_done``, a broker: until every member has left in order or failed).
     A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
     store = _store(bind, port, True, 30.0)
     epochs = Epochs(store, control_dir, hosts) if elastic else None
@@ -124,6 +131,8 @@ def serve(
     last: dict[int, tuple[int, float]] = {}  # host -> (beats, when they last moved)
     reported: set[int] = set()
     while not (control_dir / "stop").exists():
+        if until_done and epochs is not None and attempt >= 0 and set(epochs.live) <= reported:
+            return  # every member said goodbye (or failed): the run is over
         time.sleep(0.2)
         with contextlib.suppress(OSError, ValueError):
             now_attempt = int((control_dir / "attempt").read_text())
@@ -156,6 +165,7 @@ def serve(
                     store.delete_key(f"join/{h}")
                     # Watched afresh: its beats restart from where its predecessor's stopped.
                     store.delete_key(f"bye/{attempt}/{h}")
+                    store.delete_key(f"failed/{attempt}/{h}")
                     reported.discard(h)
                     last.pop(h, None)
                     epochs.join(h)
@@ -167,6 +177,11 @@ def serve(
             if store.check([bye]):
                 (control_dir / f"bye-{attempt}-{h}").touch()  # exited in order: not a failure
                 reported.add(h)
+                continue
+            if epochs is not None and store.check([f"failed/{attempt}/{h}"]):
+                reported.add(h)  # its trainer ended with an error: it leaves now
+                store.delete_key(f"failed/{attempt}/{h}")
+                epochs.leave({h}, "exited")
                 continue
             if store.check([key]):
                 beats = store.add(key, 0)
@@ -205,6 +220,7 @@ class Heartbeat:
         self.membership = None  # a Membership whose ``published`` this thread keeps current
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
+        self._failed = False
         self._thread = threading.Thread(target=self._beat, name="geotrain-heartbeat", daemon=True)
         self._thread.start()
 
@@ -224,14 +240,56 @@ class Heartbeat:
             except Exception:  # the coordinator is away: keep trying
                 store = None
             self._stop.wait(EPOCH_POLL_S if self.membership is not None else BEAT_S)
-        # An orderly exit (success or error) says so: silence after it is not a failure.
+        # An orderly exit says so: silence after it is not a failure; a failed one says that.
         if store is not None:
             with contextlib.suppress(Exception):
-                store.set(self._key.replace("hb/", "bye/", 1), "1")
+                store.set(self._key.replace("hb/", "failed/" if self._failed else "bye/", 1), "1")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop beating. ``failed``: the trainer ends with an error, and says so instead of
+        goodbye, so that the coordinator lets its host leave at once."""
+        self._failed = failed
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def broker(argv: list[str]) -> int:
+    """``geotrain broker``: the coordinator of a run across real machines, in the foreground."""
+    p = argparse.ArgumentParser(
+        prog="geotrain broker",
+        description="Coordinate a run across machines: the first rendezvous, heartbeats, membership "
+        "epochs (survivors of a failure go on; replacements join with `geotrain join`).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--hosts", type=int, required=True, help="machines the run starts with")
+    p.add_argument("--port", type=int, default=29400, help="the port of its store")
+    p.add_argument("--bind", default="0.0.0.0", help="the address to listen on")
+    p.add_argument("--fault-timeout", dest="fault_timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat after which a host has failed")  # fmt: skip
+    p.add_argument("--dir", default="broker", help="where epochs.jsonl and verdicts.jsonl go")
+    args = p.parse_args(argv)
+    if args.hosts < 1 or not 0 < args.port < 65536 or args.fault_timeout < 2:
+        p.error("--hosts must be >= 1, --port in 1..65535, --fault-timeout >= 2 seconds")
+    control = Path(args.dir)
+    control.mkdir(parents=True, exist_ok=True)
+    for old in ("stop", "epochs.jsonl", "verdicts.jsonl", "port"):
+        (control / old).unlink(missing_ok=True)  # a fresh run: nothing of an old one carries over
+    (control / "attempt").write_text("0")
+    print(
+        f"geotrain broker: {args.hosts} hosts, store on {args.bind}:{args.port}; on machine I run\n"
+        f"  geotrain train --broker THIS_ADDR:{args.port} --host I --run-dir DIR [training flags]\n"
+        f"and a replacement for a lost machine I with `geotrain join` and the same flags",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        serve(control, args.hosts, args.fault_timeout, args.bind, args.port, elastic=True, until_done=True)
+    except KeyboardInterrupt:
+        return 130
+    epochs = read_epochs(control)
+    print(f"geotrain broker: the run is over ({len(epochs)} membership changes, {control}/epochs.jsonl)",
+          file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 A worker started by ``torchrun`` (locally by ``geotrain run`` or by hand across real machines)
 finds ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous store in its environment. A
-worker started without torchrun is a world of one and creates no process group.
+worker started without torchrun is a world of one and creates no process group, unless it is
+given a broker (``geotrain broker``, ``init_from_broker``): then the broker's store is the
+rendezvous of the first epoch as of every later one.
 """
 
 from __future__ import annotations
@@ -57,14 +59,42 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     )
 
 
-def init_joiner(host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
-    """A replacement worker (``--join``): a world of one of its own until the members admit it
-    (``ft/membership.py``), so that its model, optimizer and algorithm are built as everywhere.
-    ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
+def _device() -> torch.device:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    return device
+
+
+def init_from_broker(addr: str, port: int, host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
+    """Join the first epoch on the broker's store (one worker per machine, no torchrun): host
+    ``host`` of ``hosts`` is rank ``host``. The rendezvous lives in the broker, not in a trainer,
+    so losing any trainer (the first one included) loses nothing, and no torchrun agent waits at
+    exit for the agent of a lost machine."""
+    device = _device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.TCPStore(
+        addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("geotrain/epoch0", store),
+        rank=host,
+        world_size=hosts,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return DistContext(host, hosts, 0, backend, device, 1, snapshot_group)
+
+
+def init_joiner(host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
+    """A replacement worker (``--join``): a world of one of its own until the members admit it
+    (``ft/membership.py``), so that its model, optimizer and algorithm are built as everywhere.
+    ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
+    device = _device()
+    cuda = device.type == "cuda"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     return DistContext(host, hosts, 0, "nccl" if cuda else "gloo", device, 1, None)

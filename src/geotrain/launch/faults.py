@@ -37,12 +37,12 @@ class FaultRecord:
     # seconds from its start to its admission (the state handed over included).
     rejoined_after_step: int | None = None
     rejoin_s: float | None = None
-    detected_at: float = 0.0  # wall clock, for recover_s; not reported
+    detected_at: float = 0.0  # wall clock: for recover_s, and where the soak's plot draws it
     rejoin_started_at: float = 0.0  # wall clock, for rejoin_s; not reported
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["detected_at"], d["rejoin_started_at"]
+        del d["rejoin_started_at"]
         return d
 
 

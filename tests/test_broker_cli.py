@@ -1,0 +1,83 @@
+"""A run across "real machines" on loopback: `geotrain broker` and one `geotrain train --broker`
+process per machine, started by hand as a user would on each machine (no launcher, no torchrun).
+
+The machine of the first epoch's rank 0 is lost; the broker finds it silent, the others go on,
+a replacement started with `geotrain join` is admitted, and everyone, the broker included, exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+FLAGS = ["--algo", "localsgd", "--H", "4", "--model", "tiny", "--batch-size", "4", "--no-progress"]
+FLAGS += ["--threads", "1", "--steps", "400"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
+    port = _free_port()
+    broker = subprocess.Popen(
+        [*GEOTRAIN, "broker", "--hosts", "3", "--port", str(port), "--fault-timeout", "3",
+         "--dir", str(tmp_path / "broker")],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    procs = []
+    try:
+        for host in range(3):
+            chaos = ["--chaos", "kill:step=5,rank=0"] if host == 0 else []
+            cmd = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", str(host)]
+            cmd += ["--run-dir", str(tmp_path / f"machine{host}"), *FLAGS, *chaos]
+            procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+        regroups = tmp_path / "machine1" / "control" / "regroups-h1.jsonl"
+        deadline = time.monotonic() + 60
+        while not regroups.exists():  # the survivors went on without host 0
+            assert time.monotonic() < deadline, "no regroup within 60 s"
+            time.sleep(0.2)
+        cmd = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "0"]
+        joiner = subprocess.Popen(
+            [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS], stderr=subprocess.PIPE, text=True
+        )
+        procs.append(joiner)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+        assert procs[0].returncode == -9  # the chaos kill
+        assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]
+        assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
+    finally:
+        for p in [*procs, broker]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    epochs = [json.loads(x) for x in (tmp_path / "broker" / "epochs.jsonl").read_text().splitlines()]
+    assert [(e["members"], e["why"]) for e in epochs] == [([1, 2], "silent"), ([1, 2, 0], "requested")]
+    summary = json.loads((tmp_path / "machine1" / "summary.json").read_text())  # rank 0 at the end
+    assert (summary["workers_start"], summary["workers"]) == (3, 3)
+    admitted = summary["membership"][1]
+    assert admitted["joined"] == [0] and admitted["stripes"]["model"] == 2
+    assert "host 0 was admitted after step" in errs[3]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--broker", "nohost", "--host", "0"], "--broker takes ADDR:PORT"),
+        (["train", "--broker", "127.0.0.1:29400"], "--broker needs --host I"),
+        (["join", "--host", "1"], "geotrain join needs --broker ADDR:PORT"),
+    ],
+)
+def test_bad_broker_options_are_refused_with_one_line(args, message):
+    proc = subprocess.run([*GEOTRAIN, *args, *FLAGS], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

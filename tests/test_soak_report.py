@@ -1,0 +1,53 @@
+"""The soak's picture and report, from run directories written the way trainers write them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from geotrain.bench.soak_report import run_curves, write_soak_report
+
+T0 = 1_800_000_000.0  # wall clock of the first step's start
+
+
+def _write(run_dir: Path, host: int, steps: range, start: float, workers: int) -> None:
+    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    with (run_dir / "metrics" / f"rank{host}.jsonl").open("a") as f:
+        for s in steps:
+            r = {"step": s, "tokens": 100 * s, "at": start + s, "step_s": 1.0, "workers": workers}
+            if s % 2 == 0:
+                r["val_loss"] = 10.0 / s
+            f.write(json.dumps(r) + "\n")
+        f.write(json.dumps({"step": steps[-1], "final": True, "val_loss": 1.0}) + "\n")
+
+
+def test_curves_merge_every_host_by_wall_clock(tmp_path):
+    """Host 1 is lost after step 3; its replacement writes steps 6-8 to the same file from its
+    own clock: every point lands at its wall-clock time from the first step."""
+    run = tmp_path / "faulty"
+    _write(run, 0, range(1, 9), T0, 2)
+    _write(run, 1, range(1, 4), T0, 2)
+    _write(run, 1, range(6, 9), T0, 2)
+    curves = run_curves(run)
+    assert curves["t0"] == [T0]
+    assert curves["val_time"] == [(s, 10.0 / s) for s in (2, 4, 6, 8)]  # one point per step
+    assert curves["val_tokens"] == [(100 * s, 10.0 / s) for s in (2, 4, 6, 8)]
+    assert [t for t, _ in curves["workers"]] == [float(s) for s in range(1, 9)]
+
+
+def test_the_report_is_one_page_with_the_picture_and_the_tables(tmp_path):
+    for name in ("undisturbed", "faulty"):
+        for host in (0, 1):
+            _write(tmp_path / name, host, range(1, 9), T0, 2)
+    result = {
+        "job": {"workers": 2, "model": "tiny", "bandwidth": "100mbit", "algo": "diloco", "H": 4,
+                "steps": 8, "on_failure": "continue"},
+        "chaos": "kill:every=60s,restart=5",
+        "faults": [{"rank": 1, "detected_at": T0 + 3.5}],
+        "membership": [{"joined": [], "at": T0 + 4}, {"joined": [1], "at": T0 + 6}],
+    }  # fmt: skip
+    paths = write_soak_report(tmp_path, result, ["| fault | kind |\n|---|---|\n| 1 | kill |"])
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = paths["html"].read_text()
+    assert 'src="data:image/png;base64,' in page and "<th>fault</th>" in page and "<td>kill</td>" in page
+    assert "kill:every=60s,restart=5" in page
