@@ -51,6 +51,14 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
             [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS], stderr=subprocess.PIPE, text=True
         )
         procs.append(joiner)
+        # A "replacement" for a host that is still training is refused in one line, and the host
+        # it names trains on (it never spoke for it).
+        wrong = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "1", *FLAGS]
+        refused = subprocess.run(
+            [*wrong, "--fault-timeout-s", "2"], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "host 1 is still training in this run" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         errs = [p.communicate(timeout=120)[1] for p in procs]
         assert procs[0].returncode == -9  # the chaos kill
         assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from geotrain.comm.communicator import Communicator, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
-from geotrain.ft.elastic import StepStatus, catching_up, owned_shards
+from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
 
@@ -52,6 +52,17 @@ def test_a_sampler_reads_only_the_shards_it_holds_and_never_across_two():
 def test_the_agreed_point_is_the_furthest_any_survivor_got():
     assert max([StepStatus(4, True), StepStatus(5, False), StepStatus(4, False)]) == StepStatus(5, False)
     assert StepStatus(4, True) > StepStatus(4, False)
+
+
+def test_too_few_members_pause_together_at_the_boundary_the_furthest_heads_for():
+    S = StepStatus
+    # H=10: one stopped right after the sync of step 10, another at 13: both go on to 20.
+    assert next_boundary([S(10, False), S(13, False)], [], 10) == 20
+    assert next_boundary([S(10, False), S(10, False)], [], 10) == 10
+    assert next_boundary([S(19, True), S(17, False)], [], 10) == 20  # the redone average is 20
+    # Those behind go on from the leader's step; per-step methods pause where they go on.
+    assert next_boundary([S(20, False), S(19, True)], [1], 10) == 20
+    assert next_boundary([S(7, False), S(7, False)], [], 1) == 7
 
 
 def test_who_adopts_the_leaders_state():

@@ -360,3 +360,30 @@ def test_a_snapshot_being_shipped_is_not_pushed_out_by_newer_ones():
     assert sorted(i["step"] for i in store.items()) == [2, 6, 8]
     store.commit(0, 2)
     assert sorted((i["step"], i["committed"]) for i in store.items()) == [(2, True), (6, False), (8, False)]
+    # The membership changed mid-shipment (redundancy dropped): once newer steps are complete
+    # locally, the abandoned one goes.
+    store = Keeper(None, keep=2)
+    store.put({"kind": "full", "owner": 0, "step": 2, "pending": True}, b"2")
+    for step in (4, 6, 8):
+        store.put({"kind": "full", "owner": 0, "step": step, "commit": True}, str(step).encode())
+    assert sorted(i["step"] for i in store.items()) == [6, 8]
+
+
+def test_a_resume_at_a_step_drops_the_newer_snapshots_of_its_worker(keeper, tmp_path):
+    """They belong to a future that will not happen, and would outrank the run's new snapshots
+    (a keeper keeps the newest steps; a later resume takes the newest)."""
+    from geotrain.ft.snapshots import drop_after
+
+    client, snaps = keeper
+    snap = Snapshotter(SnapshotConfig(every=2, keeper=str(client.path), directory=snaps), 0, 1)
+    for step in (4, 6):
+        snap.take(step, lambda copy, s=step: {"step": s, "parts": {}, "shared": []}, final=True, members=[0])
+    snap.close()
+    client.flush()
+    client.put("piece", 1, 6, b"x", index=0, k=1, n=1)  # held for another worker: not this one's
+    drop_after(0, 4, client, snaps)
+    assert sorted((i["kind"], i["step"]) for i in client.items()) == [("full", 4), ("piece", 6)]
+    assert sorted(p.name for p in (snaps / "rank0").iterdir()) == [
+        "step00000004.members",
+        "step00000004.snap",
+    ]

@@ -115,7 +115,7 @@ class TrainConfig:
     join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
     fault_timeout_s: float = 10.0  # the coordinator's verdict on a silent host comes this late
     min_workers: int = 1  # elastic: fewer members than this pause at a sync boundary for joiners
-    join_timeout_s: float = 120.0  # elastic: how long they wait there before they snapshot and stop
+    join_timeout: float = 120.0  # elastic: how long they wait there before they snapshot and stop
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -249,7 +249,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
-            "fault_timeout_s", "join", "min_workers", "join_timeout_s",
+            "fault_timeout_s", "join", "min_workers", "join_timeout",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat", "broker", "host"):
             continue  # set by the launcher or added by the caller
@@ -351,7 +351,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if source == "member":
             # Not training at that step (lost and not replaced): it comes back as a joiner is
             # admitted, with fresh windows of its shard (its old stream would repeat batches).
-            sampler.gen.manual_seed(cfg.seed * 100_003 + ctx.rank + 7_919 * progress0["step"])
+            sampler.fresh_stream(cfg.seed, ctx.rank, salt=7_919 * progress0["step"])
         (restore_s,) = comm.max_scalars([time.perf_counter() - t_restore])
         sources = comm.all_gather_object(source)
         resumed = {"step": progress0["step"], "sources": sources, "restore_s": restore_s}
@@ -398,6 +398,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     faults = [f for f in parse_chaos(cfg.chaos) if not f.timed]
     keeper_pid = keeper.pid() if keeper is not None and any(f.kind == "kill-host" for f in faults) else 0
 
+    last_snapshot: tuple[int, list[int] | None] | None = None  # its step, and who was training
+
     def take_snapshot(step: int, final: bool = False) -> None:
         def state(copy: bool) -> dict[str, Any]:
             now = time.perf_counter()
@@ -420,8 +422,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         # After a membership change a snapshot says who was training: a resume rebuilds the
         # others from a member (``ft.snapshots.restorable``).
+        nonlocal last_snapshot
         members = membership.members if membership is not None and membership.epoch > 0 else None
         snapshots.take(step, state, final=final, members=members)
+        last_snapshot = (step, membership.members if membership is not None else None)
 
     host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
@@ -454,23 +458,29 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         (the one the regroup agreed they head for), snapshots there, and waits for a joiner
         (admitted right there, as at any boundary) or another change of members. After
         ``--join-timeout`` it stops, and ``--resume`` goes on from that snapshot."""
-        if not snapshots.stats.each or snapshots.stats.each[-1][0] != boundary:
-            take_snapshot(boundary)
+        if last_snapshot != (boundary, membership.members):  # one of the old epoch is not enough
+            take_snapshot(boundary, final=True)  # on disk too: the stop may be long
         snapshots.wait()  # in the keeper before anything can stop this trainer
         left = len(membership.members)
         if comm.rank == 0:
             print(
                 f"geotrain: {left} worker(s) left, fewer than --min-workers {cfg.min_workers}: paused "
-                f"after step {boundary}, waiting up to {cfg.join_timeout_s:g} s for a replacement",
+                f"after step {boundary}, waiting up to {cfg.join_timeout:g} s for a replacement",
                 file=sys.stderr,
                 flush=True,
             )
-        deadline = time.monotonic() + cfg.join_timeout_s
+        deadline = time.monotonic() + cfg.join_timeout
         while not (membership.joining() or membership.changed()):
-            if time.monotonic() > deadline:  # the launcher says it to the user, once
-                raise BelowMinWorkers(
-                    f"no replacement came; stopped after step {boundary}, its snapshot kept"
-                )
+            if time.monotonic() > deadline:
+                membership.finish(stopped=True)  # a joiner arriving now is told the run is over
+                if comm.rank == 0:
+                    print(
+                        f"geotrain: no replacement came within --join-timeout {cfg.join_timeout:g} s: "
+                        f"stopped after step {boundary} with its snapshot; --resume goes on from it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                raise BelowMinWorkers(f"stopped after step {boundary}")
             time.sleep(0.1)
 
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
@@ -512,9 +522,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # was the first epoch's).
         snapshots.drop_redundancy()
         resume = event.pop("resume")
-        # Every member computes the same boundary: the one the regroup agreed they head for.
+        # The boundary the regroup agreed they all head for (each from its own step).
         few = len(event["members"]) < cfg.min_workers
-        pause_after = membership.boundary(resume.done) if few and resume.done < cfg.steps else None
+        pause_after = event["boundary"] if few and event["boundary"] < cfg.steps else None
         if host in event["joined"]:
             stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
             print(
@@ -551,7 +561,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         resume = recover(MembershipChanged("joining"), StepStatus(-1, False))
         step = resume.done + 1
         # Fresh windows of its shard: its predecessor's stream from the start would repeat data.
-        sampler.gen.manual_seed(cfg.seed * 100_003 + host + 1_000_003 * membership.epoch)
+        sampler.fresh_stream(cfg.seed, host, salt=1_000_003 * membership.epoch)
     while step <= cfg.steps:
         if pause_after is not None and step == pause_after + 1:
             pause_after = None
@@ -579,7 +589,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         tokens_done += tokens_per_step
         if step == cfg.steps or snapshots.due(step):
             # The final one too, before the end-of-run average: a resumed run continues from it.
-            take_snapshot(step, final=step == cfg.steps)
+            try:
+                take_snapshot(step, final=step == cfg.steps)
+            except RuntimeError as e:  # a member lost in the agreement to ship (redundancy)
+                step = recover(e, StepStatus(step, False)).done
         step_s = time.perf_counter() - t0
         spent = comm.stats.delta(before)
         blocked = spent.blocked_s if sync.measures_blocked_time else None
@@ -815,9 +828,16 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fault-timeout-s", dest="fault_timeout_s", type=float, default=10.0, help=argparse.SUPPRESS
     )
-    parser.add_argument("--min-workers", dest="min_workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--join-timeout-s", dest="join_timeout_s", type=float, default=120.0, help=argparse.SUPPRESS
+        "--min-workers",
+        dest="min_workers",
+        type=int,
+        default=1,
+        help="under continue: fewer members pause after their next sync boundary, snapshot, and wait "
+        "--join-timeout seconds for a replacement before they stop",
+    )
+    parser.add_argument(
+        "--join-timeout", dest="join_timeout", type=float, default=120.0, help="see --min-workers"
     )
     parser.add_argument(
         "--join",
@@ -834,13 +854,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         if cfg.broker:
             cfg = replace(cfg, heartbeat=f"{broker_address(cfg.broker, cfg.host)}:0:{cfg.host}", elastic=True)
+        hosts = _run_hosts(cfg) if (cfg.join or cfg.broker) and cfg.heartbeat else 0
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
+    except RunFinished as e:
+        print(f"geotrain train: error: {e}", file=sys.stderr)
+        return 1
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
     code = 1
     try:
-        code = _main(cfg, heartbeat)
+        code = _main(cfg, heartbeat, hosts)
         return code
     finally:
         _leave(cfg, heartbeat, code)
@@ -863,7 +887,7 @@ def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
         if heartbeat is not None:
             # Under continue, a trainer that failed says so (its host leaves at once: the
             # deathrattle on a real cluster, where no launcher watches its exit).
-            heartbeat.close(failed=cfg.elastic and code != 0)
+            heartbeat.close(failed=cfg.elastic and code not in (0, EXIT_BELOW_MIN_WORKERS))
             if cfg.elastic and cfg.run_dir:
                 # torchrun's agent waits for its peers' agents at exit (300 s if one is gone):
                 # the launcher takes the trainer's own word that it is done.
@@ -877,34 +901,51 @@ def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
             os._exit(code)
 
 
-def _main(cfg: TrainConfig, heartbeat: Heartbeat | None) -> int:
+def _run_hosts(cfg: TrainConfig) -> int:
+    """A joiner's or a broker run's first look at the coordinator, before this process beats as
+    its host (a refused one must not speak for a host that is training): how many hosts the run
+    started with. Refusals are ``ConfigError``s (exit 2), an absent coordinator ``RunFinished``."""
+    addr, port, _, host = cfg.heartbeat.rsplit(":", 3)
+    where, host = f"{addr}:{port}", int(host)
+    deadline = time.monotonic() + cfg.fault_timeout_s
+    while True:
+        try:
+            hosts, members = first_hosts(addr, int(port), timeout_s=30.0 if cfg.join else cfg.timeout_s)
+        except Exception as e:  # a broker that is gone (the run is over) or never was
+            raise RunFinished(f"no coordinator answers at {where} ({type(e).__name__})") from None
+        if not 0 <= host < hosts:
+            raise ConfigError(f"--host must be in [0, {hosts}) (the run's hosts), got {host}")
+        # A host just lost may still be listed until its verdict: a replacement waits for it.
+        if not cfg.join or host not in members:
+            return hosts
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"host {host} is still training in this run; a replacement takes the place of a lost "
+                f"host (members now: {members})"
+            )
+        time.sleep(0.5)
+
+
+def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
     if cfg.join and (heartbeat is None or not cfg.elastic):
         print(
             "geotrain train: error: --join needs --elastic and --heartbeat (set by the launcher)",
             file=sys.stderr,
         )
         return 2
-    hosts = 0
-    if cfg.join or cfg.broker:
-        try:
-            hosts = first_hosts(*heartbeat.address, timeout_s=30.0 if cfg.join else cfg.timeout_s)
-        except Exception as e:  # a broker that is gone (the run is over) or never was
-            where = ":".join(map(str, heartbeat.address))
-            print(
-                f"geotrain train: error: no coordinator answers at {where} ({type(e).__name__})",
-                file=sys.stderr,
-            )
-            return 1
+    where = ":".join(map(str, heartbeat.address)) if heartbeat is not None else ""
     if cfg.join:
         ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s)
     elif cfg.broker:
-        if not 0 <= heartbeat.host < hosts:
+        try:
+            ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s)
+        except Exception as e:
             print(
-                f"geotrain train: error: --host must be in [0, {hosts}) (the broker's --hosts)",
+                f"geotrain train: error: the run's {hosts} hosts did not all join at {where} within "
+                f"--timeout-s {cfg.timeout_s:g} ({type(e).__name__}): is every machine started?",
                 file=sys.stderr,
             )
-            return 2
-        ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s)
+            return 1
     else:
         ctx = init_distributed(timeout_s=cfg.timeout_s)
     ok = False

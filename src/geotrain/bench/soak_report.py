@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,18 @@ matplotlib.use("Agg")  # no display here; files only
 import matplotlib.pyplot as plt  # noqa: E402
 
 from geotrain.bench.report import html_table  # noqa: E402
+from geotrain.metrics import read_metrics  # noqa: E402
 
 
 def run_curves(run_dir: Path) -> dict[str, list]:
     """One run's curves from every host's metrics: validation loss by time and by tokens (one
     point per evaluated step), the live workers by time, and the time of its first step."""
-    records = []
-    for path in sorted((run_dir / "metrics").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if not r.get("final") and "at" in r:
-                records.append(r)
+    records = [
+        r
+        for path in sorted((run_dir / "metrics").glob("rank*.jsonl"))
+        for r in read_metrics(path)
+        if not r.get("final") and "at" in r
+    ]
     if not records:
         raise ValueError(f"{run_dir}: no step metrics with times (metrics/rank*.jsonl)")
     t0 = min(r["at"] - r["step_s"] for r in records)
@@ -41,7 +41,7 @@ def run_curves(run_dir: Path) -> dict[str, list]:
             val.setdefault(r["step"], r)
     points = sorted(val.values(), key=lambda r: r["step"])
     by_step: dict[int, dict] = {}
-    for r in records:  # the furthest any host got at each step (a survivor goes on from its own)
+    for r in records:  # one record per step (members at a step agree on how many they are)
         by_step.setdefault(r["step"], r)
     workers = sorted(((r["at"] - t0, r.get("workers", 0)) for r in by_step.values()), key=lambda p: p[0])
     return {

@@ -169,6 +169,12 @@ class BatchSampler:
         xy = torch.from_numpy(rows)
         return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
+    def fresh_stream(self, seed: int, rank: int, salt: int) -> None:
+        """New windows for a worker that takes a place in a running job (a joiner, or a host a
+        resume rebuilds from another's state): its predecessor's stream from the start would
+        repeat batches already seen."""
+        self.gen.manual_seed(seed * 100_003 + rank + salt)
+
     def read_shards(self, shards: list[int]) -> None:
         """Sample from these shards from now on (a worker that left hands its shard to the
         survivors, so its part of the data is still seen). The generator goes on as it was."""

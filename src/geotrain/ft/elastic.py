@@ -38,8 +38,17 @@ from typing import Any
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.ft.membership import Membership
-from geotrain.ft.state import HEADER_BYTES, CorruptSnapshot, capture, decode, encode, param_digest
+from geotrain.ft.membership import Membership, RunFinished
+from geotrain.ft.state import (
+    HANDED_OVER,
+    HEADER_BYTES,
+    CorruptSnapshot,
+    capture,
+    decode,
+    encode,
+    handed_over,
+    param_digest,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -63,15 +72,21 @@ def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
     return [r for r, s in enumerate(statuses) if s != best]
 
 
+def next_boundary(statuses: list[StepStatus], behind: list[int], period: int) -> int:
+    """The sync boundary every member heads for after a regroup, each from the step it goes on
+    after (those ``behind`` from the leader's): where too few members pause together. One member
+    that stopped exactly at a boundary while another is past it goes on to the next one too
+    (it waits there for the others' sync)."""
+    best = max(statuses)
+    return max(-(-(best if r in behind else s).done // period) * period for r, s in enumerate(statuses))
+
+
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     """The data shards (one per first-epoch host) this host reads from: its own, and, dealt in
     turn over the members, those of hosts that have left. Every worker computes the same deal."""
     orphans = [s for s in range(hosts) if s not in members]
     mine = [host] if host in members else []
     return mine + [s for k, s in enumerate(orphans) if members[k % len(members)] == host]
-
-
-HANDED_OVER = ("model", "optimizer", "sync")  # not the codec: residuals stay with their owner
 
 
 def _hand_over(
@@ -99,13 +114,13 @@ def _hand_over(
             step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
-        blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}
+        blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
         headers = {p: bytes(b[:HEADER_BYTES]).hex() for p, b in blobs.items()}
         mine = (headers, param_digest(model), "optimizer" in sync.replicated_parts())
     metas = comm.all_gather_object(mine)
     headers, digest, shared_optimizer = metas[leader]
-    parts = [p for p in HANDED_OVER if p != "optimizer" or shared_optimizer]
+    parts = handed_over(shared_optimizer)
     sends, recvs, bufs, stripes, total = [], [], {}, {}, 0
     for tag, part in enumerate(parts):
         servers = [r for r in up if metas[r][0][part] == headers[part]]
@@ -161,6 +176,8 @@ def regroup(
     statuses = [StepStatus(c, d) for c, d, _ in reports]
     best = max(statuses)
     leader = statuses.index(best)
+    if best.committed < 0:  # only joiners are left: the members have finished or stopped
+        raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, sync.sync_period())
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
@@ -168,6 +185,7 @@ def regroup(
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
     mine = best if comm.rank in behind else status  # behind none: each at its own step
+    boundary = next_boundary(statuses, behind, sync.sync_period())
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -185,6 +203,7 @@ def regroup(
         "behind": [members[r] for r in behind],
         "leader": members[leader],
         "furthest": best.done,  # collectives up to it (an evaluation) are behind every member
+        "boundary": boundary,
         "tokens": reports[leader][2] if comm.rank in behind else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),

@@ -187,9 +187,16 @@ class Keeper:
         kept = set(committed[-self.keep :])
         newest = committed[-1] if committed else -1
         kept |= set(sorted({k[2] for k in mine if k[2] > newest})[-self.keep :])
-        kept |= {k[2] for k, meta in mine.items() if meta.get("pending")}
+        # (Not once a newer one is complete: its shipment was abandoned, the membership changed.)
+        kept |= {k[2] for k, meta in mine.items() if meta.get("pending") and k[2] > newest}
         for k in [k for k in mine if k[2] not in kept]:
             del self._blobs[k]
+
+    def drop_after(self, owner: int, step: int) -> None:
+        """Forget ``owner``'s states and the pieces held for it past ``step`` (a resume there)."""
+        with self._lock:
+            for k in [k for k in self._blobs if k[1] == owner and k[2] > step]:
+                del self._blobs[k]
 
     def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes | None:
         with self._lock:
@@ -254,6 +261,9 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(self.request, {"ok": True}, blob)
         elif op == "adopt":  # a new launcher (a resumed run) takes this keeper over
             self.server.parent_pid = int(header["parent_pid"])  # type: ignore[attr-defined]
+            _send(self.request, {"ok": True})
+        elif op == "drop_after":
+            keeper.drop_after(int(header["owner"]), int(header["step"]))
             _send(self.request, {"ok": True})
         elif op == "commit":
             keeper.commit(int(header["owner"]), int(header["step"]))
@@ -395,6 +405,9 @@ class KeeperClient:
 
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})
+
+    def drop_after(self, owner: int, step: int) -> None:
+        self._call({"op": "drop_after", "owner": owner, "step": step})
 
     def adopt(self, parent_pid: int) -> None:
         """Make ``parent_pid`` the launcher whose death starts this keeper's linger."""

@@ -142,12 +142,9 @@ class Membership:
                 if self._proposal is None and self._horizon is not None:
                     self._propose(store, self._horizon)
 
-    def _boundary(self, step: int) -> int:
+    def boundary(self, step: int) -> int:
         """The first sync boundary at or after ``step``."""
         return -(-step // self.period) * self.period
-
-    def boundary(self, step: int) -> int:
-        return self._boundary(step)
 
     def _propose(self, store, step: int) -> None:
         store.set(f"at/{self.epoch}/{self.host}", str(step))
@@ -159,16 +156,16 @@ class Membership:
         the training thread still redoes a failed average (else a join epoch published then
         would wait on this member's proposal until the store timeout)."""
         with self._lock:
-            self._horizon = self._boundary(step)
+            self._horizon = self.boundary(step)
 
     def admit_before(self, step: int) -> bool:
         """At the start of ``step``: whether to regroup now, before it, to admit a joiner. Every
         member of this epoch returns True at the same step (see the module's docstring)."""
         with self._lock:
             if self._horizon is None:
-                self._horizon = self._boundary(step - 1)
+                self._horizon = self.boundary(step - 1)
             if not self.joining():
-                self._horizon = self._boundary(step)
+                self._horizon = self.boundary(step)
                 return False
             if self._proposal is None:
                 self._propose(self.store(), self._horizon)
@@ -202,9 +199,13 @@ class Membership:
         self.epoch = self.published = self.published_leave = int(store.add("epoch", 0))
         store.set(f"join/{self.host}", "1")
 
-    def finish(self) -> None:
-        """This member has left its training loop: a joiner still waiting will not be admitted."""
-        self.store().set("finished", "1")
+    def finish(self, stopped: bool = False) -> None:
+        """This member has left its training loop: a joiner still waiting will not be admitted.
+        ``stopped``: it left early, below ``--min-workers`` (a broker says the run did not end)."""
+        store = self.store()
+        if stopped:
+            store.set("stopped", "1")
+        store.set("finished", "1")
 
     def wait_published(self, timeout_s: float) -> bool:
         """After a collective failed on its own: is an epoch that lost members coming? (False:
@@ -285,9 +286,13 @@ class Membership:
             self._horizon = self._proposal = self._target = None
 
 
-def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> int:
-    """How many hosts the run started with (a joiner's data shards are dealt over them)."""
+def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, list[int]]:
+    """How many hosts the run started with (a joiner's data shards are dealt over them), and the
+    members of its newest epoch."""
     store = dist.TCPStore(
         addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
-    return len(parse_members(store.get("members/0").decode()))
+    newest = int(store.add("epoch", 0))
+    return len(parse_members(store.get("members/0").decode())), parse_members(
+        store.get(f"members/{newest}").decode()
+    )

@@ -16,6 +16,7 @@ disk, else rebuilt from peers' pieces plus a survivor's shared state.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import queue
@@ -32,6 +33,7 @@ from geotrain.ft.keeper import (
     disk_members,
     disk_path,
     disk_steps,
+    members_path,
     prune_disk,
     write_disk_snapshot,
 )
@@ -42,6 +44,7 @@ from geotrain.ft.state import (
     decode_memfd,
     encode,
     encode_to_memfd,
+    handed_over,
     join,
     new_memfd,
     seal_memfd,
@@ -470,7 +473,22 @@ def restore(
     errors = [error] if world_size == 1 else comm.all_gather_object(error)
     if any(errors):
         raise ResumeError(next(e for e in errors if e))
+    drop_after(rank, step, keeper, directory)
     return state, how[rank]
+
+
+def drop_after(rank: int, step: int, keeper: KeeperClient | None, directory: Path | None) -> None:
+    """A run resumed at ``step`` drops this worker's snapshots past it, as it drops its metrics:
+    they belong to a future that will not happen, and would outrank the new ones (a keeper keeps
+    the newest steps, and a later resume takes the newest)."""
+    if keeper is not None:
+        with contextlib.suppress(KeeperError):
+            keeper.drop_after(rank, step)
+    if directory is not None:
+        for s in disk_steps(directory, rank):
+            if s > step:
+                disk_path(directory, rank, s).unlink(missing_ok=True)
+                members_path(directory, rank, s).unlink(missing_ok=True)
 
 
 def admitted_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -478,9 +496,13 @@ def admitted_state(state: dict[str, Any]) -> dict[str, Any]:
     joiner is handed at its admission (``ft/elastic.py``): the model and the algorithm's state,
     the optimizer only where every worker's is the same, and the progress (step, time). Its codec
     residuals, random streams and (under the local methods) optimizer start fresh."""
-    parts = state["parts"]
-    keep = ["model", "sync", "progress"] + (["optimizer"] if "optimizer" in state["shared"] else [])
-    return {"step": state["step"], "parts": {p: parts[p] for p in keep}, "shared": [], "admitted": True}
+    keep = [*handed_over("optimizer" in state["shared"]), "progress"]
+    return {
+        "step": state["step"],
+        "parts": {p: state["parts"][p] for p in keep},
+        "shared": [],
+        "admitted": True,
+    }
 
 
 def preflight(

@@ -33,6 +33,14 @@ MAGIC = b"GEOSNAP1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 HEADER_BYTES = _HEADER.size
 PARTS = ("model", "optimizer", "sync", "codec", "rng", "progress")
+HANDED_OVER = ("model", "optimizer", "sync")  # what a joiner may get: never codec residuals
+
+
+def handed_over(shared_optimizer: bool) -> list[str]:
+    """The parts a joiner gets from the members (``ft/elastic.py``; a host a resume rebuilds, in
+    ``ft/snapshots.py``): the optimizer only where every worker's is the same (S-SGD, DDP), since
+    under the local methods each worker's inner optimizer is its own."""
+    return [p for p in HANDED_OVER if p != "optimizer" or shared_optimizer]
 
 
 class CorruptSnapshot(ValueError):

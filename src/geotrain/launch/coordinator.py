@@ -118,7 +118,7 @@ def serve(
     port: int = 0,
     elastic: bool = False,
     until_done: bool = False,
-) -> None:
+) -> dict | None:
     """Host the store, write its port to ``control/port``, watch heartbeats until told to stop
     (``until_done``, a broker: until every member has left in order or failed).
     A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
@@ -132,7 +132,8 @@ def serve(
     reported: set[int] = set()
     while not (control_dir / "stop").exists():
         if until_done and epochs is not None and attempt >= 0 and set(epochs.live) <= reported:
-            return  # every member said goodbye (or failed): the run is over
+            # Every member said goodbye or failed: the run is over. Did it finish its steps?
+            return {"finished": store.check(["finished"]), "stopped": store.check(["stopped"])}
         time.sleep(0.2)
         with contextlib.suppress(OSError, ValueError):
             now_attempt = int((control_dir / "attempt").read_text())
@@ -267,13 +268,26 @@ def broker(argv: list[str]) -> int:
     p.add_argument("--fault-timeout", dest="fault_timeout", type=float, default=10.0,
                    help="seconds without a heartbeat after which a host has failed")  # fmt: skip
     p.add_argument("--dir", default="broker", help="where epochs.jsonl and verdicts.jsonl go")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="take over a broker that died: publish the membership recorded in --dir again",
+    )
     args = p.parse_args(argv)
     if args.hosts < 1 or not 0 < args.port < 65536 or args.fault_timeout < 2:
         p.error("--hosts must be >= 1, --port in 1..65535, --fault-timeout >= 2 seconds")
     control = Path(args.dir)
     control.mkdir(parents=True, exist_ok=True)
-    for old in ("stop", "epochs.jsonl", "verdicts.jsonl", "port"):
-        (control / old).unlink(missing_ok=True)  # a fresh run: nothing of an old one carries over
+    if read_epochs(control) and not args.restart:
+        p.error(
+            f"{control} holds a run's membership (epochs.jsonl): --restart takes that run over "
+            "(its broker died), a fresh --dir starts a new one"
+        )
+    if not args.restart:  # a fresh run: nothing of an old one carries over
+        for old in ("stop", "epochs.jsonl", "verdicts.jsonl", "port", "beating-*", "bye-*", "dead-*"):
+            for path in control.glob(old):
+                path.unlink(missing_ok=True)
+    (control / "stop").unlink(missing_ok=True)
     (control / "attempt").write_text("0")
     print(
         f"geotrain broker: {args.hosts} hosts, store on {args.bind}:{args.port}; on machine I run\n"
@@ -283,13 +297,18 @@ def broker(argv: list[str]) -> int:
         flush=True,
     )
     try:
-        serve(control, args.hosts, args.fault_timeout, args.bind, args.port, elastic=True, until_done=True)
+        end = serve(
+            control, args.hosts, args.fault_timeout, args.bind, args.port, elastic=True, until_done=True
+        )
     except KeyboardInterrupt:
         return 130
-    epochs = read_epochs(control)
-    print(f"geotrain broker: the run is over ({len(epochs)} membership changes, {control}/epochs.jsonl)",
-          file=sys.stderr)  # fmt: skip
-    return 0
+    changes = f"{len(read_epochs(control))} membership changes, {control}/epochs.jsonl"
+    if end and end["finished"] and not end["stopped"]:
+        print(f"geotrain broker: the run is over ({changes})", file=sys.stderr)
+        return 0
+    why = "stopped below --min-workers" if end and end["stopped"] else "ended with every member failed"
+    print(f"geotrain broker: the run {why} ({changes}); --resume on each machine goes on", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -596,7 +596,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         elastic=elastic,
         fault_timeout_s=launch.fault_timeout_s,
         min_workers=launch.min_workers,
-        join_timeout_s=launch.join_timeout_s,
+        join_timeout=launch.join_timeout_s,
     )
     (run_dir / "config.json").write_text(
         json.dumps(
@@ -696,7 +696,11 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     if now >= due and coordinator is not None:
                         del rejoin[h]
                         if sockets:  # a host lost whole gets an empty keeper for its snapshots
-                            start_keepers(run_dir, launch.workers, resume=True)
+                            try:
+                                start_keepers(run_dir, launch.workers, resume=True)
+                            except KeeperError as e:
+                                print(f"geotrain: {e}; host {h}'s replacement keeps no snapshots in memory",
+                                      file=sys.stderr, flush=True)  # fmt: skip
                         hosts.procs[h] = _start_joiner(
                             hosts, launch, cluster, cfg, h, threads, attempt, coordinator, faults,
                             str(sockets[h]) if sockets else "",
@@ -811,6 +815,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                         f"; fewer than --min-workers {launch.min_workers}: they pause after their next "
                         f"sync boundary and wait up to {launch.join_timeout_s:g} s for a replacement"
                     )
+                    if restart_s > launch.join_timeout_s:
+                        then += " (this one comes later than that: raise --join-timeout)"
                 print(
                     f"geotrain: host {rank} failed after step {furthest} ({kind}); the {left} others "
                     f"go on without it{then}",
