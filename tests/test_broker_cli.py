@@ -59,6 +59,10 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
         )
         assert refused.returncode == 2 and "host 1 is still training in this run" in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        # So is a second trainer for a host once the run is under way.
+        again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "2", *FLAGS]
+        refused = subprocess.run(again, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "host 2 is already training" in refused.stderr, refused.stderr
         errs = [p.communicate(timeout=120)[1] for p in procs]
         assert procs[0].returncode == -9  # the chaos kill
         assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]

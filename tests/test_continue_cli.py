@@ -191,7 +191,7 @@ def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_br
     for host in (0, 1):
         assert [r["step"] for r in _records(run_dir, host)] == list(range(1, 9))
         members = run_dir / "snapshots" / f"rank{host}" / "step00000008.members"
-        assert not members.exists()  # not on disk: in the keepers' memory
+        assert json.loads(members.read_text()) == [0, 1]  # on disk too, beside the keepers' copy
     proc = _run(["run", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)

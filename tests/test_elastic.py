@@ -507,3 +507,48 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     assert d0["event"]["epoch"] == 5 and d0["event"]["members"] == [0, 1]
     for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
         assert torch.equal(g0, g1)
+
+
+def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_how(tmp_path):
+    """``serve(until_done=True)`` (``geotrain broker``): a trainer that fails says so and its host
+    leaves at once (no fault timeout); the broker returns once every member has left, saying
+    whether the run finished. One restarted on the same port (``--restart``) knows from its files
+    that host 0 left in order and that the run had finished."""
+    import socket
+
+    from geotrain.launch.coordinator import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "attempt").write_text("0")
+    out: list = []
+
+    def broker() -> None:
+        out.append(serve(tmp_path, 2, 30.0, "127.0.0.1", port, elastic=True, until_done=True))
+
+    t = threading.Thread(target=broker, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "port").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    for h in (0, 1):
+        client.add(f"hb/0/{h}", 1)
+    time.sleep(0.5)
+    client.set("failed/0/1", "1")
+    while not read_epochs(tmp_path):
+        assert time.monotonic() < deadline, "host 1 did not leave"
+        time.sleep(0.05)
+    assert [(e["members"], e["why"]) for e in read_epochs(tmp_path)] == [([0], "exited")]
+    client.set("finished", "1")
+    client.set("bye/0/0", "1")
+    t.join(timeout=10)
+    assert out == [{"finished": True, "stopped": False}]
+    assert (tmp_path / "finished").exists() and (tmp_path / "bye-0-0").exists()
+    del client
+    t = threading.Thread(target=broker, daemon=True)  # --restart: the same files and port
+    t.start()
+    t.join(timeout=20)
+    assert out[1] == {"finished": True, "stopped": False}

@@ -380,9 +380,10 @@ def test_a_resume_at_a_step_drops_the_newer_snapshots_of_its_worker(keeper, tmp_
         snap.take(step, lambda copy, s=step: {"step": s, "parts": {}, "shared": []}, final=True, members=[0])
     snap.close()
     client.flush()
-    client.put("piece", 1, 6, b"x", index=0, k=1, n=1)  # held for another worker: not this one's
+    client.put("piece", 1, 6, b"x", index=0, k=1, n=1)  # held for another worker: void as well
+    client.put("piece", 1, 4, b"y", index=0, k=1, n=1)
     drop_after(0, 4, client, snaps)
-    assert sorted((i["kind"], i["step"]) for i in client.items()) == [("full", 4), ("piece", 6)]
+    assert sorted((i["kind"], i["step"]) for i in client.items()) == [("full", 4), ("piece", 4)]
     assert sorted(p.name for p in (snaps / "rank0").iterdir()) == [
         "step00000004.members",
         "step00000004.snap",

@@ -120,6 +120,8 @@ RESUME_MAY_CHANGE = {
     "snapshot_bandwidth",
     "threads",
     "timeout_s",
+    "min_workers",
+    "join_timeout",
 }
 
 
@@ -206,6 +208,11 @@ def _cmd_resume(argv: list[str]) -> int:
             on_failure=args.on_failure,
             max_faults=args.max_faults,
             fault_timeout_s=args.fault_timeout,
+            # The run's own unless given again.
+            min_workers=args.min_workers if "min_workers" in given else train_saved.get("min_workers", 1),
+            join_timeout_s=args.join_timeout
+            if "join_timeout" in given
+            else train_saved.get("join_timeout", 120.0),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -40,6 +40,7 @@ from geotrain.ft.membership import (
     MembershipChanged,
     RunFinished,
     first_hosts,
+    host_beating,
 )
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
@@ -398,8 +399,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     faults = [f for f in parse_chaos(cfg.chaos) if not f.timed]
     keeper_pid = keeper.pid() if keeper is not None and any(f.kind == "kill-host" for f in faults) else 0
 
-    last_snapshot: tuple[int, list[int] | None] | None = None  # its step, and who was training
-
     def take_snapshot(step: int, final: bool = False) -> None:
         def state(copy: bool) -> dict[str, Any]:
             now = time.perf_counter()
@@ -422,10 +421,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         # After a membership change a snapshot says who was training: a resume rebuilds the
         # others from a member (``ft.snapshots.restorable``).
-        nonlocal last_snapshot
         members = membership.members if membership is not None and membership.epoch > 0 else None
         snapshots.take(step, state, final=final, members=members)
-        last_snapshot = (step, membership.members if membership is not None else None)
 
     host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
@@ -458,8 +455,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         (the one the regroup agreed they head for), snapshots there, and waits for a joiner
         (admitted right there, as at any boundary) or another change of members. After
         ``--join-timeout`` it stops, and ``--resume`` goes on from that snapshot."""
-        if last_snapshot != (boundary, membership.members):  # one of the old epoch is not enough
-            take_snapshot(boundary, final=True)  # on disk too: the stop may be long
+        take_snapshot(boundary, final=True)  # this epoch's members, and on disk: the stop may be long
         snapshots.wait()  # in the keeper before anything can stop this trainer
         left = len(membership.members)
         if comm.rank == 0:
@@ -469,17 +465,22 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 file=sys.stderr,
                 flush=True,
             )
+        # Rank 0 decides when the wait is over, so that all stop together (a member that left on
+        # its own clock while a joiner was being admitted would hold the others in the regroup).
         deadline = time.monotonic() + cfg.join_timeout
-        while not (membership.joining() or membership.changed()):
-            if time.monotonic() > deadline:
+        while True:
+            if membership.stopping():
+                raise BelowMinWorkers(f"stopped after step {boundary}")
+            if membership.joining() or membership.changed():
+                return
+            if comm.rank == 0 and time.monotonic() > deadline:
                 membership.finish(stopped=True)  # a joiner arriving now is told the run is over
-                if comm.rank == 0:
-                    print(
-                        f"geotrain: no replacement came within --join-timeout {cfg.join_timeout:g} s: "
-                        f"stopped after step {boundary} with its snapshot; --resume goes on from it",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                print(
+                    f"geotrain: no replacement came within --join-timeout {cfg.join_timeout:g} s: "
+                    f"stopped after step {boundary} with its snapshot; --resume goes on from it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise BelowMinWorkers(f"stopped after step {boundary}")
             time.sleep(0.1)
 
@@ -887,7 +888,10 @@ def _leave(cfg: TrainConfig, heartbeat: Heartbeat | None, code: int) -> None:
         if heartbeat is not None:
             # Under continue, a trainer that failed says so (its host leaves at once: the
             # deathrattle on a real cluster, where no launcher watches its exit).
-            heartbeat.close(failed=cfg.elastic and code not in (0, EXIT_BELOW_MIN_WORKERS))
+            # One declared failed (3) says nothing: a replacement may be that host by now.
+            heartbeat.close(
+                failed=cfg.elastic and code not in (0, 3, EXIT_BELOW_MIN_WORKERS), silent=code == 3
+            )
             if cfg.elastic and cfg.run_dir:
                 # torchrun's agent waits for its peers' agents at exit (300 s if one is gone):
                 # the launcher takes the trainer's own word that it is done.
@@ -905,24 +909,36 @@ def _run_hosts(cfg: TrainConfig) -> int:
     """A joiner's or a broker run's first look at the coordinator, before this process beats as
     its host (a refused one must not speak for a host that is training): how many hosts the run
     started with. Refusals are ``ConfigError``s (exit 2), an absent coordinator ``RunFinished``."""
-    addr, port, _, host = cfg.heartbeat.rsplit(":", 3)
+    addr, port, attempt, host = cfg.heartbeat.rsplit(":", 3)
     where, host = f"{addr}:{port}", int(host)
-    deadline = time.monotonic() + cfg.fault_timeout_s
+    deadline = time.monotonic() + cfg.timeout_s
     while True:
         try:
-            hosts, members = first_hosts(addr, int(port), timeout_s=30.0 if cfg.join else cfg.timeout_s)
+            hosts, epoch, members = first_hosts(
+                addr, int(port), timeout_s=30.0 if cfg.join else cfg.timeout_s
+            )
         except Exception as e:  # a broker that is gone (the run is over) or never was
             raise RunFinished(f"no coordinator answers at {where} ({type(e).__name__})") from None
         if not 0 <= host < hosts:
             raise ConfigError(f"--host must be in [0, {hosts}) (the run's hosts), got {host}")
-        # A host just lost may still be listed until its verdict: a replacement waits for it.
-        if not cfg.join or host not in members:
+        if not cfg.join:
+            if epoch > 0 or host_beating(addr, int(port), attempt, host, window_s=1.2):
+                raise ConfigError(
+                    f"host {host} is already training in this run (or the run is under way): a machine "
+                    "that replaces a lost one joins with `geotrain join`"
+                )
             return hosts
-        if time.monotonic() > deadline:
+        if host not in members:
+            return hosts
+        # Still listed: either alive (refused) or just lost, its verdict to come (the broker's
+        # --fault-timeout, which this process does not know): wait for it to leave.
+        if host_beating(addr, int(port), attempt, host):
             raise ConfigError(
                 f"host {host} is still training in this run; a replacement takes the place of a lost "
                 f"host (members now: {members})"
             )
+        if time.monotonic() > deadline:
+            raise ConfigError(f"host {host} is silent but still a member after {cfg.timeout_s:g} s")
         time.sleep(0.5)
 
 

@@ -80,9 +80,8 @@ def plot_soak(
         ax_w.axvline(at / 60, color="tab:green", alpha=0.5, lw=1, ls=":")
     if faulty["workers"]:
         ax_w.step(*zip(*[(t / 60, w) for t, w in faulty["workers"]], strict=True), where="post", color="k")
-    ax_t.set(
-        xlabel="minutes from the first step", ylabel="validation loss", title="loss over time, faults marked"
-    )
+    ax_t.set(xlabel="minutes from the first step", ylabel="validation loss")
+    ax_t.set_title("loss over time, faults marked", pad=16)  # above the hosts' labels
     ax_n.set(xlabel="tokens (millions)", ylabel="validation loss", title="loss at equal tokens")
     ax_w.set(xlabel="minutes from the first step", ylabel="workers")
     ax_w.yaxis.get_major_locator().set_params(integer=True)

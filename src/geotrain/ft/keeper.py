@@ -192,10 +192,12 @@ class Keeper:
         for k in [k for k in mine if k[2] not in kept]:
             del self._blobs[k]
 
-    def drop_after(self, owner: int, step: int) -> None:
-        """Forget ``owner``'s states and the pieces held for it past ``step`` (a resume there)."""
+    def drop_after(self, step: int) -> None:
+        """Forget every state and piece past ``step`` (the run resumes there: they are a future
+        that will not happen), once their disk writes are done."""
+        self.flush()
         with self._lock:
-            for k in [k for k in self._blobs if k[1] == owner and k[2] > step]:
+            for k in [k for k in self._blobs if k[2] > step]:
                 del self._blobs[k]
 
     def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes | None:
@@ -263,7 +265,7 @@ class _Handler(socketserver.BaseRequestHandler):
             self.server.parent_pid = int(header["parent_pid"])  # type: ignore[attr-defined]
             _send(self.request, {"ok": True})
         elif op == "drop_after":
-            keeper.drop_after(int(header["owner"]), int(header["step"]))
+            keeper.drop_after(int(header["step"]))
             _send(self.request, {"ok": True})
         elif op == "commit":
             keeper.commit(int(header["owner"]), int(header["step"]))
@@ -406,8 +408,8 @@ class KeeperClient:
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})
 
-    def drop_after(self, owner: int, step: int) -> None:
-        self._call({"op": "drop_after", "owner": owner, "step": step})
+    def drop_after(self, step: int) -> None:
+        self._call({"op": "drop_after", "step": step})
 
     def adopt(self, parent_pid: int) -> None:
         """Make ``parent_pid`` the launcher whose death starts this keeper's linger."""

@@ -207,6 +207,10 @@ class Membership:
             store.set("stopped", "1")
         store.set("finished", "1")
 
+    def stopping(self) -> bool:
+        """The members of this epoch decided to stop below ``--min-workers`` (rank 0 did)."""
+        return bool(self.store().check(["stopped"]))
+
     def wait_published(self, timeout_s: float) -> bool:
         """After a collective failed on its own: is an epoch that lost members coming? (False:
         the error was not a lost member, and is the caller's to raise.)"""
@@ -240,7 +244,7 @@ class Membership:
             epoch = self._newest()
             if epoch <= floor:
                 if joiner and store.check(["finished"]):
-                    raise RunFinished("the run finished before this joiner could be admitted")
+                    raise RunFinished(_too_late(store))
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no epoch after {self.epoch} was published in {self.timeout_s:.0f} s")
                 time.sleep(POLL_S)
@@ -258,7 +262,7 @@ class Membership:
                 announced[epoch] = members
                 continue
             if joiner and store.check(["finished"]):  # admitted too late: the members are done
-                raise RunFinished("the run finished before this joiner could be admitted")
+                raise RunFinished(_too_late(store))
             if time.monotonic() > deadline and not joiner:
                 raise TimeoutError(f"members of epoch {epoch} ({members}) did not all get ready")
             time.sleep(POLL_S)
@@ -286,13 +290,27 @@ class Membership:
             self._horizon = self._proposal = self._target = None
 
 
-def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, list[int]]:
-    """How many hosts the run started with (a joiner's data shards are dealt over them), and the
-    members of its newest epoch."""
+def _too_late(store) -> str:
+    if store.check(["stopped"]):
+        return "the members stopped below --min-workers before this joiner could be admitted; resume the run"
+    return "the run finished before this joiner could be admitted"
+
+
+def host_beating(addr: str, port: int, attempt: int | str, host: int, window_s: float = 1.5) -> bool:
+    """Whether a trainer is beating as ``host`` now (its counter moves within ``window_s``)."""
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key = f"hb/{attempt}/{host}"
+    before = store.add(key, 0)
+    time.sleep(window_s)
+    return store.add(key, 0) != before
+
+
+def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, int, list[int]]:
+    """How many hosts the run started with (a joiner's data shards are dealt over them), its
+    newest epoch and that epoch's members."""
     store = dist.TCPStore(
         addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
     newest = int(store.add("epoch", 0))
-    return len(parse_members(store.get("members/0").decode())), parse_members(
-        store.get(f"members/{newest}").decode()
-    )
+    members = parse_members(store.get(f"members/{newest}").decode())
+    return len(parse_members(store.get("members/0").decode())), newest, members

@@ -481,9 +481,9 @@ def drop_after(rank: int, step: int, keeper: KeeperClient | None, directory: Pat
     """A run resumed at ``step`` drops this worker's snapshots past it, as it drops its metrics:
     they belong to a future that will not happen, and would outrank the new ones (a keeper keeps
     the newest steps, and a later resume takes the newest)."""
-    if keeper is not None:
+    if keeper is not None:  # its own states and what it holds for others (flushed to disk first)
         with contextlib.suppress(KeeperError):
-            keeper.drop_after(rank, step)
+            keeper.drop_after(step)
     if directory is not None:
         for s in disk_steps(directory, rank):
             if s > step:

@@ -131,6 +131,9 @@ def serve(
     last: dict[int, tuple[int, float]] = {}  # host -> (beats, when they last moved)
     reported: set[int] = set()
     while not (control_dir / "stop").exists():
+        for key in ("finished", "stopped"):  # kept in files too: a restarted broker knows them
+            if store.check([key]) and not (control_dir / key).exists():
+                (control_dir / key).touch()
         if until_done and epochs is not None and attempt >= 0 and set(epochs.live) <= reported:
             # Every member said goodbye or failed: the run is over. Did it finish its steps?
             return {"finished": store.check(["finished"]), "stopped": store.check(["stopped"])}
@@ -150,6 +153,11 @@ def serve(
                         for h in range(hosts)
                         if (control_dir / f"beating-{attempt}-{h}").exists()
                     }
+                    # Those that had left in order stay gone, and the run's end is remembered.
+                    reported |= {h for h in range(hosts) if (control_dir / f"bye-{attempt}-{h}").exists()}
+                    for key in ("finished", "stopped"):
+                        if (control_dir / key).exists():
+                            store.set(key, "1")
         if attempt < 0:
             continue
         if epochs is not None:  # the launcher's deathrattles: trainers that exited with an error
@@ -162,7 +170,7 @@ def serve(
             for h in dead:  # a joiner that died before its request was taken
                 store.delete_key(f"join/{h}")
             for h in range(hosts):
-                if h not in epochs.live and store.check([f"join/{h}"]):
+                if h not in epochs.live and store.check([f"join/{h}"]) and not store.check(["finished"]):
                     store.delete_key(f"join/{h}")
                     # Watched afresh: its beats restart from where its predecessor's stopped.
                     store.delete_key(f"bye/{attempt}/{h}")
@@ -221,7 +229,7 @@ class Heartbeat:
         self.membership = None  # a Membership whose ``published`` this thread keeps current
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
-        self._failed = False
+        self._failed = self._silent = False
         self._thread = threading.Thread(target=self._beat, name="geotrain-heartbeat", daemon=True)
         self._thread.start()
 
@@ -242,14 +250,15 @@ class Heartbeat:
                 store = None
             self._stop.wait(EPOCH_POLL_S if self.membership is not None else BEAT_S)
         # An orderly exit says so: silence after it is not a failure; a failed one says that.
-        if store is not None:
+        if store is not None and not self._silent:
             with contextlib.suppress(Exception):
                 store.set(self._key.replace("hb/", "failed/" if self._failed else "bye/", 1), "1")
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, silent: bool = False) -> None:
         """Stop beating. ``failed``: the trainer ends with an error, and says so instead of
-        goodbye, so that the coordinator lets its host leave at once."""
-        self._failed = failed
+        goodbye, so that the coordinator lets its host leave at once. ``silent``: it says nothing
+        (declared failed, it is not its host any more: a replacement may be)."""
+        self._failed, self._silent = failed, silent
         self._stop.set()
         self._thread.join(timeout=10)
 
@@ -278,13 +287,14 @@ def broker(argv: list[str]) -> int:
         p.error("--hosts must be >= 1, --port in 1..65535, --fault-timeout >= 2 seconds")
     control = Path(args.dir)
     control.mkdir(parents=True, exist_ok=True)
-    if read_epochs(control) and not args.restart:
+    if read_epochs(control) and not (control / "over").exists() and not args.restart:
         p.error(
-            f"{control} holds a run's membership (epochs.jsonl): --restart takes that run over "
-            "(its broker died), a fresh --dir starts a new one"
+            f"{control} holds the membership of a run that is not over (epochs.jsonl): --restart takes "
+            "it over (its broker died), a fresh --dir starts a new run"
         )
     if not args.restart:  # a fresh run: nothing of an old one carries over
-        for old in ("stop", "epochs.jsonl", "verdicts.jsonl", "port", "beating-*", "bye-*", "dead-*"):
+        for old in ("stop", "over", "finished", "stopped", "epochs.jsonl", "verdicts.jsonl", "port",
+                    "beating-*", "bye-*", "dead-*"):  # fmt: skip
             for path in control.glob(old):
                 path.unlink(missing_ok=True)
     (control / "stop").unlink(missing_ok=True)
@@ -302,6 +312,7 @@ def broker(argv: list[str]) -> int:
         )
     except KeyboardInterrupt:
         return 130
+    (control / "over").touch()
     changes = f"{len(read_epochs(control))} membership changes, {control}/epochs.jsonl"
     if end and end["finished"] and not end["stopped"]:
         print(f"geotrain broker: the run is over ({changes})", file=sys.stderr)

@@ -550,9 +550,14 @@ def _rollback(
         keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
         step, how = preflight(keepers, run_dir / "snapshots", check=False)
     except NoCommonStep as e:
-        # Every worker can start over; that is the newest point all of them share.
+        # Every worker can start over; that is the newest point all of them share. What the
+        # keepers hold is of the abandoned attempt, and would outrank the new run's snapshots.
         print(f"geotrain: {e}; all workers start over from step 0", file=sys.stderr, flush=True)
         step, how = 0, {}
+        for keeper in keepers:
+            if keeper is not None:
+                with contextlib.suppress(KeeperError):
+                    keeper.drop_after(0)
     except (ResumeError, KeeperError) as e:
         raise RunFailed(f"cannot roll back after the fault: {e}") from None
     for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
@@ -715,7 +720,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     raise RunFailed(
                         f"the run exceeded its {launch.timeout_s:.0f} s timeout; logs in {run_dir}/logs"
                     )
-                progress = last_step(run_dir, ([i for i in live if i not in joiners] or live)[0])[0]
+                # The furthest live host: a replacement's file (its predecessor's steps) moves only
+                # once it is admitted, so watching it made recoveries look as long as admissions.
+                progress = max(last_step(run_dir, i)[0] for i in live)
                 if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     _write_faults(run_dir, records)
