@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.ft.membership import Membership, RunFinished
+from geotrain.ft.membership import Membership, RunFinished, sync_boundary
 from geotrain.ft.state import (
     HANDED_OVER,
     HEADER_BYTES,
@@ -78,7 +78,7 @@ def next_boundary(statuses: list[StepStatus], behind: list[int], period: int) ->
     that stopped exactly at a boundary while another is past it goes on to the next one too
     (it waits there for the others' sync)."""
     best = max(statuses)
-    return max(-(-(best if r in behind else s).done // period) * period for r, s in enumerate(statuses))
+    return max(sync_boundary((best if r in behind else s).done, period) for r, s in enumerate(statuses))
 
 
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:

@@ -77,6 +77,11 @@ class BelowMinWorkers(RuntimeError):
     """Fewer than ``--min-workers`` members, and no joiner came within ``--join-timeout``."""
 
 
+def sync_boundary(step: int, period: int) -> int:
+    """The first sync boundary (a multiple of ``period``) at or after ``step``."""
+    return -(-step // period) * period
+
+
 def parse_members(text: str) -> list[int]:
     return [int(h) for h in text.split(",") if h != ""]
 
@@ -143,8 +148,7 @@ class Membership:
                     self._propose(store, self._horizon)
 
     def boundary(self, step: int) -> int:
-        """The first sync boundary at or after ``step``."""
-        return -(-step // self.period) * self.period
+        return sync_boundary(step, self.period)
 
     def _propose(self, store, step: int) -> None:
         store.set(f"at/{self.epoch}/{self.host}", str(step))

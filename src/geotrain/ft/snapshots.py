@@ -217,7 +217,6 @@ class Snapshotter:
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
                 if shipping or item[3]:  # a store that failed never queued its shipment
-                    # (not ``ship_queue`` items: (step, fd, size))
                     self.scheme = None  # keep local snapshots; peers learn it at the next take
                     self._shipping = False
             finally:
