@@ -96,6 +96,13 @@ def _run_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat after which a host has failed (frozen, cut off, gone)",
     )
     p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with continue: K more hosts wait, started and ready, in a backup pool; one takes a lost "
+        "host's place at once (its links the slowest host's rate; a restarted host rejoins the pool)",
+    )
+    p.add_argument(
         "--resume",
         dest="resume_dir",
         default="",
@@ -213,6 +220,7 @@ def _cmd_resume(argv: list[str]) -> int:
             join_timeout_s=args.join_timeout
             if "join_timeout" in given
             else train_saved.get("join_timeout", 120.0),
+            spares=args.spares if "spares" in given else int(saved.get("spares", 0)),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -260,6 +268,8 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(
                 f"--workers must be 1 to {MAX_HOSTS} (one /24 subnet on one bridge), got {args.workers}"
             )
+        if args.workers + max(0, getattr(args, "spares", 0)) > MAX_HOSTS:
+            raise UsageError(f"--workers plus --spares must be at most {MAX_HOSTS} (one /24 subnet)")
         rates = parse_bandwidths(args.bandwidth, args.workers)
         corpus = load_corpus(cfg.data or None)
         corpus.check_fits(
@@ -299,6 +309,7 @@ def _launch_config(args, rates, label: str):
             fault_timeout_s=args.fault_timeout,
             min_workers=getattr(args, "min_workers", 1),
             join_timeout_s=getattr(args, "join_timeout", 120.0),
+            spares=getattr(args, "spares", 0),
         )
     except ValueError as e:  # what LaunchConfig refuses (e.g. --min-workers): one line, exit 2
         raise UsageError(str(e)) from None
@@ -562,6 +573,9 @@ def _cmd_soak(argv: list[str]) -> int:
         "--restart", default="5", help="seconds until a replacement joins (0: none; the run shrinks)"
     )
     p.add_argument("--fault-timeout", dest="fault_timeout", type=float, default=job.fault_timeout)
+    p.add_argument(
+        "--spares", type=int, default=0, help="hosts waiting in a backup pool to replace the killed at once"
+    )
     p.add_argument("--out", default="runs/soak")
     args = p.parse_args(argv)
     restart = f",restart={args.restart}" if args.restart not in ("", "0") else ""
@@ -570,6 +584,8 @@ def _cmd_soak(argv: list[str]) -> int:
         parse_chaos(chaos, args.workers)
     except ChaosError as e:
         raise UsageError(str(e)) from None
+    if args.spares < 0:
+        raise UsageError(f"--spares must be >= 0, got {args.spares}")
     for name in ("workers", "H", "batch_size", "steps", "eval_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -619,7 +635,12 @@ def _cmd_join(argv: list[str]) -> int:
     from geotrain.train import main as train_main
 
     if not any(a == "--broker" or a.startswith("--broker=") for a in argv):
-        raise UsageError("geotrain join needs --broker ADDR:PORT and --host I (the lost machine's id)")
+        raise UsageError(
+            "geotrain join needs --broker ADDR:PORT and --host I (the lost machine's id), or --spare "
+            "(wait in the backup pool and take the place of whichever host is lost)"
+        )
+    if "--spare" in argv:
+        return train_main(argv)
     return train_main([*argv, "--join"])
 
 

@@ -41,6 +41,8 @@ from geotrain.ft.membership import (
     RunFinished,
     first_hosts,
     host_beating,
+    spare_placed,
+    wait_for_vacancy,
 )
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
@@ -114,6 +116,7 @@ class TrainConfig:
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
     join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
+    spare: bool = False  # waits in the backup pool until given a lost host's place, then joins it
     fault_timeout_s: float = 10.0  # the coordinator's verdict on a silent host comes this late
     min_workers: int = 1  # elastic: fewer members than this pause at a sync boundary for joiners
     join_timeout: float = 120.0  # elastic: how long they wait there before they snapshot and stop
@@ -250,7 +253,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
             "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
-            "fault_timeout_s", "join", "min_workers", "join_timeout",
+            "fault_timeout_s", "join", "spare", "min_workers", "join_timeout",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat", "broker", "host"):
             continue  # set by the launcher or added by the caller
@@ -846,6 +849,13 @@ def train_parser() -> argparse.ArgumentParser:
         default=False,
         help="with --elastic: a replacement, admitted into the running group (set by the launcher)",
     )
+    parser.add_argument(
+        "--spare",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="wait in the run's backup pool until a host is lost, then join in its place (--host, if "
+        "given, names this machine in the broker's record)",
+    )
     return parser
 
 
@@ -853,15 +863,24 @@ def main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        if cfg.spare:
+            try:
+                cfg = take_a_place(cfg)
+            except RunFinished as e:  # not needed: nothing to do, and nothing went wrong
+                print(f"geotrain: {e}", file=sys.stderr)
+                return 0
+            except TimeoutError as e:
+                print(f"geotrain train: error: {e}", file=sys.stderr)
+                return 1
         if cfg.broker:
             cfg = replace(cfg, heartbeat=f"{broker_address(cfg.broker, cfg.host)}:0:{cfg.host}", elastic=True)
         hosts = _run_hosts(cfg) if (cfg.join or cfg.broker) and cfg.heartbeat else 0
     except (ConfigError, DataError) as e:
         print(f"geotrain train: error: {e}", file=sys.stderr)
         return 2
-    except RunFinished as e:
-        print(f"geotrain train: error: {e}", file=sys.stderr)
-        return 1
+    except RunFinished as e:  # a spare given a place just as the run ended did nothing wrong
+        print(f"geotrain train: {'' if cfg.spare else 'error: '}{e}", file=sys.stderr)
+        return 0 if cfg.spare else 1
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
     code = 1
     try:
@@ -869,6 +888,27 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         _leave(cfg, heartbeat, code)
+
+
+def take_a_place(cfg: TrainConfig) -> TrainConfig:
+    """A spare (``--spare``): wait in the backup pool of the coordinator (``--heartbeat``, set by
+    the launcher) or broker (``--broker``) until it gives this process a lost host's place, and
+    return the config of that host's replacement (``--join`` as that host, its keeper)."""
+    if cfg.broker:
+        addr, port = broker_address(cfg.broker, 0).rsplit(":", 1)
+        attempt, label = "0", str(cfg.host)
+    elif cfg.heartbeat and cfg.elastic:
+        addr, port, attempt, label = cfg.heartbeat.rsplit(":", 3)
+    else:
+        raise ConfigError("--spare needs --broker ADDR:PORT (or the launcher's --heartbeat and --elastic)")
+    name = f"spare {label}" if int(label) >= 0 else "spare"
+    print(f"geotrain: {name} waits in the backup pool at {addr}:{port}", file=sys.stderr, flush=True)
+    host = wait_for_vacancy(addr, int(port), int(label), timeout_s=max(30.0, cfg.fault_timeout_s * 3))
+    print(f"geotrain: {name} takes the place of host {host}", file=sys.stderr, flush=True)
+    return replace(
+        cfg, join=True, host=host, keeper=cfg.keeper.replace("{host}", str(host)),
+        heartbeat=f"{addr}:{port}:{attempt}:{host}" if not cfg.broker else cfg.heartbeat,
+    )  # fmt: skip
 
 
 def broker_address(spec: str, host: int) -> str:
@@ -929,6 +969,8 @@ def _run_hosts(cfg: TrainConfig) -> int:
                 )
             return hosts
         if host not in members:
+            if not cfg.spare and spare_placed(addr, int(port), host):
+                raise ConfigError(f"a spare from the backup pool is taking host {host}'s place")
             return hosts
         # Still listed: either alive (refused) or just lost, its verdict to come (the broker's
         # --fault-timeout, which this process does not know): wait for it to leave.

@@ -38,6 +38,7 @@ class SoakJob:
     eval_every: int = 20
     on_failure: str = "continue"
     fault_timeout: float = 10.0
+    spares: int = 0  # the faulty run's backup pool (the undisturbed run needs none)
     extra: tuple[str, ...] = ()  # more `geotrain run` flags, the same for both runs
 
     def argv(self, run_dir: Path) -> list[str]:
@@ -150,9 +151,11 @@ def soak(job: SoakJob, chaos: str, out: Path, max_faults: int = 1000) -> dict:
     print(f"geotrain soak: undisturbed run ({job.steps} steps) ...", file=sys.stderr, flush=True)
     calm = run_job(job, out / "undisturbed", [])
     print(f"geotrain soak: the same under --chaos {chaos} ...", file=sys.stderr, flush=True)
-    faulty = run_job(job, out / "faulty", ["--chaos", chaos, "--max-faults", str(max_faults)])
+    pool = ["--spares", str(job.spares)] if job.spares else []
+    faulty = run_job(job, out / "faulty", ["--chaos", chaos, "--max-faults", str(max_faults), *pool])
     cmp = compare(calm, faulty, out / "undisturbed")
-    print(f"chaos: {chaos} (--on-failure {job.on_failure}, --fault-timeout {job.fault_timeout:g})\n")
+    spares = f", --spares {job.spares}" if job.spares else ""
+    print(f"chaos: {chaos} (--on-failure {job.on_failure}, --fault-timeout {job.fault_timeout:g}{spares})\n")
     print(fault_table(faulty) + "\n")
     print(comparison_table(calm, faulty, cmp))
     result = {

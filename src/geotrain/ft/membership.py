@@ -12,6 +12,8 @@ in its store (torch's ``TCPStore``)::
     join/{h}         a joiner's request to be admitted (the coordinator takes it)
     at/{e}/{h}       the step after which member h of epoch e goes to the next (a join)
     finished         set when the first member leaves its training loop: joiners stop waiting
+    spares           the backup pool (``launch/coordinator.Pool``): spares registered so far;
+                     spare/{i}, poolhb/{i}, assign/{i}, claim/{i} and placed/{h} are its keys
 
 Each trainer learns of a new epoch within a tenth of a second (its heartbeat thread reads the
 counter), abandons the collective it is waiting for (the Communicator polls, so a frozen peer
@@ -309,6 +311,12 @@ def host_beating(addr: str, port: int, attempt: int | str, host: int, window_s: 
     return store.add(key, 0) != before
 
 
+def spare_placed(addr: str, port: int, host: int) -> bool:
+    """Whether the backup pool has given ``host``'s place to a spare that is not admitted yet."""
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return bool(store.check([f"placed/{host}"]))
+
+
 def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, int, list[int]]:
     """How many hosts the run started with (a joiner's data shards are dealt over them), its
     newest epoch and that epoch's members."""
@@ -318,3 +326,47 @@ def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, int
     newest = int(store.add("epoch", 0))
     members = parse_members(store.get(f"members/{newest}").decode())
     return len(parse_members(store.get("members/0").decode())), newest, members
+
+
+def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0) -> int:
+    """A spare in the backup pool (``--spare``; FusionAI's backup providers): register, beat
+    under ``poolhb/{i}`` and wait until the coordinator gives it the place of a lost host
+    (``assign/{i}``); returns that host. ``label`` names this machine in the coordinator's record
+    (< 0: its registration number). RunFinished when the run ends first, or when the coordinator
+    it reached stops answering for ``timeout_s`` (a broker exits once the run is over);
+    TimeoutError when none ever answered."""
+    deadline = time.monotonic() + timeout_s
+    store, me = None, 0
+    while True:
+        try:
+            if store is None:
+                store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=max(0.5, min(5.0, timeout_s))))  # fmt: skip
+            if not me:
+                me = int(store.add("spares", 1))
+            if not store.check([f"spare/{me}"]):  # first, or a restarted coordinator's fresh store
+                store.add("spares", max(0, me - int(store.add("spares", 0))))
+                store.set(f"spare/{me}", str(label if label >= 0 else me))
+            store.add(f"poolhb/{me}", 1)
+            if store.check([f"assign/{me}"]):
+                host = int(store.get(f"assign/{me}"))
+                if store.compare_set(f"claim/{me}", "", "taken") == b"taken":
+                    return host
+                me = 0  # too late: the place went to another spare; wait on under a new number
+                continue
+            if store.check([f"claim/{me}"]):  # a place taken back while this spare was away
+                me = 0
+                continue
+            if store.check(["finished"]):
+                raise RunFinished("the run finished; this spare was not needed")
+            deadline = time.monotonic() + timeout_s
+        except RunFinished:
+            raise
+        except Exception as e:
+            store = None
+            if time.monotonic() > deadline:
+                if not me:  # never reached: a wrong address, or no run there
+                    why = type(e).__name__
+                    raise TimeoutError(f"no coordinator answers at {addr}:{port} ({why})") from None
+                raise RunFinished("the coordinator is gone (the run is over): this spare was idle") from None
+        time.sleep(0.25)

@@ -22,7 +22,8 @@ error), leaves, and the coordinator publishes the next epoch (``ft/membership.py
 appended to ``control/epochs.jsonl``; a restarted coordinator reads them back and publishes them
 again in its fresh store, so the survivors' next regroup finds them. Losing the coordinator
 stops nothing: training does not touch it between failures, and the launcher restarts it on the
-same port within a second (a failure in that second is found after it restarts).
+same port within a second (a failure in that second is found after it restarts). It also keeps
+the backup pool (:class:`Pool`): spares that wait to take a lost host's place.
 """
 
 from __future__ import annotations
@@ -105,6 +106,108 @@ class Epochs:
             self._publish("join", "requested", joined=[host])
 
 
+class Pool:
+    """The backup pool (``--spares``, ``geotrain join --spare``; FusionAI's backup providers).
+
+    A spare registers as ``spare/{i}`` (``i`` from the counter ``spares``; its value is the
+    machine's label), beats under ``poolhb/{i}``, and is given the place of a lost host by
+    ``assign/{i}`` = that host (and ``placed/{h}``, which turns away another replacement): the
+    lowest vacant host goes to the spare that registered first and still beats. The spare claims
+    it (``claim/{i}``: "taken", set once) and asks to join as that host, like any replacement.
+    One that goes silent before it is admitted (neither its pool beat nor its beat as the host
+    moves for ``timeout_s``) loses the place to the next spare: if it had not claimed it yet,
+    the claim is closed ("revoked") so it never goes on as that host. Each hand-out and revocation
+    is appended to ``control/spares.jsonl``: the launcher moves the spare's process into the
+    host's place, or stops it. A restarted coordinator rebuilds the pool from that file."""
+
+    def __init__(
+        self, store, control_dir: Path, hosts: int, timeout_s: float, live: list[int], clock=time.monotonic
+    ) -> None:
+        self.store, self.hosts, self.timeout_s, self.clock = store, hosts, timeout_s, clock
+        self.path, self.issued_path = control_dir / "spares.jsonl", control_dir / "spares-issued"
+        self.beats: dict[int, tuple[int, float]] = {}  # spare -> (beats, when they last moved)
+        self.placed: dict[int, int] = {}  # host -> the spare given its place, until admitted
+        self.done: set[int] = set()  # spares admitted, revoked or gone
+        self.issued = 0
+        latest: dict[int, dict] = {}
+        for line in read_jsonl(self.path):  # a restarted coordinator: the pool as it was
+            self.done.add(int(line["spare"]))
+            latest[int(line["host"])] = line
+        with contextlib.suppress(OSError, ValueError):
+            self.issued = int(self.issued_path.read_text())
+        self.issued = max([self.issued, *self.done])
+        # Ids are never issued twice: a spare still waiting re-registers under its own.
+        store.add("spares", max(0, self.issued - int(store.add("spares", 0))))
+        for h, line in latest.items():
+            if h not in live and not line.get("revoked"):  # placed, not admitted yet
+                i = int(line["spare"])
+                self.placed[h] = i
+                self.done.discard(i)
+                store.set(f"assign/{i}", str(h))
+                store.set(f"placed/{h}", str(i))
+                store.compare_set(f"claim/{i}", "", "taken")  # it may have claimed it already
+
+    def _alive(self, i: int, now: float, attempt: int) -> bool:
+        beats = int(self.store.add(f"poolhb/{i}", 0))
+        host = self.store.get(f"assign/{i}").decode() if self.store.check([f"assign/{i}"]) else ""
+        if host and self.store.check([f"hb/{attempt}/{host}"]):  # its beat as the host counts too
+            beats += int(self.store.add(f"hb/{attempt}/{host}", 0))
+        if i not in self.beats or self.beats[i][0] != beats:
+            self.beats[i] = (beats, now)
+        return now - self.beats[i][1] <= self.timeout_s
+
+    def _record(self, **line) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({**line, "at": time.time()}) + "\n")
+
+    def release(self, host: int) -> None:
+        """The spare placed at ``host`` exited (the launcher's deathrattle): the place is free."""
+        i = self.placed.pop(host, None)
+        if i is not None:
+            self.done.add(i)
+            self.store.delete_key(f"placed/{host}")
+
+    def tick(self, live: list[int], attempt: int, run_over: bool) -> None:
+        now = self.clock()
+        for h, i in list(self.placed.items()):
+            if h in live:  # admitted: an ordinary member from here on
+                del self.placed[h]
+                self.done.add(i)
+                self.store.delete_key(f"placed/{h}")
+            elif not self._alive(i, now, attempt):
+                claimed = self.store.compare_set(f"claim/{i}", "", "revoked") == b"taken"
+                del self.placed[h]
+                self.done.add(i)
+                self.store.delete_key(f"assign/{i}")
+                self.store.delete_key(f"placed/{h}")
+                self._record(spare=i, label=self._label(i), host=h, revoked=True, claimed=claimed)
+        registered = int(self.store.add("spares", 0))
+        if registered > self.issued:
+            self.issued = registered
+            with contextlib.suppress(OSError):
+                self.issued_path.write_text(str(registered))
+        if run_over:
+            return
+        waiting = [
+            i for i in range(1, registered + 1)
+            if i not in self.done and i not in self.placed.values() and self.store.check([f"spare/{i}"])
+        ]  # fmt: skip
+        waiting = [i for i in waiting if self._alive(i, now, attempt)]
+        for h in range(self.hosts):
+            if not waiting:
+                return
+            if h in live or h in self.placed or self.store.check([f"join/{h}"]):
+                continue
+            i = waiting.pop(0)
+            self.placed[h] = i
+            self.store.set(f"placed/{h}", str(i))
+            self.store.set(f"assign/{i}", str(h))
+            self._record(spare=i, label=self._label(i), host=h)
+
+    def _label(self, i: int) -> int:
+        return int(self.store.get(f"spare/{i}")) if self.store.check([f"spare/{i}"]) else i
+
+
 def read_epochs(control_dir: Path) -> list[dict]:
     """The epochs published so far (after the first), oldest first."""
     return read_jsonl(control_dir / "epochs.jsonl")
@@ -124,6 +227,7 @@ def serve(
     A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
     store = _store(bind, port, True, 30.0)
     epochs = Epochs(store, control_dir, hosts) if elastic else None
+    pool = Pool(store, control_dir, hosts, fault_timeout_s, epochs.live) if epochs is not None else None
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
@@ -169,6 +273,7 @@ def serve(
                 f.unlink(missing_ok=True)
             for h in dead:  # a joiner that died before its request was taken
                 store.delete_key(f"join/{h}")
+                pool.release(h)  # type: ignore[union-attr]
             for h in range(hosts):
                 if h not in epochs.live and store.check([f"join/{h}"]) and not store.check(["finished"]):
                     store.delete_key(f"join/{h}")
@@ -178,6 +283,7 @@ def serve(
                     reported.discard(h)
                     last.pop(h, None)
                     epochs.join(h)
+            pool.tick(epochs.live, attempt, store.check(["finished"]))  # type: ignore[union-attr]
         now = time.monotonic()
         for h in range(hosts):
             key, bye = f"hb/{attempt}/{h}", f"bye/{attempt}/{h}"
@@ -294,7 +400,7 @@ def broker(argv: list[str]) -> int:
         )
     if not args.restart:  # a fresh run: nothing of an old one carries over
         for old in ("stop", "over", "finished", "stopped", "epochs.jsonl", "verdicts.jsonl", "port",
-                    "beating-*", "bye-*", "dead-*"):  # fmt: skip
+                    "beating-*", "bye-*", "dead-*", "spares.jsonl", "spares-issued"):  # fmt: skip
             for path in control.glob(old):
                 path.unlink(missing_ok=True)
     (control / "stop").unlink(missing_ok=True)

@@ -74,6 +74,7 @@ class LaunchConfig:
     min_workers: int = 1  # with continue: fewer workers pause for joiners, then stop
     join_timeout_s: float = 120.0  # how long they wait for a joiner before they snapshot and stop
     fault_timeout_s: float = 10.0  # a host whose heartbeat stops this long has failed
+    spares: int = 0  # with continue: hosts waiting in a backup pool to take a lost host's place
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -87,6 +88,12 @@ class LaunchConfig:
         if not 1 <= self.min_workers <= self.workers:
             raise ValueError(
                 f"--min-workers must be in [1, --workers {self.workers}], got {self.min_workers}"
+            )
+        if self.spares < 0:
+            raise ValueError(f"--spares must be >= 0, got {self.spares}")
+        if self.spares and (self.on_failure != "continue" or self.workers < 2):
+            raise ValueError(
+                "--spares needs --on-failure continue and --workers >= 2 (spares replace lost members)"
             )
         if self.join_timeout_s < 0:
             raise ValueError(f"--join-timeout must be >= 0 seconds, got {self.join_timeout_s}")
@@ -375,18 +382,23 @@ def _start_hosts(
 
 def _start_joiner(
     hosts: _Hosts, launch: LaunchConfig, cluster, cfg: TrainConfig, host: int, threads: int, attempt: int,
-    coordinator: subprocess.Popen, faults: list, keeper: str = "",
+    coordinator: subprocess.Popen, faults: list, keeper: str = "", machine: int | None = None,
+    spare: bool = False,
 ) -> subprocess.Popen:  # fmt: skip
-    """A replacement for ``host`` under continue: a plain trainer process (no torchrun: the
-    first rendezvous may be gone with its host) that asks the coordinator to be admitted. Its
-    snapshots go to the host's keeper (``keeper``), as its predecessor's did."""
-    control = launch.run_dir / "control"
-    (control / f"exit-{host}").unlink(missing_ok=True)
+    """A replacement for ``host`` under continue, on ``machine`` (its namespace and log; the
+    host's own by default): a plain trainer process (no torchrun: the first rendezvous may be
+    gone with its host) that asks the coordinator to be admitted. Its snapshots go to the host's
+    keeper (``keeper``), as its predecessor's did. ``spare``: it waits in the backup pool
+    instead, until the coordinator gives it a lost host's place (``host`` is then its machine's
+    label, and ``keeper`` names any host's keeper with ``{host}``)."""
+    machine = host if machine is None else machine
+    if not spare:
+        (launch.run_dir / "control" / f"exit-{host}").unlink(missing_ok=True)
     if cluster is not None:
-        cluster.set_link(host, up=True)
+        cluster.set_link(machine, up=True)
     joiner = replace(
-        cfg, join=True, keeper=keeper, redundancy="off", chaos=join_chaos(faults), resume=False,
-        resume_step=0, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
+        cfg, join=not spare, spare=spare, keeper=keeper, redundancy="off", chaos=join_chaos(faults),
+        resume=False, resume_step=0, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
     )  # fmt: skip
     cmd = [
         sys.executable,
@@ -397,7 +409,7 @@ def _start_joiner(
         str(threads),
         "--no-progress",
     ]
-    return _spawn(hosts, launch, cluster, host, cmd, threads, "ab")
+    return _spawn(hosts, launch, cluster, machine, cmd, threads, "ab")
 
 
 def _start_coordinator(
@@ -513,8 +525,12 @@ def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
                 default=float("inf"),
             )
             admitted = next(
-                (e for e in after if record.rank in e.get("joined", []) and e["at"] < until), None
-            )
+                (
+                    e for e in after
+                    if record.rank in e.get("joined", []) and record.rejoin_started_at <= e["at"] < until
+                ),
+                None,
+            )  # fmt: skip
             if admitted is not None:
                 record.rejoined_after_step = admitted["step"]
                 record.rejoin_s = round(admitted["at"] - record.rejoin_started_at, 2)
@@ -577,7 +593,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if reason is None:
             sweep_stale()
             try:
-                cluster = EmulatedCluster(launch.rates_bps).up()
+                # Spares are machines of their own, on the slowest of the hosts' links.
+                spare_links = [min(launch.rates_bps)] * launch.spares
+                cluster = EmulatedCluster(launch.rates_bps + spare_links).up()
                 mode = "netns"
             except NetemUnavailable as e:
                 reason = str(e)
@@ -611,6 +629,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 "network_mode": mode,
                 "fallback_reason": reason,
                 "rates_bps": launch.rates_bps,
+                "spares": launch.spares,
             },
             indent=2,
         )
@@ -628,6 +647,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     control = run_dir / "control"
     succeeded = False
     hosts: _Hosts | None = None
+    pool: dict[int, subprocess.Popen] = {}  # spare machines waiting for a lost host's place
     interrupted = False
     previous_handlers = {}
 
@@ -650,9 +670,20 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         for rank in range(launch.workers):  # what an earlier launch wrote past this start is void
             metrics_up_to(run_dir, rank, start_step)
         dead: set[int] = set()  # with continue: hosts the survivors went on without
-        rejoin: dict[int, tuple[float, FaultRecord]] = {}  # with continue: replacements due
+        # With continue: machines coming back, by machine: (when, its fault, the host it served).
+        rejoin: dict[int, tuple[float, FaultRecord, int]] = {}
         handled: set[tuple[int, float]] = set()  # silent verdicts acted on (host, when)
         joiners: set[int] = set()
+        machine_of = list(range(launch.workers))  # the machine (namespace, log) serving each host
+        placed = 0  # hand-outs of control/spares.jsonl acted on
+        keeper_any = str(keeper_socket(run_dir, 0)).replace("host0.sock", "host{host}.sock")
+
+        def start_spare(machine: int) -> None:
+            pool[machine] = _start_joiner(
+                hosts, launch, cluster, cfg, machine, threads, attempt, coordinator, faults,  # type: ignore[arg-type]
+                keeper_any if sockets else "", spare=True,
+            )  # fmt: skip
+
         while True:
             if hosts is None:
                 if coordinator is not None:
@@ -663,6 +694,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     for i in range(launch.workers):
                         cluster.set_link(i, up=True)
                 hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
+                if elastic and coordinator is not None:
+                    for m in range(launch.workers, launch.workers + launch.spares):
+                        start_spare(m)
                 started_wall = time.time()
                 armed = False  # timed faults count from the first step: not during start-up
             recovering = records[-1] if len(records) > prior and records[-1].recover_s is None else None
@@ -697,9 +731,39 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     handled.add((failed, silent[0]["at"]))
                     break
                 now = time.monotonic()
-                for h, (due, fault) in list(rejoin.items()):
+                hand_outs = read_jsonl(control / "spares.jsonl") if pool else []
+                for given in hand_outs[placed:]:  # the coordinator gave a spare a lost host's place
+                    h, m = int(given["host"]), int(given["label"])
+                    if given.get("revoked"):  # silent before it was admitted: it is stopped
+                        placed += 1
+                        if machine_of[h] == m and h not in dead and h in joiners:
+                            _stop([hosts.procs[h]], grace_s=0.5)
+                            dead.add(h)
+                            why = f"spare host {m} went silent before it was admitted"
+                            print(f"geotrain: {why}; host {h}'s place goes to the next spare",
+                                  file=sys.stderr, flush=True)  # fmt: skip
+                        continue
+                    fresh = time.time() - given["at"] < launch.fault_timeout_s + 10
+                    if m in pool and h not in dead and fresh:
+                        break  # its failure is not noticed here yet (a deathrattle is faster)
+                    placed += 1
+                    if m not in pool or h not in dead:
+                        continue
+                    hosts.procs[h], machine_of[h] = pool.pop(m), m
+                    (control / f"exit-{h}").unlink(missing_ok=True)
+                    dead.discard(h)
+                    joiners.add(h)
+                    fault = next((r for r in reversed(records) if r.rank == h), None)
+                    if fault is not None and not fault.rejoin_started_at:
+                        fault.rejoin_started_at = given["at"]
+                    print(f"geotrain: spare host {m} takes host {h}'s place", file=sys.stderr, flush=True)
+                for m, (due, fault, h) in list(rejoin.items()):
                     if now >= due and coordinator is not None:
-                        del rejoin[h]
+                        del rejoin[m]
+                        if launch.spares:  # the pool fills vacancies: this machine joins it
+                            start_spare(m)
+                            print(f"geotrain: host {m} is back, as a spare", file=sys.stderr, flush=True)
+                            continue
                         if sockets:  # a host lost whole gets an empty keeper for its snapshots
                             try:
                                 start_keepers(run_dir, launch.workers, resume=True)
@@ -708,8 +772,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                                       file=sys.stderr, flush=True)  # fmt: skip
                         hosts.procs[h] = _start_joiner(
                             hosts, launch, cluster, cfg, h, threads, attempt, coordinator, faults,
-                            str(sockets[h]) if sockets else "",
+                            str(sockets[h]) if sockets else "", machine=m,
                         )  # fmt: skip
+                        machine_of[h] = m
                         dead.discard(h)
                         joiners.add(h)  # its process is the trainer itself, not torchrun's agent
                         fault.rejoin_started_at = time.time()
@@ -740,6 +805,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     coordinator = _restart_coordinator(launch, cluster, coordinator)
                 time.sleep(0.1)
             if failed is None:
+                _stop(list(pool.values()), grace_s=2.0)  # spares not needed (they see the run finished)
                 for p in hosts.procs:  # agents waiting at torchrun's exit barrier for lost ones
                     if elastic and p.poll() is None:
                         with contextlib.suppress(ProcessLookupError):
@@ -791,9 +857,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             records.append(record)
             _write_faults(run_dir, records)
             what = f"exited with code {code}" if code is not None else f"went silent for {silent_s:.1f} s"
-            log_tail = f"; its log ({run_dir}/logs/host{failed}.log) ends:\n" + _tail(
-                run_dir / "logs" / f"host{failed}.log"
-            )
+            log = run_dir / "logs" / f"host{machine_of[failed]}.log"
+            log_tail = f"; its log ({log}) ends:\n" + _tail(log)
             if fatal:  # bad input: the same on every attempt
                 raise RunFailed(f"host {failed} {what}: {fatal[0].read_text().strip()}")
             if (rollback or elastic) and len(records) - prior > launch.max_faults:
@@ -805,18 +870,23 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 # The deathrattle: the coordinator publishes the next epoch at once (a silent host
                 # it has found itself) and the survivors regroup without it.
                 dead.add(failed)
+                if sockets and launch.spares:  # a spare takes its place at once: its keeper must be there
+                    with contextlib.suppress(KeeperError):
+                        start_keepers(run_dir, launch.workers, resume=True)
                 write_atomic(control / f"dead-{failed}", b"")
                 record.rollback_to = furthest  # nobody goes back: the survivors keep their steps
                 _write_faults(run_dir, records)
                 left = launch.workers - len(dead)
                 if restart_s:
-                    rejoin[failed] = (time.monotonic() + restart_s, record)
+                    rejoin[machine_of[failed]] = (time.monotonic() + restart_s, record, failed)
                 if not left:
                     raise RunFailed(
                         f"host {failed} {what}; no worker left. The keepers hold the last snapshots: "
                         f"geotrain run --resume {run_dir}{log_tail}"
                     )
                 then = f"; a replacement comes in {restart_s:g} s" if restart_s else ""
+                if pool:
+                    then = f"; one of {len(pool)} spare(s) takes its place"
                 if left < launch.min_workers:
                     then += (
                         f"; fewer than --min-workers {launch.min_workers}: they pause after their next "
@@ -859,7 +929,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
             cluster.down()
         if hosts is not None:
-            _stop(hosts.procs, grace_s=2.0 if interrupted else 5.0)
+            _stop(hosts.procs + list(pool.values()), grace_s=2.0 if interrupted else 5.0)
             hosts.close()
         if coordinator is not None:
             (control / "stop").touch()
