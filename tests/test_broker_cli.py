@@ -18,6 +18,9 @@ import pytest
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
 FLAGS = ["--algo", "localsgd", "--H", "4", "--model", "tiny", "--batch-size", "4", "--no-progress"]
 FLAGS += ["--threads", "1", "--steps", "400"]
+# The survivors wait at their boundary for the replacement: it is admitted however slowly it
+# starts on a loaded machine (the run's 400 tiny steps last only some seconds).
+FLAGS += ["--min-workers", "3", "--join-timeout", "60"]
 
 
 def _free_port() -> int:
@@ -46,23 +49,24 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
         while not regroups.exists():  # the survivors went on without host 0
             assert time.monotonic() < deadline, "no regroup within 60 s"
             time.sleep(0.2)
+        # A second trainer for a host once the run is under way is refused in one line (checked
+        # first: a `geotrain train` waits for a broker that is not up yet, or gone with the run).
+        again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "2", *FLAGS]
+        refused = subprocess.run(again, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "host 2 is already training" in refused.stderr, refused.stderr
         cmd = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "0"]
         joiner = subprocess.Popen(
             [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS], stderr=subprocess.PIPE, text=True
         )
         procs.append(joiner)
-        # A "replacement" for a host that is still training is refused in one line, and the host
-        # it names trains on (it never spoke for it).
+        # So is a "replacement" for a host that is still training, and the host it names trains on
+        # (it never spoke for it).
         wrong = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "1", *FLAGS]
         refused = subprocess.run(
             [*wrong, "--fault-timeout-s", "2"], capture_output=True, text=True, timeout=60
         )
         assert refused.returncode == 2 and "host 1 is still training in this run" in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-        # So is a second trainer for a host once the run is under way.
-        again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "2", *FLAGS]
-        refused = subprocess.run(again, capture_output=True, text=True, timeout=60)
-        assert refused.returncode == 2 and "host 2 is already training" in refused.stderr, refused.stderr
         errs = [p.communicate(timeout=120)[1] for p in procs]
         assert procs[0].returncode == -9  # the chaos kill
         assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]

@@ -99,3 +99,79 @@ def test_a_lost_host_is_rebuilt_bitwise_from_its_peers(tmp_path, world_size, spe
     # Three snapshots, each sending n pieces of unique/k bytes (plus small framing).
     expected = 3 * results[0]["unique_bytes"] * n / k
     assert expected <= results[0]["sent"] <= expected * 1.05 + 3 * 4096
+
+
+def _redundancy_after_a_membership_change(rank, world_size, tmp: str, members: list[int]):
+    """Hosts ``members`` of a 4-host run train on after host 1 was lost: their snapshots ship
+    to each other over the new epoch's snapshot group, named by host, not by rank."""
+    import torch.distributed as dist
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.keeper import KeeperClient, serve, wait_ready
+    from geotrain.ft.redundancy import Redundancy
+    from geotrain.ft.snapshots import SnapshotConfig, Snapshotter, availability
+    from geotrain.ft.state import capture, decode, split, tensor_digest
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+
+    host = members[rank]
+    sock = Path(tmp) / f"k{host}.sock"
+    threading.Thread(target=serve, args=(sock, None, 0.0), daemon=True).start()
+    wait_ready(sock)
+    keeper = KeeperClient(sock)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = build_sync("localsgd", model, opt, Communicator(), {"H": 2})
+    gen = torch.Generator().manual_seed(host)
+    # Built as in the first epoch of 4 hosts, without a group to ship on (as a joiner is), then
+    # regrouped: ring redundancy among the three.
+    snaps = Snapshotter(
+        SnapshotConfig(every=2, redundancy="ring", keeper=str(sock)), host, 4, None, control=Communicator()
+    )
+    snap_comm = Communicator(group=dist.new_group(backend="gloo"))
+    snaps.regroup(snap_comm, members)
+    unique = {}
+    for step in range(1, 7):
+        xy = torch.randint(0, 256, (2, 17), generator=gen)
+        _, loss = sync.model(xy[:, :-1], xy[:, 1:])
+        loss.backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync.after_step()
+        if snaps.due(step):
+            state = capture(
+                step=step, model=model, optimizer=opt, sync=sync, generators={"sampler": gen},
+                progress={}, replicated=sync.replicated_parts(),
+            )  # fmt: skip
+            unique[step] = tensor_digest(split(state)[1])
+            snaps.take(step, lambda copy, state=state: state, members=members)
+            snaps.wait()
+    snaps.close()
+    mine = availability(host, keeper, None)
+    # The piece this keeper holds for the host before it in the ring, rebuilt.
+    before = members[(rank - 1) % len(members)]
+    piece = keeper.get("piece", before, 6, 0)
+    held = tensor_digest(decode(Redundancy(1, 1, "ring").rebuild([piece]), "piece"))
+    keeper.stop()
+    return {"host": host, "avail": mine, "unique": unique[6], "held_for": before, "held": held,
+            "shipped": snaps.shipped, "sent": snaps.sent_bytes()}  # fmt: skip
+
+
+def test_redundancy_goes_on_among_the_members_of_a_new_epoch(tmp_path):
+    """After host 1 of 4 is lost, hosts 0, 2, 3 ship ring copies to each other by host id: each
+    holds its ring predecessor's unique state exactly, and a resume that finds host 3's keeper
+    and disk gone rebuilds it from host 0's copy while host 1 comes back from a member's state."""
+    from geotrain.ft.snapshots import choose_step
+
+    members = [0, 2, 3]
+    results = run_workers(_redundancy_after_a_membership_change, 3, str(tmp_path), members, timeout=180)
+    by_host = {r["host"]: r for r in results}
+    for r in results:
+        assert r["shipped"] == [2, 4, 6] and r["sent"] > 0
+        assert r["held"] == by_host[r["held_for"]]["unique"]  # host 0 holds 3's, 2 holds 0's, 3 holds 2's
+    assert {r["host"]: r["held_for"] for r in results} == {0: 3, 2: 0, 3: 2}
+    nothing = {"keeper": [], "disk": [], "pieces": [], "members": {}}
+    avail = [by_host[0]["avail"], nothing, by_host[2]["avail"], nothing]  # host 3 lost whole
+    assert choose_step(avail) == (6, {0: "keeper", 1: "member", 2: "keeper", 3: "peers"})

@@ -316,6 +316,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
         first = [] if cfg.join else list(range(ctx.world_size))  # a joiner is in no epoch yet
         membership = Membership(*heartbeat.address, ctx.rank, first, cfg.timeout_s)
+        membership.snapshot_groups = cfg.redundancy != "off" and bool(cfg.keeper)
         heartbeat.membership = membership
     comm = Communicator(latency_s=cfg.latency_ms / 1000, membership=membership)
     # Profiling batches come from their own sampler so that the training data stream is the same
@@ -522,9 +523,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         no_eval_through = max(no_eval_through, event["furthest"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
-        # Snapshots go on, each into this host's keeper; redundancy across hosts stops (its group
-        # was the first epoch's).
-        snapshots.drop_redundancy()
+        # Snapshots go on, each into this host's keeper, and redundancy among the new members.
+        group = membership.snapshot_group
+        snapshots.regroup(Communicator(group=group) if group is not None else None, event["members"])
         resume = event.pop("resume")
         # The boundary the regroup agreed they all head for (each from its own step).
         few = len(event["members"]) < cfg.min_workers
@@ -574,6 +575,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         before = comm.stats.copy()
         if batch is None:
             batch = sampler.next_train()
+        counted = False  # this step's tokens are in tokens_done already (adopted from a leader)
         try:
             synced = one_step(*batch, step)
             batch = None
@@ -581,16 +583,22 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if phase == "sync":
                 batch = None  # this worker's step used it
             resume = recover(e, StepStatus(step - 1, phase == "sync"))
-            if not resume.local_done:
-                step = resume.committed + 1  # redo it (or, behind the leader, go on from it)
+            if not resume.local_done and resume.committed < step:
+                step = resume.committed + 1  # redo it
                 continue
-            # The failed averaging was redone on the new group: the step is complete.
-            step, synced = resume.done, True
-            if phase != "sync":
-                loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
+            if not resume.local_done:
+                # Behind the leader, this worker adopted its state after its step (tokens too):
+                # that step is done here as well, and recorded like any other.
+                step, synced, counted = resume.committed, True, True
+                loss = torch.tensor(float("nan"))
+            else:  # the failed averaging was redone on the new group: the step is complete
+                step, synced = resume.done, True
+                if phase != "sync":
+                    loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
         if device.type == "cuda":
             torch.cuda.synchronize()
-        tokens_done += tokens_per_step
+        if not counted:
+            tokens_done += tokens_per_step
         if step == cfg.steps or snapshots.due(step):
             # The final one too, before the end-of-run average: a resumed run continues from it.
             try:
@@ -679,7 +687,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     snapshots.close()  # every snapshot stored, the final disk checkpoint written
 
     summary = _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens_done)
-    summary.update(_snapshot_summary(snapshots, snap_comm, comm, len(records) - (first_step - 1), resumed))
+    summary.update(_snapshot_summary(snapshots, comm, len(records) - (first_step - 1), resumed))
     summary["param_digest"] = param_digest(model)
     if membership is not None:
         summary["membership"] = events
@@ -699,10 +707,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     return summary
 
 
-def _snapshot_summary(snapshots: Snapshotter, snap_comm, comm, steps_here: int, resumed) -> dict[str, Any]:
+def _snapshot_summary(snapshots: Snapshotter, comm, steps_here: int, resumed) -> dict[str, Any]:
     st = snapshots.stats
     steps_here = max(steps_here, 1)
-    sent = snap_comm.stats.sent_bytes if snap_comm is not None else 0
+    sent = snapshots.sent_bytes()
     critical, background, snap_bytes = comm.mean_scalars(
         [st.critical_s / steps_here, st.background_s / steps_here, sent / steps_here]
     )

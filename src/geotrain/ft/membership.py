@@ -104,6 +104,11 @@ class Membership:
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
+        # With redundancy: each epoch also gets a group of its own for snapshot shipments,
+        # formed right after the training group by every member (they never share a group with
+        # the training collectives, which run in another thread).
+        self.snapshot_groups = False
+        self.snapshot_group = None
         # Admission of joiners: the boundary this worker has committed to reach in this epoch
         # (None: just regrouped), what it proposed, and the step all agreed on.
         self._lock = threading.Lock()
@@ -290,6 +295,8 @@ class Membership:
             world_size=len(members),
             timeout=timedelta(seconds=self.timeout_s),
         )
+        if self.snapshot_groups:
+            self.snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         with self._lock:
             self.epoch, self.members = epoch, list(members)
             self.published = max(self.published, epoch)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geotrain.compress.codec import ConfigError
 from geotrain.ft.keeper import (
     KeeperClient,
     KeeperError,
@@ -106,22 +107,26 @@ class Snapshotter:
         self, cfg: SnapshotConfig, rank: int, world_size: int, comm=None, control=None, size_hint: int = 0
     ) -> None:
         self.cfg = cfg
-        self.rank = rank
+        self.rank = rank  # this host's id: the owner named on its snapshots and pieces
         self.world_size = world_size
         self.comm = comm  # a Communicator over the snapshot process group (redundancy traffic)
         self.control = control  # the training group's Communicator: agreeing to ship
+        self.members: list[int] | None = None  # after a membership change: the epoch's hosts
         self.scheme: Redundancy | None = (
             parse_redundancy(cfg.redundancy, world_size) if world_size > 1 else None
         )
         if self.scheme is not None and not cfg.keeper:
             raise ResumeError("--redundancy needs a keeper to hold peers' pieces (--keeper SOCKET)")
+        if comm is None:  # a joiner before its admission: no group to ship on yet
+            self.scheme = None
+        self._retired: list = []  # snapshot groups of earlier epochs (never freed: see regroup)
+        self._gen = 0  # the membership epochs seen: a shipment of an older one is left alone
         self.client = KeeperClient(cfg.keeper) if cfg.keeper else None
         self.stats = SnapshotStats()
         # Decided once and the same on every worker: whether shipments are agreed on at all.
         self.redundant = self.scheme is not None
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
-        self._ship_abandoned = False  # the snapshot group lost a member: its thread is left alone
         self._next_fd: int | None = None  # the next snapshot's memory file, its pages allocated
         self._size_hint = size_hint
         self._store_queue: queue.Queue = queue.Queue()
@@ -142,13 +147,33 @@ class Snapshotter:
         # Without a keeper an in-memory snapshot has nowhere to live: only disk ones are taken.
         return self.client is not None and step % self.cfg.every == 0
 
-    def drop_redundancy(self) -> None:
-        """The membership changed: the snapshot group is the old epoch's (a shipment on it may
-        wait for a lost peer forever), so from here snapshots are kept locally only, by this
-        host's keeper and disk. Every member calls it at the same regroup, so they still agree."""
-        if self.redundant:
-            self._ship_abandoned = self._shipping
-            self.scheme, self.redundant = None, False
+    def regroup(self, comm, members: list[int]) -> None:
+        """The membership changed: redundancy goes on among ``members`` (host ids, in the new
+        epoch's rank order) over ``comm``, the new epoch's snapshot group (None: it stops).
+        A shipment still under way on the old group may wait for a lost peer forever: it is left
+        to its thread, and a fresh thread ships from now on. Every member (a joiner too) calls
+        this at the same regroup, so they agree on what they ship."""
+        self._gen += 1
+        if self._shipping:
+            self._shipping = False
+            self._ship_queue = queue.Queue()
+            thread = threading.Thread(target=self._loop, args=(self._ship_queue, self._ship), daemon=True)
+            self._threads[1] = thread  # the old one is left alone (daemon)
+            thread.start()
+        if self.comm is not None:
+            self._retired.append(self.comm)  # freeing a gloo group may join a stuck thread
+        self.comm, self.members, self.world_size = comm, list(members), len(members)
+        self.scheme = None
+        if comm is not None and len(members) > 1 and self.cfg.redundancy != "off":
+            try:
+                self.scheme = parse_redundancy(self.cfg.redundancy, len(members))
+            except ConfigError as e:  # e.g. ec:2/3 on 3 members: none until more are back
+                print(f"geotrain: host {self.rank}: redundancy off for now: {e}", file=sys.stderr, flush=True)
+        self.redundant = self.scheme is not None
+
+    def sent_bytes(self) -> int:
+        """Redundancy bytes sent, over every epoch's snapshot group."""
+        return sum(c.stats.sent_bytes for c in [*self._retired, self.comm] if c is not None)
 
     def take(self, step: int, capture, final: bool = False, members: list[int] | None = None) -> None:
         """Snapshot now: ``capture(copy)`` gives the state (live tensors when ``copy`` is False);
@@ -182,8 +207,7 @@ class Snapshotter:
         """Until every snapshot taken is stored and every shipment has arrived (one left on a
         group that lost a member is not waited for)."""
         self._store_queue.join()
-        if not self._ship_abandoned:
-            self._ship_queue.join()
+        self._ship_queue.join()  # after a regroup, a fresh queue: the old one is not waited for
 
     def close(self) -> None:
         """Wait for every snapshot to be stored (and written, where asked) and every shipment to
@@ -191,7 +215,7 @@ class Snapshotter:
         self.wait()
         self._store_queue.put(None)
         self._ship_queue.put(None)
-        for t in self._threads if not self._ship_abandoned else self._threads[:1]:
+        for t in self._threads:
             t.join()
         if self._next_fd is not None:
             os.close(self._next_fd)
@@ -216,7 +240,8 @@ class Snapshotter:
                 msg = f"snapshot at step {item[0]} not {'shipped' if shipping else 'stored'}: {e}"
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
-                if shipping or item[3]:  # a store that failed never queued its shipment
+                stale = shipping and item[3] is not None and item[3][0] != self._gen
+                if (shipping or item[3]) and not stale:  # a store that failed never queued its shipment
                     self.scheme = None  # keep local snapshots; peers learn it at the next take
                     self._shipping = False
             finally:
@@ -249,7 +274,8 @@ class Snapshotter:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
                         self._write_disk(step, mm, members)
             if ship:
-                self._ship_queue.put((step, os.dup(fd), size))
+                where = (self._gen, self.comm, self.scheme, self.members)
+                self._ship_queue.put((step, os.dup(fd), size, where))
         finally:
             os.close(fd)
         # The pages of the next one, allocated here rather than while the training thread writes.
@@ -261,9 +287,10 @@ class Snapshotter:
         write_disk_snapshot(self.cfg.directory, self.rank, step, blob, members)
         prune_disk(self.cfg.directory, self.rank, KEEP_ON_DISK)
 
-    def _ship(self, step: int, fd: int, size: int) -> None:
+    def _ship(self, step: int, fd: int, size: int, where=None) -> None:
+        gen, comm, scheme, members = where if where is not None else (self._gen, self.comm, self.scheme, None)
         try:
-            if self.scheme is None or self.comm is None or self.client is None:
+            if scheme is None or comm is None or self.client is None:
                 return
             try:
                 state = decode_memfd(fd, size, f"rank {self.rank}'s snapshot at step {step}")
@@ -274,26 +301,28 @@ class Snapshotter:
             del state
             unique_blob = encode(unique)
             self.stats.unique_bytes = len(unique_blob)
-            pieces = self.scheme.pieces(unique_blob, self.rank, step)
-            received = exchange(self.comm, self.scheme, pieces, self.cfg.rate_bps)
+            pieces = scheme.pieces(unique_blob, self.rank, step)
+            received = exchange(comm, scheme, pieces, self.cfg.rate_bps)
             ok = 1.0
             try:
                 for j, piece in enumerate(received):
-                    owner = (self.rank - 1 - j) % self.world_size
-                    self.client.put("piece", owner, step, piece, index=j, k=self.scheme.k, n=self.scheme.n)
+                    sender = (comm.rank - 1 - j) % comm.world_size  # its rank in the group
+                    owner = members[sender] if members is not None else sender
+                    self.client.put("piece", owner, step, piece, index=j, k=scheme.k, n=scheme.n)
             except KeeperError as e:
                 self.stats.errors.append(f"step {step}: {e}")
                 ok = 0.0
             # Every worker's pieces are with their holders: only now may older snapshots go. All
             # workers learn together whether that is so (a barrier that cannot be left halfway).
-            if self.comm.mean_scalars([ok])[0] < 1.0:
+            if comm.mean_scalars([ok])[0] < 1.0:
                 raise KeeperError(f"a keeper did not take its pieces of step {step}; redundancy is off")
             self.client.commit(self.rank, step)
             self.shipped.append(step)
         finally:
             if fd >= 0:
                 os.close(fd)
-            self._shipping = False
+            if gen == self._gen:  # a shipment of an earlier epoch says nothing about this one
+                self._shipping = False
 
 
 # -- restoring ---------------------------------------------------------------------------------

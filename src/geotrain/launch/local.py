@@ -397,7 +397,7 @@ def _start_joiner(
     if cluster is not None:
         cluster.set_link(machine, up=True)
     joiner = replace(
-        cfg, join=not spare, spare=spare, keeper=keeper, redundancy="off", chaos=join_chaos(faults),
+        cfg, join=not spare, spare=spare, keeper=keeper, chaos=join_chaos(faults),
         resume=False, resume_step=0, heartbeat=_heartbeat_spec(cluster, coordinator, attempt, host),
     )  # fmt: skip
     cmd = [
