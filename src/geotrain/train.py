@@ -599,7 +599,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             torch.cuda.synchronize()
         if not counted:
             tokens_done += tokens_per_step
-        if step == cfg.steps or snapshots.due(step):
+        # Not at a step adopted from a leader: the others are past their snapshot of it (a
+        # snapshot's agreement to ship is a collective every member must join).
+        if not counted and (step == cfg.steps or snapshots.due(step)):
             # The final one too, before the end-of-run average: a resumed run continues from it.
             try:
                 take_snapshot(step, final=step == cfg.steps)

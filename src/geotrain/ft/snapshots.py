@@ -121,6 +121,7 @@ class Snapshotter:
             self.scheme = None
         self._retired: list = []  # snapshot groups of earlier epochs (never freed: see regroup)
         self._gen = 0  # the membership epochs seen: a shipment of an older one is left alone
+        self._lock = threading.Lock()
         self.client = KeeperClient(cfg.keeper) if cfg.keeper else None
         self.stats = SnapshotStats()
         # Decided once and the same on every worker: whether shipments are agreed on at all.
@@ -138,7 +139,7 @@ class Snapshotter:
         for t in self._threads:
             t.start()
         if self.client is not None and size_hint:
-            self._store_queue.put((0, None, False, False))  # prepares the first one's memory
+            self._store_queue.put((0, None, False, False, None, None))  # prepares the first one's memory
 
     def due(self, step: int) -> bool:
         ce = self.cfg.checkpoint_every
@@ -153,6 +154,11 @@ class Snapshotter:
         A shipment still under way on the old group may wait for a lost peer forever: it is left
         to its thread, and a fresh thread ships from now on. Every member (a joiner too) calls
         this at the same regroup, so they agree on what they ship."""
+        self._store_queue.join()  # the old epoch's snapshots are with the keeper (local work)
+        with self._lock:  # a failed old shipment must not switch off what is decided here
+            self._regroup(comm, members)
+
+    def _regroup(self, comm, members: list[int]) -> None:
         self._gen += 1
         if self._shipping:
             self._shipping = False
@@ -198,7 +204,9 @@ class Snapshotter:
         self.stats.copy_s += time.perf_counter() - t1
         if ship:
             self._shipping = True
-        self._store_queue.put((step, snapshot, disk, ship, members))
+        # Where it ships is decided now, with the agreement: a regroup may come before it is stored.
+        where = (self._gen, self.comm, self.scheme, self.members, self.redundant)
+        self._store_queue.put((step, snapshot, disk, ship, members, where))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
         self.stats.each.append((step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4)))
@@ -240,14 +248,18 @@ class Snapshotter:
                 msg = f"snapshot at step {item[0]} not {'shipped' if shipping else 'stored'}: {e}"
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
-                stale = shipping and item[3] is not None and item[3][0] != self._gen
-                if (shipping or item[3]) and not stale:  # a store that failed never queued its shipment
-                    self.scheme = None  # keep local snapshots; peers learn it at the next take
-                    self._shipping = False
+                with self._lock:
+                    where = item[-1]
+                    stale = where is not None and where[0] != self._gen  # an earlier epoch's
+                    if (shipping or item[3]) and not stale:  # a failed store never queued its shipment
+                        self.scheme = None  # keep local snapshots; peers learn it at the next take
+                        self._shipping = False
             finally:
                 work.task_done()
 
-    def _store(self, step: int, snapshot, disk: bool, ship: bool, members: list[int] | None = None) -> None:
+    def _store(
+        self, step: int, snapshot, disk: bool, ship: bool, members: list[int] | None = None, where=None
+    ) -> None:
         if snapshot is None:  # nothing to store yet: allocate the first snapshot's pages
             self._next_fd = new_memfd(f"geotrain-rank{self.rank}", self._size_hint)
             return
@@ -262,8 +274,9 @@ class Snapshotter:
             self.stats.full_bytes = size
             try:
                 # Without redundancy a snapshot is complete once the keeper has it.
+                redundant = where[4] if where is not None else self.redundant
                 self.client.put_fd(
-                    "full", self.rank, step, fd, size, disk=disk, commit=not self.redundant, pending=ship,
+                    "full", self.rank, step, fd, size, disk=disk, commit=not redundant, pending=ship,
                     members=members,
                 )  # fmt: skip
             except KeeperError as e:
@@ -274,7 +287,6 @@ class Snapshotter:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
                         self._write_disk(step, mm, members)
             if ship:
-                where = (self._gen, self.comm, self.scheme, self.members)
                 self._ship_queue.put((step, os.dup(fd), size, where))
         finally:
             os.close(fd)
@@ -287,8 +299,8 @@ class Snapshotter:
         write_disk_snapshot(self.cfg.directory, self.rank, step, blob, members)
         prune_disk(self.cfg.directory, self.rank, KEEP_ON_DISK)
 
-    def _ship(self, step: int, fd: int, size: int, where=None) -> None:
-        gen, comm, scheme, members = where if where is not None else (self._gen, self.comm, self.scheme, None)
+    def _ship(self, step: int, fd: int, size: int, where: tuple) -> None:
+        gen, comm, scheme, members, _ = where  # as agreed in ``take``
         try:
             if scheme is None or comm is None or self.client is None:
                 return
@@ -321,8 +333,9 @@ class Snapshotter:
         finally:
             if fd >= 0:
                 os.close(fd)
-            if gen == self._gen:  # a shipment of an earlier epoch says nothing about this one
-                self._shipping = False
+            with self._lock:
+                if gen == self._gen:  # a shipment of an earlier epoch says nothing about this one
+                    self._shipping = False
 
 
 # -- restoring ---------------------------------------------------------------------------------
