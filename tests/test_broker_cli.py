@@ -3,6 +3,7 @@ process per machine, started by hand as a user would on each machine (no launche
 
 The machine of the first epoch's rank 0 is lost; the broker finds it silent, the others go on,
 a replacement started with `geotrain join` is admitted, and everyone, the broker included, exits 0.
+And a spare started with `geotrain join --spare` before anything fails takes a lost one's place.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import time
 
 import pytest
 
+from geotrain.launch.coordinator import read_jsonl
+
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
+TINY_FLAGS = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--threads", "1"]
 FLAGS = ["--algo", "localsgd", "--H", "4", "--model", "tiny", "--batch-size", "4", "--no-progress"]
 FLAGS += ["--threads", "1", "--steps", "400"]
 # The survivors wait at their boundary for the replacement: it is admitted however slowly it
@@ -29,14 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.usefixtures("no_leftovers")
-def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
-    port = _free_port()
-    broker = subprocess.Popen(
-        [*GEOTRAIN, "broker", "--hosts", "3", "--port", str(port), "--fault-timeout", "3",
+def _broker(tmp_path, hosts: int, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*GEOTRAIN, "broker", "--hosts", str(hosts), "--port", str(port), "--fault-timeout", "3",
          "--dir", str(tmp_path / "broker")],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
+    port = _free_port()
+    broker = _broker(tmp_path, 3, port)
     procs = []
     try:
         for host in range(3):
@@ -97,3 +105,37 @@ def test_bad_broker_options_are_refused_with_one_line(args, message):
     proc = subprocess.run([*GEOTRAIN, *args, *FLAGS], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_broker_runs_spare_replaces_a_lost_machine(tmp_path):
+    """On "real machines": `geotrain join --spare` waits before anything fails; machine 1 is
+    killed, found silent by the broker, and the spare takes its place; all exit 0."""
+    port = _free_port()
+    where = ["--broker", f"127.0.0.1:{port}"]
+    flags = [*TINY_FLAGS, "--algo", "localsgd", "--H", "4", "--steps", "40", "--min-workers", "2"]
+    broker = _broker(tmp_path, 2, port)
+    procs = []
+    try:
+        for host in range(2):
+            chaos = ["--chaos", "kill:step=5,rank=1"] if host == 1 else []
+            cmd = [*GEOTRAIN, "train", *where, "--host", str(host), "--run-dir", str(tmp_path / f"m{host}")]
+            procs.append(subprocess.Popen([*cmd, *flags, *chaos], stderr=subprocess.PIPE, text=True))
+        spare = [*GEOTRAIN, "join", "--spare", *where, "--run-dir", str(tmp_path / "spare"), *flags]
+        procs.append(subprocess.Popen(spare, stderr=subprocess.PIPE, text=True))
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, -9, 0], [e[-2000:] for e in errs]
+        assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
+    finally:
+        for p in [*procs, broker]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "geotrain: spare takes the place of host 1" in errs[2]
+    epochs = read_jsonl(tmp_path / "broker" / "epochs.jsonl")
+    assert [(e["members"], e["why"]) for e in epochs] == [([0], "silent"), ([0, 1], "requested")]
+    summary = json.loads((tmp_path / "m0" / "summary.json").read_text())
+    assert (summary["workers_start"], summary["workers"]) == (2, 2)
+    records = (tmp_path / "spare" / "metrics" / "rank1.jsonl").read_text().splitlines()
+    steps = [r["step"] for r in map(json.loads, records) if not r.get("final")]
+    assert steps[-4:] == [37, 38, 39, 40]  # the spare trained host 1's part to the end

@@ -11,37 +11,30 @@ import torch
 from helpers import run_workers
 
 
-def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
-    import torch.distributed as dist
-
-    from geotrain.comm.communicator import Communicator
+def _start_keeper(tmp: str, name: str):
     from geotrain.ft.keeper import KeeperClient, serve, wait_ready
-    from geotrain.ft.snapshots import SnapshotConfig, Snapshotter, restore
-    from geotrain.ft.state import capture, tensor_digest
+
+    sock = Path(tmp) / name
+    threading.Thread(target=serve, args=(sock, None, 0.0), daemon=True).start()
+    wait_ready(sock)
+    return KeeperClient(sock)
+
+
+def _train_with_snapshots(snaps, seed: int, members: list[int] | None = None) -> dict:
+    """Six local-SGD steps of the tiny GPT on this worker's data (``seed``), a snapshot at every
+    step ``snaps`` says is due, each shipped before the next (training would skip a busy one).
+    Returns the states taken, by step."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.state import capture
     from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
 
-    def start_keeper(name: str) -> KeeperClient:
-        sock = Path(tmp) / name
-        threading.Thread(target=serve, args=(sock, None, 0.0), daemon=True).start()
-        wait_ready(sock)
-        return KeeperClient(sock)
-
-    keeper = start_keeper(f"k{rank}.sock")
-    snap_comm = Communicator(group=dist.new_group(backend="gloo"))
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sync = build_sync("localsgd", model, opt, Communicator(), {"H": 2})
-    gen = torch.Generator().manual_seed(rank)
-    snaps = Snapshotter(
-        SnapshotConfig(every=2, redundancy=spec, keeper=str(keeper.path)),
-        rank,
-        world_size,
-        snap_comm,
-        control=Communicator(),
-    )
-    digests = {}
+    gen = torch.Generator().manual_seed(seed)
+    states = {}
     for step in range(1, 7):
         xy = torch.randint(0, 256, (2, 17), generator=gen)
         _, loss = sync.model(xy[:, :-1], xy[:, 1:])
@@ -51,24 +44,42 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
         opt.zero_grad(set_to_none=True)
         sync.after_step()
         if snaps.due(step):
-            state = capture(
-                step=step,
-                model=model,
-                optimizer=opt,
-                sync=sync,
-                generators={"sampler": gen},
-                progress={},
-                replicated=sync.replicated_parts(),
-            )
-            digests[step] = {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
-            snaps.take(step, lambda copy, state=state: state)
-            snaps.wait()  # each one shipped before the next (training would skip a busy one)
+            states[step] = capture(
+                step=step, model=model, optimizer=opt, sync=sync, generators={"sampler": gen},
+                progress={}, replicated=sync.replicated_parts(),
+            )  # fmt: skip
+            snaps.take(step, lambda copy, state=states[step]: state, members=members)
+            snaps.wait()
     snaps.close()
+    return states
+
+
+def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
+    import torch.distributed as dist
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.snapshots import SnapshotConfig, Snapshotter, restore
+    from geotrain.ft.state import tensor_digest
+
+    keeper = _start_keeper(tmp, f"k{rank}.sock")
+    snap_comm = Communicator(group=dist.new_group(backend="gloo"))
+    snaps = Snapshotter(
+        SnapshotConfig(every=2, redundancy=spec, keeper=str(keeper.path)),
+        rank,
+        world_size,
+        snap_comm,
+        control=Communicator(),
+    )
+    states = _train_with_snapshots(snaps, seed=rank)
+    digests = {
+        step: {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
+        for step, state in states.items()
+    }
     sent_by_snapshots = snap_comm.stats.sent_bytes
     dist.barrier()
     if rank in lost:  # the host vanished with its keeper: a fresh, empty one stands in
         keeper.stop()
-        keeper = start_keeper(f"k{rank}-new.sock")
+        keeper = _start_keeper(tmp, f"k{rank}-new.sock")
     dist.barrier()
     state, source = restore(rank, world_size, keeper, None, snap_comm)
     got = {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
@@ -107,55 +118,31 @@ def _redundancy_after_a_membership_change(rank, world_size, tmp: str, members: l
     import torch.distributed as dist
 
     from geotrain.comm.communicator import Communicator
-    from geotrain.ft.keeper import KeeperClient, serve, wait_ready
     from geotrain.ft.redundancy import Redundancy
     from geotrain.ft.snapshots import SnapshotConfig, Snapshotter, availability
-    from geotrain.ft.state import capture, decode, split, tensor_digest
-    from geotrain.models.gpt import GPT, gpt_config
-    from geotrain.sync import build_sync
+    from geotrain.ft.state import decode, split, tensor_digest
 
     host = members[rank]
-    sock = Path(tmp) / f"k{host}.sock"
-    threading.Thread(target=serve, args=(sock, None, 0.0), daemon=True).start()
-    wait_ready(sock)
-    keeper = KeeperClient(sock)
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", 256, 16))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sync = build_sync("localsgd", model, opt, Communicator(), {"H": 2})
-    gen = torch.Generator().manual_seed(host)
+    keeper = _start_keeper(tmp, f"k{host}.sock")
     # Built as in the first epoch of 4 hosts, without a group to ship on (as a joiner is), then
     # regrouped: ring redundancy among the three.
     snaps = Snapshotter(
-        SnapshotConfig(every=2, redundancy="ring", keeper=str(sock)), host, 4, None, control=Communicator()
+        SnapshotConfig(every=2, redundancy="ring", keeper=str(keeper.path)),
+        host,
+        4,
+        None,
+        control=Communicator(),
     )
-    snap_comm = Communicator(group=dist.new_group(backend="gloo"))
-    snaps.regroup(snap_comm, members)
-    unique = {}
-    for step in range(1, 7):
-        xy = torch.randint(0, 256, (2, 17), generator=gen)
-        _, loss = sync.model(xy[:, :-1], xy[:, 1:])
-        loss.backward()
-        sync.before_step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync.after_step()
-        if snaps.due(step):
-            state = capture(
-                step=step, model=model, optimizer=opt, sync=sync, generators={"sampler": gen},
-                progress={}, replicated=sync.replicated_parts(),
-            )  # fmt: skip
-            unique[step] = tensor_digest(split(state)[1])
-            snaps.take(step, lambda copy, state=state: state, members=members)
-            snaps.wait()
-    snaps.close()
+    snaps.regroup(Communicator(group=dist.new_group(backend="gloo")), members)
+    states = _train_with_snapshots(snaps, seed=host, members=members)
     mine = availability(host, keeper, None)
     # The piece this keeper holds for the host before it in the ring, rebuilt.
     before = members[(rank - 1) % len(members)]
     piece = keeper.get("piece", before, 6, 0)
     held = tensor_digest(decode(Redundancy(1, 1, "ring").rebuild([piece]), "piece"))
     keeper.stop()
-    return {"host": host, "avail": mine, "unique": unique[6], "held_for": before, "held": held,
+    unique = tensor_digest(split(states[6])[1])
+    return {"host": host, "avail": mine, "unique": unique, "held_for": before, "held": held,
             "shipped": snaps.shipped, "sent": snaps.sent_bytes()}  # fmt: skip
 
 
