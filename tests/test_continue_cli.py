@@ -101,12 +101,12 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
     assert [r["step"] for r in _records(run_dir, survivor)] == list(range(1, 11))
     if algo == "diloco":
         assert epoch["step"] == 8 and epoch["at_step"] == 8  # the sync of step 8, redone
-        # Ring copies go on between the two survivors (step 8's; step 10's is skipped if 8's is
-        # still travelling). Step 4's, among three, may have been travelling when host 2 died:
-        # then it is reported, and only it.
+        # Ring copies go on between the two survivors: redundancy is still on at the end (it
+        # used to stop at the first change). Step 4's shipment, among three, may have been
+        # travelling when host 2 died: then it is reported (or left behind), and only it.
         errors = summary["snapshot_errors"]
         assert all("step 4 " in e for e in errors), errors
-        assert summary["redundancy"] == "ring" and summary["snapshots_shipped"] - (0 if errors else 1) >= 1
+        assert summary["redundancy"] == "ring" and summary["snapshots_shipped"] >= 1
     if algo == "dreamddp":
         assert summary["replans"] >= 1
     assert summary["final_val_loss"] < summary["first_train_loss"]
