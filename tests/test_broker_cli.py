@@ -33,6 +33,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _broker(tmp_path, hosts: int, port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [*GEOTRAIN, "broker", "--hosts", str(hosts), "--port", str(port), "--fault-timeout", "3",
@@ -80,10 +87,7 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
         assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]
         assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
     finally:
-        for p in [*procs, broker]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_all([*procs, broker])
     epochs = [json.loads(x) for x in (tmp_path / "broker" / "epochs.jsonl").read_text().splitlines()]
     assert [(e["members"], e["why"]) for e in epochs] == [([1, 2], "silent"), ([1, 2, 0], "requested")]
     summary = json.loads((tmp_path / "machine1" / "summary.json").read_text())  # rank 0 at the end
@@ -127,10 +131,7 @@ def test_a_broker_runs_spare_replaces_a_lost_machine(tmp_path):
         assert [p.returncode for p in procs] == [0, -9, 0], [e[-2000:] for e in errs]
         assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
     finally:
-        for p in [*procs, broker]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_all([*procs, broker])
     assert "geotrain: spare takes the place of host 1" in errs[2]
     epochs = read_jsonl(tmp_path / "broker" / "epochs.jsonl")
     assert [(e["members"], e["why"]) for e in epochs] == [([0], "silent"), ([0, 1], "requested")]

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from geotrain.compress.codec import ConfigError
 from geotrain.ft.keeper import (
@@ -86,6 +86,17 @@ class SnapshotStats:
     each: list[tuple[int, float, float]] = field(default_factory=list)
 
 
+class Route(NamedTuple):
+    """Where a snapshot ships, fixed when its members agree to ship it (a regroup may come
+    before it is stored): the epoch generation, the snapshot group, the scheme, the hosts."""
+
+    gen: int
+    comm: Any
+    scheme: Redundancy | None
+    members: list[int] | None
+    redundant: bool
+
+
 class Snapshotter:
     """Takes snapshots on the training thread, stores them in one background thread and ships
     redundancy in another.
@@ -108,7 +119,6 @@ class Snapshotter:
     ) -> None:
         self.cfg = cfg
         self.rank = rank  # this host's id: the owner named on its snapshots and pieces
-        self.world_size = world_size
         self.comm = comm  # a Communicator over the snapshot process group (redundancy traffic)
         self.control = control  # the training group's Communicator: agreeing to ship
         self.members: list[int] | None = None  # after a membership change: the epoch's hosts
@@ -168,7 +178,7 @@ class Snapshotter:
             thread.start()
         if self.comm is not None:
             self._retired.append(self.comm)  # freeing a gloo group may join a stuck thread
-        self.comm, self.members, self.world_size = comm, list(members), len(members)
+        self.comm, self.members = comm, list(members)
         self.scheme = None
         if comm is not None and len(members) > 1 and self.cfg.redundancy != "off":
             try:
@@ -205,8 +215,8 @@ class Snapshotter:
         if ship:
             self._shipping = True
         # Where it ships is decided now, with the agreement: a regroup may come before it is stored.
-        where = (self._gen, self.comm, self.scheme, self.members, self.redundant)
-        self._store_queue.put((step, snapshot, disk, ship, members, where))
+        route = Route(self._gen, self.comm, self.scheme, self.members, self.redundant)
+        self._store_queue.put((step, snapshot, disk, ship, members, route))
         self.stats.taken += 1
         self.stats.critical_s += time.perf_counter() - t0
         self.stats.each.append((step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4)))
@@ -249,8 +259,8 @@ class Snapshotter:
                 self.stats.errors.append(msg)
                 print(f"geotrain: rank {self.rank}: {msg}", file=sys.stderr, flush=True)
                 with self._lock:
-                    where = item[-1]
-                    stale = where is not None and where[0] != self._gen  # an earlier epoch's
+                    route = item[-1]
+                    stale = route is not None and route.gen != self._gen  # an earlier epoch's
                     if (shipping or item[3]) and not stale:  # a failed store never queued its shipment
                         self.scheme = None  # keep local snapshots; peers learn it at the next take
                         self._shipping = False
@@ -258,7 +268,7 @@ class Snapshotter:
                 work.task_done()
 
     def _store(
-        self, step: int, snapshot, disk: bool, ship: bool, members: list[int] | None = None, where=None
+        self, step: int, snapshot, disk: bool, ship: bool, members: list[int] | None, route: Route | None
     ) -> None:
         if snapshot is None:  # nothing to store yet: allocate the first snapshot's pages
             self._next_fd = new_memfd(f"geotrain-rank{self.rank}", self._size_hint)
@@ -274,9 +284,8 @@ class Snapshotter:
             self.stats.full_bytes = size
             try:
                 # Without redundancy a snapshot is complete once the keeper has it.
-                redundant = where[4] if where is not None else self.redundant
                 self.client.put_fd(
-                    "full", self.rank, step, fd, size, disk=disk, commit=not redundant, pending=ship,
+                    "full", self.rank, step, fd, size, disk=disk, commit=not route.redundant, pending=ship,
                     members=members,
                 )  # fmt: skip
             except KeeperError as e:
@@ -287,7 +296,7 @@ class Snapshotter:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
                         self._write_disk(step, mm, members)
             if ship:
-                self._ship_queue.put((step, os.dup(fd), size, where))
+                self._ship_queue.put((step, os.dup(fd), size, route))
         finally:
             os.close(fd)
         # The pages of the next one, allocated here rather than while the training thread writes.
@@ -299,8 +308,8 @@ class Snapshotter:
         write_disk_snapshot(self.cfg.directory, self.rank, step, blob, members)
         prune_disk(self.cfg.directory, self.rank, KEEP_ON_DISK)
 
-    def _ship(self, step: int, fd: int, size: int, where: tuple) -> None:
-        gen, comm, scheme, members, _ = where  # as agreed in ``take``
+    def _ship(self, step: int, fd: int, size: int, route: Route) -> None:
+        gen, comm, scheme, members, _ = route
         try:
             if scheme is None or comm is None or self.client is None:
                 return
