@@ -640,7 +640,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         writer.write(record)
         records.append(record)
         if faults:
-            fire_at_step(faults, step, host, keeper_pid, snap_dir, run_dir / "control" if run_dir else None)
+            fire_at_step(
+                faults, step, host, keeper_pid, snap_dir, run_dir / "control" if run_dir else None,
+                settle=snapshots.wait_stored,
+            )  # fmt: skip
         if progress is not None:
             mbit = spent.sent_bytes * 8 / step_s / 1e6
             postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}

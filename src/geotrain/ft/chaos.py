@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,11 +130,19 @@ def fire_at_step(
     keeper_pid: int,
     snap_dir: Path | None,
     control_dir: Path | None = None,
+    settle: Callable[[], None] | None = None,
 ) -> None:
-    """In the trainer, after ``step``: carry out the step-triggered fault aimed at this worker."""
+    """In the trainer, after ``step``: carry out the step-triggered fault aimed at this worker.
+
+    ``settle`` waits until the snapshots this worker took before the fault are with its keeper.
+    A store takes milliseconds and a real step seconds; on the tests' tiny models a step is
+    shorter than a store, and a fault striking mid-store would move the rollback point by
+    chance. (A failure during a store is still survived: the run goes back one snapshot more.)"""
     for f in faults:
         if f.timed or f.step != step or f.rank != rank:
             continue
+        if settle is not None:
+            settle()
         if control_dir is not None:
             with contextlib.suppress(OSError):
                 fired_marker(control_dir, f).touch()

@@ -221,6 +221,10 @@ class Snapshotter:
         self.stats.critical_s += time.perf_counter() - t0
         self.stats.each.append((step, round(t1 - t0, 4), round(time.perf_counter() - t1, 4)))
 
+    def wait_stored(self) -> None:
+        """Until every snapshot taken is with the keeper (or on disk); shipments may still travel."""
+        self._store_queue.join()
+
     def wait(self) -> None:
         """Until every snapshot taken is stored and every shipment has arrived (one left on a
         group that lost a member is not waited for)."""
