@@ -10,7 +10,17 @@ import sys
 
 import pytest
 
-from geotrain.bench.curves import Curve, crossing, time_to_target, tokens_to_target
+from geotrain.bench.curves import (
+    Curve,
+    agreement,
+    compose,
+    crossing,
+    final_loss,
+    smooth,
+    step_times,
+    time_to_target,
+    tokens_to_target,
+)
 from geotrain.bench.matrix import BenchConfig, compute_share
 from geotrain.bench.report import markdown_table, write_report
 from geotrain.plan.cost import LinkModel
@@ -33,6 +43,50 @@ def test_a_curve_that_never_reaches_the_target_has_no_time():
     curve = Curve(train_s=[1.0, 2.0], tokens=[1, 2], val_loss=[3.0, 2.9])
     assert time_to_target(curve, 2.0) is None
     assert crossing([], [], 1.0) is None
+
+
+def test_smoothing_keeps_one_noisy_evaluation_from_deciding_the_crossing():
+    """A curve that dips below the target once and comes back: the raw curve says it got there at
+    the dip; the centred mean over 3 evaluations says where it gets there for good."""
+    losses = [3.0, 2.6, 2.35, 2.6, 2.5, 2.4, 2.3, 2.2]
+    curve = Curve(train_s=[10.0 * (i + 1) for i in range(8)], tokens=list(range(8)), val_loss=losses)
+    assert smooth(losses, 3) == pytest.approx([2.8, 2.65, 2.5167, 2.4833, 2.5, 2.4, 2.3, 2.25], abs=1e-4)
+    assert smooth(losses, 1) == losses
+    assert time_to_target(curve, 2.4) == pytest.approx(30.0 - 10 * 0.05 / 0.25)  # the dip: 28 s
+    # 2.5 at 50 s, 2.4 at 60 s: the smoothed curve crosses 2.4 at 60 s, after the dip has passed
+    assert time_to_target(curve, 2.4, window=3) == pytest.approx(60.0)
+    assert tokens_to_target(curve, 2.45, window=3) == pytest.approx(4.5)
+    assert final_loss(curve, 3) == pytest.approx(2.25)  # the mean of the last two
+    assert final_loss(Curve([], [], [])) is None
+    for bad in (0, 2, -1):
+        with pytest.raises(ValueError, match="odd number >= 1"):
+            smooth(losses, bad)
+
+
+def test_a_composed_curve_puts_each_step_at_the_shaped_step_time_and_is_checked_against_a_real_run():
+    long = Curve([5.0, 9.0, 14.0, 18.0], [100, 200, 300, 400], [3.0, 2.6, 2.4, 2.3], [10, 20, 30, 40])
+    # the shaped run: 0.4 s a local step, 1.4 s a step that syncs (its first step not counted)
+    shaped = [{"step_s": 9.0, "synced": False}] + [{"step_s": 0.4, "synced": False}] * 9
+    shaped += [{"step_s": 1.4, "synced": True}] * 2 + [{"step_s": 5.0, "synced": True, "final": True}]
+    timing = step_times(shaped)
+    assert timing == pytest.approx({True: 1.4, False: 0.4})
+    every_tenth = [s % 10 == 0 for s in range(1, 41)]  # the long run synced at 10, 20, 30, 40
+    composed = compose(long, every_tenth, timing)
+    assert composed.train_s == pytest.approx([5.0, 10.0, 15.0, 20.0]) and composed.val_loss == long.val_loss
+    assert time_to_target(composed, 2.5) == pytest.approx(12.5)
+    assert step_times([{"step_s": 2.0, "synced": True}] * 3) == {True: 2.0, False: 2.0}  # one kind
+    # the shaped run: 30 steps, its last point the end-of-run average (not compared)
+    real = Curve([5.5, 10.5, 15.2], [100, 200, 300], [3.0, 2.65, 2.2], [10, 20, 30])
+    assert agreement(composed, real) == pytest.approx(
+        {"steps_compared": 20, "max_loss_diff": 0.05, "time_ratio": 10.0 / 10.5}
+    )
+    assert agreement(composed, Curve([1.0], [1], [3.0], [7])) is None
+    with pytest.raises(ValueError, match="needs the step of each point"):
+        compose(Curve([1.0], [1], [3.0]), [True], timing)
+    with pytest.raises(ValueError, match="must be > 0"):
+        compose(long, every_tenth, {True: 1.0, False: 0.0})
+    with pytest.raises(ValueError, match="has 30 steps timed, its curve goes to 40"):
+        compose(long, every_tenth[:30], timing)
 
 
 def test_network_model_calibrates_back_to_the_profile_and_scales():
@@ -66,6 +120,8 @@ def test_compute_share_on_two_cores():
         ({"workers": [0]}, "1 to 64"),
         ({"bandwidths": ["fast"]}, "not understood"),
         ({"eval_every": 0}, "--eval-every"),
+        ({"smooth": 2}, "--smooth must be an odd number"),
+        ({"lr_schedule": "step"}, "unknown --lr-schedule 'step'; accepted: constant, cosine"),
     ],
 )
 def test_bench_config_rejects_bad_matrices(kwargs, message):
@@ -165,13 +221,42 @@ def test_quick_bench_end_to_end_and_resume(tmp_path):
         common = row["time_to_common_s"]
         assert cells[11] == ("not reached" if common is None else f"{common:.3f}")
         if cells[2] != "nosync":  # the common loss is one every real algorithm reaches
-            assert common is not None and row["final_val_loss"] <= group["common_loss"]
+            assert common is not None and final_loss(Curve(**row["curve"]), 3) <= group["common_loss"]
     ddp = group["algos"]["ddp"]
-    assert ddp["time_to_target_s"] is not None and math.isclose(group["target_loss"], ddp["final_val_loss"])
+    ddp_final = final_loss(Curve(**ddp["curve"]), 3)  # the mean of its last two evaluations
+    assert ddp["time_to_target_s"] is not None and math.isclose(group["target_loss"], ddp_final)
     mtimes = {p: p.stat().st_mtime for p in out.glob("cells/*/*/summary.json")}
     assert len(mtimes) == 4
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert re.search(r"resuming: 4 of 4 cells already finished", again.stderr)
+    assert re.search(r"resuming: 4 of 4 runs already finished", again.stderr)
     assert {p: p.stat().st_mtime for p in out.glob("cells/*/*/summary.json")} == mtimes
+
+    # Its runs are kept only for the same job: another schedule would not compare with them.
+    other = subprocess.run([*cmd, "--lr-schedule", "cosine"], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "holds runs made with lr_schedule='constant'" in other.stderr
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_bench_over_a_horizon_composes_long_loopback_curves_with_shaped_step_times(tmp_path):
+    """One run of 40 steps on loopback per algorithm gives each curve; the shaped runs of 30
+    steps follow the first part of its cosine schedule, and check it step for step."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "geotrain", "bench", "--workers", "2", "--bandwidths", "100mbit"]
+    cmd += ["--algos", "ddp,localsgd", "--steps", "30", "--eval-every", "10", "--batch-size", "16"]
+    cmd += ["--lr-schedule", "cosine", "--horizon", "40", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("curves/2x40steps/*/summary.json"))) == 2
+    group = json.loads((out / "bench.json").read_text())["groups"][0]
+    assert group["composed"] == 40
+    for algo, row in group["algos"].items():
+        assert row["horizon_summary"]["lr_schedule"].endswith("over=40")
+        assert row["curve"]["steps"] == [10, 20, 30, 40]
+        # same seeds, batches and schedule: the loopback run's steps are the shaped run's (up to
+        # 20: the shaped run's point at 30 is its end-of-run model)
+        check = row["agreement"]
+        assert check["steps_compared"] == 20 and check["max_loss_diff"] == 0.0, (algo, check)
+        assert 0.7 < check["time_ratio"] < 1.3, (algo, check)
+    assert "Composed curves" in proc.stdout

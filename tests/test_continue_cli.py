@@ -88,6 +88,7 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
     [
         ("diloco", ["--compress", "int4", "--redundancy", "ring"], "kill:step=6,rank=2"),
         ("dreamddp", [], "kill:step=5,rank=1"),
+        ("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1"),
     ],
 )
 @pytest.mark.usefixtures("no_leftovers")
@@ -96,7 +97,8 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
 ):
     """Periodic methods keep the survivors' local progress (host 2 dies after step 6; the sync at
     step 8 fails and is redone by the two others: no step is repeated); DreamDDP re-plans for two
-    workers (DDP's new wrapper is tested in test_elastic.py)."""
+    workers (DDP's new wrapper is tested in test_elastic.py); in a warm start (synchronous steps)
+    the step whose gradients could not be averaged is redone."""
     run_dir = tmp_path / algo
     cleanup_keepers.append((run_dir, 3))
     job = ["run", "--workers", "3", "--algo", algo, "--steps", "10", *JOB, *extra]
@@ -118,6 +120,9 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
         assert summary["redundancy"] == "ring" and summary["snapshots_shipped"] >= 1
     if algo == "dreamddp":
         assert summary["replans"] >= 1
+    if algo == "localsgd":  # step 4's gradient average failed: redone by two, then periodic
+        assert (epoch["step"], epoch["at_step"]) == (3, 4)
+        assert summary["syncs"] == 6 + 1 + 1  # the warm start's steps, step 8, the end
     assert summary["final_val_loss"] < summary["first_train_loss"]
 
 
@@ -127,6 +132,9 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
         # The first epoch's rank 0 comes back. (Local SGD's admission at a multiple of H is the
         # same path; its agreement on the boundary is tested in test_elastic.py.)
         ("ddp", "kill:step=4,rank=0,restart=0.5", 1),
+        # In a warm start (synchronous to the end here) a joiner is admitted at the next step,
+        # and takes the optimizer too: every replica ends bitwise the same.
+        ("diloco", "kill:step=4,rank=2,restart=0.5", 1),
     ],
 )
 @pytest.mark.usefixtures("no_leftovers")
@@ -145,6 +153,8 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     net = ["--bandwidth", "100mbit"] if NETNS else ["--no-netem"]
     steps = 160  # the replacement is admitted near step 50 (it starts in ~4 s)
     job = ["run", "--workers", "3", "--algo", algo, "--steps", str(steps), *BASE, *net]
+    if algo == "diloco":
+        job += ["--warm-start", str(steps)]
     proc = _run([*job, "--run-dir", str(run_dir), "--chaos", chaos])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)
@@ -179,6 +189,14 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert sorted(json.loads(members.read_text())) == [0, 1, 2]
     if NETNS:  # 1.7 MB at 100 Mbit/s: over a tenth of a second
         assert joined["hand_over_s"] > 0.1
+    assert joined["stripes"].get("optimizer") == 2  # equal on both members: from both
+    finals = [
+        json.loads(x)
+        for h in range(3)
+        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
+        if json.loads(x).get("final")
+    ]
+    assert len({f["param_digest"] for f in finals}) == 1 and len(finals) == 3
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -98,6 +98,8 @@ TRAINED = {  # every training call below, one gloo group per world size
             ("ssgd", SMALL_BUCKETS, "adamw", 6, True),
             ("localsgd", {"H": 2}, "adamw", 6, True),
             ("diloco", {"H": 2}, "adamw", 6, True),
+            ("diloco", {"H": 2, "warm_start": 4}, "adamw", 6, True),
+            ("localsgd", {"H": 3, "warm_start": 2}, "adamw", 6, True),
         ],
     ),
 }
@@ -126,6 +128,28 @@ def test_localsgd_h1_sgd_matches_ssgd():
     local = TRAINED[2].get("localsgd", {"H": 1}, "sgd")
     ssgd = TRAINED[2].get("ssgd", {}, "sgd")
     _assert_close(local[0]["params"], ssgd[0]["params"])
+
+
+@pytest.mark.parametrize(
+    "algo, options, syncs",
+    [("diloco", {"H": 2, "warm_start": 4}, 5), ("localsgd", {"H": 3, "warm_start": 2}, 4)],
+)
+def test_a_warm_start_is_synchronous_sgd_then_periodic(algo, options, syncs):
+    """Through the warm start each step equals synchronous SGD's (Adam, 3 workers), every
+    replica the same bitwise; then the syncs come at the multiples of H only (steps 6; 3 and 6)."""
+    ssgd = TRAINED[3].get("ssgd", SMALL_BUCKETS, "adamw", 6, True)[0]["after_sync"]
+    results = TRAINED[3].get(algo, options, "adamw", 6, True)
+    warm = options["warm_start"]
+    for r in results:
+        assert len(r["after_sync"]) == syncs
+        for mine, reference in zip(r["after_sync"][:warm], ssgd[:warm], strict=True):
+            _assert_close(mine, reference, atol=1e-4)
+    for i in range(syncs):
+        first = results[0]["after_sync"][i]
+        assert all(all(map(torch.equal, first, r["after_sync"][i])) for r in results[1:])
+    # after the warm start the replicas drift apart between syncs: no longer synchronous SGD
+    final = zip(results[0]["params"], ssgd[-1], strict=True)
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in final)
 
 
 def test_diloco_outer_lr1_no_momentum_matches_localsgd():

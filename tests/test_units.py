@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -78,6 +80,49 @@ def test_periodic_algorithms_sync_every_H_steps_and_on_finalize(algo):
     assert sync.syncs == 3
     n_param_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert comm.stats.payload_bytes == 3 * n_param_bytes
+
+
+@pytest.mark.parametrize("algo", ["localsgd", "diloco"])
+def test_a_warm_start_synchronises_every_step_then_at_the_multiples_of_H(algo):
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = FakeCommunicator()
+    sync = build_sync(algo, model, opt, comm, {"H": 3, "warm_start": 4})
+    synced, periods, shared = [], [], []
+    for s in range(10):
+        periods.append(sync.sync_period())  # what the membership layer sees before the step
+        synced.append(_step(sync, opt, s))
+        shared.append("optimizer" in sync.replicated_parts())
+    assert synced == [True] * 4 + [False, True, False, False, True, False]
+    # lock-stepped through the warm start (a survivor behind adopts the leader's state), and
+    # everything equal on every replica (a joiner gets the optimizer too)
+    assert periods == [1] * 4 + [3] * 6
+    assert shared == [True] * 4 + [False] * 6
+    sync.finalize()
+    assert sync.syncs == 4 + 2 + 1
+    n_param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert comm.stats.payload_bytes == 7 * n_param_bytes  # 4 gradients, then 3 models or changes
+    with pytest.raises(ConfigError, match="warm_start .* must be an integer >= 0, got -1"):
+        sync_config(algo, {"warm_start": -1})
+
+
+def test_only_periodic_methods_take_a_warm_start():
+    with pytest.raises(ConfigError, match="ssgd does not take --warm-start .* that do: localsgd, diloco"):
+        sync_config("ssgd", {"warm_start": 5})
+    assert TrainConfig(algo="diloco", warm_start=5).sync_config().warm_start == 5
+
+
+def test_diloco_outer_momentum_follows_H_unless_set():
+    from geotrain.sync.diloco import outer_momentum_for
+
+    # outer_lr / (1 - momentum): 1.4 at H <= 10, the paper's 7 (0.7 / 0.1) at H >= 500
+    assert [outer_momentum_for(h) for h in (1, 10, 50, 500, 5000)] == [0.5, 0.5, 0.74, 0.9, 0.9]
+    assert outer_momentum_for(10, outer_lr=1.0) == 0.29  # the same multiple with a larger step
+    assert all(outer_momentum_for(h) <= outer_momentum_for(h + 1) for h in range(1, 600))
+    assert sync_config("diloco", {"H": 50}).outer_momentum == 0.74
+    assert sync_config("diloco", {"H": 50, "outer_momentum": 0.9}).outer_momentum == 0.9
+    assert TrainConfig(algo="diloco", H=500).sync_config().outer_momentum == 0.9
+    assert TrainConfig(algo="diloco", outer_momentum=0.0).sync_config().outer_momentum == 0.0
 
 
 def test_diloco_outer_step_with_identical_replicas_is_nesterov_on_the_local_update():
@@ -271,12 +316,37 @@ def test_train_config_round_trips_through_argv():
         ({"algo": "x"}, "unknown algorithm 'x'"),
         ({"H": -1, "algo": "diloco"}, "H (inner steps between outer steps) must be an integer >= 1"),
         ({"optimizer": "lion"}, "accepted: adamw, sgd"),
+        ({"lr_schedule": "linear"}, "unknown --lr-schedule 'linear'; accepted: constant, cosine"),
+        ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be in [0, 1], got 1.5"),
     ],
 )
 def test_train_config_validation(kwargs, message):
     with pytest.raises(ConfigError) as e:
         TrainConfig(**kwargs)
     assert message in str(e.value)
+
+
+def test_learning_rate_warms_up_then_holds_or_follows_a_cosine_to_its_floor():
+    from geotrain.train import lr_at
+
+    constant = TrainConfig(lr=1e-3, warmup=4, steps=14)
+    assert [lr_at(s, constant) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    cosine = TrainConfig(lr=1e-3, warmup=4, steps=14, lr_schedule="cosine", min_lr_ratio=0.1)
+    lrs = [lr_at(s, cosine) for s in range(14)]
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    # steps 4 .. 13 span the decay's 9 intervals: step 8 is 4/9 of the way from peak to floor
+    assert lrs[4] == pytest.approx(1e-3) and lrs[13] == pytest.approx(1e-4)
+    mid = 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 9))
+    assert lrs[8] == pytest.approx(mid)
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    assert lr_at(100, cosine) == pytest.approx(1e-4)  # past the plan (a longer resumed run): the floor
+    assert lr_at(0, TrainConfig(steps=1, lr_schedule="cosine", lr=2e-3)) == pytest.approx(2e-3)
+    # a run resumed for more steps keeps the schedule it trained under (cli pins --lr-steps)
+    longer = TrainConfig(lr=1e-3, warmup=4, steps=30, lr_schedule="cosine", lr_steps=14)
+    assert [lr_at(s, longer) for s in (8, 13, 20)] == pytest.approx([mid, 1e-4, 1e-4])
+    # a warm-up as long as the plan: the peak once, then the floor (not the peak for ever)
+    short = TrainConfig(lr=1e-3, warmup=10, steps=20, lr_schedule="cosine", lr_steps=5)
+    assert [lr_at(s, short) for s in (9, 10, 11, 19)] == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4])
 
 
 def test_summary_table_shows_na_for_unmeasured_blocked_time():

@@ -129,6 +129,7 @@ RESUME_MAY_CHANGE = {
     "timeout_s",
     "min_workers",
     "join_timeout",
+    "lr_steps",
 }
 
 
@@ -183,6 +184,10 @@ def _cmd_resume(argv: list[str]) -> int:
                 f"(it may change: {', '.join(sorted(RESUME_MAY_CHANGE))})"
             )
     overrides = {n: getattr(args, n) for n in given & names & RESUME_MAY_CHANGE}
+    if "steps" in overrides and "lr_steps" not in overrides and not train_saved.get("lr_steps"):
+        # A longer run goes on with the schedule it trained under (a cosine planned over the
+        # first --steps), not a new one that would jump back up; --lr-steps re-plans it.
+        overrides["lr_steps"] = train_saved.get("steps", 0)
     try:
         # A chaos fault or a chosen step of the earlier launch is not repeated unless asked again.
         base = {k: v for k, v in train_saved.items() if k in names} | {"chaos": "", "resume_step": 0}
@@ -492,6 +497,27 @@ def _cmd_bench(argv: list[str]) -> int:
         default=None,
         help="default: the loss ddp reaches at the token budget",
     )
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=3,
+        help="evaluations in the centred moving mean each validation curve is read through (odd; 1: raw)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        dest="lr_schedule",
+        default="constant",
+        help="every cell's learning rate: constant, or cosine over --steps (over --horizon with one)",
+    )
+    p.add_argument(
+        "--horizon",
+        type=int,
+        default=0,
+        help="time to the loss of a run this many steps long: each cell's learning curve comes from "
+        "a run of HORIZON steps on loopback (same workers, seeds, batches), its time from the "
+        "step time of the --steps run on the shaped link (composed; the report says so and checks "
+        "the two curves against each other over --steps)",
+    )
     p.add_argument("--no-netem", action="store_true", help="loopback, unshaped (no predictions checked)")
     p.add_argument(
         "--out", default="", help="the bench directory (a rerun resumes it); default runs/bench-<time>"
@@ -518,6 +544,9 @@ def _cmd_bench(argv: list[str]) -> int:
             seed=args.seed,
             target_loss=args.target_loss,
             netem=not args.no_netem,
+            smooth=args.smooth,
+            lr_schedule=args.lr_schedule,
+            horizon=args.horizon,
         )
     except (ConfigError, LinkSpecError) as e:
         raise UsageError(str(e)) from None
@@ -525,6 +554,8 @@ def _cmd_bench(argv: list[str]) -> int:
     bench = Bench(cfg, out, echo=lambda msg: print(f"geotrain: {msg}", file=sys.stderr))
     try:
         results = bench.run()
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
     except RunFailed as e:
         print(
             f"geotrain: bench cell failed: {e}\ngeotrain: rerun the same command to resume", file=sys.stderr

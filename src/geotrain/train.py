@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -62,6 +63,7 @@ from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
 
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -77,9 +79,13 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: int = 0
+    lr_schedule: str = "constant"  # constant | cosine: after the warm-up, over the planned --steps
+    min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
+    lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
     H: int = 0  # 0: the algorithm's default (10; sparseloco 20)
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
+    warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
     bucket_mb: float = 0.0  # 0: the algorithm's default
     compress: str = ""  # a codec, e.g. int8, topk:ratio=0.01, acpsgd:rank=4 ("": none)
     # sparseloco and demo (0, or beta -1: the algorithm's default; see --help)
@@ -142,6 +148,12 @@ class TrainConfig:
         )
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
+        need(
+            self.lr_schedule in LR_SCHEDULES,
+            f"unknown --lr-schedule {self.lr_schedule!r}; accepted: {', '.join(LR_SCHEDULES)}",
+        )
+        need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.lr_steps >= 0, f"--lr-steps must be >= 0 (0 = --steps), got {self.lr_steps}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {self.eval_every}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
@@ -173,12 +185,15 @@ class TrainConfig:
             raise ConfigError(f"--snapshot-bandwidth: {e}") from None
 
     def sync_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"H": self.H or None, "outer_lr": self.outer_lr}
-        opts |= {"outer_momentum": self.outer_momentum, "overlap": self.overlap}
+        opts: dict[str, Any] = {"H": self.H or None, "outer_lr": self.outer_lr, "overlap": self.overlap}
+        if self.outer_momentum >= 0:
+            opts["outer_momentum"] = self.outer_momentum
         unset = {"chunk": 0, "k": 0, "bits": 0, "beta": -1.0, "alpha": 0.0}  # the algorithm's default
         opts |= {name: getattr(self, name) for name, no in unset.items() if getattr(self, name) != no}
         if self.bucket_mb:
             opts["bucket_mb"] = self.bucket_mb
+        if self.warm_start:
+            opts["warm_start"] = self.warm_start
         if self.plan:
             opts["plan_path"] = self.plan
         if self.compress:
@@ -214,10 +229,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "lr": "learning rate of the (inner) optimizer",
         "weight_decay": "decoupled weight decay (adamw) or L2 (sgd)",
         "warmup": "steps of linear learning-rate warm-up",
+        "lr_schedule": "learning rate after the warm-up: constant, or cosine (decays to --min-lr-ratio "
+        "x --lr at the last of --steps); the same for every algorithm",
+        "min_lr_ratio": "cosine: the last step's learning rate as a fraction of --lr",
+        "lr_steps": "the steps the schedule is planned over, if not --steps (a short run that "
+        "follows the first part of a longer run's schedule)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco); the schedule's period "
         "(dreamddp); 0: the algorithm's default (10; sparseloco 20)",
         "outer_lr": "diloco's outer learning rate",
-        "outer_momentum": "diloco's outer Nesterov momentum",
+        "outer_momentum": "diloco's outer Nesterov momentum (-1: follows H: with --outer-lr 0.7, 0.5 "
+        "up to H=10, rising to the paper's 0.9 at H=500; see the README)",
+        "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
+        "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
         "chunk": "sparseloco: values per top-k chunk (default 4096); demo: DCT block per dimension (64)",
         "k": "values sent per chunk: sparseloco 64 of 4096 (1.56%%), demo 32 of 64x64",
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8)",
@@ -269,10 +292,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The (inner) optimizer's learning rate at 0-based ``step``: a linear warm-up over
+    ``cfg.warmup`` steps, then constant or a cosine from ``lr`` down to ``min_lr_ratio * lr`` at
+    the last step. It depends on the step alone, so a resumed or regrouped worker (or a joiner)
+    picks it up where the others are, and every algorithm gets the same one."""
     if cfg.warmup and step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    return cfg.lr
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    decay_steps = (cfg.lr_steps or cfg.steps) - 1 - cfg.warmup
+    # With nothing left to decay over: the peak once, then the floor.
+    progress = (step - cfg.warmup) / decay_steps if decay_steps > 0 else float(step > cfg.warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -438,10 +471,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         phase = "compute"
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
+        if membership is not None:
+            membership.period = sync.sync_period()  # 1 through a warm start, then H
         if membership is not None and membership.admit_before(step):
             raise MembershipChanged("a joiner is admitted")
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step - 1, cfg)
+            group["lr"] = lr_at(step - 1, cfg)
         _, loss = sync.model(x.to(device), y.to(device))
         loss.backward()
         sync.before_step()
@@ -684,6 +719,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             "final": True,
             "train_s": train_s + final_s,
             "finalize_sent_bytes": final_spent.sent_bytes,
+            "param_digest": param_digest(model),  # every host's: the replicas ended as one model
         }
     )
     writer.close()
@@ -781,6 +817,12 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,
         "steps": cfg.steps,
+        "lr_schedule": f"{cfg.lr_schedule} lr={cfg.lr:g} warmup={cfg.warmup}"
+        + (
+            f" min_lr_ratio={cfg.min_lr_ratio:g} over={cfg.lr_steps or cfg.steps}"
+            if cfg.lr_schedule == "cosine"
+            else ""
+        ),
         "tokens": tokens,
         "first_train_loss": records[0]["train_loss"],
         # A step completed by adopting a peer's state has no loss of its own (NaN): skipped.

@@ -24,8 +24,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from geotrain.bench.curves import read_curve, time_to_target, tokens_to_target
+from geotrain.bench.curves import (
+    Curve,
+    agreement,
+    compose,
+    final_loss,
+    read_curve,
+    step_times,
+    time_to_target,
+    tokens_to_target,
+)
 from geotrain.launch.local import LaunchConfig, run_local_cluster
+from geotrain.metrics import read_metrics
 from geotrain.netem.links import parse_bandwidths
 from geotrain.plan.cost import predict_periodic, predict_schedule, predict_ssgd
 from geotrain.plan.planner import ChooseConfig, make_plan, retarget
@@ -63,6 +73,9 @@ class BenchConfig:
     seed: int = 0
     target_loss: float | None = None
     netem: bool = True
+    smooth: int = 3  # evaluations in the centred moving mean every curve is read through
+    lr_schedule: str = "constant"  # the same for every cell: constant or cosine (over the horizon)
+    horizon: int = 0  # > 0: learning curves from runs of this many steps on loopback (composed)
 
     def __post_init__(self) -> None:
         for entry in self.algos:
@@ -79,9 +92,16 @@ class BenchConfig:
                 raise ConfigError(f"bench worker counts must be 1 to 64, got {w}")
             for bw in self.bandwidths:
                 parse_bandwidths(bw, w)
+        if self.horizon and self.horizon < self.steps:
+            raise ConfigError(
+                f"--horizon ({self.horizon}) must be at least --steps ({self.steps}), the shaped runs' length"
+            )
+        if self.smooth < 1 or self.smooth % 2 == 0:
+            raise ConfigError(f"--smooth must be an odd number of evaluations >= 1, got {self.smooth}")
         if self.eval_every < 1 or self.steps < self.eval_every:
             raise ConfigError(f"--eval-every must be 1 to --steps ({self.steps}), got {self.eval_every}")
-        TrainConfig(model=self.model, steps=self.steps, batch_size=self.batch_size, H=self.H)  # validates
+        job = {"model": self.model, "steps": self.steps, "batch_size": self.batch_size, "H": self.H}
+        TrainConfig(**job, lr_schedule=self.lr_schedule)  # validates
 
     def groups(self) -> list[tuple[int, str]]:
         return [(w, bw) for w in self.workers for bw in self.bandwidths]
@@ -97,6 +117,10 @@ class BenchConfig:
             eval_every=self.eval_every,
             H=self.H,
             seed=self.seed,
+            lr_schedule=self.lr_schedule,
+            # With a horizon the shaped runs follow the first part of the long runs' schedule, so
+            # their curves can be checked against the composed ones step for step.
+            lr_steps=self.horizon,
             progress=False,
             replan_threshold=0.0,
         )
@@ -122,6 +146,31 @@ class Bench:
 
     def finished(self, w: int, bw: str, algo: str) -> bool:
         return (group_dir(self.out, w, bw) / cell_name(algo) / "summary.json").exists()
+
+    def curve_dir(self, w: int, bw: str, algo: str) -> Path:
+        """Where the long loopback run for a cell goes. Its learning curve does not depend on the
+        link, so cells of other bandwidths share it; dreamddp's does (its plan is made for the
+        link), so it has one per bandwidth."""
+        name = cell_name(algo) + (f"@{bw}" if split_entry(algo)[0] == "dreamddp" else "")
+        return self.out / "curves" / f"{w}x{self.cfg.horizon}steps" / name
+
+    def curve_runs(self) -> list[tuple[int, str, str]]:
+        if not self.cfg.horizon:
+            return []
+        runs, seen = [], set()
+        for w, bw, algo in self.cells():
+            if self.curve_dir(w, bw, algo) not in seen:
+                seen.add(self.curve_dir(w, bw, algo))
+                runs.append((w, bw, algo))
+        return runs
+
+    def run_curve(self, w: int, bw: str, algo: str) -> None:
+        """The cell's configuration for ``horizon`` steps on loopback, unshaped."""
+        cfg = replace(self.cfg.train_config(algo), steps=self.cfg.horizon)
+        if cfg.algo == "dreamddp":
+            cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
+        launch = replace(self._launch(w, bw, self.curve_dir(w, bw, algo)), rates_bps=None, netem=False)
+        run_local_cluster(replace(launch, timeout_s=7 * 24 * 3600.0), cfg)
 
     def _launch(self, w: int, bw: str, run_dir: Path) -> LaunchConfig:
         return LaunchConfig(
@@ -161,19 +210,47 @@ class Bench:
         from tqdm import tqdm
 
         self.out.mkdir(parents=True, exist_ok=True)
+        self.check_reuse()
         (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
-        cells = self.cells()
-        todo = [c for c in cells if not self.finished(*c)]
+        cells = [(run, "cell") for run in self.cells()] + [(run, "curve") for run in self.curve_runs()]
+        todo = [
+            (c, kind)
+            for c, kind in cells
+            if not (self.finished(*c) if kind == "cell" else (self.curve_dir(*c) / "summary.json").exists())
+        ]
         if len(todo) < len(cells):
-            self.echo(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already finished")
-        with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="cell", desc="bench") as bar:
-            for w, bw, algo in todo:
-                bar.set_postfix_str(f"{algo} {w}x{bw}")
-                self.run_cell(w, bw, algo)
+            self.echo(f"resuming: {len(cells) - len(todo)} of {len(cells)} runs already finished")
+        with tqdm(total=len(cells), initial=len(cells) - len(todo), unit="run", desc="bench") as bar:
+            for (w, bw, algo), kind in todo:
+                if kind == "cell":
+                    bar.set_postfix_str(f"{algo} {w}x{bw}")
+                    self.run_cell(w, bw, algo)
+                else:
+                    bar.set_postfix_str(f"{algo} {w} workers, {self.cfg.horizon} steps on loopback")
+                    self.run_curve(w, bw, algo)
                 bar.update(1)
         results = self.collect()
         (self.out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
         return results
+
+    def check_reuse(self) -> None:
+        """A rerun keeps the finished runs of the directory: refuse it where they were made
+        differently (they would be compared with runs they do not compare with). The matrix may
+        grow (algorithms, links, worker counts, a horizon), and the reading may change."""
+        path = self.out / "config.json"
+        if not path.exists():
+            return
+        old, new = json.loads(path.read_text()), asdict(self.cfg)
+        free = {"algos", "bandwidths", "workers", "smooth", "target_loss", "horizon"}
+        if new["lr_schedule"] != "constant":
+            free.discard("horizon")  # the cells' schedule is planned over the horizon
+        changed = sorted(k for k in new if k not in free and k in old and old[k] != new[k])
+        if changed:
+            was = ", ".join(f"{k}={old[k]!r}" for k in changed)
+            raise ConfigError(
+                f"{self.out} holds runs made with {was}; they would not compare with these: "
+                "use another --out (or the same flags to resume it)"
+            )
 
     # -- numbers -------------------------------------------------------------------------------
     def collect(self) -> dict[str, Any]:
@@ -185,28 +262,41 @@ class Bench:
                 summary = json.loads((run_dir / "summary.json").read_text())
                 curve = read_curve(run_dir)
                 rows[algo] = {"summary": summary, "curve": asdict(curve)}
+                if self.cfg.horizon:
+                    long_dir = self.curve_dir(w, bw, algo)
+                    records = [
+                        r for r in read_metrics(long_dir / "metrics" / "rank0.jsonl") if not r.get("final")
+                    ]
+                    timing = step_times(read_metrics(run_dir / "metrics" / "rank0.jsonl"))
+                    composed = compose(read_curve(long_dir), [r["synced"] for r in records], timing)
+                    rows[algo] |= {
+                        "curve": asdict(composed),
+                        "measured_curve": asdict(curve),
+                        "horizon_summary": json.loads((long_dir / "summary.json").read_text()),
+                        "agreement": agreement(composed, curve),
+                    }
             groups.append(self._derive(w, bw, rows))
         return {"config": asdict(self.cfg), "groups": groups, "scale": self._scale_check(groups)}
 
     def _derive(self, w: int, bw: str, rows: dict[str, Any]) -> dict[str, Any]:
-        from geotrain.bench.curves import Curve
-
+        window = self.cfg.smooth
         target = self.cfg.target_loss
         if target is None and "ddp" in rows:
-            target = rows["ddp"]["summary"]["final_val_loss"]
+            target = final_loss(Curve(**rows["ddp"]["curve"]), window)
         nosync = rows.get("nosync", {}).get("summary", {}).get("step_s_mean")
         ddp_step = rows.get("ddp", {}).get("summary", {}).get("step_s_mean")
         # ddp's loss is often reached by no periodic method within a short budget; the loosest
         # final loss of the real algorithms (nosync is a bound, not one) is reached by all of them,
         # so time to it ranks every algorithm.
-        finals = [r["summary"]["final_val_loss"] for a, r in rows.items() if a != "nosync"]
+        finals = [final_loss(Curve(**r["curve"]), window) for a, r in rows.items() if a != "nosync"]
         common = max((f for f in finals if f is not None), default=None)
         ddp_ttt = ddp_common = None
         for algo, row in rows.items():
             s, curve = row["summary"], Curve(**row["curve"])
-            row["time_to_target_s"] = time_to_target(curve, target) if target is not None else None
-            row["tokens_to_target"] = tokens_to_target(curve, target) if target is not None else None
-            row["time_to_common_s"] = time_to_target(curve, common) if common is not None else None
+            reached = target is not None
+            row["time_to_target_s"] = time_to_target(curve, target, window) if reached else None
+            row["tokens_to_target"] = tokens_to_target(curve, target, window) if reached else None
+            row["time_to_common_s"] = time_to_target(curve, common, window) if common is not None else None
             if algo == "ddp":
                 ddp_ttt = row["time_to_target_s"]
                 ddp_common = row["time_to_common_s"]
@@ -223,7 +313,7 @@ class Bench:
             )
             row["tokens_per_s"] = s["tokens_per_s"]
             row["sent_bytes_per_step"] = s["sent_bytes_per_step"]
-            row["final_val_loss"] = s["final_val_loss"]
+            row["final_val_loss"] = row.get("horizon_summary", s)["final_val_loss"]
             row["efficiency"] = nosync / step if nosync else None
             row["step_speedup_vs_ddp"] = ddp_step / step if ddp_step else None
             ttt = row["time_to_target_s"]
@@ -235,6 +325,7 @@ class Bench:
             "bandwidth": bw,
             "target_loss": target,
             "common_loss": common,
+            "composed": self.cfg.horizon or None,  # curves: loopback runs of this many steps
             "network_mode": next(iter(rows.values()))["summary"]["network_mode"],
             "algos": rows,
         }

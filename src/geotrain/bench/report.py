@@ -82,8 +82,23 @@ def markdown_table(results: dict[str, Any]) -> str:
         for g in results["groups"]
         if g.get("common_loss") is not None
     )
+    checks = "; ".join(
+        f"{g['workers']}x{g['bandwidth']} {algo} loss {a['max_loss_diff']:.4f}, time x{a['time_ratio']:.2f}"
+        for g in results["groups"]
+        for algo, r in g["algos"].items()
+        if (a := r.get("agreement"))
+    )
+    horizon = next((g["composed"] for g in results["groups"] if g.get("composed")), None)
     notes = [
-        f"Target validation loss (ddp's at the token budget): {targets}." if targets else "",
+        f"Composed curves: the validation loss at each step of a {horizon}-step run on loopback (same "
+        "workers, seeds, batches and schedule), at that step times the step time measured on the shaped "
+        "link by the shorter run. Checked against that run over its steps (largest loss difference at "
+        f"the same step, composed time over measured at its last evaluation): {checks}."
+        if horizon
+        else "",
+        f"Target validation loss (ddp's at the token budget, its curve smoothed like every other): {targets}."
+        if targets
+        else "",
         f"Common loss (the highest final loss of the algorithms, nosync excluded; all reach it): {commons}."
         if commons
         else "",

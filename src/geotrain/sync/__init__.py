@@ -42,6 +42,12 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
                 f"{name} does not take --compress; algorithms that do: {', '.join(with_codecs)}"
             )
         make_codec(options["compress"])  # a bad spec fails here, before any worker starts
+    if options.get("warm_start") and "warm_start" not in config_cls.__dataclass_fields__:
+        warm = [a for a, (_, c) in ALGORITHMS.items() if "warm_start" in c.__dataclass_fields__]
+        raise ConfigError(
+            f"{name} does not take --warm-start (it synchronises every step, or plans its own "
+            f"schedule); algorithms that do: {', '.join(warm)}"
+        )
     return config_cls.from_options(options)
 
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import Codec, ConfigError, make_codec
 
@@ -43,6 +43,13 @@ class SyncConfig:
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def require_warm_start(warm_start: int) -> None:
+    require(
+        isinstance(warm_start, int) and warm_start >= 0,
+        f"warm_start (synchronous steps before the periodic ones) must be an integer >= 0, got {warm_start}",
+    )
 
 
 def codec_from_config(config: SyncConfig) -> Codec | None:
@@ -178,35 +185,69 @@ class SyncAlgorithm:
 
 class PeriodicSync(SyncAlgorithm):
     """A method that synchronises every ``config.H`` steps and issues no collective between
-    (``localsgd``, ``diloco``, ``sparseloco``): subclasses say what ``synchronize`` does."""
+    (``localsgd``, ``diloco``, ``sparseloco``): subclasses say what ``synchronize`` does.
+
+    A warm start (post-local SGD, Lin et al. 2020; where the config has ``warm_start`` W > 0):
+    the first W steps are synchronous SGD, the gradients averaged before each optimizer step, so
+    the replicas stay equal (parameters and optimizer state) through the steep start of training
+    where local steps drift most. Then the method runs periodically, its syncs at the same
+    multiples of H as without a warm start."""
 
     def synchronize(self) -> None:
         raise NotImplementedError
 
+    @property
+    def warm_start(self) -> int:
+        return getattr(self.config, "warm_start", 0)
+
+    def in_warm_start(self) -> bool:
+        """The step under way (not yet counted) is one of the first ``warm_start``."""
+        return self.step_count < self.warm_start
+
     def at_boundary(self) -> bool:
-        return self.step_count % self.config.H == 0
+        return self.step_count <= self.warm_start or self.step_count % self.config.H == 0
+
+    def before_step(self) -> None:
+        if self.in_warm_start():
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            reduce_tensors(self.comm, grads, self.config.bucket_mb)
 
     def after_step(self) -> bool:
+        warm = self.in_warm_start()
         super().after_step()
+        if warm:  # the replicas are equal already
+            self.syncs += 1
+            if self.step_count == self.warm_start:  # what stands for the last average: this
+                self.track_parameters()
+            return True
         if self.at_boundary():
             self.synchronize()
             return True
         return False
+
+    def track_parameters(self) -> None:
+        """The warm start's last step: any reference copy of the last average (DiLoCo's
+        theta_outer) becomes the parameters, which are the average. (Until then a snapshot or a
+        hand-over takes it from the parameters: every warm step is a sync boundary.)"""
 
     def finalize(self) -> None:
         if not self.at_boundary():
             self.synchronize()
 
     def retry_sync(self) -> None:
-        if self.at_boundary():
+        if self.at_boundary() and self.step_count > self.warm_start:
             self.synchronize()  # a failed synchronisation changed nothing it would redo twice
 
     def sync_period(self) -> int:
-        return self.config.H
+        # In the warm start every step is a collective: the membership layer must treat the
+        # members as lock-stepped (a survivor a step behind adopts the leader's state).
+        return 1 if self.in_warm_start() else self.config.H
 
     def default_snapshot_every(self) -> int:
         return self.config.H  # each sync boundary, where the replicas share the most
 
     def replicated_parts(self) -> set[str]:
+        if self.step_count <= self.warm_start and self.comm.world_size > 1:
+            return {"model", "optimizer", "sync"}  # synchronous SGD so far: all equal
         # Right after a sync the parameters are equal; the (inner) optimizers never are.
         return {"model", "sync"} if self.at_boundary() else {"sync"}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import PeriodicSync, SyncConfig, adopt_mean_change, require
+from geotrain.sync.base import PeriodicSync, SyncConfig, adopt_mean_change, require, require_warm_start
 
 
 @dataclass
@@ -26,6 +26,7 @@ class LocalSGDConfig(SyncConfig):
     H: int = 10
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
+    warm_start: int = 0  # synchronous steps first (PeriodicSync)
 
     def __post_init__(self) -> None:
         require(
@@ -33,6 +34,7 @@ class LocalSGDConfig(SyncConfig):
             f"H (steps between syncs) must be an integer >= 1, got {self.H}",
         )
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
+        require_warm_start(self.warm_start)
 
 
 class LocalSGD(PeriodicSync):
@@ -53,6 +55,12 @@ class LocalSGD(PeriodicSync):
         self.syncs += 1
 
     synchronize = average_parameters
+
+    def track_parameters(self) -> None:
+        if self.codec:  # the reference of the changes sent
+            with torch.no_grad():
+                for ref, p in zip(self._ref, self.parameters(), strict=True):
+                    ref.copy_(p)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
