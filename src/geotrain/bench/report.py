@@ -91,8 +91,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     horizon = next((g["composed"] for g in results["groups"] if g.get("composed")), None)
     notes = [
         f"Composed curves: the validation loss at each step of a {horizon}-step run on loopback (same "
-        "workers, seeds, batches and schedule), at that step times the step time measured on the shaped "
-        "link by the shorter run. Checked against that run over its steps (largest loss difference at "
+        "workers, seeds, batches and schedule), at the time the shorter run on the shaped link puts that "
+        "step (its mean time of a step that synchronised and of one that did not, summed over the long "
+        "run's steps). Checked against that run over its steps (largest loss difference at "
         f"the same step, composed time over measured at its last evaluation): {checks}."
         if horizon
         else "",
