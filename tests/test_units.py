@@ -104,6 +104,15 @@ def test_a_warm_start_synchronises_every_step_then_at_the_multiples_of_H(algo):
     assert comm.stats.payload_bytes == 7 * n_param_bytes  # 4 gradients, then 3 models or changes
     with pytest.raises(ConfigError, match="warm_start .* must be an integer >= 0, got -1"):
         sync_config(algo, {"warm_start": -1})
+    # a parameter this step's graph did not use sends zeros: every worker's buckets stay alike
+    warm = build_sync(algo, model, opt, FakeCommunicator(), {"H": 3, "warm_start": 4})
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    unused = next(iter(model.parameters()))
+    unused.grad = None
+    warm.before_step()
+    assert warm.comm.stats.payload_bytes == n_param_bytes
+    assert torch.equal(unused.grad, torch.zeros_like(unused))
 
 
 def test_only_periodic_methods_take_a_warm_start():
@@ -318,6 +327,7 @@ def test_train_config_round_trips_through_argv():
         ({"optimizer": "lion"}, "accepted: adamw, sgd"),
         ({"lr_schedule": "linear"}, "unknown --lr-schedule 'linear'; accepted: constant, cosine"),
         ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be in [0, 1], got 1.5"),
+        ({"outer_momentum": -0.5}, "--outer-momentum must be in [0, 1), or -1 to follow H, got -0.5"),
     ],
 )
 def test_train_config_validation(kwargs, message):

@@ -154,6 +154,10 @@ class TrainConfig:
         )
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.lr_steps >= 0, f"--lr-steps must be >= 0 (0 = --steps), got {self.lr_steps}")
+        need(
+            self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
+            f"--outer-momentum must be in [0, 1), or -1 to follow H, got {self.outer_momentum}",
+        )
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {self.eval_every}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")

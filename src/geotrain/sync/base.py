@@ -209,8 +209,10 @@ class PeriodicSync(SyncAlgorithm):
 
     def before_step(self) -> None:
         if self.in_warm_start():
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            reduce_tensors(self.comm, grads, self.config.bucket_mb)
+            for p in self.parameters():
+                if p.grad is None:  # unused in this step's graph: contributes zero, as in DDP
+                    p.grad = torch.zeros_like(p)  # (and every worker's buckets stay the same)
+            reduce_tensors(self.comm, [p.grad for p in self.parameters()], self.config.bucket_mb)
 
     def after_step(self) -> bool:
         warm = self.in_warm_start()

@@ -116,10 +116,10 @@ class DiLoCo(PeriodicSync):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load after the model's own state (the parameters may stand for theta_outer)."""
         super().load_state_dict(state)
-        outer = state["outer_params"]
-        if outer is None:
-            outer = [p.detach() for p in self.parameters()]
-        with torch.no_grad():
-            for dst, src in zip(self._outer, outer, strict=True):
-                dst.copy_(src)
+        if state["outer_params"] is None:
+            self.track_parameters()
+        else:
+            with torch.no_grad():
+                for dst, src in zip(self._outer, state["outer_params"], strict=True):
+                    dst.copy_(src)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
