@@ -370,7 +370,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
     if membership is not None:
-        membership.period = sync.sync_period()
+        membership.period = sync.sync_period  # asked at each boundary: 1 in a warm start, then H
     generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
     snap_dir = run_dir / "snapshots" if run_dir is not None else None
     snap_comm = Communicator(group=ctx.snapshot_group) if ctx.snapshot_group is not None else None
@@ -475,8 +475,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         phase = "compute"
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
-        if membership is not None:
-            membership.period = sync.sync_period()  # 1 through a warm start, then H
         if membership is not None and membership.admit_before(step):
             raise MembershipChanged("a joiner is admitted")
         for group in optimizer.param_groups:

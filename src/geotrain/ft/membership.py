@@ -40,6 +40,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -93,13 +94,21 @@ class Membership:
     updates) and is what the Communicator polls while it waits for a collective."""
 
     def __init__(
-        self, addr: str, port: int, host: int, members: list[int], timeout_s: float, period: int = 1
+        self,
+        addr: str,
+        port: int,
+        host: int,
+        members: list[int],
+        timeout_s: float,
+        period: int | Callable[[], int] = 1,
     ) -> None:
         self.host = host
         self.epoch = 0
         self.members = list(members)
         self.timeout_s = timeout_s
-        self.period = period  # steps between sync boundaries, where joiners are admitted
+        # Steps between sync boundaries, where joiners are admitted: a number, or the
+        # algorithm's ``sync_period`` (which changes, e.g. after a warm start), asked each time.
+        self.period = period
         self.published = 0  # the newest epoch the heartbeat thread has seen
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
@@ -155,7 +164,7 @@ class Membership:
                     self._propose(store, self._horizon)
 
     def boundary(self, step: int) -> int:
-        return sync_boundary(step, self.period)
+        return sync_boundary(step, self.period() if callable(self.period) else self.period)
 
     def _propose(self, store, step: int) -> None:
         store.set(f"at/{self.epoch}/{self.host}", str(step))

@@ -35,19 +35,14 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
         raise ConfigError(f"unknown algorithm {name!r}; accepted: {', '.join(ALGORITHMS)}")
     options = options or {}
     config_cls = ALGORITHMS[name][1]
+    why_not = {"compress": "", "warm_start": " (it synchronises every step, or plans its own schedule)"}
+    for option, why in why_not.items():
+        if options.get(option) and option not in config_cls.__dataclass_fields__:
+            takers = [a for a, (_, c) in ALGORITHMS.items() if option in c.__dataclass_fields__]
+            flag = "--" + option.replace("_", "-")
+            raise ConfigError(f"{name} does not take {flag}{why}; algorithms that do: {', '.join(takers)}")
     if options.get("compress"):
-        if "compress" not in config_cls.__dataclass_fields__:
-            with_codecs = [a for a, (_, c) in ALGORITHMS.items() if "compress" in c.__dataclass_fields__]
-            raise ConfigError(
-                f"{name} does not take --compress; algorithms that do: {', '.join(with_codecs)}"
-            )
         make_codec(options["compress"])  # a bad spec fails here, before any worker starts
-    if options.get("warm_start") and "warm_start" not in config_cls.__dataclass_fields__:
-        warm = [a for a, (_, c) in ALGORITHMS.items() if "warm_start" in c.__dataclass_fields__]
-        raise ConfigError(
-            f"{name} does not take --warm-start (it synchronises every step, or plans its own "
-            f"schedule); algorithms that do: {', '.join(warm)}"
-        )
     return config_cls.from_options(options)
 
 
