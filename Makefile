@@ -1,5 +1,6 @@
 # The two commands a newcomer needs: `make demo` (the main job) and `make test` (the suite).
-# Each builds .venv on first use; torch is pinned so pip takes the local CPU wheel.
+# Each builds .venv on first use; torch is pinned so pip takes the local CPU wheel. The hf extra
+# (transformers, peft) is installed too: the suite runs Hugging Face models and LoRA adapters.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.geotrain-installed
@@ -9,7 +10,7 @@ STAMP  := $(VENV)/.geotrain-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

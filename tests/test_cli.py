@@ -112,7 +112,12 @@ BAD_INPUTS = [
         "unknown algorithm 'adam'; accepted: ssgd, ddp, ddp_powersgd, localsgd, diloco, dreamddp, "
         "sparseloco, demo, streaming, co2, nosync",
     ),
-    (["--model", "huge"], "unknown model size 'huge'; accepted: tiny, mini, small"),
+    (["--model", "huge"], "unknown model 'huge'; accepted: tiny, mini, small, or hf:DIR / hf:TYPE"),
+    (["--model-config", "width=9"], "--model-config width: tiny takes dropout, n_embd, n_head, n_layer"),
+    (["--model-config", "n_layer"], "--model-config 'n_layer': expected NAME=VALUE"),
+    (["--lora-fa"], "--lora-fa freezes LoRA's A matrices: give --lora too"),
+    (["--lora", "r=0"], "--lora r must be an integer >= 1, got 0"),
+    (["--lora", "rank=4"], "--lora 'rank=4': unknown 'rank'; accepted: r, alpha, targets, dropout"),
     (["--algo", "diloco", "--H", "-1"], "H (inner steps between outer steps) must be an integer >= 1, got -"),
     (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
     (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),

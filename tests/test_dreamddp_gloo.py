@@ -200,7 +200,7 @@ def _replan_after_training(rank, world_size):
 
 def test_replanning_mid_training_agrees_across_workers_and_leaves_the_optimizer_alone():
     a, b = run_workers(_replan_after_training, 2)
-    # the first boundary always re-plans; the second only if the new plan is still 10% off
-    assert a["replans"] == b["replans"] >= 1
+    # the second boundary re-plans (two periods in a row drifted); none before it
+    assert a["replans"] == b["replans"] == 1
     assert a["iterations"] == b["iterations"]
     assert a["opt_steps"] == 4  # profiling timed a copy of the optimizer, not the real one

@@ -285,7 +285,10 @@ def test_dreamddp_replans_when_measured_time_drifts():
     assert sync.replans == 0 and sync.predicted_step_s > 0
     sync.predicted_step_s = 1e-9  # as if the link had become far slower than profiled
     period()
-    assert sync.replans == 1  # at the period boundary, and only there
+    assert sync.replans == 0  # one period off could be noise
+    sync.predicted_step_s = 1e-9
+    period()
+    assert sync.replans == 1  # at the second drifting period's boundary, and only there
     sync.schedule.validate(len(sync.layers))
     sync.config.replan_threshold = 0.0
     period()

@@ -320,7 +320,7 @@ def test_train_config_round_trips_through_argv():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"model": "huge"}, "unknown model size 'huge'"),
+        ({"model": "huge"}, "unknown model 'huge'"),
         ({"steps": 0}, "--steps must be >= 1"),
         ({"algo": "x"}, "unknown algorithm 'x'"),
         ({"H": -1, "algo": "diloco"}, "H (inner steps between outer steps) must be an integer >= 1"),

@@ -50,14 +50,25 @@ class Sync:
         """The module to call forward on: the model itself, or PyTorch DDP's wrapper (``ddp``)."""
         return self.algorithm.model
 
-    def step(self) -> bool:
+    def step(
+        self,
+        *,
+        before_update: Callable[[], None] | None = None,
+        after_update: Callable[[], None] | None = None,
+    ) -> bool:
         """After ``loss.backward()``: the optimizer step and this step's communication. Returns
         True when this step synchronised the replicas (every step for per-step methods, every H
-        for periodic ones)."""
+        for periodic ones). ``before_update`` and ``after_update`` run just around the optimizer
+        step, after the communication that must precede it and before the rest (the CLI's loop
+        times the update there, and marks that a failure from then on comes after it)."""
         if self._finished:
             raise RuntimeError("step() after finish(): wrap the model again to train on")
         self.algorithm.before_step()
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
+        if after_update is not None:
+            after_update()
         return self.algorithm.after_step()
 
     def zero_grad(self) -> None:

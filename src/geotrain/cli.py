@@ -9,6 +9,7 @@
     geotrain broker --hosts 4 --port 29400     # coordinate a real cluster: survivors go on
     geotrain join --broker ADDR:29400 --host 2 ...  # a replacement machine joins the run
     geotrain soak --steps 600 --kill-every 60s   # train through a fault a minute, vs undisturbed
+    geotrain export RUN_DIR --to DIR   # the final model as safetensors, loadable by transformers
     geotrain sweep [--keepers]  # remove namespaces left by crashed runs (and lingering keepers)
 
 Every mistake in the input gets one line saying what is wrong and what is accepted, exit code 2,
@@ -25,7 +26,7 @@ from typing import Any
 
 from geotrain.data.corpus import DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, parse_chaos
-from geotrain.models.gpt import gpt_config
+from geotrain.models import ModelError, model_context
 from geotrain.netem.cluster import MAX_HOSTS, netem_unavailable_reason, sweep_stale
 from geotrain.netem.links import (
     LinkSpecError,
@@ -336,9 +337,7 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         # With sites, exactly their LAN rate (not through --bandwidth's printed rate).
         rates = sites.host_rates() if sites is not None else parse_bandwidths(args.bandwidth, args.workers)
         corpus = load_corpus(cfg.data or None)
-        corpus.check_fits(
-            gpt_config(cfg.model, corpus.vocab_size, cfg.block_size or None).block_size, args.workers
-        )
+        corpus.check_fits(model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size), args.workers)
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
         if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):
@@ -353,7 +352,7 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         chaos = parse_chaos(cfg.chaos, args.workers)
         if args.no_netem and any(f.kind == "cut" for f in chaos):
             raise UsageError("--chaos cut: needs emulated links (a cut of loopback would cut every host)")
-    except (ConfigError, DataError, LinkSpecError, ChaosError) as e:
+    except (ConfigError, DataError, LinkSpecError, ChaosError, ModelError) as e:
         raise UsageError(str(e)) from None
 
     return args, cfg, rates
@@ -761,6 +760,31 @@ def _cmd_sweep(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_export(argv: list[str]) -> int:
+    p = _Parser(
+        prog="geotrain export",
+        description="Write a finished run's model as safetensors with a config.json that "
+        "transformers loads without geotrain (geotrain's GPT in GPT-2's layout; LoRA adapters merged, "
+        "and also kept alone in adapters.safetensors).",
+    )
+    p.add_argument("run_dir", help="the run's directory (it holds checkpoint.pt)")
+    p.add_argument("--to", required=True, help="the directory to write (created if missing)")
+    args = p.parse_args(argv)
+    from geotrain.models import ModelError
+    from geotrain.models.export import export
+
+    try:
+        record = export(args.run_dir, args.to)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    print(
+        f"geotrain: exported {record['model']} ({record['parameters']:,} parameters"
+        + (", LoRA merged" if record["lora_merged"] else "")
+        + f") to {args.to}: {', '.join(record['files'])}"
+    )
+    return 0
+
+
 def _cmd_keeper(argv: list[str]) -> int:
     from geotrain.ft.keeper import main as keeper_main
 
@@ -794,6 +818,7 @@ COMMANDS = {
     "bench": _cmd_bench,
     "soak": _cmd_soak,
     "sweep": _cmd_sweep,
+    "export": _cmd_export,
     "keeper": _cmd_keeper,
     "broker": _cmd_broker,
     "join": _cmd_join,

@@ -57,6 +57,11 @@ def summary_table(summary: dict[str, Any]) -> str:
     rows = [
         ("algorithm", f"{summary['algo']} {summary.get('algo_config', '')}".strip()),
         ("model", f"{summary['model']} ({summary['parameters'] / 1e6:.2f}M parameters)"),
+        *(
+            [("  trained and synced", f"{summary['trainable_parameters']:,} parameters ({summary['lora']})")]
+            if summary.get("lora")
+            else []
+        ),
         ("workers x link", f"{summary['workers']} x {summary['link']}"),
         ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
         (

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geotrain.api import Sync
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
 from geotrain.comm.guard import AGGREGATES
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
@@ -59,7 +60,7 @@ from geotrain.launch.dist import (
     shutdown_distributed,
 )
 from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
-from geotrain.models.gpt import GPT, MODEL_SIZES, gpt_config
+from geotrain.models import MODEL_SIZES, ModelError, ModelSpec, build_model, describe, parameter_count
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.plan.network import collective_timeout_s
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
@@ -77,6 +78,9 @@ class TrainConfig:
 
     algo: str = "diloco"
     model: str = "mini"
+    model_config: str = ""  # NAME=VALUE,... over the model's config (e.g. n_layer=2,n_embd=64)
+    lora: str = ""  # LoRA adapters, e.g. r=8,alpha=16,targets=q_proj,v_proj ("": none)
+    lora_fa: bool = False  # LoRA-FA: the A matrices frozen too
     steps: int = 100
     batch_size: int = 8
     block_size: int = 0  # 0: the model size's context
@@ -152,10 +156,10 @@ class TrainConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        need(
-            self.model in MODEL_SIZES,
-            f"unknown model size {self.model!r}; accepted: {', '.join(MODEL_SIZES)}",
-        )
+        try:
+            self.model_spec().check()
+        except ModelError as e:
+            raise ConfigError(str(e)) from None
         need(
             self.optimizer in OPTIMIZERS,
             f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}",
@@ -271,9 +275,10 @@ class TrainConfig:
         model's fp32 bytes and the slowest link (``--link-rate``)."""
         if self.timeout_s > 0:
             return self.timeout_s
-        with torch.device("meta"):
-            params = sum(p.numel() for p in GPT(gpt_config(self.model)).parameters())
-        return collective_timeout_s(4 * params, self.link_rate_bps())
+        return collective_timeout_s(4 * parameter_count(self.model_spec()), self.link_rate_bps())
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.model, self.model_config, self.lora, self.lora_fa)
 
     def sync_options(self) -> dict[str, Any]:
         # None (H 0, overlap unset): the algorithm's default, which from_options leaves in place
@@ -329,7 +334,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ``TrainConfig`` field, with its default and type."""
     helps = {
         "algo": f"sync algorithm: {', '.join(ALGORITHMS)}",
-        "model": f"model size: {', '.join(MODEL_SIZES)}",
+        "model": f"the model: geotrain's GPT by size ({', '.join(MODEL_SIZES)}), or a Hugging Face "
+        "causal LM: hf:DIR (saved with save_pretrained) or hf:TYPE (hf:gpt2, hf:llama: built from the "
+        "type's config; needs the hf extra)",
+        "model_config": "NAME=VALUE,... over the model's config, e.g. n_layer=2,n_embd=64 (GPT) or "
+        "hidden_size=64,num_hidden_layers=2 (hf:llama)",
+        "lora": "LoRA adapters (peft): r=8,alpha=16,targets=q_proj,v_proj[,dropout=0]; the base is "
+        "frozen and only the adapters train and travel (targets default to the attention projections)",
+        "lora_fa": "with --lora: freeze the A matrices too (LoRA-FA), halving what travels",
         "steps": "training steps per worker",
         "batch_size": "sequences per worker per step",
         "block_size": "tokens per sequence (0: the model's context)",
@@ -452,9 +464,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]  # with --lora: the adapters
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
 @torch.no_grad()
@@ -482,11 +495,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         (run_dir / "control").mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(cfg.data or None)
-    model_cfg = gpt_config(cfg.model, corpus.vocab_size, cfg.block_size or None)
-    sampler = BatchSampler(corpus, model_cfg.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
+    model = build_model(cfg.model_spec(), corpus.vocab_size, cfg.block_size or None).to(device)
+    sampler = BatchSampler(corpus, model.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
     val_batches = sampler.val_batches(cfg.eval_batches)
 
-    model = GPT(model_cfg).to(device)
     optimizer = make_optimizer(model, cfg)
     membership = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
@@ -520,7 +532,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     # Profiling batches come from their own sampler so that the training data stream is the same
     # for every algorithm.
     profile_sampler = BatchSampler(
-        corpus, model_cfg.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed + 1
+        corpus, model.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed + 1
     )
 
     def profile_loss() -> torch.Tensor:
@@ -530,6 +542,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.profile_out:
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
+    stepper = Sync(sync, optimizer)  # its step() is geotrain.wrap's, run in this loop
     if membership is not None:
         membership.period = sync.sync_period  # asked at each boundary: 1 in a warm start, then H
     generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
@@ -579,7 +592,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     records = metrics_up_to(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
     writer = MetricsWriter(run_dir, ctx.rank)
-    tokens_per_step = cfg.batch_size * model_cfg.block_size * ctx.world_size
+    tokens_per_step = cfg.batch_size * model.block_size * ctx.world_size
     tokens_done = progress0.get("tokens", progress0["step"] * tokens_per_step)
     progress = None
     if ctx.is_main and cfg.progress:
@@ -648,15 +661,22 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 torch.cuda.synchronize()
             t_forward = time.perf_counter() - t_forward
         loss.backward()
-        sync.before_step()
-        t_update = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if slow > 1:  # forward, backward (about twice the forward; it may hold communication,
-            # so it is not timed) and the optimizer's update take FACTOR times as long
-            time.sleep((slow - 1) * (3 * t_forward + time.perf_counter() - t_update))
-        phase = "sync"  # the local step is applied: only its synchronisation can still fail
-        synced = sync.after_step()
+        t_update = 0.0
+
+        def before_update() -> None:
+            nonlocal t_update
+            t_update = time.perf_counter()
+
+        def after_update() -> None:
+            nonlocal phase
+            if slow > 1:  # forward, backward (about twice the forward; it may hold communication,
+                # so it is not timed) and the optimizer's update take FACTOR times as long
+                time.sleep((slow - 1) * (3 * t_forward + time.perf_counter() - t_update))
+            phase = "sync"  # the local step is applied: only its synchronisation can still fail
+
+        # The step a library user's loop takes (geotrain.wrap): one path for both.
+        synced = stepper.step(before_update=before_update, after_update=after_update)
+        stepper.zero_grad()
         phase = "after"
         return synced
 
@@ -730,7 +750,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # not wait in an evaluation the others have done or skipped.
         no_eval_through = max(no_eval_through, event["furthest"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
-        tokens_per_step = cfg.batch_size * model_cfg.block_size * comm.world_size
+        tokens_per_step = cfg.batch_size * model.block_size * comm.world_size
         # Snapshots go on, each into this host's keeper, and redundancy among the new members.
         group = membership.snapshot_group
         snapshots.regroup(Communicator(group=group) if group is not None else None, event["members"])
@@ -909,7 +929,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         torch.save(
             {
                 "model": model.state_dict(),
-                "model_config": asdict(model_cfg),
+                "model_spec": describe(model, cfg.model_spec()),
                 "optimizer": optimizer.state_dict(),
                 "sync": sync.state_dict(),
                 "train_config": asdict(cfg),
@@ -991,7 +1011,7 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
     meta = {
         "model": cfg.model,
         "batch_size": cfg.batch_size,
-        "block_size": model.cfg.block_size,
+        "block_size": model.block_size,
         "link": cfg.link,
         "network_mode": cfg.network_mode,
         "optimizer": cfg.optimizer,
@@ -1023,6 +1043,9 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "algo_config": " ".join(f"{k}={v}" for k, v in sync_cfg.items()),
         "model": cfg.model,
         "parameters": model.num_parameters(),
+        # With --lora only these train and cross the network (the frozen base never does).
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "lora": (f"LoRA-FA {cfg.lora}" if cfg.lora_fa else f"LoRA {cfg.lora}") if cfg.lora else None,
         "workers": comm.world_size,  # at the end (fewer than at the start after a failure)
         "workers_start": ctx.world_size,
         "link": cfg.link,

@@ -53,6 +53,7 @@ from geotrain.netem.topology import parse_topology
 from geotrain.train import TrainConfig
 
 RDZV_PORT = 29500
+COORDINATOR_PORT = 29400  # in the coordinator's own namespace (emulated cluster)
 # Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
 KEEPER_LINGER_S = 600.0
 ON_FAILURE = ("continue", "rollback", "stop")
@@ -379,6 +380,8 @@ def _start_hosts(
 ) -> _Hosts:
     """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
     port = RDZV_PORT + attempt if cluster else _free_port()
+    while coordinator is not None and port == coordinator.port:  # type: ignore[attr-defined]
+        port = _free_port()  # the coordinator may not have bound its port yet
     master = cluster.host_ip(0) if cluster else "127.0.0.1"
     hosts = _Hosts([], [], [])
     for i in range(launch.workers):
@@ -426,14 +429,17 @@ def _start_joiner(
 
 
 def _start_coordinator(
-    launch: LaunchConfig, cluster: EmulatedCluster | None, port: int = 0
+    launch: LaunchConfig, cluster: EmulatedCluster | None, port: int = 0, wait: bool = True
 ) -> subprocess.Popen:
     """The coordinator (``launch/coordinator.py``): in its own namespace on the emulated cluster,
     on loopback otherwise. Returns its process, with the store's port as ``.port``. A restarted
-    one (``port`` given) keeps the verdicts and the attempt of the one before."""
+    one (``port`` given) keeps the verdicts and the attempt of the one before. Without ``wait``
+    it returns before the store is up (``_coordinator_up`` waits): the hosts start meanwhile, as
+    its port is chosen here and the trainers' store clients wait for it."""
     control = launch.run_dir / "control"
     if not port:
         shutil.rmtree(control, ignore_errors=True)
+        port = COORDINATOR_PORT if cluster is not None else _free_port()  # its namespace is fresh
     control.mkdir(parents=True, exist_ok=True)
     (control / "port").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
@@ -449,14 +455,21 @@ def _start_coordinator(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent)  # fmt: skip
     log.close()
+    proc.port = port  # type: ignore[attr-defined]
+    if wait:
+        _coordinator_up(launch, proc)
+    return proc
+
+
+def _coordinator_up(launch: LaunchConfig, proc: subprocess.Popen) -> None:
+    """Wait for the coordinator's store to listen (it writes its port when it does)."""
+    control = launch.run_dir / "control"
     deadline = time.monotonic() + 60
     while not (control / "port").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop([proc])
             raise RunFailed(f"the coordinator did not start; see {launch.run_dir}/logs/coordinator.log")
         time.sleep(0.05)
-    proc.port = int((control / "port").read_text())  # type: ignore[attr-defined]
-    return proc
 
 
 def _restart_coordinator(
@@ -703,7 +716,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
-        coordinator = _start_coordinator(launch, cluster) if not cfg.profile_out else None
+        coordinator = _start_coordinator(launch, cluster, wait=False) if not cfg.profile_out else None
+        coordinator_waited = False
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
         prior = len(records)  # faults of earlier launches: reported, not counted again
         for rank in range(launch.workers):  # what an earlier launch wrote past this start is void
@@ -733,6 +747,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     for i in range(launch.workers):
                         cluster.set_link(i, up=True)
                 hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
+                if coordinator is not None and not coordinator_waited:  # it started beside them
+                    _coordinator_up(launch, coordinator)
+                    coordinator_waited = True
                 if elastic and coordinator is not None:
                     for m in range(launch.workers, launch.workers + launch.spares):
                         start_spare(m)

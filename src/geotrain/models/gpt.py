@@ -119,6 +119,10 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

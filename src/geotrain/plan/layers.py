@@ -28,10 +28,14 @@ class Layer:
 
 
 def layer_groups(model: nn.Module) -> list[Layer]:
-    """Parameter-owning modules in reverse registration order (the usual backward order)."""
+    """Parameter-owning modules in reverse registration order (the usual backward order). A
+    parameter shared by two modules (a head tied to the embedding) belongs to the first only, so
+    no schedule averages it twice; frozen parameters (a LoRA base) belong to none."""
     layers = []
+    seen: set[int] = set()
     for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
         if params:
             layers.append(Layer(name or "<root>", params))
     return list(reversed(layers))

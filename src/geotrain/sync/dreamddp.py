@@ -18,7 +18,7 @@ needs one copy of the model: x_l <- x_ref_l + mean_k(x_l^k - x_ref_l) - lr * g_l
 The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
 compared with the plan's prediction, and if they differ by more than ``replan_threshold`` (the link
-got slower, a worker got busier) the workers profile again and re-plan.
+got slower, a worker got busier) in two periods running, the workers profile again and re-plan.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
+
+REPLAN_AFTER_PERIODS = 2  # periods in a row that must drift before a re-plan
 
 
 @dataclass
@@ -81,6 +83,7 @@ class DreamDDP(SyncAlgorithm):
         self.schedule: Schedule | None = None
         self.predicted_step_s: float | None = None
         self.replans = 0
+        self._drifted = 0  # consecutive periods off the prediction by more than replan_threshold
         self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
         self._active: set[int] = set()
         self._ready = [0] * len(self.layers)
@@ -220,7 +223,11 @@ class DreamDDP(SyncAlgorithm):
             drift = abs(measured - self.predicted_step_s) / self.predicted_step_s
             # All workers must agree to re-plan, or their collectives would diverge.
             (drift,) = self.comm.max_scalars([drift])
-            if drift > self.config.replan_threshold:
+            # One period off is noise (a first step's allocations, a busy neighbour); a re-plan
+            # profiles again and sends probes, so it waits for the drift to persist a second period.
+            self._drifted = self._drifted + 1 if drift > self.config.replan_threshold else 0
+            if self._drifted >= REPLAN_AFTER_PERIODS:
+                self._drifted = 0
                 self.replans += 1
                 self._replan()
         self._period_s = 0.0
@@ -253,6 +260,7 @@ class DreamDDP(SyncAlgorithm):
         state["iterations"] = self.schedule.iterations if self.schedule else None
         state["plan"] = self._plan if self.schedule else None
         state["replans"] = self.replans
+        state["drifted"] = self._drifted
         if self.codec:
             state["ref"] = {name: list(ts) for name, ts in self._ref.items()}
         return state
@@ -261,6 +269,7 @@ class DreamDDP(SyncAlgorithm):
         """The plan and the position in its period come back with the step: no re-profiling."""
         super().load_state_dict(state)
         self.replans = int(state.get("replans", 0))
+        self._drifted = int(state.get("drifted", 0))
         if state.get("plan") is not None:
             self.set_plan(state["plan"])  # also starts the iteration at step_count % H
         if self.codec:

@@ -110,8 +110,10 @@ def fragment_units(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[lis
     prefix, _ = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()), default=("", None))
     blocks: dict[str, list[nn.Parameter]] = {}
     others: list[list[nn.Parameter]] = []
+    seen: set[int] = set()  # a tied parameter (head and embedding) in one unit only
     for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
         if not params:
             continue
         if prefix and name.startswith(prefix + "."):
