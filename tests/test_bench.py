@@ -252,6 +252,7 @@ def test_a_cell_predicted_to_outlast_the_budget_is_not_run_and_is_reported_as_pr
 
 
 @pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.long  # 50 s: `pytest -m long` (the horizon test below runs the bench end to end in CI)
 def test_quick_bench_end_to_end_and_resume(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "geotrain", "bench", "--quick", "--out", str(out)]

@@ -9,6 +9,7 @@ And a spare started with `geotrain join --spare` before anything fails takes a l
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -40,11 +41,11 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _broker(tmp_path, hosts: int, port: int) -> subprocess.Popen:
+def _broker(tmp_path, hosts: int, port: int, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [*GEOTRAIN, "broker", "--hosts", str(hosts), "--port", str(port), "--fault-timeout", "3",
          "--dir", str(tmp_path / "broker")],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
 
 
@@ -114,25 +115,43 @@ def test_bad_broker_options_are_refused_with_one_line(args, message):
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_broker_runs_spare_replaces_a_lost_machine(tmp_path):
     """On "real machines": `geotrain join --spare` waits before anything fails; machine 1 is
-    killed, found silent by the broker, and the spare takes its place; all exit 0."""
+    killed, found silent by the broker, and the spare takes its place; all exit 0. The run has
+    a token: an intruder spare that registered first, with another token, is refused with one
+    line and never given the place, and the secret appears in no output."""
     port = _free_port()
     where = ["--broker", f"127.0.0.1:{port}"]
     flags = [*TINY_FLAGS, "--algo", "localsgd", "--H", "4", "--steps", "40", "--min-workers", "2"]
-    broker = _broker(tmp_path, 2, port)
+    secret = "s3cret-" + "7" * 40
+    env = dict(os.environ, GEOTRAIN_TOKEN=secret)
+    broker = _broker(tmp_path, 2, port, env)
     procs = []
     try:
+        intruder = [*GEOTRAIN, "join", "--spare", *where, "--run-dir", str(tmp_path / "x"), *flags]
+        procs.append(
+            subprocess.Popen(
+                intruder, stderr=subprocess.PIPE, text=True, env={**env, "GEOTRAIN_TOKEN": "guess"}
+            )
+        )
         for host in range(2):
             chaos = ["--chaos", "kill:step=5,rank=1"] if host == 1 else []
             cmd = [*GEOTRAIN, "train", *where, "--host", str(host), "--run-dir", str(tmp_path / f"m{host}")]
-            procs.append(subprocess.Popen([*cmd, *flags, *chaos], stderr=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen([*cmd, *flags, *chaos], stderr=subprocess.PIPE, text=True, env=env))
         spare = [*GEOTRAIN, "join", "--spare", *where, "--run-dir", str(tmp_path / "spare"), *flags]
-        procs.append(subprocess.Popen(spare, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(spare, stderr=subprocess.PIPE, text=True, env=env))
         errs = [p.communicate(timeout=180)[1] for p in procs]
-        assert [p.returncode for p in procs] == [0, -9, 0], [e[-2000:] for e in errs]
+        assert [p.returncode for p in procs] == [2, 0, -9, 0], [e[-2000:] for e in errs]
         assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
+        said = broker.stderr.read()
     finally:
         _kill_all([*procs, broker])
+    refusal = errs[0].strip().splitlines()
+    assert len(refusal) == 1 and "refused by the run: this worker's token" in refusal[0], errs[0]
+    errs = errs[1:]
     assert "geotrain: spare takes the place of host 1" in errs[2]
+    logs = [*errs, said, *(p.read_text() for p in (tmp_path / "broker").glob("*") if p.is_file())]
+    assert not any(secret in text for text in logs)
+    admissions = read_jsonl(tmp_path / "broker" / "admissions.jsonl")
+    assert [a["ok"] for a in admissions if "ok" in a and "used" not in a].count(False) == 1
     epochs = read_jsonl(tmp_path / "broker" / "epochs.jsonl")
     assert [(e["members"], e["why"]) for e in epochs] == [([0], "silent"), ([0, 1], "requested")]
     summary = json.loads((tmp_path / "m0" / "summary.json").read_text())

@@ -46,10 +46,18 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
             "10",
             "--run-dir",
             str(run_dir),
+            # Worker 1 sends NaN at the outer step of step 10 (--chaos corrupt): the norm check
+            # leaves it out, the run goes on finite, and the summary counts it.
+            "--max-norm-ratio",
+            "10",
+            "--chaos",
+            "corrupt:step=10,rank=1,kind=nan",
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert "rank 1 corrupts its next contribution (nan) from step 10" in proc.stderr
+    assert summary["rejected_updates"] == {"1": 1}
     assert summary["network_mode"] == ("loopback" if netem_unavailable_reason() else "netns")
     assert summary["workers"] == 2 and summary["steps"] == 20
     assert f"run directory: {run_dir}" in proc.stdout
@@ -118,6 +126,8 @@ BAD_INPUTS = [
     (["--lora-fa"], "--lora-fa freezes LoRA's A matrices: give --lora too"),
     (["--lora", "r=0"], "--lora r must be an integer >= 1, got 0"),
     (["--lora", "rank=4"], "--lora 'rank=4': unknown 'rank'; accepted: r, alpha, targets, dropout"),
+    (["--lora", "r=4,targets=q_proj"], "--lora targets q_proj: the model has no layer of that name"),
+    (["--model", "hf:llama", "--model-config", "hiden_size=64"], "--model-config hiden_size: not a field"),
     (["--algo", "diloco", "--H", "-1"], "H (inner steps between outer steps) must be an integer >= 1, got -"),
     (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
     (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.comm.guard import judge
+from geotrain.comm.guard import judge, parse_aggregate, robust_mean
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
 from helpers import Cases, refused
@@ -46,6 +46,14 @@ def _corrupt(kind: str, v: torch.Tensor) -> torch.Tensor:
 
 def _case(rank: int, world_size: int, kind: str) -> dict:
     comm = Communicator(max_norm_ratio=10.0)
+    if kind.startswith("robust"):  # --aggregate median / trimmed:f=1, worker 2 spoiled by chaos
+        _, aggregate, how = kind.split("/")
+        robust = Communicator(aggregate=aggregate)
+        honest = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+        if rank == 2:
+            robust.corrupt_next = how  # what --chaos corrupt sets: the next contribution is spoiled
+        mean = robust.all_reduce(honest.clone(), op="mean")
+        return {"honest": honest, "mean": mean, "rejected": robust.rejected_by_rank, "sent": robust.stats}
     if kind == "clip":  # --aggregate clip alone: norms 1, 2, 3; the median, 2, bounds each
         clip = Communicator(aggregate="clip")
         v = torch.randn(50, generator=torch.Generator().manual_seed(rank))
@@ -95,7 +103,8 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     return out
 
 
-RUNS = Cases(_case, 3, [("nan",), ("inf",), ("scale",), ("all",), ("clip",)])
+ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
+RUNS = Cases(_case, 3, [("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST)])
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "scale"])
@@ -115,8 +124,47 @@ def test_a_bad_contribution_is_left_out_and_the_mean_is_the_honest_workers(kind)
 def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate(capsys):
     err = refused(["run", "--workers", "2", "--no-netem", "--max-norm-ratio", "0.5"], capsys)
     assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), or 0 for off" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "median"], capsys)
-    assert "unknown --aggregate 'median'; accepted: mean, clip" in err
+    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"], capsys)
+    assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
+    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"], capsys)
+    assert "give trimmed:f=F, F >= 1 values cut at each end" in err
+    job = ["run", "--workers", "2", "--no-netem", "--algo", "sparseloco", "--chaos", "corrupt:step=2,rank=1"]
+    err = refused(job, capsys)
+    assert "--chaos corrupt spoils what the norm check covers" in err and "not yet --algo sparseloco" in err
+
+
+def test_robust_averages_equal_their_closed_forms():
+    rows = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, -30.0], [100.0, 40.0]])
+    assert robust_mean(rows, "median").tolist() == [2.5, 15.0]  # the two middle values' mean
+    assert robust_mean(rows, "trimmed", 1).tolist() == [2.5, 15.0]  # 4 values, 1 cut at each end
+    five = torch.tensor([[1.0], [2.0], [4.0], [8.0], [1000.0]])
+    assert robust_mean(five, "trimmed", 1).tolist() == [torch.tensor(14.0 / 3).item()]  # 2, 4, 8
+    assert robust_mean(five, "median").tolist() == [4.0]
+    assert robust_mean(five, "trimmed", 9).tolist() == [4.0]  # never more than leaves one
+    assert robust_mean(rows[:2], "median").tolist() == [1.5, 15.0]
+    assert parse_aggregate("trimmed:f=2") == ("trimmed", 2) and parse_aggregate("median") == ("median", 0)
+
+
+@pytest.mark.parametrize("kind", ROBUST)
+def test_robust_averages_on_a_gloo_group_resist_what_the_norm_check_cannot_see(kind):
+    """One of 3 workers' contribution is spoiled by the chaos hook: a flipped sign (its norm is
+    an honest one) or 1e6 x. The coordinate-wise median or trimmed mean of 3 is the middle value,
+    which one bad worker cannot move outside the honest ones' range; a NaN one is left out."""
+    ranks = RUNS.get(kind)
+    honest = [r["honest"] for r in ranks]
+    how = kind.split("/")[2]
+    sent = [honest[0], honest[1], -honest[2] if how == "signflip" else honest[2] * 1e6]
+    if how == "nan":
+        expected = (honest[0] + honest[1]) / 2  # left out by the check; the median of two
+        assert all(r["rejected"] == {2: 1} for r in ranks)
+    else:
+        expected = torch.stack(sent).median(dim=0).values  # of 3: the middle one, exactly
+    low, high = torch.minimum(honest[0], honest[1]), torch.maximum(honest[0], honest[1])
+    for r in ranks:
+        assert torch.equal(r["mean"], expected) and torch.equal(r["mean"], ranks[0]["mean"])
+        assert ((r["mean"] >= low) & (r["mean"] <= high)).all()  # inside the honest pair's range
+        # an all-gather of the vectors: 2 copies of 96 bytes out, not an all-reduce's 2 x 2/3
+        assert r["sent"].sent_bytes == 2 * 4 * 24  # (the norms go in a control call, not counted)
 
 
 def test_when_every_contribution_is_bad_each_worker_keeps_its_own():
@@ -134,3 +182,4 @@ def test_aggregate_clip_scales_each_contribution_down_to_the_median_norm():
         torch.testing.assert_close(r["mean"], expected, atol=1e-6, rtol=1e-6)
         assert torch.equal(r["mean"], ranks[0]["mean"]) and r["rejected"] == {}
     assert float(clipped[2].norm()) == pytest.approx(2.0, rel=1e-5)  # 3 was clipped to the median
+

@@ -71,6 +71,26 @@ def test_hf_model_from_a_config_speaks_the_gpt_interface_and_ties_count_once():
         model_context(ModelSpec(model="hf:not_a_type"), 256, 0)
     with pytest.raises(ModelError, match="no such directory"):
         model_context(ModelSpec(model="hf:/no/such/dir"), 256, 0)
+    # a typo would otherwise build the type's default (a 7B llama), silently
+    with pytest.raises(ModelError, match="hiden_size: not a field of hf:llama's config"):
+        model_context(ModelSpec(model="hf:llama", model_config="hiden_size=64"), 256, 0)
+    with pytest.raises(ModelError, match="--model-config"):  # a value the config refuses
+        model_context(
+            ModelSpec(model="hf:llama", model_config="hidden_size=30,num_attention_heads=4"), 256, 0
+        )
+
+
+@needs_hf
+def test_a_saved_model_trains_in_train_mode_and_must_cover_the_datas_tokens(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    ).save_pretrained(tmp_path / "m")
+    model = build_model(ModelSpec(model=f"hf:{tmp_path / 'm'}"), 320, None, tokens=300)  # 320: rounded up
+    assert model.hf.training and model.block_size == 32  # from_pretrained alone leaves it in eval
+    with pytest.raises(ModelError, match="tokens go up to 300"):
+        build_model(ModelSpec(model=f"hf:{tmp_path / 'm'}"), 320, None, tokens=301)
 
 
 def _run(args: list[str], cwd: Path) -> None:

@@ -294,6 +294,8 @@ def _attach_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
     """Parse and validate everything a cluster job needs; create nothing."""
+    from dataclasses import replace
+
     argv = _attach_dash_values(argv, ("--bandwidth", "--latency", "--workers", "--H", "--steps"))
     args = parser.parse_args(argv)
     try:
@@ -328,6 +330,9 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         latency_ms = parse_latency(args.latency) * 1000
         args.latency_ms = latency_ms
         cfg = config_from_args(args)
+        hf_dir = Path(cfg.model[3:]).expanduser() if cfg.model.startswith("hf:") else None
+        if hf_dir is not None and hf_dir.is_dir():  # the same model for a resume from elsewhere
+            cfg = replace(cfg, model=f"hf:{hf_dir.resolve()}")
         if not 1 <= args.workers <= MAX_HOSTS:
             raise UsageError(
                 f"--workers must be 1 to {MAX_HOSTS} (one /24 subnet on one bridge), got {args.workers}"
@@ -337,7 +342,8 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         # With sites, exactly their LAN rate (not through --bandwidth's printed rate).
         rates = sites.host_rates() if sites is not None else parse_bandwidths(args.bandwidth, args.workers)
         corpus = load_corpus(cfg.data or None)
-        corpus.check_fits(model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size), args.workers)
+        context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
+        corpus.check_fits(context, args.workers)
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
         if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):

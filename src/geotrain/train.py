@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from geotrain.api import Sync
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
-from geotrain.comm.guard import AGGREGATES
+from geotrain.comm.guard import parse_aggregate
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
@@ -51,6 +52,7 @@ from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest
 from geotrain.ft.state import restore as restore_state
+from geotrain.launch.admission import Refused, prove, read_token
 from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import (
     DistContext,
@@ -131,7 +133,7 @@ class TrainConfig:
     hierarchy: str = "off"  # off | sites | auto: all-reduces in two levels (comm/hierarchy.py)
     slow: str = ""  # stragglers: HOST:FACTOR[;HOST:FACTOR], that host's compute FACTOR x slower
     max_norm_ratio: float = 0.0  # > 0: leave out of averages what is not finite or R x the median norm
-    aggregate: str = "mean"  # mean | clip: also clip each contribution to the median norm
+    aggregate: str = "mean"  # mean | clip | trimmed:f=F | median (comm/guard.py)
     progress: bool = True
     resume: bool = False  # continue the run in run_dir from its newest restorable snapshot
     resume_step: int = 0  # with resume: this snapshot step instead of the newest
@@ -144,6 +146,7 @@ class TrainConfig:
     broker: str = ""  # ADDR:PORT of `geotrain broker` on a real cluster ("": none; see --host)
     host: int = -1  # with broker: this machine's host id, 0 .. the broker's --hosts - 1
     chaos: str = ""  # fault injection, see geotrain.ft.chaos (kill:step=S,rank=R; ...)
+    token_file: str = ""  # the run's secret, else $GEOTRAIN_TOKEN (launch/admission.py)
     elastic: bool = False  # survivors of a failure regroup and go on (--on-failure continue)
     join: bool = False  # a replacement: admitted into the running group (needs elastic, heartbeat)
     spare: bool = False  # waits in the backup pool until given a lost host's place, then joins it
@@ -189,10 +192,10 @@ class TrainConfig:
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
         need(self.bucket_mb >= 0, f"--bucket-mb must be >= 0 (0 = default), got {self.bucket_mb}")
         need(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
-        need(
-            self.aggregate in AGGREGATES,
-            f"unknown --aggregate {self.aggregate!r}; accepted: {', '.join(AGGREGATES)}",
-        )
+        try:
+            parse_aggregate(self.aggregate)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         need(
             self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
             f"--max-norm-ratio must be >= 1 (a multiple of the median norm), or 0 for off; "
@@ -230,9 +233,18 @@ class TrainConfig:
         self.snapshot_rate_bps()
         self.link_rate_bps()
         try:
-            parse_chaos(self.chaos)
+            faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
+        if any(f.kind == "corrupt" for f in faults):
+            codec = self.compress.partition(":")[0]
+            need(
+                self.algo in GUARDED_ALGOS and codec in GUARDED_CODECS,
+                f"--chaos corrupt spoils what the norm check covers (the averages of "
+                f"{', '.join(GUARDED_ALGOS)}, uncompressed or with "
+                f"{', '.join(c for c in GUARDED_CODECS if c)}); not yet --algo {self.algo}"
+                + (f" --compress {self.compress}" if self.compress else ""),
+            )
         self.sync_config()  # validates the algorithm's own options
 
     def slow_factors(self) -> dict[int, float]:
@@ -318,6 +330,11 @@ class TrainConfig:
             else:
                 argv += [flag, str(value)]
         return argv
+
+
+# What comm/guard.py checks (mean all-reduces and CO2's weighted sums): where --chaos corrupt bites.
+GUARDED_ALGOS = ("ssgd", "localsgd", "diloco", "dreamddp", "co2")
+GUARDED_CODECS = ("", "fp16", "bf16", "powersgd", "acpsgd")
 
 
 def _rate_bps(text: str, flag: str) -> float:
@@ -407,8 +424,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "max_norm_ratio": "leave out of every average (gradients, pseudo-gradients, parameters) a worker's "
         "contribution that is not finite or whose norm is more than R times the others' median; "
         "0: off (see the README: what it covers)",
-        "aggregate": "mean, or clip: every contribution to an average is also scaled down to the "
-        "median norm where above it (no extra communication; non-finite ones are left out)",
+        "aggregate": "mean; clip: every contribution to an average is also scaled down to the "
+        "median norm where above it (no extra communication); trimmed:f=F: the coordinate-wise mean "
+        "without each coordinate's F largest and F smallest values; median: the coordinate-wise "
+        "median (these two all-gather every contribution: N/2 times an all-reduce's bytes); "
+        "non-finite contributions are always left out",
         "link_rate": "the slowest host's link, e.g. 10mbit, for the collective timeout (geotrain run sets it "
         "from --bandwidth)",
         "progress": "show a progress bar on rank 0",
@@ -422,8 +442,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "keeper), ec:K/N (N erasure-coded stripes on N peers, any K rebuild it)",
         "snapshot_bandwidth": "pace of redundancy traffic, e.g. 5mbit (0: as fast as the link goes)",
         "keeper": "this host's keeper socket (`geotrain keeper --socket PATH`); empty: none",
+        "token_file": "a file holding the run's secret (else $GEOTRAIN_TOKEN): this worker proves it "
+        "holds it before it is let in (geotrain run makes one per run; see README, Trust)",
         "chaos": "fault injection, ';'-separated: kill:step=S,rank=R | kill-host:step=S,host=H | "
-        "kill:every=60s, each with optional ,restart=SECONDS (see README)",
+        "kill:every=60s, each with optional ,restart=SECONDS; corrupt:step=S|every=K,rank=R"
+        "[,kind=nan|inf|signflip][,scale=X]: that worker's next contribution to an average is "
+        "spoiled (see README)",
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -495,7 +519,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         (run_dir / "control").mkdir(parents=True, exist_ok=True)
 
     corpus = load_corpus(cfg.data or None)
-    model = build_model(cfg.model_spec(), corpus.vocab_size, cfg.block_size or None).to(device)
+    model = build_model(cfg.model_spec(), corpus.vocab_size, cfg.block_size or None, corpus.tokens).to(device)
     sampler = BatchSampler(corpus, model.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
     val_batches = sampler.val_batches(cfg.eval_batches)
 
@@ -504,6 +528,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
         first = [] if cfg.join else list(range(ctx.world_size))  # a joiner is in no epoch yet
         membership = Membership(*heartbeat.address, ctx.rank, first, cfg.timeout_s)
+        membership.proof = heartbeat.proof
         membership.snapshot_groups = cfg.redundancy != "off" and bool(cfg.keeper)
         heartbeat.membership = membership
     beyond = sorted(h for h in cfg.slow_factors() if h >= ctx.world_size)
@@ -587,7 +612,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         snap_comm,
         control=comm,
         # Parameters, two optimizer moments and one more copy (an anchor): what a snapshot holds.
-        size_hint=4 * sum(p.numel() * p.element_size() for p in model.parameters()),
+        # With LoRA the moments and the anchor are the adapters' only.
+        size_hint=sum(
+            p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters()
+        ),
     )
 
     records = metrics_up_to(run_dir, ctx.rank, progress0["step"]) if cfg.resume else []
@@ -654,6 +682,15 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             raise MembershipChanged("a joiner is admitted")
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
+        for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution
+            if f.corrupts_at(step, host):
+                comm.corrupt_next = f.corruption
+                print(
+                    f"geotrain: chaos: rank {host} corrupts its next contribution ({f.corruption}) "
+                    f"from step {step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         t_forward = time.perf_counter()
         _, loss = sync.model(x.to(device), y.to(device))
         if slow > 1:  # a straggler (--slow): its forward's time, the compute without communication
@@ -669,6 +706,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         def after_update() -> None:
             nonlocal phase
+            stepper.zero_grad()  # before the sync, whose buffers may need that memory
             if slow > 1:  # forward, backward (about twice the forward; it may hold communication,
                 # so it is not timed) and the optimizer's update take FACTOR times as long
                 time.sleep((slow - 1) * (3 * t_forward + time.perf_counter() - t_update))
@@ -676,7 +714,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         # The step a library user's loop takes (geotrain.wrap): one path for both.
         synced = stepper.step(before_update=before_update, after_update=after_update)
-        stepper.zero_grad()
         phase = "after"
         return synced
 
@@ -1159,9 +1196,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg = replace(cfg, timeout_s=cfg.collective_timeout_s())
+        try:
+            proof = _admit(cfg)
+        except Refused as e:
+            print(f"geotrain train: error: {e}", file=sys.stderr)
+            return 2
         if cfg.spare:
             try:
-                cfg = take_a_place(cfg)
+                cfg = take_a_place(cfg, proof)
             except RunFinished as e:  # not needed: nothing to do, and nothing went wrong
                 print(f"geotrain: {e}", file=sys.stderr)
                 return 0
@@ -1178,6 +1220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geotrain train: {'' if cfg.spare else 'error: '}{e}", file=sys.stderr)
         return 0 if cfg.spare else 1
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
+    if heartbeat is not None:
+        heartbeat.proof = proof
     code = 1
     try:
         code = _main(cfg, heartbeat, hosts)
@@ -1186,7 +1230,30 @@ def main(argv: list[str] | None = None) -> int:
         _leave(cfg, heartbeat, code)
 
 
-def take_a_place(cfg: TrainConfig) -> TrainConfig:
+def _admit(cfg: TrainConfig) -> int:
+    """Prove to the run's coordinator (or broker) that this worker holds the run token, before
+    anything else; returns the proof's number (0: no coordinator to prove it to)."""
+    if cfg.broker:
+        where = broker_address(cfg.broker, 0 if cfg.spare else cfg.host)
+    elif cfg.heartbeat:
+        where = cfg.heartbeat.rsplit(":", 2)[0]
+    else:
+        return 0
+    addr, port = where.rsplit(":", 1)
+    try:
+        token = read_token(cfg.token_file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        store = dist.TCPStore(
+            addr, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+    except Exception as e:  # a broker that is gone (the run is over) or never was
+        raise RunFinished(f"no coordinator answers at {where} ({type(e).__name__})") from None
+    return prove(store, token, cfg.host if cfg.broker or cfg.spare else int(cfg.heartbeat.rsplit(":", 1)[1]))
+
+
+def take_a_place(cfg: TrainConfig, proof: int = 0) -> TrainConfig:
     """A spare (``--spare``): wait in the backup pool of the coordinator (``--heartbeat``, set by
     the launcher) or broker (``--broker``) until it gives this process a lost host's place, and
     return the config of that host's replacement (``--join`` as that host, its keeper)."""
@@ -1199,7 +1266,9 @@ def take_a_place(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("--spare needs --broker ADDR:PORT (or the launcher's --heartbeat and --elastic)")
     name = f"spare {label}" if int(label) >= 0 else "spare"
     print(f"geotrain: {name} waits in the backup pool at {addr}:{port}", file=sys.stderr, flush=True)
-    host = wait_for_vacancy(addr, int(port), int(label), timeout_s=max(30.0, cfg.fault_timeout_s * 3))
+    host = wait_for_vacancy(
+        addr, int(port), int(label), timeout_s=max(30.0, cfg.fault_timeout_s * 3), proof=proof
+    )
     print(f"geotrain: {name} takes the place of host {host}", file=sys.stderr, flush=True)
     return replace(
         cfg, join=True, host=host, keeper=cfg.keeper.replace("{host}", str(host)),

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.guard import AGGREGATES, clip_norm, judge
+from geotrain.comm.guard import GATHERED, clip_norm, judge, parse_aggregate, robust_mean
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
 from geotrain.ft.membership import MembershipChanged, retire
 
@@ -173,13 +173,36 @@ class CommStats:
         return asdict(self)
 
 
+def corrupt_(tensor: torch.Tensor, how: str) -> None:
+    """Chaos (``--chaos corrupt``): spoil a contribution in place, as a broken or hostile worker
+    would: ``nan``, ``inf``, ``signflip`` or ``scale=X``."""
+    with torch.no_grad():
+        if how in ("nan", "inf"):
+            tensor.fill_(float(how))
+        elif how == "signflip":
+            tensor.neg_()
+        elif how.startswith("scale="):
+            tensor.mul_(float(how.partition("=")[2]))
+        else:
+            raise ValueError(f"unknown corruption {how!r}; accepted: nan, inf, signflip, scale=X")
+
+
 class Handle:
     """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
 
     def __init__(
-        self, comm: Communicator, work, tensor, divide_by: int, launched: float, op: str = "", nbytes: int = 0
+        self,
+        comm: Communicator,
+        work,
+        tensor,
+        divide_by: int,
+        launched: float,
+        op: str = "",
+        nbytes: int = 0,
+        finish: Callable[[], None] | None = None,
     ):
         self._comm = comm
+        self._finish = finish  # what turns the collective's output into the result (a robust mean)
         self._op, self._nbytes = op, nbytes
         # One collective, or several (an uneven gather is one broadcast per worker).
         self._works = [w for w in (work if isinstance(work, list) else [work]) if w is not None]
@@ -207,6 +230,8 @@ class Handle:
         if remaining > 0:
             time.sleep(remaining)
         self._comm.stats.blocked_s += time.perf_counter() - start
+        if self._finish is not None:
+            self._finish()
         if self._divide_by > 1:
             self._tensor.div_(self._divide_by)
         self._done = True
@@ -242,8 +267,9 @@ class Communicator:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
         if not (self.max_norm_ratio == 0 or self.max_norm_ratio >= 1):
             raise ValueError(f"max_norm_ratio must be >= 1, or 0 for off; got {self.max_norm_ratio}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"unknown aggregate {self.aggregate!r}; accepted: {', '.join(AGGREGATES)}")
+        self._aggregate, self._trim = parse_aggregate(self.aggregate)
+        self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
+        self._kept: list[bool] = []  # the last check's verdict, by rank
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
@@ -331,15 +357,22 @@ class Communicator:
         nbytes = tensor.numel() * tensor.element_size()
         divide_by = self.world_size if op == "mean" else 1
         # A mean, or a sum whose caller divides by the weights it sums too (``screen``).
-        guarded = op == "mean" or screen
-        checked = self.max_norm_ratio > 0 or self.aggregate == "clip"
-        if guarded and checked and self.world_size > 1 and tensor.is_floating_point():
+        guarded = (op == "mean" or screen) and tensor.is_floating_point()
+        if guarded and self.corrupt_next:
+            corrupt_(tensor, self.corrupt_next)
+            self.corrupt_next = ""
+        robust = self._aggregate in GATHERED and op == "mean"
+        checked = self.max_norm_ratio > 0 or self._aggregate != "mean"
+        if guarded and checked and self.world_size > 1:
             kept = self._screen(tensor)
             if kept == 0:  # nothing to average: every worker keeps its own (its tensor as it was)
                 handle = Handle(self, None, tensor, 1, time.perf_counter())
                 return handle if async_op else handle.wait()
             divide_by = kept if op == "mean" else 1
             launched = time.perf_counter()  # the collective's own latency starts now
+            if robust:
+                handle = self._robust_mean(tensor, launched)
+                return handle if async_op else handle.wait()
         if self.two_level is not None and self._chain is not None and tensor.is_contiguous():
             lan, wan = self.two_level.wire_bytes(tensor.numel(), tensor.element_size())
             self.stats.calls += 1
@@ -356,6 +389,19 @@ class Communicator:
         if async_op:
             return handle
         return handle.wait()
+
+    def _robust_mean(self, tensor: torch.Tensor, launched: float) -> Handle:
+        """``--aggregate trimmed|median``: every contribution gathered, the same coordinate-wise
+        statistic computed over the kept ones on every worker, written into ``tensor``."""
+        flat = tensor.detach().reshape(-1)
+        gathered = self.all_gather(flat, async_op=True)
+        kept = torch.tensor(self._kept)
+
+        def finish() -> None:
+            rows = gathered.wait()[kept]
+            tensor.copy_(robust_mean(rows, self._aggregate, self._trim).view_as(tensor))
+
+        return Handle(self, None, tensor, 1, launched, finish=finish)
 
     def _screen(self, tensor: torch.Tensor) -> int:
         """Before a mean all-reduce (``max_norm_ratio``): every worker's norm and finiteness,
@@ -374,6 +420,7 @@ class Communicator:
             time.sleep(remaining)
         self.stats.blocked_s += time.perf_counter() - start
         verdict = judge(table[:, 0].tolist(), [f > 0.5 for f in table[:, 1].tolist()], self.max_norm_ratio)
+        self._kept = verdict.kept
         members = getattr(self.membership, "members", None)
         for r, kept in enumerate(verdict.kept):
             if not kept:  # by host where hosts are known (ranks change at a regroup)
@@ -381,7 +428,7 @@ class Communicator:
                 self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
         if verdict.count == 0:
             return 0
-        if self.aggregate == "clip" and verdict.kept[self.rank]:
+        if self._aggregate == "clip" and verdict.kept[self.rank]:
             limit, norm = clip_norm(table[:, 0].tolist(), verdict.kept), float(table[self.rank, 0])
             if norm > limit:
                 tensor.mul_(limit / norm)

@@ -14,6 +14,14 @@ If every contribution is left out, every worker keeps its own (nothing is averag
 ``--aggregate clip`` every kept contribution is also scaled down to the median of the kept norms
 where it is above it (:func:`clip_norm`), at no extra communication.
 
+Robust averages (``--aggregate trimmed:f=F`` and ``median``) need every contribution, not their
+sum: the mean all-reduce becomes an all-gather of the vectors (each worker sends N - 1 copies of
+its message instead of about 2, so N / 2 times the bytes), and every worker computes the same
+coordinate-wise statistic over the contributions the check kept (:func:`robust_mean`). They
+resist what a norm cannot see: a contribution with a plausible norm pointing the wrong way (a
+flipped sign), up to F of them (``median``: fewer than half). Weighted sums in flight (CO2's, an
+adopter's empty message weighing 0) keep the plain check.
+
 What it costs: one all-reduce of 2 N floats per mean all-reduce (a link latency, not bandwidth,
 counted as blocked time), and a norm of the message. It covers what goes through
 ``Communicator.all_reduce`` as a mean: plain buckets, the fp16, bf16, PowerSGD and ACP-SGD codecs
@@ -27,7 +35,34 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-AGGREGATES = ("mean", "clip")
+AGGREGATES = ("mean", "clip", "trimmed:f=F", "median")
+GATHERED = ("trimmed", "median")  # aggregates that need every contribution (an all-gather)
+
+
+def parse_aggregate(text: str) -> tuple[str, int]:
+    """``--aggregate``: (name, f). ``trimmed:f=1`` drops the f largest and f smallest values of
+    each coordinate before the mean; ``median`` is the coordinate-wise median."""
+    name, _, args = text.partition(":")
+    if name in ("mean", "clip", "median") and not args:
+        return name, 0
+    if name == "trimmed":
+        key, eq, value = args.partition("=")
+        if key == "f" and eq and value.isdigit() and int(value) >= 1:
+            return name, int(value)
+        raise ValueError(f"--aggregate {text!r}: give trimmed:f=F, F >= 1 values cut at each end")
+    raise ValueError(f"unknown --aggregate {text!r}; accepted: {', '.join(AGGREGATES)}")
+
+
+def robust_mean(rows, kind: str, f: int = 0):
+    """The coordinate-wise trimmed mean (``trimmed``: the f lowest and f highest of each column
+    left out, at most as many as leave one) or median (the middle value, or the mean of the two
+    middle ones) of ``rows``, a (contributions, values) tensor. Sums run in a fixed order, so
+    every worker computes the same bits."""
+    k = rows.shape[0]
+    cut = (k - 1) // 2 if kind == "median" else min(f, (k - 1) // 2)
+    ordered = rows.sort(dim=0).values
+    middle = ordered[cut : k - cut]
+    return middle.sum(dim=0) / middle.shape[0]
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ class DataError(ValueError):
 class TokenCorpus:
     train: np.ndarray
     val: np.ndarray
-    vocab_size: int
+    vocab_size: int  # rounded up (a multiple of 64): the embedding a model is built with
     source: str
+    tokens: int = 0  # the largest token id + 1 (0: vocab_size), what a given model must cover
 
     def check_fits(self, block_size: int, world_size: int) -> None:
         shard = len(self.train) // world_size
@@ -128,8 +129,9 @@ def _load_bin(path: Path) -> TokenCorpus:
     if pair is not None and pair.exists() and pair.stat().st_size >= 2:
         val = np.memmap(pair, dtype=np.uint16, mode="r")
         vocab = int(max(tokens.max(), val.max())) + 1
-        return TokenCorpus(tokens, val, _round_vocab(vocab), str(path))
+        return TokenCorpus(tokens, val, _round_vocab(vocab), str(path), vocab)
     corpus = _split(tokens, _round_vocab(int(tokens.max()) + 1), str(path))
+    corpus.tokens = int(tokens.max()) + 1
     return corpus
 
 

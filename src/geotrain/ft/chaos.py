@@ -10,7 +10,13 @@ A spec is one fault or several joined by ``;``::
     cut:step=S,host=H           host H's link goes down after step S (emulated links only)
     kill:every=60s              every 60 s of training a random worker is SIGKILLed (seeded)
 
-each optionally with ``restart=SECONDS``: how long the replacement takes to come up (default 0).
+each optionally with ``restart=SECONDS``: how long the replacement takes to come up (default 0);
+and one that breaks no process but what a worker sends:
+
+    corrupt:step=S,rank=R[,kind=nan|inf|signflip][,scale=X]
+                                that worker's next contribution to an average, from step S on, is
+                                spoiled (all NaN by default, or scaled by X, or its sign flipped);
+    corrupt:every=K,rank=R,...  the same at steps K, 2K, ... (the comm/guard.py checks must catch it)
 
 Step-triggered faults fire inside the trainer, at an exact step, so tests are deterministic; the
 timed ones are fired by the launcher, as a real failure would be, from outside the process.
@@ -31,9 +37,11 @@ from pathlib import Path
 
 ACCEPTED = (
     "kill:step=S,rank=R | kill-host:step=S,host=H | stop:step=S,rank=R | cut:step=S,host=H | "
-    "kill:every=SECONDS, each with optional ,restart=SECONDS"
+    "kill:every=SECONDS, each with optional ,restart=SECONDS | "
+    "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X]"
 )
-KINDS = ("kill", "kill-host", "stop", "cut")
+KINDS = ("kill", "kill-host", "stop", "cut", "corrupt")
+CORRUPTIONS = ("nan", "inf", "signflip", "scale")
 BY_HOST = ("kill-host", "cut")  # faults aimed at a host (host=H) rather than a worker (rank=R)
 
 
@@ -48,6 +56,14 @@ class Fault:
     rank: int = -1
     every_s: float = 0.0  # fire every this many seconds (timed)
     restart_s: float = 0.0
+    every_steps: int = 0  # corrupt: at every multiple of this step
+    corruption: str = ""  # corrupt: nan | inf | signflip | scale=X
+
+    def corrupts_at(self, step: int, rank: int) -> bool:
+        """A corrupt fault aimed at ``rank`` that spoils its next contribution from ``step``."""
+        if self.kind != "corrupt" or self.rank != rank:
+            return False
+        return step == self.step if not self.every_steps else step % self.every_steps == 0
 
     @property
     def timed(self) -> bool:
@@ -58,6 +74,10 @@ class Fault:
         return format(x, "f").rstrip("0").rstrip(".")  # never an exponent: _seconds reads it back
 
     def spec(self) -> str:
+        if self.kind == "corrupt":
+            when = f"every={self.every_steps}" if self.every_steps else f"step={self.step}"
+            how = self.corruption if self.corruption.startswith("scale=") else f"kind={self.corruption}"
+            return f"corrupt:{when},rank={self.rank},{how}"
         who = f"host={self.rank}" if self.kind in BY_HOST else f"rank={self.rank}"
         if self.timed:
             head = f"{self.kind}:every={self._num(self.every_s)}s"
@@ -88,6 +108,9 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
             if not eq or key in fields:
                 raise ChaosError(f"--chaos {part!r}: accepted: {ACCEPTED}")
             fields[key] = value
+        if kind == "corrupt":
+            faults.append(_corrupt(part, fields, workers))
+            continue
         who = "host" if kind in BY_HOST else "rank"
         allowed = ({"every"} if "every" in fields else {"step", who}) | {"restart"}
         if set(fields) - allowed or ("every" not in fields and {"step", who} - set(fields)):
@@ -111,6 +134,29 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
             raise ChaosError(f"--chaos {part!r}: there are {workers} workers ({who} 0 to {workers - 1})")
         faults.append(Fault(kind, step=step, rank=rank, restart_s=restart))
     return faults
+
+
+def _corrupt(part: str, fields: dict[str, str], workers: int | None) -> Fault:
+    accepted = "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X]"
+    when = {"step", "every"} & set(fields)
+    if len(when) != 1 or "rank" not in fields or set(fields) - {"step", "every", "rank", "kind", "scale"}:
+        raise ChaosError(f"--chaos {part!r}: accepted: {accepted}")
+    try:
+        step = int(fields.get("step", 0))
+        every = int(fields.get("every", 0))
+        rank = int(fields["rank"])
+        scale = float(fields["scale"]) if "scale" in fields else None
+    except ValueError as e:
+        raise ChaosError(f"--chaos {part!r}: {e}; accepted: {accepted}") from None
+    kind = fields.get("kind", "scale" if scale is not None else "nan")
+    if kind not in CORRUPTIONS or (kind == "scale") != (scale is not None):
+        raise ChaosError(f"--chaos {part!r}: kind is one of nan, inf, signflip, or give scale=X alone")
+    if max(step, every) < 1 or rank < 0:
+        raise ChaosError(f"--chaos {part!r}: step (or every) must be >= 1 and rank >= 0")
+    if workers is not None and rank >= workers:
+        raise ChaosError(f"--chaos {part!r}: there are {workers} workers (rank 0 to {workers - 1})")
+    corruption = f"scale={scale:g}" if scale is not None else kind
+    return Fault("corrupt", step=step, rank=rank, every_steps=every, corruption=corruption)
 
 
 def join_chaos(faults: list[Fault]) -> str:
@@ -139,7 +185,7 @@ def fire_at_step(
     shorter than a store, and a fault striking mid-store would move the rollback point by
     chance. (A failure during a store is still survived: the run goes back one snapshot more.)"""
     for f in faults:
-        if f.timed or f.step != step or f.rank != rank:
+        if f.timed or f.kind == "corrupt" or f.step != step or f.rank != rank:
             continue
         if settle is not None:
             settle()

@@ -103,6 +103,7 @@ class Membership:
         period: int | Callable[[], int] = 1,
     ) -> None:
         self.host = host
+        self.proof = 0  # this worker's proof of the run token, given with a join request
         self.epoch = 0
         self.members = list(members)
         self.timeout_s = timeout_s
@@ -217,7 +218,7 @@ class Membership:
         what it waits for."""
         store = self.store()
         self.epoch = self.published = self.published_leave = int(store.add("epoch", 0))
-        store.set(f"join/{self.host}", "1")
+        store.set(f"join/{self.host}", str(self.proof))  # the number of its proof of the run token
 
     def finish(self, stopped: bool = False) -> None:
         """This member has left its training loop: a joiner still waiting will not be admitted.
@@ -344,7 +345,7 @@ def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, int
     return len(parse_members(store.get("members/0").decode())), newest, members
 
 
-def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0) -> int:
+def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0, proof: int = 0) -> int:
     """A spare in the backup pool (``--spare``; FusionAI's backup providers): register, beat
     under ``poolhb/{i}`` and wait until the coordinator gives it the place of a lost host
     (``assign/{i}``); returns that host. ``label`` names this machine in the coordinator's record
@@ -362,6 +363,7 @@ def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0) 
                 me = int(store.add("spares", 1))
             if not store.check([f"spare/{me}"]):  # first, or a restarted coordinator's fresh store
                 store.add("spares", max(0, me - int(store.add("spares", 0))))
+                store.set(f"sparepass/{me}", str(proof))  # its proof of the run token (admission.py)
                 store.set(f"spare/{me}", str(label if label >= 0 else me))
             store.add(f"poolhb/{me}", 1)
             if store.check([f"assign/{me}"]):

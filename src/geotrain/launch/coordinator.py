@@ -38,16 +38,19 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from geotrain.launch.admission import TOKEN_ENV, Door, read_token
+
 BEAT_S = 0.5  # a trainer's heartbeat period
 EPOCH_POLL_S = 0.1  # how often an elastic trainer asks for the newest epoch
 
 
-def _store(host: str, port: int, master: bool, timeout_s: float):
+def _store(host: str, port: int, master: bool, timeout_s: float, listen_fd: int | None = None):
     from torch.distributed import TCPStore
 
     return TCPStore(
-        host, port, is_master=master, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
+        host, port, is_master=master, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listen_fd,
+    )  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -121,9 +124,16 @@ class Pool:
     host's place, or stops it. A restarted coordinator rebuilds the pool from that file."""
 
     def __init__(
-        self, store, control_dir: Path, hosts: int, timeout_s: float, live: list[int], clock=time.monotonic
+        self,
+        store,
+        control_dir: Path,
+        hosts: int,
+        timeout_s: float,
+        live: list[int],
+        clock=time.monotonic,
+        door: Door | None = None,
     ) -> None:
-        self.store, self.hosts, self.timeout_s, self.clock = store, hosts, timeout_s, clock
+        self.store, self.hosts, self.timeout_s, self.clock, self.door = store, hosts, timeout_s, clock, door
         self.path, self.issued_path = control_dir / "spares.jsonl", control_dir / "spares-issued"
         self.beats: dict[int, tuple[int, float]] = {}  # spare -> (beats, when they last moved)
         self.placed: dict[int, int] = {}  # host -> the spare given its place, until admitted
@@ -192,7 +202,7 @@ class Pool:
             i for i in range(1, registered + 1)
             if i not in self.done and i not in self.placed.values() and self.store.check([f"spare/{i}"])
         ]  # fmt: skip
-        waiting = [i for i in waiting if self._alive(i, now, attempt)]
+        waiting = [i for i in waiting if self._alive(i, now, attempt) and self._proven(i)]
         for h in range(self.hosts):
             if not waiting:
                 return
@@ -203,6 +213,13 @@ class Pool:
             self.store.set(f"placed/{h}", str(i))
             self.store.set(f"assign/{i}", str(h))
             self._record(spare=i, label=self._label(i), host=h)
+
+    def _proven(self, i: int) -> bool:
+        """A spare is given a place only with a proof of the run token (``sparepass/{i}``)."""
+        if self.door is None or not self.door.token:
+            return True
+        key = f"sparepass/{i}"
+        return self.store.check([key]) and self.door.proven(int(self.store.get(key)))
 
     def _label(self, i: int) -> int:
         return int(self.store.get(f"spare/{i}")) if self.store.check([f"spare/{i}"]) else i
@@ -221,13 +238,19 @@ def serve(
     port: int = 0,
     elastic: bool = False,
     until_done: bool = False,
+    token: str = "",
+    restarted: bool = False,
+    listen_fd: int | None = None,
 ) -> dict | None:
     """Host the store, write its port to ``control/port``, watch heartbeats until told to stop
     (``until_done``, a broker: until every member has left in order or failed).
     A restarted coordinator takes its predecessor's port: the trainers reconnect on their own."""
-    store = _store(bind, port, True, 30.0)
+    store = _store(bind, port, True, 30.0, listen_fd)  # listen_fd: a socket the launcher bound
+    door = Door(store, control_dir, token)  # the run token: who may come in (launch/admission.py)
     epochs = Epochs(store, control_dir, hosts) if elastic else None
-    pool = Pool(store, control_dir, hosts, fault_timeout_s, epochs.live) if epochs is not None else None
+    pool = None
+    if epochs is not None:
+        pool = Pool(store, control_dir, hosts, fault_timeout_s, epochs.live, door=door)
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
@@ -240,6 +263,7 @@ def serve(
                 (control_dir / key).touch()
         if until_done and epochs is not None and attempt >= 0 and set(epochs.live) <= reported:
             # Every member said goodbye or failed: the run is over. Did it finish its steps?
+            door.close()
             return {"finished": store.check(["finished"]), "stopped": store.check(["stopped"])}
         time.sleep(0.2)
         with contextlib.suppress(OSError, ValueError):
@@ -247,11 +271,11 @@ def serve(
             if now_attempt != attempt:
                 # A restart takes over an attempt whose hosts were beating already: one that never
                 # beats again (frozen meanwhile) must still be found. Later attempts start afresh.
-                restarted = bool(port) and attempt == -1
+                taking_over = restarted and attempt == -1
                 attempt, last, reported = now_attempt, {}, set()
                 if epochs is not None:  # hosts gone in an earlier epoch are not watched
                     reported = set(range(hosts)) - set(epochs.live)
-                if restarted:  # only the hosts that had begun to beat: others may be starting
+                if taking_over:  # only the hosts that had begun to beat: others may be starting
                     last = {
                         h: (-1, time.monotonic())
                         for h in range(hosts)
@@ -276,7 +300,11 @@ def serve(
                 pool.release(h)  # type: ignore[union-attr]
             for h in range(hosts):
                 if h not in epochs.live and store.check([f"join/{h}"]) and not store.check(["finished"]):
+                    request = store.get(f"join/{h}").decode()
                     store.delete_key(f"join/{h}")
+                    if not door.use(int(request) if request.isdigit() else -1):
+                        door.record({"host": h, "join_refused": request})
+                        continue  # a request without a proof of the token (or one used before)
                     # Watched afresh: its beats restart from where its predecessor's stopped.
                     store.delete_key(f"bye/{attempt}/{h}")
                     store.delete_key(f"failed/{attempt}/{h}")
@@ -315,6 +343,8 @@ def serve(
                 verdicts.write(json.dumps(verdict) + "\n")
                 if epochs is not None:
                     epochs.leave({h}, "silent")
+    door.close()
+    return None
 
 
 def read_verdicts(control_dir: Path, attempt: int) -> list[dict]:
@@ -333,6 +363,7 @@ class Heartbeat:
         self.host = int(host)
         self.address = (addr, int(port))
         self.membership = None  # a Membership whose ``published`` this thread keeps current
+        self.proof = 0  # the number of this trainer's proof of the run token (launch/admission.py)
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
         self._failed = self._silent = False
@@ -388,7 +419,18 @@ def broker(argv: list[str]) -> int:
         action="store_true",
         help="take over a broker that died: publish the membership recorded in --dir again",
     )
+    p.add_argument(
+        "--token-file",
+        dest="token_file",
+        default="",
+        help=f"the run's secret (else ${TOKEN_ENV}): only workers that prove they hold it are let in "
+        "(none: anyone who reaches the port may join)",
+    )
     args = p.parse_args(argv)
+    try:
+        token = read_token(args.token_file)
+    except ValueError as e:
+        p.error(str(e))
     if args.hosts < 1 or not 0 < args.port < 65536 or args.fault_timeout < 2:
         p.error("--hosts must be >= 1, --port in 1..65535, --fault-timeout >= 2 seconds")
     control = Path(args.dir)
@@ -400,7 +442,8 @@ def broker(argv: list[str]) -> int:
         )
     if not args.restart:  # a fresh run: nothing of an old one carries over
         for old in ("stop", "over", "finished", "stopped", "epochs.jsonl", "verdicts.jsonl", "port",
-                    "beating-*", "bye-*", "dead-*", "spares.jsonl", "spares-issued"):  # fmt: skip
+                    "beating-*", "bye-*", "dead-*", "spares.jsonl", "spares-issued",
+                    "admissions.jsonl"):  # fmt: skip
             for path in control.glob(old):
                 path.unlink(missing_ok=True)
     (control / "stop").unlink(missing_ok=True)
@@ -414,8 +457,9 @@ def broker(argv: list[str]) -> int:
     )
     try:
         end = serve(
-            control, args.hosts, args.fault_timeout, args.bind, args.port, elastic=True, until_done=True
-        )
+            control, args.hosts, args.fault_timeout, args.bind, args.port, elastic=True, until_done=True,
+            token=token, restarted=args.restart,
+        )  # fmt: skip
     except KeyboardInterrupt:
         return 130
     (control / "over").touch()
@@ -436,8 +480,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bind", default="0.0.0.0")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--elastic", action="store_true", help="publish membership epochs")
+    p.add_argument("--restart", action="store_true", help="take over from a coordinator that died")
+    p.add_argument("--listen-fd", dest="listen_fd", type=int, default=None, help="a bound, listening socket")
     args = p.parse_args(argv)
-    serve(Path(args.control_dir), args.hosts, args.fault_timeout, args.bind, args.port, args.elastic)
+    token = os.environ.get(TOKEN_ENV, "")  # the launcher's, never on a command line
+    control = Path(args.control_dir)
+    serve(
+        control, args.hosts, args.fault_timeout, args.bind, args.port, args.elastic, token=token,
+        restarted=args.restart, listen_fd=args.listen_fd,
+    )  # fmt: skip
     return 0
 
 

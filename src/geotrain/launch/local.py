@@ -37,6 +37,7 @@ from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
+from geotrain.launch.admission import TOKEN_ENV, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
@@ -78,6 +79,7 @@ class LaunchConfig:
     fault_timeout_s: float = 10.0  # a host whose heartbeat stops this long has failed
     spares: int = 0  # with continue: hosts waiting in a backup pool to take a lost host's place
     topology: str = ""  # sites (netem/topology.py): hosts on LANs, each site behind one WAN uplink
+    token: str = ""  # the run token (launch/admission.py); run_local_cluster makes one if empty
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -332,9 +334,10 @@ class _Hosts:
         self.logs = []
 
 
-def _host_env(cluster: EmulatedCluster | None, threads: int) -> dict[str, str]:
+def _host_env(cluster: EmulatedCluster | None, threads: int, token: str = "") -> dict[str, str]:
     return dict(
         os.environ,
+        **({TOKEN_ENV: token} if token else {}),  # in the environment, never on a command line
         OMP_NUM_THREADS=str(threads),
         PYTHONUNBUFFERED="1",
         GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
@@ -354,7 +357,7 @@ def _spawn(hosts: _Hosts, launch: LaunchConfig, cluster, i: int, cmd: list[str],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=_host_env(cluster, threads),
+        env=_host_env(cluster, threads, launch.token),
         preexec_fn=_die_with_parent,
     )
     t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
@@ -380,8 +383,6 @@ def _start_hosts(
 ) -> _Hosts:
     """Start one torchrun per host; each attempt after a fault gets a rendezvous of its own."""
     port = RDZV_PORT + attempt if cluster else _free_port()
-    while coordinator is not None and port == coordinator.port:  # type: ignore[attr-defined]
-        port = _free_port()  # the coordinator may not have bound its port yet
     master = cluster.host_ip(0) if cluster else "127.0.0.1"
     hosts = _Hosts([], [], [])
     for i in range(launch.workers):
@@ -437,14 +438,23 @@ def _start_coordinator(
     it returns before the store is up (``_coordinator_up`` waits): the hosts start meanwhile, as
     its port is chosen here and the trainers' store clients wait for it."""
     control = launch.run_dir / "control"
+    restart, listener = bool(port), None
     if not port:
         shutil.rmtree(control, ignore_errors=True)
-        port = COORDINATOR_PORT if cluster is not None else _free_port()  # its namespace is fresh
+        if cluster is not None:
+            port = COORDINATOR_PORT  # in a namespace of its own, fresh: nothing else listens there
+        else:  # bound here and handed over: its port is known now, and no one else can take it
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            port = listener.getsockname()[1]
     control.mkdir(parents=True, exist_ok=True)
     (control / "port").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
     cmd += ["--hosts", str(launch.workers), "--fault-timeout", str(launch.fault_timeout_s)]
     cmd += ["--port", str(port)]
+    cmd += ["--restart"] if restart else []
+    cmd += ["--listen-fd", str(listener.fileno())] if listener is not None else []
     if launch.on_failure == "continue" and launch.workers > 1:
         cmd += ["--elastic"]
     if cluster is not None:
@@ -453,8 +463,11 @@ def _start_coordinator(
         cmd += ["--bind", "127.0.0.1"]
     log = (launch.run_dir / "logs" / "coordinator.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent)  # fmt: skip
+                            env=_host_env(cluster, 1, launch.token), preexec_fn=_die_with_parent,
+                            pass_fds=(listener.fileno(),) if listener is not None else ())  # fmt: skip
     log.close()
+    if listener is not None:
+        listener.close()  # the coordinator holds its own copy
     proc.port = port  # type: ignore[attr-defined]
     if wait:
         _coordinator_up(launch, proc)
@@ -627,6 +640,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     """Start the hosts, wait for them, clean up. Returns the summary rank 0 wrote."""
     run_dir = launch.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not launch.token:  # the user's $GEOTRAIN_TOKEN, else one of this run's own (kept for a resume)
+        launch = replace(launch, token=os.environ.get(TOKEN_ENV, "") or write_token(run_dir / "token"))
     mode, cluster, reason = "loopback", None, None
     if launch.netem and launch.rates_bps is not None:
         reason = netem_unavailable_reason()

@@ -65,14 +65,17 @@ class ModelSpec:
             raise ModelError(f"--model-config {self.model_config}: {e}") from None
 
 
-def build_model(spec: ModelSpec, vocab_size: int, block_size: int | None = None) -> nn.Module:
-    """The model ``spec`` names, for data of ``vocab_size`` tokens, with context ``block_size``
-    (None: the model's own). Built from the current torch seed, so every worker builds the same."""
+def build_model(
+    spec: ModelSpec, vocab_size: int, block_size: int | None = None, tokens: int | None = None
+) -> nn.Module:
+    """The model ``spec`` names, for data of ``vocab_size`` tokens (``tokens``: its largest id + 1,
+    if below), with context ``block_size`` (None: the model's own). Built from the current torch
+    seed, so every worker builds the same."""
     spec.check()
     if is_hf(spec.model):
         from geotrain.models.hf import build_hf
 
-        model: nn.Module = build_hf(spec.model, spec.overrides, vocab_size, block_size)
+        model: nn.Module = build_hf(spec.model, spec.overrides, vocab_size, block_size, tokens)
     else:
         model = GPT(spec.gpt_config(vocab_size, block_size))
     if spec.lora:
@@ -82,31 +85,45 @@ def build_model(spec: ModelSpec, vocab_size: int, block_size: int | None = None)
     return model
 
 
-def model_context(spec: ModelSpec, vocab_size: int, block_size: int | None) -> int:
+def model_context(spec: ModelSpec, vocab_size: int, block_size: int | None, tokens: int | None = None) -> int:
     """The context a run of ``spec`` trains with, without building the model; an hf: model's
-    config is read (and refused here, in the launcher, if it cannot be used)."""
+    config is read (and refused here, in the launcher, if it cannot be used), and LoRA's targets
+    are looked for in the model built on the meta device (no memory, no weights read)."""
+    if spec.lora:
+        check_lora(spec, vocab_size)
     if is_hf(spec.model):
         from geotrain.models.hf import context_of, hf_config
 
-        context = context_of(hf_config(spec.model, spec.overrides, vocab_size, block_size or None))
+        context = context_of(hf_config(spec.model, spec.overrides, vocab_size, block_size or None, tokens))
         if block_size and block_size > context:
             raise ModelError(f"--block-size {block_size} exceeds --model {spec.model}'s context of {context}")
         return block_size or context
     return block_size or spec.gpt_config(vocab_size, None).block_size
 
 
-def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:
-    """Parameters of the model (all of them, trainable or not), counted on the meta device."""
-    if is_hf(spec.model):  # from its config only: no weights read
-        from geotrain.models.hf import _transformers, hf_config
+def _meta_model(spec: ModelSpec, vocab_size: int) -> nn.Module:
+    """The model's shape on the meta device: from its config only (no weights read, no memory)."""
+    if is_hf(spec.model):
+        from geotrain.models.hf import CausalLM, _transformers, hf_config
 
         config = hf_config(spec.model, spec.overrides, vocab_size, None)
         with torch.device("meta"):
-            return sum(
-                p.numel() for p in _transformers().AutoModelForCausalLM.from_config(config).parameters()
-            )
+            return CausalLM(_transformers().AutoModelForCausalLM.from_config(config), 1)
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(spec.gpt_config(vocab_size, None)).parameters())
+        return GPT(spec.gpt_config(vocab_size, None))
+
+
+def check_lora(spec: ModelSpec, vocab_size: int = 256) -> None:
+    """Refuse LoRA targets the model does not have, before any worker starts."""
+    from geotrain.models.hf import apply_lora
+
+    with torch.device("meta"):
+        apply_lora(_meta_model(spec, vocab_size), LoraSpec.parse(spec.lora, spec.lora_fa))
+
+
+def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:
+    """Parameters of the model (all of them, trainable or not), counted on the meta device."""
+    return sum(p.numel() for p in _meta_model(spec, vocab_size).parameters())
 
 
 def describe(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
@@ -114,6 +131,9 @@ def describe(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"spec": dataclasses.asdict(spec), "block_size": model.block_size}
     if is_hf(spec.model):
         out["hf_config"] = model.hf.config.to_dict()
+        for name in ("dtype", "torch_dtype"):  # what it holds: fp32 (a directory's may say bf16)
+            if name in out["hf_config"]:
+                out["hf_config"][name] = "float32"
     else:
         out["gpt_config"] = dataclasses.asdict(model.cfg)
     return out

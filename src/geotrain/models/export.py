@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from geotrain.models import ModelError, ModelSpec
 from geotrain.models.gpt import GPT, GPTConfig
-from geotrain.models.hf import LoraSpec, apply_lora, is_hf, merge_lora
+from geotrain.models.hf import LoraSpec, apply_lora, is_hf, merge_lora, set_dtype
 
 # Our Linear weights are (out, in); GPT-2's Conv1D stores (in, out).
 _TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -35,12 +35,16 @@ def load_trained(run_dir: Path) -> tuple[nn.Module, ModelSpec, dict[str, Any]]:
     path = run_dir / "checkpoint.pt"
     if not path.exists():
         raise ModelError(f"{run_dir}: no checkpoint.pt (export reads a finished run's directory)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupted, not a checkpoint
+        raise ModelError(f"{path} cannot be read ({type(e).__name__}): is the run finished?") from None
     described = ckpt.get("model_spec")
+    if described is None and "model_config" in ckpt:  # written before models were described
+        gpt = ckpt["model_config"]
+        described = {"spec": {"model": "small"}, "block_size": gpt["block_size"], "gpt_config": gpt}
     if described is None:
-        raise ModelError(
-            f"{path} was written by an older geotrain that did not record the model: train it again"
-        )
+        raise ModelError(f"{path} does not say which model it holds: train again with this geotrain")
     spec = ModelSpec(**described["spec"])
     if is_hf(spec.model):
         from geotrain.models.hf import CausalLM, _transformers
@@ -48,9 +52,9 @@ def load_trained(run_dir: Path) -> tuple[nn.Module, ModelSpec, dict[str, Any]]:
         transformers = _transformers()
         config_dict = dict(described["hf_config"])
         config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-        model: nn.Module = CausalLM(
-            transformers.AutoModelForCausalLM.from_config(config), described["block_size"]
-        )
+        hf_model = transformers.AutoModelForCausalLM.from_config(config).float()
+        set_dtype(hf_model.config, torch.float32)  # trained in fp32: merged and written in fp32
+        model: nn.Module = CausalLM(hf_model, described["block_size"])
     else:
         model = GPT(GPTConfig(**described["gpt_config"]))
     if spec.lora:
@@ -106,8 +110,9 @@ def export(run_dir: str | Path, to: str | Path) -> dict[str, Any]:
         written.append("adapters.safetensors")
         merge_lora(model)
     if is_hf(spec.model):
+        before = {p.name for p in to.iterdir()}
         model.hf.save_pretrained(to, safe_serialization=True)
-        written += ["config.json", "model.safetensors"]
+        written += sorted({p.name for p in to.iterdir()} - before - set(written))
     else:
         config, tensors = gpt2_layout(model)
         (to / "config.json").write_text(json.dumps(config, indent=2) + "\n")

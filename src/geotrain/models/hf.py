@@ -19,6 +19,7 @@ are imported only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from geotrain.compress.codec import ConfigError
+
 HF_PREFIX = "hf:"
 NEEDS_EXTRA = "pip install 'geotrain[hf]' (or pip install -e '.[hf]' in a checkout)"
 
 
-class ModelError(ValueError):
+class ModelError(ConfigError):
     """A model option that cannot be used, with what to change."""
 
 
@@ -92,9 +95,22 @@ class CausalLM(nn.Module):
         return logits, loss
 
 
-def hf_config(spec: str, overrides: dict[str, Any], vocab_size: int, block_size: int | None):
+def _check_overrides(config_class, overrides: dict[str, Any], spec: str) -> None:
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ModelError(
+            f"--model-config {', '.join(unknown)}: not a field of {spec}'s config "
+            f"({config_class.__name__}; e.g. {', '.join(sorted(known)[:8])}, ...)"
+        )
+
+
+def hf_config(
+    spec: str, overrides: dict[str, Any], vocab_size: int, block_size: int | None, tokens: int | None = None
+):
     """The transformers config ``spec`` names (a directory's, or a model type's default), with
-    ``overrides`` and the data's vocabulary and context applied."""
+    ``overrides`` and the data's vocabulary and context applied. ``tokens``: the data's largest
+    token id + 1 (its vocabulary before rounding), which the model's vocabulary must cover."""
     transformers = _transformers()
     name = spec[len(HF_PREFIX) :]
     if not name:
@@ -106,6 +122,7 @@ def hf_config(spec: str, overrides: dict[str, Any], vocab_size: int, block_size:
             config = transformers.AutoConfig.from_pretrained(name)
         except (OSError, ValueError) as e:
             raise ModelError(f"--model {spec}: not a Hugging Face model directory ({e})") from None
+        _check_overrides(type(config), overrides, spec)
         for key, value in overrides.items():
             setattr(config, key, value)
     else:
@@ -115,41 +132,70 @@ def hf_config(spec: str, overrides: dict[str, Any], vocab_size: int, block_size:
                 "directory (save_pretrained) or a model type (hf:gpt2, hf:llama) with --model-config"
             )
         try:
-            config = transformers.AutoConfig.for_model(name, **overrides)
+            config_class = transformers.AutoConfig.for_model(name).__class__
         except ValueError:
             raise ModelError(
                 f"--model {spec}: {name!r} is neither a directory nor a model type transformers knows "
                 "(e.g. gpt2, llama, qwen2, mistral)"
             ) from None
+        _check_overrides(config_class, overrides, spec)
+        try:
+            config = transformers.AutoConfig.for_model(name, **overrides)
+        except Exception as e:  # transformers 5 checks values with errors of its own
+            raise ModelError(f"--model-config {_show(overrides)}: {str(e).splitlines()[0]}") from None
         if "vocab_size" not in overrides:
             config.vocab_size = vocab_size
         if block_size is not None and "max_position_embeddings" not in overrides:
             config.max_position_embeddings = block_size
         for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults beyond a small vocabulary
-            if special not in overrides and (getattr(config, special, None) or 0) >= config.vocab_size:
+            value = getattr(config, special, None)
+            if special not in overrides and isinstance(value, int) and value >= config.vocab_size:
                 setattr(config, special, None)
-    if config.vocab_size < vocab_size:
+    needed = tokens or vocab_size
+    if config.vocab_size < needed:
         raise ModelError(
             f"--model {spec} has a vocabulary of {config.vocab_size}, the data's tokens go up to "
-            f"{vocab_size}: tokenize the data with the model's tokenizer (--tokenizer DIR)"
+            f"{needed - 1}: give data tokenized with the model's own tokenizer (a .bin, --data)"
         )
     return config
+
+
+def _show(overrides: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def set_dtype(config, dtype: torch.dtype) -> None:
+    """The dtype a config says its weights are in (``dtype`` in transformers 5, ``torch_dtype``
+    before): set to what the model really holds, so a rebuild from it matches."""
+    for name in ("dtype", "torch_dtype"):
+        if hasattr(config, name):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(config, name, dtype)
 
 
 def context_of(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 1024)
 
 
-def build_hf(spec: str, overrides: dict[str, Any], vocab_size: int, block_size: int | None) -> CausalLM:
+def build_hf(
+    spec: str, overrides: dict[str, Any], vocab_size: int, block_size: int | None, tokens: int | None = None
+) -> CausalLM:
     transformers = _transformers()
-    config = hf_config(spec, overrides, vocab_size, block_size)
+    config = hf_config(spec, overrides, vocab_size, block_size, tokens)
     name = spec[len(HF_PREFIX) :]
     from pathlib import Path
 
-    if Path(name).is_dir():
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config)
-    else:
-        hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        if Path(name).is_dir():
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config)
+        else:
+            hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as e:  # a type that is not a causal LM (t5, bert...)
+        raise ModelError(
+            f"--model {spec}: not a causal LM transformers can build ({str(e).splitlines()[0]})"
+        ) from None
+    hf_model.train()  # from_pretrained returns it in eval mode (dropout off)
+    set_dtype(hf_model.config, torch.float32)  # trained (and exported) in fp32
     context = context_of(config)
     if block_size is not None and block_size > context:
         raise ModelError(f"--block-size {block_size} exceeds --model {spec}'s context of {context} positions")
@@ -183,7 +229,7 @@ class LoraSpec:
             else:
                 raise ModelError(f"--lora {text!r}: unknown {key!r}; accepted: r, alpha, targets, dropout")
         spec = LoraSpec(targets=tuple(targets), fa=fa, **fields)
-        if not isinstance(spec.r, int) or spec.r < 1:
+        if not isinstance(spec.r, int) or isinstance(spec.r, bool) or spec.r < 1:
             raise ModelError(f"--lora r must be an integer >= 1, got {spec.r}")
         if not isinstance(spec.alpha, (int, float)) or spec.alpha <= 0:
             raise ModelError(f"--lora alpha must be > 0, got {spec.alpha}")

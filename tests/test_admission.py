@@ -1,0 +1,96 @@
+"""The run token: a challenge against the coordinator's store, the secret never on the wire.
+
+A real TCPStore in this process, the coordinator's ``Door`` on it, and workers proving
+themselves with the right token, a wrong one, none; the CLI run uses it end to end in every
+launcher test (each trainer proves itself), and test_broker_cli refuses an intruder spare.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from geotrain.launch.admission import Door, Refused, prove, read_token, write_token
+
+SECRET = "run-secret-" + "a" * 40
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def store():
+    port = _free_port()
+    master = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    yield master, port
+
+
+def _client(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_the_right_token_is_let_in_once_a_wrong_or_missing_one_is_refused(store, tmp_path):
+    master, port = store
+    door = Door(master, tmp_path, SECRET)
+    try:
+        first = prove(_client(port), SECRET, host=1, timeout_s=10)
+        assert door.proven(first)
+        with pytest.raises(Refused, match="refused by the run: this worker's token"):
+            prove(_client(port), "a guess", host=2, timeout_s=10)
+        with pytest.raises(Refused, match="refused by the run"):
+            prove(_client(port), "", host=2, timeout_s=10)
+        # a join request carrying the proof is taken once; a forged one reusing it is not
+        assert door.use(first) and not door.use(first) and not door.use(2) and not door.use(99)
+        # the secret never went through the store: every value the exchange wrote
+        c = _client(port)
+        for i in range(1, 4):
+            for key in ("hello", "challenge", "proof", "verdict"):
+                if c.check([f"auth/{key}/{i}"]):
+                    assert SECRET not in c.get(f"auth/{key}/{i}").decode()
+        assert [r["proof"] for r in door.refused] == [2, 3]
+    finally:
+        door.close()
+    # a restarted coordinator knows who was proven and who used a proof
+    again = Door(master, tmp_path, SECRET)
+    try:
+        assert again.proven(first) and not again.use(first)
+    finally:
+        again.close()
+
+
+def test_a_worker_does_not_take_a_forged_or_foreign_coordinators_word(store, tmp_path):
+    master, port = store
+    door = Door(master, tmp_path, "another run's secret")
+    try:
+        with pytest.raises(Refused):  # refused there; and an "ok" it signed would not verify here
+            prove(_client(port), SECRET, host=0, timeout_s=10)
+    finally:
+        door.close()
+    # Without a token the coordinator lets anyone in (what a run without one does).
+    (tmp_path / "open").mkdir()
+    open_door = Door(master, tmp_path / "open", "")
+    try:
+        i = prove(_client(port), SECRET, host=0, timeout_s=10)
+        assert open_door.proven(i) and open_door.use(i)
+    finally:
+        open_door.close()
+
+
+def test_tokens_come_from_a_file_or_the_environment_and_a_run_keeps_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEOTRAIN_TOKEN", "from-env")
+    assert read_token() == "from-env"
+    (tmp_path / "t").write_text("from-file\n")
+    assert read_token(str(tmp_path / "t")) == "from-file"
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_token(str(tmp_path / "missing"))
+    token = write_token(tmp_path / "token")
+    assert len(token) == 64 and write_token(tmp_path / "token") == token  # a resume keeps it
+    assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
