@@ -37,18 +37,23 @@ def _client(port: int) -> TCPStore:
     return TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
-def test_the_right_token_is_let_in_once_a_wrong_or_missing_one_is_refused(store, tmp_path):
+def test_the_right_token_is_let_in_its_requests_signed_a_wrong_or_missing_one_refused(store, tmp_path):
     master, port = store
     door = Door(master, tmp_path, SECRET)
     try:
         first = prove(_client(port), SECRET, host=1, timeout_s=10)
-        assert door.proven(first)
         with pytest.raises(Refused, match="refused by the run: this worker's token"):
             prove(_client(port), "a guess", host=2, timeout_s=10)
-        with pytest.raises(Refused, match="refused by the run"):
+        with pytest.raises(Refused, match="asks for no proof|refused by the run"):
             prove(_client(port), "", host=2, timeout_s=10)
-        # a join request carrying the proof is taken once; a forged one reusing it is not
-        assert door.use(first) and not door.use(first) and not door.use(2) and not door.use(99)
+        # a join request is the pass's number and a MAC over it, the host and both nonces:
+        join = first.sign(SECRET, "join", 4)
+        assert not door.use(f"{first.number}:{'0' * 64}", 4)  # the number alone, from the store
+        assert not door.use(join, 3)  # signed for another host
+        assert not door.use(first.sign("a guess", "join", 4), 4)
+        assert door.use(join, 4) and not door.use(join, 4)  # taken once
+        assert door.signed("spare", first.sign(SECRET, "spare", 7), 7) == first
+        assert door.signed("spare", "x:\u00b2", 7) is None and door.signed("spare", "\u00b2", 7) is None
         # the secret never went through the store: every value the exchange wrote
         c = _client(port)
         for i in range(1, 4):
@@ -56,17 +61,29 @@ def test_the_right_token_is_let_in_once_a_wrong_or_missing_one_is_refused(store,
                 if c.check([f"auth/{key}/{i}"]):
                     assert SECRET not in c.get(f"auth/{key}/{i}").decode()
         assert [r["proof"] for r in door.refused] == [2, 3]
+        # junk in the store does not stop the door: a bumped counter, a malformed hello
+        c.add("auth/n", 10_000)
+        c.set("auth/hello/10004", "not-a-host")
+        later = prove(_client(port), SECRET, host=0, timeout_s=10)
+        assert door.signed("join", later.sign(SECRET, "join", 0), 0) == later
     finally:
         door.close()
-    # a restarted coordinator knows who was proven and who used a proof
-    again = Door(master, tmp_path, SECRET)
+    # a restarted coordinator (a fresh store) knows who passed and which request was taken, and
+    # numbers the new proofs after the recorded ones
+    port2 = _free_port()
+    fresh = TCPStore(
+        "127.0.0.1", port2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    again = Door(fresh, tmp_path, SECRET)
     try:
-        assert again.proven(first) and not again.use(first)
+        assert again.signed("spare", first.sign(SECRET, "spare", 7), 7) == first and not again.use(join, 4)
+        newer = prove(_client(port2), SECRET, host=1, timeout_s=10)
+        assert newer.number > later.number and again.use(newer.sign(SECRET, "join", 1), 1)
     finally:
         again.close()
 
 
-def test_a_worker_does_not_take_a_forged_or_foreign_coordinators_word(store, tmp_path):
+def test_a_worker_does_not_take_a_foreign_coordinators_word_nor_a_tokenless_one(store, tmp_path):
     master, port = store
     door = Door(master, tmp_path, "another run's secret")
     try:
@@ -74,12 +91,15 @@ def test_a_worker_does_not_take_a_forged_or_foreign_coordinators_word(store, tmp
             prove(_client(port), SECRET, host=0, timeout_s=10)
     finally:
         door.close()
-    # Without a token the coordinator lets anyone in (what a run without one does).
+    # Without a token the coordinator lets anyone in (what a run without one does), but a worker
+    # that holds one does not take "nothing to prove" for an answer: someone else may have answered.
     (tmp_path / "open").mkdir()
     open_door = Door(master, tmp_path / "open", "")
     try:
-        i = prove(_client(port), SECRET, host=0, timeout_s=10)
-        assert open_door.proven(i) and open_door.use(i)
+        with pytest.raises(Refused, match="asks for no proof, but this worker holds a token"):
+            prove(_client(port), SECRET, host=0, timeout_s=10)
+        tokenless = prove(_client(port), "", host=0, timeout_s=10)
+        assert open_door.use(tokenless.sign("", "join", 0), 0)
     finally:
         open_door.close()
 

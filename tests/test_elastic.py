@@ -524,8 +524,10 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     (tmp_path / "attempt").write_text("0")
     out: list = []
 
-    def broker() -> None:
-        out.append(serve(tmp_path, 2, 30.0, "127.0.0.1", port, elastic=True, until_done=True))
+    def broker(restarted: bool = False) -> None:
+        out.append(
+            serve(tmp_path, 2, 30.0, "127.0.0.1", port, elastic=True, until_done=True, restarted=restarted)
+        )
 
     t = threading.Thread(target=broker, daemon=True)
     t.start()
@@ -548,7 +550,7 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     assert out == [{"finished": True, "stopped": False}]
     assert (tmp_path / "finished").exists() and (tmp_path / "bye-0-0").exists()
     del client
-    t = threading.Thread(target=broker, daemon=True)  # --restart: the same files and port
+    t = threading.Thread(target=broker, args=(True,), daemon=True)  # --restart: the same files and port
     t.start()
     t.join(timeout=20)
     assert out[1] == {"finished": True, "stopped": False}

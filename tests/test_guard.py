@@ -183,3 +183,27 @@ def test_aggregate_clip_scales_each_contribution_down_to_the_median_norm():
         assert torch.equal(r["mean"], ranks[0]["mean"]) and r["rejected"] == {}
     assert float(clipped[2].norm()) == pytest.approx(2.0, rel=1e-5)  # 3 was clipped to the median
 
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_path):
+    """Worker 2 sends NaN at every average (--chaos corrupt:every=1): after 2 rejections in a
+    row the two others ask, signed with the run token, to drop it; the coordinator publishes an
+    epoch without it, and they finish the run together."""
+    import json
+    import subprocess
+    import sys
+
+    from geotrain.launch.coordinator import read_jsonl
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "geotrain.cli", "run", "--workers", "3", "--no-netem", "--model", "tiny"]
+    cmd += ["--algo", "localsgd", "--H", "1", "--steps", "12", "--batch-size", "4", "--no-progress"]
+    cmd += ["--max-norm-ratio", "10", "--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
+    proc = subprocess.run([*cmd, "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "host 2's contributions were rejected 2 times in a row" in proc.stderr
+    epochs = read_jsonl(run / "control" / "epochs.jsonl")
+    assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["final_val_loss"] < 10
+    assert summary["rejected_updates"]["2"] >= 2

@@ -135,15 +135,60 @@ def test_a_trained_gpt_with_lora_exports_merged_to_gpt2_layout_with_the_same_log
         torch.testing.assert_close(theirs(input_ids=x).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def _tokenizer_and_text(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A small BPE tokenizer (tokenizers) trained here, and a JSON-lines file of documents."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from geotrain.data.corpus import stdlib_files
+
+    docs = [f.read_text(errors="replace")[:3000] for f in stdlib_files()[:60]]
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]", "<|endoftext|>"])
+    tokenizer.train_from_iterator(docs, trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return tmp_path / "tokenizer.json", text, docs
+
+
+@needs_hf
+def test_text_is_tokenized_once_with_the_given_tokenizer_and_cached_beside_it(tmp_path):
+    from tokenizers import Tokenizer
+
+    from geotrain.data.corpus import DataError, load_corpus
+
+    tok_path, text, docs = _tokenizer_and_text(tmp_path)
+    corpus = load_corpus(str(text), str(tok_path))
+    tokenizer = Tokenizer.from_file(str(tok_path))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [i for d in docs for i in [*tokenizer.encode(d, add_special_tokens=False).ids, eos]]
+    got = [*map(int, corpus.train), *map(int, corpus.val)]
+    assert got == expected
+    assert corpus.tokens == tokenizer.get_vocab_size() and corpus.vocab_size % 64 == 0
+    (cache,) = tmp_path.glob("docs.jsonl.*.bin")
+    stamp = cache.stat().st_mtime_ns
+    assert len(load_corpus(str(text), str(tok_path)).train) == len(corpus.train)
+    assert cache.stat().st_mtime_ns == stamp  # read from the cache, not tokenized again
+    (tmp_path / "bad.jsonl").write_text('{"body": "no text field"}\n')
+    with pytest.raises(DataError, match="a record needs a string field 'text'"):
+        load_corpus(str(tmp_path / "bad.jsonl"), str(tok_path))
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        load_corpus(str(text), str(tmp_path / "nowhere"))
+
+
 @needs_hf
 @pytest.mark.usefixtures("no_leftovers")
 def test_hf_llama_with_lora_fa_under_dreamddp_runs_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from geotrain.data.corpus import load_corpus
     from geotrain.models.export import load_trained
 
+    tok_path, text, _ = _tokenizer_and_text(tmp_path)  # its own tokenizer, on JSON lines
     run = tmp_path / "run"
     job = ["run", "--workers", "2", "--no-netem", "--steps", "8", "--batch-size", "4", "--block-size", "32"]
+    job += ["--data", str(text), "--tokenizer", str(tok_path)]
     model = [
         "--model",
         "hf:llama",
@@ -167,7 +212,8 @@ def test_hf_llama_with_lora_fa_under_dreamddp_runs_and_exports(tmp_path):
     assert sum(sent[:4]) >= 4 * 512
     # the frozen base is the model the seed built, bitwise
     torch.manual_seed(0)
-    base = build_model(ModelSpec(model="hf:llama", model_config=LLAMA), 256, 32).state_dict()
+    corpus = load_corpus(str(text), str(tok_path))
+    base = build_model(ModelSpec(model="hf:llama", model_config=LLAMA), corpus.vocab_size, 32).state_dict()
     trained = _digest_rows(run / "checkpoint.pt")
     for name, value in base.items():
         key = name if name in trained else name.replace(".weight", ".base_layer.weight")
@@ -176,7 +222,7 @@ def test_hf_llama_with_lora_fa_under_dreamddp_runs_and_exports(tmp_path):
     _run(["export", str(run), "--to", str(out)], tmp_path)
     ours, _, _ = load_trained(run)
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
-    x = torch.randint(0, 256, (2, 32))
+    x = torch.randint(0, 400, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=x).logits, ours(x)[0], rtol=1e-5, atol=1e-5)
 

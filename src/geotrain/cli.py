@@ -341,7 +341,7 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(f"--workers plus --spares must be at most {MAX_HOSTS} (one /24 subnet)")
         # With sites, exactly their LAN rate (not through --bandwidth's printed rate).
         rates = sites.host_rates() if sites is not None else parse_bandwidths(args.bandwidth, args.workers)
-        corpus = load_corpus(cfg.data or None)
+        corpus = load_corpus(cfg.data or None, cfg.tokenizer)
         context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
         corpus.check_fits(context, args.workers)
         if args.timeout <= 0:

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from geotrain.api import Sync
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
-from geotrain.comm.guard import parse_aggregate
+from geotrain.comm.guard import GATHERED, parse_aggregate
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
@@ -52,7 +53,7 @@ from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
 from geotrain.ft.state import capture, param_digest
 from geotrain.ft.state import restore as restore_state
-from geotrain.launch.admission import Refused, prove, read_token
+from geotrain.launch.admission import Pass, Refused, eviction, prove, read_token
 from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import (
     DistContext,
@@ -122,6 +123,7 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     data: str = ""  # "": the standard library's sources
+    tokenizer: str = ""  # a tokenizers JSON (or its directory) for text --data ("": bytes)
     run_dir: str = ""  # "": write nothing
     latency_ms: float = 0.0
     link: str = "unshaped"  # a description of the links, recorded in the summary
@@ -133,6 +135,7 @@ class TrainConfig:
     hierarchy: str = "off"  # off | sites | auto: all-reduces in two levels (comm/hierarchy.py)
     slow: str = ""  # stragglers: HOST:FACTOR[;HOST:FACTOR], that host's compute FACTOR x slower
     max_norm_ratio: float = 0.0  # > 0: leave out of averages what is not finite or R x the median norm
+    max_rejections: int = 0  # > 0: a host rejected this many times in a row is dropped (continue)
     aggregate: str = "mean"  # mean | clip | trimmed:f=F | median (comm/guard.py)
     progress: bool = True
     resume: bool = False  # continue the run in run_dir from its newest restorable snapshot
@@ -200,6 +203,14 @@ class TrainConfig:
             self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
             f"--max-norm-ratio must be >= 1 (a multiple of the median norm), or 0 for off; "
             f"got {self.max_norm_ratio}",
+        )
+        need(
+            self.max_rejections >= 0,
+            f"--max-rejections must be >= 0 (0: never drop), got {self.max_rejections}",
+        )
+        need(
+            not self.max_rejections or self.max_norm_ratio > 0 or self.aggregate != "mean",
+            "--max-rejections counts what the checks reject: give --max-norm-ratio R (or an --aggregate)",
         )
         need(self.resume_step >= 0, f"--resume-step must be >= 0 (0 = the newest), got {self.resume_step}")
         need(
@@ -287,7 +298,10 @@ class TrainConfig:
         model's fp32 bytes and the slowest link (``--link-rate``)."""
         if self.timeout_s > 0:
             return self.timeout_s
-        return collective_timeout_s(4 * parameter_count(self.model_spec()), self.link_rate_bps())
+        nbytes = 4 * parameter_count(self.model_spec())
+        if parse_aggregate(self.aggregate)[0] in GATHERED:  # every contribution gathered: N - 1 copies
+            nbytes *= 4
+        return collective_timeout_s(nbytes, self.link_rate_bps())
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec(self.model, self.model_config, self.lora, self.lora_fa)
@@ -407,7 +421,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",
         "seed": "seed of the model and of each worker's data stream",
-        "data": "a folder of text files or a uint16 .bin file (empty: Python's standard library sources)",
+        "data": "a folder of text files or a uint16 .bin file (empty: Python's standard library sources); "
+        "with --tokenizer: .txt, .jsonl (a 'text' field) or .parquet files, or a folder of them",
+        "tokenizer": "a tokenizers JSON file, or a directory with tokenizer.json (a Hugging Face model's): "
+        "--data is tokenized with it once, cached next to the data (empty: bytes, vocabulary 256)",
         "threads": "torch threads per worker (0: cores / workers on this machine)",
         "timeout_s": "seconds a collective (and a membership rendezvous) may wait for the other workers "
         "before the run fails (0: twice what the slowest link, --link-rate, needs for three copies of "
@@ -421,6 +438,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "slow": "stragglers: HOST:FACTOR, ';'-separated (e.g. 1:3): that host computes FACTOR times "
         "slower (after each optimizer step it sleeps FACTOR - 1 times its compute: three times its "
         "forward's time, for forward and backward, plus the optimizer step's)",
+        "max_rejections": "with --on-failure continue (the default): a host whose contributions were "
+        "rejected this many times in a row is dropped from the run (0: never; use with 3 or more workers)",
         "max_norm_ratio": "leave out of every average (gradients, pseudo-gradients, parameters) a worker's "
         "contribution that is not finite or whose norm is more than R times the others' median; "
         "0: off (see the README: what it covers)",
@@ -518,7 +537,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if run_dir is not None and cfg.elastic:  # this host's regroup records (no launcher made it)
         (run_dir / "control").mkdir(parents=True, exist_ok=True)
 
-    corpus = load_corpus(cfg.data or None)
+    corpus = load_corpus(cfg.data or None, cfg.tokenizer)
     model = build_model(cfg.model_spec(), corpus.vocab_size, cfg.block_size or None, corpus.tokens).to(device)
     sampler = BatchSampler(corpus, model.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
     val_batches = sampler.val_batches(cfg.eval_batches)
@@ -528,7 +547,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.elastic and heartbeat is not None and ctx.world_size > 1:
         first = [] if cfg.join else list(range(ctx.world_size))  # a joiner is in no epoch yet
         membership = Membership(*heartbeat.address, ctx.rank, first, cfg.timeout_s)
-        membership.proof = heartbeat.proof
+        membership.join_request = heartbeat.join_request
         membership.snapshot_groups = cfg.redundancy != "off" and bool(cfg.keeper)
         heartbeat.membership = membership
     beyond = sorted(h for h in cfg.slow_factors() if h >= ctx.world_size)
@@ -640,6 +659,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     ]  # excluded from train_s, so evaluation frequency does not change time-to-loss
     start = time.perf_counter() - progress0["wall_s"]
     faults = [f for f in parse_chaos(cfg.chaos) if not f.timed]
+    token, evicted = read_token(cfg.token_file), set()  # --max-rejections: signed requests to drop
     keeper_pid = keeper.pid() if keeper is not None and any(f.kind == "kill-host" for f in faults) else 0
 
     def take_snapshot(step: int, final: bool = False) -> None:
@@ -680,6 +700,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
             raise MembershipChanged("a joiner is admitted")
+        optimizer.zero_grad(set_to_none=True)  # a step redone after a failure starts clean
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
         for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution
@@ -904,6 +925,23 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             eval_s += time.perf_counter() - t_eval
         writer.write(record)
         records.append(record)
+        if cfg.max_rejections and membership is not None:
+            for h, in_a_row in comm.rejected_in_a_row.items():
+                if (
+                    in_a_row >= cfg.max_rejections
+                    and h != host
+                    and h in membership.members
+                    and (h, membership.epoch) not in evicted
+                ):
+                    # Every honest member asks (the same signed request): the coordinator drops it.
+                    print(
+                        f"geotrain: host {h}'s contributions were rejected {in_a_row} times in a row "
+                        f"(--max-rejections {cfg.max_rejections}): asking to drop it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    membership.evict(h, eviction(token, h, host, membership.epoch))
+                    evicted.add((h, membership.epoch))  # asked again in a later epoch if still there
         if faults:
             fire_at_step(
                 faults, step, host, keeper_pid, snap_dir, run_dir / "control" if run_dir else None,
@@ -1197,13 +1235,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         cfg = replace(cfg, timeout_s=cfg.collective_timeout_s())
         try:
-            proof = _admit(cfg)
+            admitted = _admit(cfg)
         except Refused as e:
             print(f"geotrain train: error: {e}", file=sys.stderr)
             return 2
         if cfg.spare:
             try:
-                cfg = take_a_place(cfg, proof)
+                cfg = take_a_place(cfg, admitted)
             except RunFinished as e:  # not needed: nothing to do, and nothing went wrong
                 print(f"geotrain: {e}", file=sys.stderr)
                 return 0
@@ -1220,8 +1258,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geotrain train: {'' if cfg.spare else 'error: '}{e}", file=sys.stderr)
         return 0 if cfg.spare else 1
     heartbeat = Heartbeat(cfg.heartbeat) if cfg.heartbeat else None
-    if heartbeat is not None:
-        heartbeat.proof = proof
+    if heartbeat is not None and admitted is not None:  # a joiner's request, signed with its pass
+        heartbeat.join_request = admitted.sign(read_token(cfg.token_file), "join", heartbeat.host)
     code = 1
     try:
         code = _main(cfg, heartbeat, hosts)
@@ -1230,15 +1268,15 @@ def main(argv: list[str] | None = None) -> int:
         _leave(cfg, heartbeat, code)
 
 
-def _admit(cfg: TrainConfig) -> int:
+def _admit(cfg: TrainConfig) -> Pass | None:
     """Prove to the run's coordinator (or broker) that this worker holds the run token, before
-    anything else; returns the proof's number (0: no coordinator to prove it to)."""
+    anything else; returns its pass (None: no coordinator to prove it to)."""
     if cfg.broker:
         where = broker_address(cfg.broker, 0 if cfg.spare else cfg.host)
     elif cfg.heartbeat:
         where = cfg.heartbeat.rsplit(":", 2)[0]
     else:
-        return 0
+        return None
     addr, port = where.rsplit(":", 1)
     try:
         token = read_token(cfg.token_file)
@@ -1253,7 +1291,7 @@ def _admit(cfg: TrainConfig) -> int:
     return prove(store, token, cfg.host if cfg.broker or cfg.spare else int(cfg.heartbeat.rsplit(":", 1)[1]))
 
 
-def take_a_place(cfg: TrainConfig, proof: int = 0) -> TrainConfig:
+def take_a_place(cfg: TrainConfig, admitted: Pass | None = None) -> TrainConfig:
     """A spare (``--spare``): wait in the backup pool of the coordinator (``--heartbeat``, set by
     the launcher) or broker (``--broker``) until it gives this process a lost host's place, and
     return the config of that host's replacement (``--join`` as that host, its keeper)."""
@@ -1267,7 +1305,11 @@ def take_a_place(cfg: TrainConfig, proof: int = 0) -> TrainConfig:
     name = f"spare {label}" if int(label) >= 0 else "spare"
     print(f"geotrain: {name} waits in the backup pool at {addr}:{port}", file=sys.stderr, flush=True)
     host = wait_for_vacancy(
-        addr, int(port), int(label), timeout_s=max(30.0, cfg.fault_timeout_s * 3), proof=proof
+        addr,
+        int(port),
+        int(label),
+        timeout_s=max(30.0, cfg.fault_timeout_s * 3),
+        sign=None if admitted is None else partial(admitted.sign, read_token(cfg.token_file), "spare"),
     )
     print(f"geotrain: {name} takes the place of host {host}", file=sys.stderr, flush=True)
     return replace(

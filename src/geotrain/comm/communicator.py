@@ -271,6 +271,7 @@ class Communicator:
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self._kept: list[bool] = []  # the last check's verdict, by rank
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
+        self.rejected_in_a_row: dict[int, int] = {}  # by host: since its last kept contribution
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
         self.rebind(self.group)
@@ -359,7 +360,8 @@ class Communicator:
         # A mean, or a sum whose caller divides by the weights it sums too (``screen``).
         guarded = (op == "mean" or screen) and tensor.is_floating_point()
         if guarded and self.corrupt_next:
-            corrupt_(tensor, self.corrupt_next)
+            # A weighted sum's last value is its weight (sync/base.py's InFlight): the message is spoiled
+            corrupt_(tensor.view(-1)[:-1] if screen and op == "sum" else tensor, self.corrupt_next)
             self.corrupt_next = ""
         robust = self._aggregate in GATHERED and op == "mean"
         checked = self.max_norm_ratio > 0 or self._aggregate != "mean"
@@ -423,9 +425,12 @@ class Communicator:
         self._kept = verdict.kept
         members = getattr(self.membership, "members", None)
         for r, kept in enumerate(verdict.kept):
-            if not kept:  # by host where hosts are known (ranks change at a regroup)
-                host = members[r] if members and len(members) == self.world_size else r
+            # by host where hosts are known (ranks change at a regroup)
+            host = members[r] if members and len(members) == self.world_size else r
+            if not kept:
                 self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
+            # Rejections in a row (every worker counts the same): --max-rejections drops the host.
+            self.rejected_in_a_row[host] = 0 if kept else self.rejected_in_a_row.get(host, 0) + 1
         if verdict.count == 0:
             return 0
         if self._aggregate == "clip" and verdict.kept[self.rank]:
@@ -476,7 +481,7 @@ class Communicator:
         self.stats.payload_bytes += nbytes
         self.stats.sent_bytes += (self.world_size - 1) * nbytes
         self.stats.recv_bytes += (self.world_size - 1) * nbytes
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
         work = dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group, async_op=True)
         handle = Handle(self, work, out, 1, launched, "all-gather", nbytes)
         return handle if async_op else handle.wait()

@@ -86,8 +86,19 @@ def _cached_bytes(key: str, build) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def load_corpus(data: str | None = None) -> TokenCorpus:
-    """The corpus named by ``--data`` (None: the standard library's sources)."""
+def load_corpus(data: str | None = None, tokenizer: str = "") -> TokenCorpus:
+    """The corpus named by ``--data`` (None: the standard library's sources), tokenized with
+    ``--tokenizer`` where one is given (``data/tokenize.py``; bytes otherwise)."""
+    if tokenizer:
+        from geotrain.data.tokenize import tokenized, vocab_size
+
+        if data is None:
+            raise DataError("--tokenizer needs --data: the text files to tokenize")
+        corpus = _load_bin(tokenized(data, tokenizer))
+        vocab = vocab_size(tokenizer)
+        corpus.tokens = vocab  # any id the tokenizer can give, which a model must cover
+        corpus.vocab_size = _round_vocab(vocab)
+        return corpus
     if data is None:
         # Keyed by the interpreter and where its library lies, not by listing it: the walk takes
         # 0.8 s, and every worker of every run loads the corpus.
@@ -105,7 +116,10 @@ def load_corpus(data: str | None = None) -> TokenCorpus:
     if path.is_file() and path.suffix == ".bin":
         return _load_bin(path)
     if path.is_file():
-        raise DataError(f"--data {data}: a file must be uint16 tokens named *.bin; pass a folder for text")
+        raise DataError(
+            f"--data {data}: a file must be uint16 tokens named *.bin; pass a folder for text, or "
+            "--tokenizer PATH to tokenize .txt, .jsonl or .parquet files"
+        )
     files = _text_files(path)
     stat = [f.stat() for f in files]
     key = (
@@ -120,14 +134,17 @@ def load_corpus(data: str | None = None) -> TokenCorpus:
 
 
 def _load_bin(path: Path) -> TokenCorpus:
-    if path.stat().st_size < 2:
+    width, dtype = (4, np.uint32) if path.name.endswith(".u32.bin") else (2, np.uint16)
+    if path.stat().st_size < width:
         raise DataError(f"--data {path}: the file is empty")
-    if path.stat().st_size % 2:
-        raise DataError(f"--data {path}: size is odd, so it is not uint16 tokens")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if path.stat().st_size % width:
+        raise DataError(
+            f"--data {path}: its size is not a multiple of {width}, so it is not {dtype.__name__} tokens"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     pair = path.with_name("val.bin") if path.name == "train.bin" else None
     if pair is not None and pair.exists() and pair.stat().st_size >= 2:
-        val = np.memmap(pair, dtype=np.uint16, mode="r")
+        val = np.memmap(pair, dtype=dtype, mode="r")
         vocab = int(max(tokens.max(), val.max())) + 1
         return TokenCorpus(tokens, val, _round_vocab(vocab), str(path), vocab)
     corpus = _split(tokens, _round_vocab(int(tokens.max()) + 1), str(path))

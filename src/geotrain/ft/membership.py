@@ -103,7 +103,7 @@ class Membership:
         period: int | Callable[[], int] = 1,
     ) -> None:
         self.host = host
-        self.proof = 0  # this worker's proof of the run token, given with a join request
+        self.join_request = ""  # its signed request to join (launch/admission.py's Pass.sign)
         self.epoch = 0
         self.members = list(members)
         self.timeout_s = timeout_s
@@ -143,6 +143,13 @@ class Membership:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+
+    def evict(self, host: int, signature: str) -> None:
+        """Ask the coordinator to drop ``host`` from the run (its contributions were rejected
+        ``--max-rejections`` times in a row). ``signature`` proves the asker holds the run token
+        and is good for this epoch only (``launch/admission.py``); the coordinator drops the host
+        when most of the other members ask."""
+        self.store().set(f"evict/{host}/{self.host}", signature)
 
     def changed(self) -> bool:
         """Members were lost since this worker's epoch began: abandon what waits on them."""
@@ -218,7 +225,7 @@ class Membership:
         what it waits for."""
         store = self.store()
         self.epoch = self.published = self.published_leave = int(store.add("epoch", 0))
-        store.set(f"join/{self.host}", str(self.proof))  # the number of its proof of the run token
+        store.set(f"join/{self.host}", self.join_request)  # signed with its proof of the run token
 
     def finish(self, stopped: bool = False) -> None:
         """This member has left its training loop: a joiner still waiting will not be admitted.
@@ -345,7 +352,9 @@ def first_hosts(addr: str, port: int, timeout_s: float = 30.0) -> tuple[int, int
     return len(parse_members(store.get("members/0").decode())), newest, members
 
 
-def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0, proof: int = 0) -> int:
+def wait_for_vacancy(
+    addr: str, port: int, label: int, timeout_s: float = 30.0, sign: Callable[[int], str] | None = None
+) -> int:
     """A spare in the backup pool (``--spare``; FusionAI's backup providers): register, beat
     under ``poolhb/{i}`` and wait until the coordinator gives it the place of a lost host
     (``assign/{i}``); returns that host. ``label`` names this machine in the coordinator's record
@@ -363,7 +372,8 @@ def wait_for_vacancy(addr: str, port: int, label: int, timeout_s: float = 30.0, 
                 me = int(store.add("spares", 1))
             if not store.check([f"spare/{me}"]):  # first, or a restarted coordinator's fresh store
                 store.add("spares", max(0, me - int(store.add("spares", 0))))
-                store.set(f"sparepass/{me}", str(proof))  # its proof of the run token (admission.py)
+                if sign is not None:  # its registration, signed with its proof of the run token
+                    store.set(f"sparepass/{me}", sign(me))
                 store.set(f"spare/{me}", str(label if label >= 0 else me))
             store.add(f"poolhb/{me}", 1)
             if store.check([f"assign/{me}"]):

@@ -38,7 +38,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from geotrain.launch.admission import TOKEN_ENV, Door, read_token
+from geotrain.launch.admission import TOKEN_ENV, Door, check_eviction, read_token
 
 BEAT_S = 0.5  # a trainer's heartbeat period
 EPOCH_POLL_S = 0.1  # how often an elastic trainer asks for the newest epoch
@@ -219,7 +219,9 @@ class Pool:
         if self.door is None or not self.door.token:
             return True
         key = f"sparepass/{i}"
-        return self.store.check([key]) and self.door.proven(int(self.store.get(key)))
+        if not self.store.check([key]):
+            return False
+        return self.door.signed("spare", self.store.get(key).decode(errors="replace"), i) is not None
 
     def _label(self, i: int) -> int:
         return int(self.store.get(f"spare/{i}")) if self.store.check([f"spare/{i}"]) else i
@@ -298,11 +300,25 @@ def serve(
             for h in dead:  # a joiner that died before its request was taken
                 store.delete_key(f"join/{h}")
                 pool.release(h)  # type: ignore[union-attr]
+            for h in list(epochs.live):  # --max-rejections: most other members ask to drop it
+                askers = [
+                    m
+                    for m in epochs.live
+                    if m != h
+                    and store.check([f"evict/{h}/{m}"])
+                    and check_eviction(
+                        token, h, m, epochs.epoch, store.get(f"evict/{h}/{m}").decode(errors="replace")
+                    )
+                ]
+                if askers and 2 * len(askers) > len(epochs.live) - 1:
+                    door.record({"host": h, "evicted": True, "askers": askers, "epoch": epochs.epoch})
+                    reported.add(h)
+                    epochs.leave({h}, "rejected")
             for h in range(hosts):
                 if h not in epochs.live and store.check([f"join/{h}"]) and not store.check(["finished"]):
-                    request = store.get(f"join/{h}").decode()
+                    request = store.get(f"join/{h}").decode(errors="replace")
                     store.delete_key(f"join/{h}")
-                    if not door.use(int(request) if request.isdigit() else -1):
+                    if not door.use(request, h):
                         door.record({"host": h, "join_refused": request})
                         continue  # a request without a proof of the token (or one used before)
                     # Watched afresh: its beats restart from where its predecessor's stopped.
@@ -363,7 +379,7 @@ class Heartbeat:
         self.host = int(host)
         self.address = (addr, int(port))
         self.membership = None  # a Membership whose ``published`` this thread keeps current
-        self.proof = 0  # the number of this trainer's proof of the run token (launch/admission.py)
+        self.join_request = ""  # a joiner's request to be admitted, signed (launch/admission.py)
         self._where, self._key = (addr, int(port)), f"hb/{attempt}/{host}"
         self._stop = threading.Event()
         self._failed = self._silent = False
@@ -483,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart", action="store_true", help="take over from a coordinator that died")
     p.add_argument("--listen-fd", dest="listen_fd", type=int, default=None, help="a bound, listening socket")
     args = p.parse_args(argv)
-    token = os.environ.get(TOKEN_ENV, "")  # the launcher's, never on a command line
+    token = read_token()  # the launcher's, in the environment, never on a command line
     control = Path(args.control_dir)
     serve(
         control, args.hosts, args.fault_timeout, args.bind, args.port, args.elastic, token=token,

@@ -37,7 +37,7 @@ from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
-from geotrain.launch.admission import TOKEN_ENV, write_token
+from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
@@ -641,7 +641,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     run_dir = launch.run_dir
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not launch.token:  # the user's $GEOTRAIN_TOKEN, else one of this run's own (kept for a resume)
-        launch = replace(launch, token=os.environ.get(TOKEN_ENV, "") or write_token(run_dir / "token"))
+        launch = replace(launch, token=read_token(train_cfg.token_file) or write_token(run_dir / "token"))
     mode, cluster, reason = "loopback", None, None
     if launch.netem and launch.rates_bps is not None:
         reason = netem_unavailable_reason()

@@ -90,7 +90,7 @@ def model_context(spec: ModelSpec, vocab_size: int, block_size: int | None, toke
     config is read (and refused here, in the launcher, if it cannot be used), and LoRA's targets
     are looked for in the model built on the meta device (no memory, no weights read)."""
     if spec.lora:
-        check_lora(spec, vocab_size)
+        check_lora(spec, vocab_size, tokens)
     if is_hf(spec.model):
         from geotrain.models.hf import context_of, hf_config
 
@@ -101,24 +101,24 @@ def model_context(spec: ModelSpec, vocab_size: int, block_size: int | None, toke
     return block_size or spec.gpt_config(vocab_size, None).block_size
 
 
-def _meta_model(spec: ModelSpec, vocab_size: int) -> nn.Module:
+def _meta_model(spec: ModelSpec, vocab_size: int, tokens: int | None = None) -> nn.Module:
     """The model's shape on the meta device: from its config only (no weights read, no memory)."""
     if is_hf(spec.model):
         from geotrain.models.hf import CausalLM, _transformers, hf_config
 
-        config = hf_config(spec.model, spec.overrides, vocab_size, None)
+        config = hf_config(spec.model, spec.overrides, vocab_size, None, tokens)
         with torch.device("meta"):
             return CausalLM(_transformers().AutoModelForCausalLM.from_config(config), 1)
     with torch.device("meta"):
         return GPT(spec.gpt_config(vocab_size, None))
 
 
-def check_lora(spec: ModelSpec, vocab_size: int = 256) -> None:
+def check_lora(spec: ModelSpec, vocab_size: int = 256, tokens: int | None = None) -> None:
     """Refuse LoRA targets the model does not have, before any worker starts."""
     from geotrain.models.hf import apply_lora
 
     with torch.device("meta"):
-        apply_lora(_meta_model(spec, vocab_size), LoraSpec.parse(spec.lora, spec.lora_fa))
+        apply_lora(_meta_model(spec, vocab_size, tokens), LoraSpec.parse(spec.lora, spec.lora_fa))
 
 
 def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:

@@ -96,7 +96,11 @@ class CausalLM(nn.Module):
 
 
 def _check_overrides(config_class, overrides: dict[str, Any], spec: str) -> None:
+    import inspect
+
     known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    known |= set(inspect.signature(config_class.__init__).parameters) - {"self", "kwargs"}
+    known |= {"attn_implementation", "rope_theta", "rope_scaling", "sliding_window"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ModelError(
