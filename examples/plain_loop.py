@@ -46,11 +46,9 @@ def main() -> None:
         options["fragments"] = 2  # this model has two layers with parameters
     if args.algo == "sparseloco":
         options |= {"chunk": 64, "k": 8}  # its default chunk is larger than this model
-    profile = None
-    if args.algo == "dreamddp":  # it plans its layer schedule from a profile of a few steps
-        fixed = batch()
-        profile = lambda: nn.functional.mse_loss(model(fixed[0]), fixed[1])  # noqa: E731
-    sync = geotrain.wrap(model, optimizer, algo=args.algo, profile=profile, **options)
+    # dreamddp plans its layer schedule from the first steps of this loop, timed as they run
+    # (or pass plan="plan.json" from `geotrain plan`, or profile=a function returning a loss).
+    sync = geotrain.wrap(model, optimizer, algo=args.algo, **options)
 
     for _ in range(args.steps):
         x, y = batch()

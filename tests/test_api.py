@@ -49,7 +49,7 @@ def _train(sync, rank: int, steps: range) -> list[bool]:
         ({"algo": "diloco", "tau": 2}, "diloco does not take tau; it takes: H, outer_lr, outer_momentum"),
         ({"algo": "diloco", "H": 0}, "H (inner steps between outer steps) must be an integer >= 1"),
         ({"algo": "diloco", "compress": "int3"}, "int3"),
-        ({"algo": "dreamddp"}, "dreamddp needs its schedule: pass plan='plan.json'"),
+        ({"algo": "dreamddp", "H": 0}, "H (the schedule's period in iterations) must be an integer >= 1"),
         ({"algo": "ssgd", "H": 4}, "ssgd does not take H"),
     ],
 )
@@ -135,7 +135,41 @@ def test_on_a_real_group_local_sgd_averages_every_h_steps_and_counts_its_bytes()
     assert ranks[0]["stats"]["calls"] == 2
 
 
-@pytest.mark.parametrize("algo", ["diloco", "dreamddp"])  # dreamddp profiles and plans at the wrap
+def _dreamddp_planning_from_its_first_steps(rank: int, world_size: int) -> dict:
+    model, opt = _model_and_optimizer()
+    sync = geotrain.wrap(model, opt, algo="dreamddp", H=2)  # no plan, no loss function
+    synced, equal_after = [], []
+    for step in range(8):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(8, 4, generator=gen)
+        (sync.model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean().backward()
+        synced.append(sync.step())
+        sync.zero_grad()
+        equal_after.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    schedule = sync.algorithm.schedule
+    sync.finish()
+    return {
+        "synced": synced,
+        "after": equal_after,
+        "H": schedule.H,
+        "observed": sync.algorithm.profile["observed_steps"],
+        "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
+
+
+def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them():
+    """wrap(algo="dreamddp") with neither plan= nor profile=: the first 4 steps are timed as the
+    loop runs them, each averaging every layer (the replicas stay equal), then the schedule is
+    planned from the 3 after the warm-up and the loop goes on with it; finish() leaves one model."""
+    ranks = run_workers(_dreamddp_planning_from_its_first_steps, 2)
+    for r in ranks:
+        assert r["synced"][:4] == [True] * 4 and r["H"] == 2 and r["observed"] == 3
+    for step in range(4):
+        assert torch.equal(ranks[0]["after"][step], ranks[1]["after"][step])
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+@pytest.mark.parametrize("algo", ["diloco", "dreamddp"])  # dreamddp plans from its first steps
 def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "plain_loop.py"), "--algo", algo, "--H", "5", "--steps", "20"]

@@ -145,9 +145,10 @@ def wrap(
     """Wrap ``model`` and ``optimizer`` (neither is changed or subclassed) in ``algo``, one of
     ``geotrain.sync.ALGORITHMS``, over ``group`` (default: the default process group; without
     one initialised, a world of one that moves nothing). Every worker starts from rank 0's
-    parameters. ``options`` are the algorithm's (``accepted_options(algo)``); ``dreamddp``
-    needs ``plan=`` (a file from ``geotrain plan``) or ``profile=``, a function that computes a
-    training loss on a batch, called a few times here to profile the model and the link.
+    parameters. ``options`` are the algorithm's (``accepted_options(algo)``); ``dreamddp`` takes
+    ``plan=`` (a file from ``geotrain plan``), or ``profile=``, a function that computes a
+    training loss on a batch, called a few times here to profile the model and the link; with
+    neither it times the loop's first steps (synchronous ones) and plans from them.
     ``max_norm_ratio`` R > 0 leaves out of every average a worker's contribution that is not
     finite or whose norm is more than R times the others' median, and ``aggregate="clip"`` scales
     each one down to the median norm (``geotrain.comm.guard``)."""
@@ -163,11 +164,6 @@ def wrap(
         raise ConfigError(
             f"{algo} does not take {', '.join(unknown)}; it takes: {', '.join(accepted) or 'no options'}"
         )
-    if algo == "dreamddp" and not options.get("plan") and profile is None:
-        raise ConfigError(
-            "dreamddp needs its schedule: pass plan='plan.json' (from `geotrain plan`) or "
-            "profile=a function returning a training loss, to profile and plan here"
-        )
     config = sync_config(algo, {ALIASES.get(k, k): v for k, v in options.items()})
     try:
         comm = Communicator(group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate)
@@ -176,4 +172,6 @@ def wrap(
     algorithm = ALGORITHMS[algo][0](model, optimizer, comm, config)
     if profile is not None:
         algorithm.prepare(profile)
+    elif algo == "dreamddp" and not options.get("plan"):
+        algorithm.observe()  # plans from the first steps of the loop itself
     return Sync(algorithm, optimizer)

@@ -217,27 +217,9 @@ def build_profile(
     """The whole profile, identical on every worker (times averaged over workers)."""
     started = time.perf_counter()
     local = profile_compute(model, layers, loss_fn, optimizer, reps)
-    names = [layer.name for layer in layers]
-    by_name = {layer.name: layer for layer in layers}
-    # Every worker adopts rank 0's measured backward order, then times are averaged in that order.
-    order = local["order"]
-    if comm.world_size > 1:
-        index = torch.tensor([names.index(n) for n in order], dtype=torch.int64)
-        comm.broadcast(index, src=0)
-        order = [names[i] for i in index.tolist()]
-    scalars = [local["backward_s"][n] for n in order] + [
-        local["forward_s"],
-        local["optimizer_s"],
-        local["backward_total_s"],
-        local["backward_cv"],
-    ]
-    averaged = comm.mean_scalars(scalars)
+    order, averaged, link = _shared(local, layers, comm)
     n = len(order)
-    link = (
-        profile_link(comm, probe_sizes(layers))
-        if comm.world_size > 1
-        else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
-    )
+    by_name = {layer.name: layer for layer in layers}
     interference, slowdown, extra = 0.0, 1.0, 0.0
     # Off by default: with it on, a worker aborted at exit ("terminate called without an active
     # exception") in CI runs; until that is understood, profiles assume no contention.
@@ -286,6 +268,129 @@ def build_profile(
         "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
         "profile_s": time.perf_counter() - started,
     }
+
+
+def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
+    """Rank 0's backward order, every time averaged over workers in it, and the link's fit."""
+    names = [layer.name for layer in layers]
+    # Every worker adopts rank 0's measured backward order, then times are averaged in that order.
+    order = local["order"]
+    if comm.world_size > 1:
+        index = torch.tensor([names.index(n) for n in order], dtype=torch.int64)
+        comm.broadcast(index, src=0)
+        order = [names[i] for i in index.tolist()]
+    scalars = [local["backward_s"][n] for n in order] + [
+        local["forward_s"],
+        local["optimizer_s"],
+        local["backward_total_s"],
+        local["backward_cv"],
+    ]
+    averaged = comm.mean_scalars(scalars)
+    link = (
+        profile_link(comm, probe_sizes(layers))
+        if comm.world_size > 1
+        else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
+    )
+    return order, averaged, link
+
+
+class StepObserver:
+    """What ``profile_compute`` measures by calling a loss function, taken from the training
+    loop's own steps instead (``geotrain.wrap`` without a plan or ``profile=``): hooks time each
+    step's forward and the moment each layer's gradient is complete, and the caller marks the
+    optimizer update around it. The first step observed is a warm-up."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer]) -> None:
+        self.layers = layers
+        owner = {id(p): i for i, layer in enumerate(layers) for p in layer.params}
+        self._done: dict[int, float] = {}
+        self._forward = (0.0, 0.0)
+        self._update_start = 0.0
+        self.steps: list[dict[str, Any]] = []
+
+        def on_grad(p: torch.Tensor) -> None:
+            self._done[owner[id(p)]] = time.perf_counter()
+
+        def started(module, args) -> None:
+            if module.training:
+                self._forward = (time.perf_counter(), 0.0)
+                self._done.clear()
+
+        def ended(module, args, output) -> None:
+            if module.training:
+                self._forward = (self._forward[0], time.perf_counter())
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params
+        ]
+        self._hooks += [model.register_forward_pre_hook(started), model.register_forward_hook(ended)]
+
+    def update_starts(self) -> None:
+        self._update_start = time.perf_counter()
+
+    def update_ended(self) -> None:
+        t0, t1 = self._forward
+        done = dict(self._done)
+        if t1 and len(done) == len(self.layers):  # a whole step seen (every layer had a gradient)
+            order = sorted(done, key=done.get)
+            backward, previous = {}, t1
+            for i in order:
+                backward[i], previous = done[i] - previous, done[i]
+            self.steps.append(
+                {
+                    "order": order,
+                    "forward_s": t1 - t0,
+                    "backward": backward,
+                    "backward_total_s": previous - t1,
+                    "optimizer_s": time.perf_counter() - self._update_start,
+                }
+            )
+        self._done.clear()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def profile(self, comm: Communicator, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The profile of the steps observed (the first left out), as ``build_profile`` makes
+        it; collective: every worker calls it after the same steps."""
+        timed = self.steps[1:] or self.steps
+        if not timed:
+            raise ValueError("no whole training step was observed: every layer needs a gradient")
+        totals = [s["backward_total_s"] for s in timed]
+        local = {
+            "order": [self.layers[i].name for i in timed[-1]["order"]],
+            "backward_s": {
+                self.layers[i].name: statistics.fmean(s["backward"][i] for s in timed)
+                for i in range(len(self.layers))
+            },
+            "forward_s": statistics.fmean(s["forward_s"] for s in timed),
+            "backward_total_s": statistics.fmean(totals),
+            "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
+            "optimizer_s": statistics.fmean(s["optimizer_s"] for s in timed),
+        }
+        order, averaged, link = _shared(local, self.layers, comm)
+        n = len(order)
+        by_name = {layer.name: layer for layer in self.layers}
+        return {
+            "version": PROFILE_VERSION,
+            **(meta or {}),
+            "workers": comm.world_size,
+            "layers": [
+                {"name": name, "bytes": by_name[name].nbytes, "backward_s": averaged[i]}
+                for i, name in enumerate(order)
+            ],
+            "forward_s": averaged[n],
+            "optimizer_s": averaged[n + 1],
+            "backward_total_s": averaged[n + 2],
+            "interference_s_per_byte": 0.0,
+            "comm_slowdown_in_backward": 1.0,
+            "contention_measured": False,
+            "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
+            "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
+            "observed_steps": len(timed),
+        }
 
 
 def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkModel]:

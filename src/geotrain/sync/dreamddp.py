@@ -36,11 +36,12 @@ from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.compress.codec import ConfigError
 from geotrain.plan.cost import predict_schedule
 from geotrain.plan.layers import layer_groups, order_layers
-from geotrain.plan.profile import build_profile, models_from_profile
+from geotrain.plan.profile import StepObserver, build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
 
 REPLAN_AFTER_PERIODS = 2  # periods in a row that must drift before a re-plan
+OBSERVED_STEPS = 3  # steps timed for the plan when no loss function is given (after a warm-up)
 
 
 @dataclass
@@ -90,6 +91,8 @@ class DreamDDP(SyncAlgorithm):
         self._inflight: dict[int, Any] = {}
         self._profiling = False
         self._profile_fn: Callable[[], torch.Tensor] | None = None
+        self._observer: StepObserver | None = None  # timing the first steps (observe())
+        self._observe_left = 0
         # Iteration time runs from forward to the end of the step: evaluation or logging between
         # steps is not drift.
         self._iteration_start = 0.0
@@ -128,6 +131,15 @@ class DreamDDP(SyncAlgorithm):
         if self.schedule is None:
             self._replan()
 
+    def observe(self, steps: int = OBSERVED_STEPS) -> None:
+        """No plan and no loss function to profile with (``geotrain.wrap`` without either): the
+        first ``steps`` + 1 training steps are timed as they run (``StepObserver``), every layer
+        averaged at each of them so that no replica drifts meanwhile, and the schedule is
+        planned from what they measured."""
+        if self.schedule is None:
+            self._observer = StepObserver(self.module, self.layers)
+            self._observe_left = steps + 1  # the first is a warm-up
+
     def _replan(self) -> None:
         assert self._profile_fn is not None
         self._profiling = True
@@ -135,6 +147,9 @@ class DreamDDP(SyncAlgorithm):
             profile = build_profile(self.module, self.layers, self._profile_fn, self.optimizer, self.comm)
         finally:
             self._profiling = False
+        self._plan_from(profile)
+
+    def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
         H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(compute, link, H, fill_in=self.config.fill_in)
@@ -191,6 +206,9 @@ class DreamDDP(SyncAlgorithm):
         self._inflight[i] = self.comm.all_reduce(flatten(params), op="mean", async_op=True)
 
     def before_step(self) -> None:
+        if self.schedule is None and self._observer is not None:
+            self._observer.update_starts()
+            return
         if self.schedule is None:
             raise RuntimeError("dreamddp has no schedule: call prepare() or give a plan")
         for i in sorted(self._active - set(self._inflight)):  # layers whose gradient never came
@@ -207,6 +225,8 @@ class DreamDDP(SyncAlgorithm):
         self._inflight = {}  # free the send buffers now, not at the next iteration
 
     def after_step(self) -> bool:
+        if self.schedule is None and self._observer is not None:
+            return self._observed_step()
         super().after_step()
         self._period_s += time.perf_counter() - self._iteration_start
         synced = bool(self._active)
@@ -215,6 +235,26 @@ class DreamDDP(SyncAlgorithm):
             self._end_period()
         self._begin_iteration()
         return synced
+
+    def _observed_step(self) -> bool:
+        """A step timed for the plan: every layer averaged (a synchronous step, so nothing
+        drifts), and after the last one the schedule is planned from the steps seen."""
+        assert self._observer is not None
+        self._observer.update_ended()
+        SyncAlgorithm.after_step(self)
+        reduce_tensors(self.comm, [p.data for p in self.parameters()])
+        with torch.no_grad():  # with a codec, changes are sent from the averaged values on
+            for layer in self.layers:
+                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
+                    ref.copy_(p)
+        self.syncs += 1
+        self._observe_left -= 1
+        if self._observe_left <= 0:
+            self._observer.close()
+            profile, self._observer = self._observer.profile(self.comm), None
+            self._plan_from(profile)
+            self.profile = profile
+        return True
 
     def _end_period(self) -> None:
         measured = self._period_s / self.schedule.H
@@ -250,6 +290,8 @@ class DreamDDP(SyncAlgorithm):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._observer is not None:
+            self._observer.close()
 
     def default_snapshot_every(self) -> int:
         return self.config.H  # each sync boundary, where the replicas share the most
