@@ -219,7 +219,6 @@ def build_profile(
     local = profile_compute(model, layers, loss_fn, optimizer, reps)
     order, averaged, link = _shared(local, layers, comm)
     n = len(order)
-    by_name = {layer.name: layer for layer in layers}
     interference, slowdown, extra = 0.0, 1.0, 0.0
     # Off by default: with it on, a worker aborted at exit ("terminate called without an active
     # exception") in CI runs; until that is understood, profiles assume no contention.
@@ -246,6 +245,19 @@ def build_profile(
         sent_in_backward = count * message * min(1.0, contended / comm_s)
         # below the run-to-run noise it is no measurement: charge nothing
         interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
+    profile = _profile(order, averaged, link, layers, comm, meta)
+    profile["interference_s_per_byte"] = interference
+    profile["comm_slowdown_in_backward"] = slowdown
+    profile["contention_measured"] = bool(contention and comm.world_size > 1)
+    profile["spread"]["interference_extra_backward_s"] = extra
+    profile["profile_s"] = time.perf_counter() - started
+    return profile
+
+
+def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, meta) -> dict[str, Any]:
+    """The profile's fields from ``_shared``'s results, as if nothing contended."""
+    n = len(order)
+    by_name = {layer.name: layer for layer in layers}
     return {
         "version": PROFILE_VERSION,
         **(meta or {}),
@@ -257,16 +269,11 @@ def build_profile(
         "forward_s": averaged[n],
         "optimizer_s": averaged[n + 1],
         "backward_total_s": averaged[n + 2],
-        "interference_s_per_byte": interference,
-        "comm_slowdown_in_backward": slowdown,
-        "contention_measured": bool(contention and comm.world_size > 1),
-        "spread": {
-            "backward_cv": averaged[n + 3],
-            "link_max_rel_residual": link["max_rel_residual"],
-            "interference_extra_backward_s": extra,
-        },
+        "interference_s_per_byte": 0.0,
+        "comm_slowdown_in_backward": 1.0,
+        "contention_measured": False,
+        "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
         "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
-        "profile_s": time.perf_counter() - started,
     }
 
 
@@ -371,26 +378,7 @@ class StepObserver:
             "optimizer_s": statistics.fmean(s["optimizer_s"] for s in timed),
         }
         order, averaged, link = _shared(local, self.layers, comm)
-        n = len(order)
-        by_name = {layer.name: layer for layer in self.layers}
-        return {
-            "version": PROFILE_VERSION,
-            **(meta or {}),
-            "workers": comm.world_size,
-            "layers": [
-                {"name": name, "bytes": by_name[name].nbytes, "backward_s": averaged[i]}
-                for i, name in enumerate(order)
-            ],
-            "forward_s": averaged[n],
-            "optimizer_s": averaged[n + 1],
-            "backward_total_s": averaged[n + 2],
-            "interference_s_per_byte": 0.0,
-            "comm_slowdown_in_backward": 1.0,
-            "contention_measured": False,
-            "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
-            "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
-            "observed_steps": len(timed),
-        }
+        return {**_profile(order, averaged, link, self.layers, comm, meta), "observed_steps": len(timed)}
 
 
 def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkModel]:
