@@ -201,7 +201,7 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     cmd += ["--max-norm-ratio", "10", "--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
     proc = subprocess.run([*cmd, "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "host 2's contributions were rejected 2 times in a row" in proc.stderr
+    assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
     epochs = read_jsonl(run / "control" / "epochs.jsonl")
     assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
     summary = json.loads((run / "summary.json").read_text())

@@ -659,7 +659,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     ]  # excluded from train_s, so evaluation frequency does not change time-to-loss
     start = time.perf_counter() - progress0["wall_s"]
     faults = [f for f in parse_chaos(cfg.chaos) if not f.timed]
-    token, evicted = read_token(cfg.token_file), set()  # --max-rejections: signed requests to drop
+    token = read_token(cfg.token_file)  # --max-rejections: signed requests to drop a host
+    in_a_row: dict[int, int] = {}  # by host: steps whose contribution the checks rejected
+    counted_in = [0]  # the membership epoch in_a_row counts in
     keeper_pid = keeper.pid() if keeper is not None and any(f.kind == "kill-host" for f in faults) else 0
 
     def take_snapshot(step: int, final: bool = False) -> None:
@@ -926,22 +928,28 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         writer.write(record)
         records.append(record)
         if cfg.max_rejections and membership is not None:
-            for h, in_a_row in comm.rejected_in_a_row.items():
-                if (
-                    in_a_row >= cfg.max_rejections
-                    and h != host
-                    and h in membership.members
-                    and (h, membership.epoch) not in evicted
-                ):
-                    # Every honest member asks (the same signed request): the coordinator drops it.
+            # Per step, not per collective (a step checks every bucket): a host rejected in any
+            # check of a step counts once, and only a step whose checks all kept it resets it.
+            if membership.epoch != counted_in[0]:  # a new membership: counts start again (a
+                in_a_row.clear()  # replacement must not inherit its predecessor's)
+                counted_in[0] = membership.epoch
+            for h in comm.step_checked:
+                in_a_row[h] = in_a_row.get(h, 0) + 1 if h in comm.step_rejected else 0
+            comm.step_checked.clear()
+            comm.step_rejected.clear()
+            for h, count in in_a_row.items():
+                if count < cfg.max_rejections or h == host or h not in membership.members:
+                    continue
+                # Every honest member asks, signed for this epoch, and again each step while it
+                # is over (a restarted coordinator's store has lost the earlier requests).
+                if count == cfg.max_rejections:
                     print(
-                        f"geotrain: host {h}'s contributions were rejected {in_a_row} times in a row "
+                        f"geotrain: host {h}'s contributions were rejected {count} steps in a row "
                         f"(--max-rejections {cfg.max_rejections}): asking to drop it",
                         file=sys.stderr,
                         flush=True,
                     )
-                    membership.evict(h, eviction(token, h, host, membership.epoch))
-                    evicted.add((h, membership.epoch))  # asked again in a later epoch if still there
+                membership.evict(h, eviction(token, h, host, membership.epoch))
         if faults:
             fire_at_step(
                 faults, step, host, keeper_pid, snap_dir, run_dir / "control" if run_dir else None,

@@ -271,7 +271,9 @@ class Communicator:
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self._kept: list[bool] = []  # the last check's verdict, by rank
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
-        self.rejected_in_a_row: dict[int, int] = {}  # by host: since its last kept contribution
+        # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
+        self.step_checked: set[int] = set()
+        self.step_rejected: set[int] = set()
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
         self.rebind(self.group)
@@ -429,8 +431,9 @@ class Communicator:
             host = members[r] if members and len(members) == self.world_size else r
             if not kept:
                 self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
-            # Rejections in a row (every worker counts the same): --max-rejections drops the host.
-            self.rejected_in_a_row[host] = 0 if kept else self.rejected_in_a_row.get(host, 0) + 1
+            self.step_checked.add(host)
+            if not kept:
+                self.step_rejected.add(host)
         if verdict.count == 0:
             return 0
         if self._aggregate == "clip" and verdict.kept[self.rank]:

@@ -25,7 +25,8 @@ from geotrain.data.corpus import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
-BATCH = 256  # documents encoded at a time (the tokenizer's Rust side runs them in parallel)
+BATCH = 256  # pieces encoded at a time (the tokenizer's Rust side runs them in parallel)
+TXT_PIECE = 1 << 20  # characters of a text file encoded as one piece
 
 
 def _tokenizer(path: Path):
@@ -61,9 +62,21 @@ def _files(data: Path) -> list[Path]:
     return files
 
 
-def _documents(path: Path) -> Iterator[str]:
+def _documents(path: Path) -> Iterator[tuple[str, bool]]:
+    """(text, ends a document) pieces: a text file in pieces of about TXT_PIECE characters cut
+    at line ends (encoded in parallel, with no end-of-text token between them), records whole."""
     if path.suffix == ".txt":
-        yield path.read_text(errors="replace")
+        piece: list[str] = []
+        size = 0
+        with path.open(errors="replace") as f:
+            for line in f:
+                piece.append(line)
+                size += len(line)
+                if size >= TXT_PIECE:
+                    yield "".join(piece), False
+                    piece, size = [], 0
+        yield "".join(piece), True
+        return
     elif path.suffix in (".jsonl", ".json"):
         with path.open(errors="replace") as f:
             for n, line in enumerate(f, 1):
@@ -75,7 +88,7 @@ def _documents(path: Path) -> Iterator[str]:
                     raise DataError(f"{path}:{n}: not a JSON line") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise DataError(f"{path}:{n}: a record needs a string field 'text'")
-                yield record["text"]
+                yield record["text"], True
     else:  # parquet
         try:
             import datasets
@@ -84,7 +97,8 @@ def _documents(path: Path) -> Iterator[str]:
         table = datasets.load_dataset("parquet", data_files=str(path), split="train")
         if "text" not in table.column_names:
             raise DataError(f"{path}: no 'text' column (it has {', '.join(table.column_names)})")
-        yield from table["text"]
+        for text in table["text"]:
+            yield text, True
 
 
 def _eos(tokenizer) -> int | None:
@@ -107,7 +121,12 @@ def tokenized(data: str, tokenizer_path: str) -> Path:
     wide = vocab > 65536
     root = Path(data) if Path(data).is_dir() else Path(data).parent
     name = Path(data).name if Path(data).is_file() else "corpus"
-    out = root / f"{name}.{stamp.hexdigest()[:12]}{'.u32' if wide else ''}.bin"
+    leaf = f"{name}.{stamp.hexdigest()[:12]}{'.u32' if wide else ''}.bin"
+    out = root / leaf
+    if not os.access(root, os.W_OK):  # read-only data: the cache goes to geotrain's own
+        from geotrain.data.corpus import _cache_dir
+
+        out = _cache_dir() / f"{hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:8]}-{leaf}"
     if out.exists():
         return out
     from tqdm import tqdm
@@ -116,34 +135,41 @@ def tokenized(data: str, tokenizer_path: str) -> Path:
     dtype = np.uint32 if wide else np.uint16
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     total = 0
-    with tmp.open("wb") as sink, tqdm(desc=f"tokenizing {data}", unit="doc", file=sys.stderr) as bar:
-        for f in files:
-            batch: list[str] = []
-            for doc in _documents(f):
-                batch.append(doc)
-                if len(batch) == BATCH:
+    try:
+        with tmp.open("wb") as sink, tqdm(desc=f"tokenizing {data}", unit="piece", file=sys.stderr) as bar:
+            for f in files:
+                batch: list[tuple[str, bool]] = []
+                for piece in _documents(f):
+                    batch.append(piece)
+                    if len(batch) == BATCH:
+                        total += _write(sink, tokenizer, batch, eos, dtype)
+                        bar.update(len(batch))
+                        batch = []
+                if batch:
                     total += _write(sink, tokenizer, batch, eos, dtype)
                     bar.update(len(batch))
-                    batch = []
-            if batch:
-                total += _write(sink, tokenizer, batch, eos, dtype)
-                bar.update(len(batch))
-    if total == 0:
+        if total == 0:
+            raise DataError(f"--data {data}: no text to tokenize")
+        os.replace(tmp, out)  # concurrent writers race safely: one file wins, both are the same
+    finally:
         tmp.unlink(missing_ok=True)
-        raise DataError(f"--data {data}: no text to tokenize")
-    os.replace(tmp, out)  # concurrent writers race safely: one file wins, both are the same
     print(f"geotrain: {total:,} tokens of {data} cached in {out}", file=sys.stderr, flush=True)
     return out
 
 
-def _write(sink, tokenizer, docs: list[str], eos: int | None, dtype) -> int:
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids.extend(encoding.ids)
-        if eos is not None:
-            ids.append(eos)
-    np.asarray(ids, dtype=dtype).tofile(sink)
-    return len(ids)
+def _write(sink, tokenizer, pieces: list[tuple[str, bool]], eos: int | None, dtype) -> int:
+    texts = [text for text, _ in pieces]
+    total = 0
+    for encoding, (_, ends) in zip(
+        tokenizer.encode_batch(texts, add_special_tokens=False), pieces, strict=True
+    ):
+        ids = np.asarray(encoding.ids, dtype=dtype)
+        ids.tofile(sink)
+        total += len(ids)
+        if ends and eos is not None:
+            np.asarray([eos], dtype=dtype).tofile(sink)
+            total += 1
+    return total
 
 
 def vocab_size(tokenizer_path: str) -> int:

@@ -149,7 +149,9 @@ class Membership:
         ``--max-rejections`` times in a row). ``signature`` proves the asker holds the run token
         and is good for this epoch only (``launch/admission.py``); the coordinator drops the host
         when most of the other members ask."""
-        self.store().set(f"evict/{host}/{self.host}", signature)
+        store = self.store()
+        store.set(f"evict/{host}/{self.host}", signature)
+        store.add("evict/n", 1)  # the coordinator reads the requests when this moves
 
     def changed(self) -> bool:
         """Members were lost since this worker's epoch began: abandon what waits on them."""

@@ -40,6 +40,7 @@ from pathlib import Path
 
 TOKEN_ENV = "GEOTRAIN_TOKEN"
 POLL_S = 0.02
+GIVE_UP_S = 120.0  # a number whose hello or proof has not come by then is done with
 SCAN_PER_TICK = 256  # the newest proof numbers looked at per tick: a bumped counter cannot stall it
 
 
@@ -184,6 +185,7 @@ class Door:
                     elif "proof" in r:
                         self._answered.add(int(r["proof"]))
         self._pending: dict[int, tuple[int, str, str]] = {}  # number -> (host, worker's, ours)
+        self._seen: dict[int, float] = {}  # when a number still waiting was first looked at
         # A restarted coordinator's store counts from 0: numbers already recorded are not given
         # out again (a new proof under an old number would never be answered).
         recorded = max([0, *self._passed, *self._answered, *self._used])
@@ -237,10 +239,14 @@ class Door:
 
     def _tick(self) -> None:
         store = self.store
+        now = time.monotonic()
         for i, (host, theirs, ours) in list(self._pending.items()):  # proofs first: they wait
             if store.check([f"auth/proof/{i}"]):
                 del self._pending[i]
                 self._judge(i, host, theirs, ours, store.get(f"auth/proof/{i}").decode(errors="replace"))
+            elif now - self._seen.setdefault(i, now) > GIVE_UP_S:  # its worker went away
+                del self._pending[i]
+                self._answered.add(i)
         issued = int(store.add("auth/n", 0))
         # The newest numbers only: an honest worker's hello follows its number at once, and a
         # counter bumped by someone else must not bury it under numbers that never say hello.
@@ -249,7 +255,9 @@ class Door:
             if i in self._answered or i in self._passed or i in self._pending:
                 continue
             if not store.check([f"auth/hello/{i}"]):
-                continue  # its hello is on the way (or its worker died before it)
+                if now - self._seen.setdefault(i, now) > GIVE_UP_S:  # its worker died before it
+                    self._answered.add(i)
+                continue  # its hello is on the way
             host_text, _, theirs = store.get(f"auth/hello/{i}").decode(errors="replace").partition(":")
             host = _number(host_text.lstrip("-"))
             if not self.token or host is None:

@@ -256,6 +256,7 @@ def serve(
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
+    evict_seen = 0  # requests to drop a host seen (the counter evict/n)
     attempt = -1
     last: dict[int, tuple[int, float]] = {}  # host -> (beats, when they last moved)
     reported: set[int] = set()
@@ -300,7 +301,8 @@ def serve(
             for h in dead:  # a joiner that died before its request was taken
                 store.delete_key(f"join/{h}")
                 pool.release(h)  # type: ignore[union-attr]
-            for h in list(epochs.live):  # --max-rejections: most other members ask to drop it
+            asked = int(store.add("evict/n", 0))  # --max-rejections: most other members ask to drop h
+            for h in list(epochs.live) if asked != evict_seen else []:
                 askers = [
                     m
                     for m in epochs.live
@@ -314,12 +316,13 @@ def serve(
                     door.record({"host": h, "evicted": True, "askers": askers, "epoch": epochs.epoch})
                     reported.add(h)
                     epochs.leave({h}, "rejected")
+            evict_seen = asked
             for h in range(hosts):
                 if h not in epochs.live and store.check([f"join/{h}"]) and not store.check(["finished"]):
                     request = store.get(f"join/{h}").decode(errors="replace")
                     store.delete_key(f"join/{h}")
                     if not door.use(request, h):
-                        door.record({"host": h, "join_refused": request})
+                        door.record({"host": h, "join_refused": request[:80]})
                         continue  # a request without a proof of the token (or one used before)
                     # Watched afresh: its beats restart from where its predecessor's stopped.
                     store.delete_key(f"bye/{attempt}/{h}")

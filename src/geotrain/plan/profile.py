@@ -319,12 +319,12 @@ class StepObserver:
             self._done[owner[id(p)]] = time.perf_counter()
 
         def started(module, args) -> None:
-            if module.training:
+            if module.training and torch.is_grad_enabled():  # not an evaluation between steps
                 self._forward = (time.perf_counter(), 0.0)
                 self._done.clear()
 
         def ended(module, args, output) -> None:
-            if module.training:
+            if module.training and torch.is_grad_enabled():
                 self._forward = (self._forward[0], time.perf_counter())
 
         self._hooks = [
@@ -336,23 +336,26 @@ class StepObserver:
         self._update_start = time.perf_counter()
 
     def update_ended(self) -> None:
+        """A step is recorded on every worker alike (they must agree on how many were seen):
+        a layer that got no gradient in it took no backward time and comes last."""
         t0, t1 = self._forward
         done = dict(self._done)
-        if t1 and len(done) == len(self.layers):  # a whole step seen (every layer had a gradient)
-            order = sorted(done, key=done.get)
-            backward, previous = {}, t1
-            for i in order:
-                backward[i], previous = done[i] - previous, done[i]
-            self.steps.append(
-                {
-                    "order": order,
-                    "forward_s": t1 - t0,
-                    "backward": backward,
-                    "backward_total_s": previous - t1,
-                    "optimizer_s": time.perf_counter() - self._update_start,
-                }
-            )
+        seen = sorted(done, key=done.get)
+        order = seen + [i for i in range(len(self.layers)) if i not in done]
+        backward, previous = dict.fromkeys(range(len(self.layers)), 0.0), t1 or time.perf_counter()
+        for i in seen:
+            backward[i], previous = max(0.0, done[i] - previous), done[i]
+        self.steps.append(
+            {
+                "order": order,
+                "forward_s": t1 - t0 if t1 else 0.0,
+                "backward": backward,
+                "backward_total_s": max(0.0, previous - t1) if t1 else 0.0,
+                "optimizer_s": time.perf_counter() - self._update_start,
+            }
+        )
         self._done.clear()
+        self._forward = (0.0, 0.0)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -363,8 +366,6 @@ class StepObserver:
         """The profile of the steps observed (the first left out), as ``build_profile`` makes
         it; collective: every worker calls it after the same steps."""
         timed = self.steps[1:] or self.steps
-        if not timed:
-            raise ValueError("no whole training step was observed: every layer needs a gradient")
         totals = [s["backward_total_s"] for s in timed]
         local = {
             "order": [self.layers[i].name for i in timed[-1]["order"]],

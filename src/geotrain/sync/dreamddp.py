@@ -116,6 +116,9 @@ class DreamDDP(SyncAlgorithm):
     def set_plan(self, plan: dict[str, Any]) -> None:
         """Adopt a plan (``geotrain plan`` output): the backward order of layers and the schedule."""
         schedule, names = schedule_from_json(plan["schedule"])
+        if self._observer is not None:  # a plan came (a restored state): no steps to time
+            self._observer.close()
+            self._observer = None
         self.layers = order_layers(self.layers, names)
         self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
         self._ready = [0] * len(self.layers)
