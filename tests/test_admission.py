@@ -114,3 +114,17 @@ def test_tokens_come_from_a_file_or_the_environment_and_a_run_keeps_its_own(tmp_
     token = write_token(tmp_path / "token")
     assert len(token) == 64 and write_token(tmp_path / "token") == token  # a resume keeps it
     assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_refused_join_request_is_answered_so_the_joiner_need_not_wait_it_out(store):
+    """The coordinator marks the request it turned down by the asker's proof number; the joiner,
+    waiting for an epoch that admits it, stops at once with one line."""
+    from geotrain.ft.membership import JoinRefused, Membership
+
+    master, port = store
+    master.add("epoch", 0)
+    joiner = Membership("127.0.0.1", port, 3, [], timeout_s=20)
+    joiner.join_request = "7:" + "0" * 64
+    master.set("joinrefused/3/7", "1")
+    with pytest.raises(JoinRefused, match="refused this worker's join request"):
+        joiner.next_epoch()

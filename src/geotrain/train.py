@@ -41,6 +41,7 @@ from geotrain.ft.membership import (
     RETIRED,
     BelowMinWorkers,
     Excluded,
+    JoinRefused,
     Membership,
     MembershipChanged,
     RunFinished,
@@ -1446,7 +1447,7 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         return 0
     except BelowMinWorkers:  # its snapshot is taken: a resume goes on from it
         return EXIT_BELOW_MIN_WORKERS
-    except (ConfigError, DataError, ResumeError) as e:
+    except (ConfigError, DataError, ResumeError, JoinRefused) as e:
         _fatal(cfg, ctx.rank, f"geotrain train: error: {e}", str(e))
         return 2
     except (CollectiveTimeout, RuntimeError) as e:  # a timeout: one line, not a traceback per rank

@@ -35,8 +35,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+import torch
+
 AGGREGATES = ("mean", "clip", "trimmed:f=F", "median")
 GATHERED = ("trimmed", "median")  # aggregates that need every contribution (an all-gather)
+COLUMNS = 1 << 20  # values per slice the robust statistics sort at a time
 
 
 def parse_aggregate(text: str) -> tuple[str, int]:
@@ -60,9 +63,12 @@ def robust_mean(rows, kind: str, f: int = 0):
     every worker computes the same bits."""
     k = rows.shape[0]
     cut = (k - 1) // 2 if kind == "median" else min(f, (k - 1) // 2)
-    ordered = rows.sort(dim=0).values
-    middle = ordered[cut : k - cut]
-    return middle.sum(dim=0) / middle.shape[0]
+    flat = rows.reshape(k, -1)
+    out = torch.empty(flat.shape[1], dtype=rows.dtype, device=rows.device)
+    for start in range(0, flat.shape[1], COLUMNS):  # in slices: a sort holds values and indices
+        middle = flat[:, start : start + COLUMNS].sort(dim=0).values[cut : k - cut]
+        out[start : start + COLUMNS] = middle.sum(dim=0) / middle.shape[0]
+    return out.view(rows.shape[1:])
 
 
 @dataclass(frozen=True)

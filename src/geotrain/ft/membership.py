@@ -67,6 +67,11 @@ class Excluded(RuntimeError):
     """This host is not a member of the newest epoch (it was declared failed)."""
 
 
+class JoinRefused(ValueError):
+    """The coordinator turned this joiner's request down (not signed with a proof of the run
+    token, or with one used already)."""
+
+
 class RunFinished(RuntimeError):
     """A joiner's wait ended because the run finished before the members could admit it."""
 
@@ -275,6 +280,12 @@ class Membership:
             if epoch <= floor:
                 if joiner and store.check(["finished"]):
                     raise RunFinished(_too_late(store))
+                refused = f"joinrefused/{self.host}/{self.join_request.partition(':')[0]}"
+                if joiner and self.join_request and store.check([refused]):
+                    raise JoinRefused(
+                        "the coordinator refused this worker's join request: it is not signed with a "
+                        "proof of the run token (or that proof was used already)"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no epoch after {self.epoch} was published in {self.timeout_s:.0f} s")
                 time.sleep(POLL_S)

@@ -323,6 +323,8 @@ def serve(
                     store.delete_key(f"join/{h}")
                     if not door.use(request, h):
                         door.record({"host": h, "join_refused": request[:80]})
+                        # Said to the asker (by its proof's number), so it need not wait it out.
+                        store.set(f"joinrefused/{h}/{request.partition(':')[0][:12]}", "1")
                         continue  # a request without a proof of the token (or one used before)
                     # Watched afresh: its beats restart from where its predecessor's stopped.
                     store.delete_key(f"bye/{attempt}/{h}")

@@ -301,18 +301,33 @@ def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
     return order, averaged, link
 
 
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor in a forward's output (a tensor, a tuple, a transformers ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    items = (
+        output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    )
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            return item
+    return None
+
+
 class StepObserver:
     """What ``profile_compute`` measures by calling a loss function, taken from the training
     loop's own steps instead (``geotrain.wrap`` without a plan or ``profile=``): hooks time each
-    step's forward and the moment each layer's gradient is complete, and the caller marks the
-    optimizer update around it. The first step observed is a warm-up."""
+    step's forward, the moment backward reaches the model's output (so the loss and the loop's
+    own code between forward and ``backward()`` do not count) and the moment each layer's
+    gradient is complete; the caller marks the optimizer update around it. The first step
+    observed is a warm-up. (On a GPU the times are of kernel launches, as the profiler's are.)"""
 
     def __init__(self, model: nn.Module, layers: list[Layer]) -> None:
         self.layers = layers
         owner = {id(p): i for i, layer in enumerate(layers) for p in layer.params}
         self._done: dict[int, float] = {}
         self._forward = (0.0, 0.0)
-        self._update_start = 0.0
+        self._update_start = self._backward_start = 0.0
         self.steps: list[dict[str, Any]] = []
 
         def on_grad(p: torch.Tensor) -> None:
@@ -326,11 +341,17 @@ class StepObserver:
         def ended(module, args, output) -> None:
             if module.training and torch.is_grad_enabled():
                 self._forward = (self._forward[0], time.perf_counter())
+                out = _first_tensor(output)
+                if out is not None and out.requires_grad:  # backward reaches the model here: after
+                    out.register_hook(self._backward_starts)  # the loss and the loop's own code
 
         self._hooks = [
             p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params
         ]
         self._hooks += [model.register_forward_pre_hook(started), model.register_forward_hook(ended)]
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        self._backward_start = time.perf_counter()
 
     def update_starts(self) -> None:
         self._update_start = time.perf_counter()
@@ -342,7 +363,8 @@ class StepObserver:
         done = dict(self._done)
         seen = sorted(done, key=done.get)
         order = seen + [i for i in range(len(self.layers)) if i not in done]
-        backward, previous = dict.fromkeys(range(len(self.layers)), 0.0), t1 or time.perf_counter()
+        start = self._backward_start if self._backward_start >= t1 > 0 else t1
+        backward, previous = dict.fromkeys(range(len(self.layers)), 0.0), start or time.perf_counter()
         for i in seen:
             backward[i], previous = max(0.0, done[i] - previous), done[i]
         self.steps.append(
@@ -350,12 +372,12 @@ class StepObserver:
                 "order": order,
                 "forward_s": t1 - t0 if t1 else 0.0,
                 "backward": backward,
-                "backward_total_s": max(0.0, previous - t1) if t1 else 0.0,
+                "backward_total_s": max(0.0, previous - start) if t1 else 0.0,
                 "optimizer_s": time.perf_counter() - self._update_start,
             }
         )
         self._done.clear()
-        self._forward = (0.0, 0.0)
+        self._forward, self._backward_start = (0.0, 0.0), 0.0
 
     def close(self) -> None:
         for h in self._hooks:
