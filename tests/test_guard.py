@@ -188,7 +188,8 @@ def test_aggregate_clip_scales_each_contribution_down_to_the_median_norm():
 def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_path):
     """Worker 2 sends NaN at every average (--chaos corrupt:every=1): after 2 rejections in a
     row the two others ask, signed with the run token, to drop it; the coordinator publishes an
-    epoch without it, and they finish the run together."""
+    epoch without it, and they finish the run together. (60 steps: the coordinator looks every
+    0.2 s, and a shorter run of tiny steps could end before the drop lands.)"""
     import json
     import subprocess
     import sys
@@ -197,7 +198,7 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "geotrain.cli", "run", "--workers", "3", "--no-netem", "--model", "tiny"]
-    cmd += ["--algo", "localsgd", "--H", "1", "--steps", "12", "--batch-size", "4", "--no-progress"]
+    cmd += ["--algo", "localsgd", "--H", "1", "--steps", "60", "--batch-size", "4", "--no-progress"]
     cmd += ["--max-norm-ratio", "10", "--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
     proc = subprocess.run([*cmd, "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -703,7 +703,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
             raise MembershipChanged("a joiner is admitted")
-        optimizer.zero_grad(set_to_none=True)  # a step redone after a failure starts clean
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
         for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution

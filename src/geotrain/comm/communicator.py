@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.guard import GATHERED, clip_norm, judge, parse_aggregate, robust_mean
+from geotrain.comm.guard import GATHERED, Verdict, clip_norm, judge, parse_aggregate, robust_mean
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
 from geotrain.ft.membership import MembershipChanged, retire
 
@@ -269,7 +269,6 @@ class Communicator:
             raise ValueError(f"max_norm_ratio must be >= 1, or 0 for off; got {self.max_norm_ratio}")
         self._aggregate, self._trim = parse_aggregate(self.aggregate)
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
-        self._kept: list[bool] = []  # the last check's verdict, by rank
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
@@ -368,14 +367,14 @@ class Communicator:
         robust = self._aggregate in GATHERED and op == "mean"
         checked = self.max_norm_ratio > 0 or self._aggregate != "mean"
         if guarded and checked and self.world_size > 1:
-            kept = self._screen(tensor)
-            if kept == 0:  # nothing to average: every worker keeps its own (its tensor as it was)
+            verdict = self._screen(tensor)
+            if verdict.count == 0:  # nothing to average: every worker keeps its own (as it was)
                 handle = Handle(self, None, tensor, 1, time.perf_counter())
                 return handle if async_op else handle.wait()
-            divide_by = kept if op == "mean" else 1
+            divide_by = verdict.count if op == "mean" else 1
             launched = time.perf_counter()  # the collective's own latency starts now
             if robust:
-                handle = self._robust_mean(tensor, launched)
+                handle = self._robust_mean(tensor, verdict.kept, launched)
                 return handle if async_op else handle.wait()
         if self.two_level is not None and self._chain is not None and tensor.is_contiguous():
             lan, wan = self.two_level.wire_bytes(tensor.numel(), tensor.element_size())
@@ -394,12 +393,12 @@ class Communicator:
             return handle
         return handle.wait()
 
-    def _robust_mean(self, tensor: torch.Tensor, launched: float) -> Handle:
+    def _robust_mean(self, tensor: torch.Tensor, kept_ranks: list[bool], launched: float) -> Handle:
         """``--aggregate trimmed|median``: every contribution gathered, the same coordinate-wise
         statistic computed over the kept ones on every worker, written into ``tensor``."""
         flat = tensor.detach().reshape(-1)
         gathered = self.all_gather(flat, async_op=True)
-        kept = torch.tensor(self._kept)
+        kept = torch.tensor(kept_ranks)
 
         def finish() -> None:
             rows = gathered.wait()[kept]
@@ -407,10 +406,10 @@ class Communicator:
 
         return Handle(self, None, tensor, 1, launched, finish=finish)
 
-    def _screen(self, tensor: torch.Tensor) -> int:
+    def _screen(self, tensor: torch.Tensor) -> Verdict:
         """Before a mean all-reduce (``max_norm_ratio``): every worker's norm and finiteness,
         the same verdict everywhere (``comm.guard.judge``); a contribution left out is zeroed
-        in place here. Returns how many are kept, the mean's divisor."""
+        in place here. Returns the verdict (its count: the mean's divisor)."""
         finite = bool(torch.isfinite(tensor).all())
         table = torch.zeros(self.world_size, 2, dtype=torch.float64)
         table[self.rank, 0] = float(tensor.detach().float().norm()) if finite else 0.0
@@ -424,18 +423,16 @@ class Communicator:
             time.sleep(remaining)
         self.stats.blocked_s += time.perf_counter() - start
         verdict = judge(table[:, 0].tolist(), [f > 0.5 for f in table[:, 1].tolist()], self.max_norm_ratio)
-        self._kept = verdict.kept
         members = getattr(self.membership, "members", None)
         for r, kept in enumerate(verdict.kept):
             # by host where hosts are known (ranks change at a regroup)
             host = members[r] if members and len(members) == self.world_size else r
-            if not kept:
-                self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
             self.step_checked.add(host)
             if not kept:
+                self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
                 self.step_rejected.add(host)
         if verdict.count == 0:
-            return 0
+            return verdict
         if self._aggregate == "clip" and verdict.kept[self.rank]:
             limit, norm = clip_norm(table[:, 0].tolist(), verdict.kept), float(table[self.rank, 0])
             if norm > limit:
@@ -448,7 +445,7 @@ class Communicator:
                 file=sys.stderr,
                 flush=True,
             )
-        return verdict.count
+        return verdict
 
     def all_to_all(self, tensor: torch.Tensor, async_op: bool = False):
         """Split ``tensor`` (first dimension) into ``world_size`` equal parts and send part j to

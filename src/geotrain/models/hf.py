@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,8 +120,6 @@ def hf_config(
     name = spec[len(HF_PREFIX) :]
     if not name:
         raise ModelError("--model hf: needs a directory (save_pretrained) or a model type, e.g. hf:gpt2")
-    from pathlib import Path
-
     if Path(name).is_dir():
         try:
             config = transformers.AutoConfig.from_pretrained(name)
@@ -187,8 +186,6 @@ def build_hf(
     transformers = _transformers()
     config = hf_config(spec, overrides, vocab_size, block_size, tokens)
     name = spec[len(HF_PREFIX) :]
-    from pathlib import Path
-
     try:
         if Path(name).is_dir():
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config)
