@@ -71,6 +71,12 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
             "mean": comm.all_reduce(mine.clone(), op="mean"),
             "rejected": comm.rejected_by_rank,
         }
+    if kind.startswith("codec"):  # a codec's own collective, worker 2 spoiled by chaos
+        _, spec, how = kind.split("/")
+        return _codec_case(rank, spec, how)
+    if kind.startswith("algo"):  # sparseloco's and demo's all-gathers
+        _, algo, how = kind.split("/")
+        return _frontier_case(rank, algo, how)
     gen = torch.Generator().manual_seed(rank)
     honest = torch.randn(50, generator=gen)
     mine = _corrupt(kind, honest) if rank == 2 else honest
@@ -103,8 +109,102 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     return out
 
 
+def _codec_case(rank: int, spec: str, how: str) -> dict:
+    from geotrain.compress.codec import make_codec
+
+    comm = Communicator(max_norm_ratio=10.0, aggregate="median" if spec.endswith("+median") else "mean")
+    codec = make_codec(spec.removesuffix("+median"))
+    honest = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+    if rank == 2:
+        comm.corrupt_next = how
+    out = []
+    for _ in range(2):  # a second message: the spoiled worker's residual stayed clean
+        mean = honest.clone()
+        codec.reduce(comm, "g", [mean]).wait()
+        out.append(mean)
+    residual = codec.state("g").get("residual", torch.zeros(1))
+    return {
+        "honest": honest,
+        "means": out,
+        "rejected": comm.rejected_by_rank,
+        "residual_finite": bool(torch.isfinite(residual).all()),
+    }
+
+
+def _frontier_case(rank: int, algo: str, how: str) -> dict:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    comm = Communicator(max_norm_ratio=10.0)
+    options = {"sparseloco": {"H": 1, "overlap": False}, "streaming": {"H": 4, "fragments": 2}}
+    sync = build_sync(algo, model, opt, comm, options.get(algo, {}))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for step in range(6):
+        if rank == 2 and step == 0:
+            comm.corrupt_next = how
+        _, loss = sync.model(x, x)  # DDP's wrapper, where it has one
+        loss.backward()
+        sync.before_step()
+        opt.step()
+        sync.after_step()
+        opt.zero_grad()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"params": params, "rejected": comm.rejected_by_rank}
+
+
+CODECS = ["int8", "int4", "sign", "topk:ratio=0.05", "chunktopk:chunk=256,k=16,bits=4", "int8+median"]
+FRONTIER = [
+    *("algo/sparseloco/nan", "algo/sparseloco/scale=1e6", "algo/demo/nan", "algo/demo/scale=1e6"),
+    *("algo/streaming/nan", "algo/streaming/scale=1e6", "algo/ddp/nan", "algo/ddp/scale=1e6"),
+]
 ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
-RUNS = Cases(_case, 3, [("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST)])
+RUNS = Cases(
+    _case,
+    3,
+    [
+        ("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST),
+        *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6")),
+        *((k,) for k in FRONTIER),
+    ],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["nan", "scale=1e6"])
+@pytest.mark.parametrize("spec", CODECS)
+def test_a_codecs_own_collective_leaves_a_bad_contribution_out(spec, how):
+    """The quantised codecs (a reduce-scatter of rows, checked before), top-k and chunked top-k
+    (all-gathers, checked on the decoded messages, with no communication): one of 3 workers'
+    message is spoiled. The result is finite, the same everywhere, near the honest pair's mean
+    (within what the codec keeps), the spoiled worker is counted once, and its own error
+    feedback stays clean for the next message."""
+    ranks = RUNS.get(f"codec/{spec}/{how}")
+    honest = (ranks[0]["honest"] + ranks[1]["honest"]) / 2
+    for r in ranks:
+        first = r["means"][0]
+        assert torch.isfinite(first).all() and torch.equal(first, ranks[0]["means"][0])
+        assert r["rejected"] == {2: 1}  # the first message only: the second is honest again
+        assert r["residual_finite"]
+    if spec.startswith("int8"):  # 8 bits: the honest mean to a few percent of its scale
+        assert float((ranks[0]["means"][0] - honest).abs().max()) < 0.05 * float(honest.abs().max())
+    if spec.startswith("chunktopk"):  # the mean of the two honest decoded messages, exactly
+        from geotrain.compress.chunked import ChunkTopK
+
+        codec = ChunkTopK(chunk=256, k=16, bits=4)
+        sent = [codec.encode(r["honest"])[1] for r in ranks[:2]]
+        torch.testing.assert_close(ranks[0]["means"][0], (sent[0] + sent[1]) / 2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", FRONTIER)
+def test_the_gathering_methods_and_ddp_leave_a_bad_message_out(case):
+    """SparseLoCo's outer step, DeMo's signed step and Streaming DiLoCo's fragment landing judge
+    every worker's gathered message on their own (one verdict per worker and sync); PyTorch DDP
+    sends its buckets through the checked all-reduce. The replicas stay finite and equal."""
+    ranks = RUNS.get(case)
+    for r in ranks:
+        assert torch.isfinite(r["params"]).all()
+        # Streaming DiLoCo's replicas mix their own parameters in: equal only in the others.
+        assert "streaming" in case or torch.equal(r["params"], ranks[0]["params"])
+        assert r["rejected"] == {2: 1}
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "scale"])
@@ -128,9 +228,21 @@ def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate(capsys):
     assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"], capsys)
     assert "give trimmed:f=F, F >= 1 values cut at each end" in err
-    job = ["run", "--workers", "2", "--no-netem", "--algo", "sparseloco", "--chaos", "corrupt:step=2,rank=1"]
+    job = ["run", "--workers", "2", "--no-netem", "--algo", "nosync", "--chaos", "corrupt:step=2,rank=1"]
     err = refused(job, capsys)
-    assert "--chaos corrupt spoils what the norm check covers" in err and "not yet --algo sparseloco" in err
+    assert "--chaos corrupt spoils what the norm check covers" in err and "not --algo nosync" in err
+    err = refused([*job[:5], "ddp", *job[6:]], capsys)  # PyTorch DDP's all-reduce: only when checked
+    assert "ddp's with --max-norm-ratio or an --aggregate" in err
+    err = refused(
+        ["run", "--workers", "2", "--no-netem", "--algo", "ddp_powersgd", "--max-norm-ratio", "10"], capsys
+    )
+    assert (
+        "--max-norm-ratio and --aggregate check the averages of" in err and "not --algo ddp_powersgd" in err
+    )
+    err = refused(
+        ["run", "--workers", "3", "--no-netem", "--algo", "sparseloco", "--aggregate", "median"], capsys
+    )
+    assert "sparse messages (sparseloco) leave most coordinates zero" in err
 
 
 def test_robust_averages_equal_their_closed_forms():

@@ -299,3 +299,57 @@ def test_ddp_powersgd_sends_fewer_bytes_after_start_and_keeps_replicas_equal():
     assert low_rank * 4 < n_bytes / 4
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def _score_mean_model(rank, world_size):
+    from geotrain.train import evaluate, evaluate_run
+
+    model = _model()
+    if rank == 1:  # the replicas differ, as a periodic method's do between syncs
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    own = [p.detach().clone() for p in model.parameters()]
+    batches = [_batch(99, s) for s in range(2)]
+    comm = Communicator()
+    differ = evaluate_run(model, batches, torch.device("cpu"), comm, average=True)
+    restored = all(torch.equal(p, q) for p, q in zip(model.parameters(), own, strict=True))
+    # The reference: the mean model built by hand, scored on one process's copy.
+    mean = _model()
+    with torch.no_grad():
+        for p, mine in zip(mean.parameters(), own, strict=True):
+            p.copy_(mine)
+            torch.distributed.all_reduce(p.data)
+            p.data /= world_size
+    by_hand = evaluate(mean, batches, torch.device("cpu"))
+    replicas_by_hand = evaluate(model, batches, torch.device("cpu"))
+    with torch.no_grad():  # now one model: scored once, nothing averaged
+        for p, q in zip(model.parameters(), mean.parameters(), strict=True):
+            p.copy_(q)
+    before = comm.stats.copy()
+    same = evaluate_run(model, batches, torch.device("cpu"), comm, average=True)
+    local_only = evaluate_run(model, batches, torch.device("cpu"), comm, average=False)
+    return {
+        "differ": differ,
+        "restored": restored,
+        "by_hand": by_hand,
+        "replicas_by_hand": replicas_by_hand,
+        "same": same,
+        "local_only": local_only,
+        "training_bytes": comm.stats.sent_bytes - before.sent_bytes,
+        "mean_loss": evaluate(mean, batches, torch.device("cpu")),
+    }
+
+
+def test_a_validation_scores_the_replicas_mean_model_and_puts_each_replica_back():
+    results = run_workers(_score_mean_model, 2)
+    replicas_mean = sum(r["replicas_by_hand"] for r in results) / 2
+    for r in results:
+        mean_loss, replicas = r["differ"]
+        assert mean_loss == pytest.approx(r["by_hand"], rel=1e-6)
+        assert replicas == pytest.approx(replicas_mean, rel=1e-9)
+        assert mean_loss != pytest.approx(replicas, rel=1e-4)  # the two scorings differ here
+        assert r["restored"]  # bitwise: training goes on as without the validation
+        assert r["same"] == (r["mean_loss"], r["mean_loss"])  # one model: no average to take
+        assert r["local_only"] == (r["mean_loss"], None)
+        assert r["training_bytes"] == 0  # a measurement, not training traffic

@@ -327,6 +327,7 @@ def test_train_config_round_trips_through_argv():
         ({"optimizer": "lion"}, "accepted: adamw, sgd"),
         ({"lr_schedule": "linear"}, "unknown --lr-schedule 'linear'; accepted: constant, cosine"),
         ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be in [0, 1], got 1.5"),
+        ({"eval_model": "mean"}, "unknown --eval-model 'mean'; accepted: auto, average, replicas"),
         ({"outer_momentum": -0.5}, "--outer-momentum must be in [0, 1), or -1 to follow H, got -0.5"),
     ],
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -71,6 +72,7 @@ from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
+EVAL_MODELS = ("auto", "average", "replicas")
 
 
 HIERARCHIES = ("off", "sites", "auto")
@@ -122,6 +124,7 @@ class TrainConfig:
     profile_out: str = ""  # profile the model and link, write this JSON, and do not train
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
+    eval_model: str = "auto"  # mid-run validations score: average | replicas | auto (loopback: average)
     seed: int = 0
     data: str = ""  # "": the standard library's sources
     tokenizer: str = ""  # a tokenizers JSON (or its directory) for text --data ("": bytes)
@@ -193,6 +196,10 @@ class TrainConfig:
         )
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {self.eval_every}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        need(
+            self.eval_model in EVAL_MODELS,
+            f"unknown --eval-model {self.eval_model!r}; accepted: {', '.join(EVAL_MODELS)}",
+        )
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
         need(self.bucket_mb >= 0, f"--bucket-mb must be >= 0 (0 = default), got {self.bucket_mb}")
         need(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
@@ -248,13 +255,29 @@ class TrainConfig:
             faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
+        codec = self.compress.partition(":")[0]
+        checking = self.max_norm_ratio > 0 or self.aggregate != "mean"
+        covered = self.algo in GUARDED_ALGOS and codec in GUARDED_CODECS
+        need(
+            covered or not checking,
+            f"--max-norm-ratio and --aggregate check the averages of {', '.join(GUARDED_ALGOS)}, "
+            f"uncompressed or with {', '.join(c for c in GUARDED_CODECS if c)}; not --algo {self.algo}"
+            + (f" --compress {self.compress}" if self.compress else ""),
+        )
+        sparse = self.algo in ("sparseloco", "demo") or codec in ("topk", "adatopk", "chunktopk")
+        need(
+            not (sparse and parse_aggregate(self.aggregate)[0] in GATHERED),
+            f"--aggregate {self.aggregate} takes a statistic of each coordinate over the workers, "
+            f"and sparse messages ({self.algo}" + (f" --compress {self.compress}" if self.compress else "")
+            + ") leave most coordinates zero: use --max-norm-ratio R with --aggregate mean or clip",
+        )  # fmt: skip
         if any(f.kind == "corrupt" for f in faults):
-            codec = self.compress.partition(":")[0]
             need(
-                self.algo in GUARDED_ALGOS and codec in GUARDED_CODECS,
+                covered and (self.algo != "ddp" or checking),
                 f"--chaos corrupt spoils what the norm check covers (the averages of "
                 f"{', '.join(GUARDED_ALGOS)}, uncompressed or with "
-                f"{', '.join(c for c in GUARDED_CODECS if c)}); not yet --algo {self.algo}"
+                f"{', '.join(c for c in GUARDED_CODECS if c)}; ddp's with --max-norm-ratio or an "
+                f"--aggregate); not --algo {self.algo}"
                 + (f" --compress {self.compress}" if self.compress else ""),
             )
         self.sync_config()  # validates the algorithm's own options
@@ -347,9 +370,13 @@ class TrainConfig:
         return argv
 
 
-# What comm/guard.py checks (mean all-reduces and CO2's weighted sums): where --chaos corrupt bites.
-GUARDED_ALGOS = ("ssgd", "localsgd", "diloco", "dreamddp", "co2")
-GUARDED_CODECS = ("", "fp16", "bf16", "powersgd", "acpsgd")
+# What comm/guard.py checks (mean all-reduces, CO2's weighted sums, the codecs' own collectives and
+# the frontier methods' gathers): where --max-norm-ratio and --chaos corrupt apply. Not: nosync
+# (nothing is averaged) and ddp_powersgd (PyTorch's hook).
+GUARDED_ALGOS = ("ssgd", "ddp", "localsgd", "diloco", "dreamddp", "co2", "streaming", "sparseloco", "demo")
+GUARDED_CODECS = (
+    *("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", "topk", "adatopk", "chunktopk"),
+)
 
 
 def _rate_bps(text: str, flag: str) -> float:
@@ -421,6 +448,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",
+        "eval_model": "what a validation during the run scores: average (the mean of the replicas, "
+        "the model the run would end with if stopped there: one all-reduce of the trained parameters "
+        "per validation where the replicas differ, counted as control traffic, not in a step's bytes "
+        "or time), replicas (each replica's own loss, averaged: no traffic), auto (average on "
+        "loopback, replicas on shaped or real links)",
         "seed": "seed of the model and of each worker's data stream",
         "data": "a folder of text files or a uint16 .bin file (empty: Python's standard library sources); "
         "with --tokenizer: .txt, .jsonl (a 'text' field) or .parquet files, or a folder of them",
@@ -523,6 +555,44 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     return sum(losses) / len(losses)
 
 
+def evaluate_run(
+    model: torch.nn.Module, batches, device: torch.device, comm: Communicator, average: bool
+) -> tuple[float, float | None]:
+    """A mid-run validation: ``(val_loss, val_loss_replicas)``.
+
+    The replicas' own losses, averaged, are the first figure without ``average`` (the second is
+    then None). With it, where the replicas differ (a periodic method between its syncs), the
+    first is the loss of their mean, the model ``finalize`` would make of them if the run
+    stopped here, which is what a time-to-loss comparison with DDP must score; the second is
+    still the replicas'. The mean is evaluated in place and the replica's own parameters are put
+    back bitwise, so training goes on exactly as without the evaluation.
+    """
+    replicas = comm.mean_scalars([evaluate(model, batches, device)])[0]
+    if not average or comm.world_size == 1:
+        return replicas, None
+    trained = [p for p in model.parameters() if p.requires_grad]
+    digest = hashlib.sha256()
+    for p in trained:
+        digest.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    if len(set(comm.all_gather_object(digest.hexdigest()))) == 1:
+        return replicas, replicas  # already one model (a sync step, or a synchronous method)
+    own = [p.detach().clone() for p in trained]
+    try:
+        flat = torch.cat([p.detach().reshape(-1).float() for p in trained])
+        comm.mean_control(flat)
+        offset = 0
+        with torch.no_grad():
+            for p in trained:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        mean_loss = comm.mean_scalars([evaluate(model, batches, device)])[0]
+    finally:
+        with torch.no_grad():
+            for p, mine in zip(trained, own, strict=True):
+                p.copy_(mine)
+    return mean_loss, replicas
+
+
 def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     """Train on this worker; returns the run summary (numbers averaged over workers).
 
@@ -542,6 +612,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     model = build_model(cfg.model_spec(), corpus.vocab_size, cfg.block_size or None, corpus.tokens).to(device)
     sampler = BatchSampler(corpus, model.block_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed)
     val_batches = sampler.val_batches(cfg.eval_batches)
+    eval_average = cfg.eval_model == "average" or (
+        cfg.eval_model == "auto" and cfg.network_mode == "loopback"
+    )
 
     optimizer = make_optimizer(model, cfg)
     membership = None
@@ -917,10 +990,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is not None:
             record["workers"] = comm.world_size
         if cfg.eval_every and step % cfg.eval_every == 0 and no_eval_through < step < cfg.steps:
-            # The mean over replicas of each replica's loss on the same batches.
+            # On the same batches everywhere: the replicas' mean model, or each replica (--eval-model).
             t_eval = time.perf_counter()
             try:
-                record["val_loss"] = val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+                val_loss, replicas_loss = evaluate_run(model, val_batches, device, comm, eval_average)
+                record["val_loss"] = val_loss
+                if replicas_loss is not None:
+                    record["val_loss_replicas"] = replicas_loss
             except RuntimeError as e:  # a member lost here: this evaluation is skipped
                 resume = recover(e, StepStatus(step, False))
                 step = resume.done

@@ -71,13 +71,18 @@ def final_loss(curve: Curve, window: int = 1) -> float | None:
     return smooth(curve.val_loss, window)[-1] if curve.val_loss else None
 
 
-def read_curve(run_dir: Path, rank: int = 0) -> Curve:
-    """The validation points rank ``rank`` recorded (losses are already averaged over replicas)."""
+def read_curve(run_dir: Path, rank: int = 0, replicas: bool = False) -> Curve:
+    """The validation points rank ``rank`` recorded (losses are already averaged over workers).
+
+    A loopback run scores the replicas' mean model mid-run (``--eval-model auto``) and records
+    the replicas' own losses beside it; ``replicas`` reads those where they were recorded, to
+    compare with a shaped run, which scores the replicas."""
     points = [r for r in read_metrics(Path(run_dir) / "metrics" / f"rank{rank}.jsonl") if "val_loss" in r]
+    key = "val_loss_replicas" if replicas else "val_loss"
     return Curve(
         [float(r["train_s"]) for r in points],
         [int(r["tokens"]) for r in points],
-        [float(r["val_loss"]) for r in points],
+        [float(r.get(key, r["val_loss"])) for r in points],
         [int(r["step"]) for r in points],
     )
 

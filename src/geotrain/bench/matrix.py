@@ -356,12 +356,15 @@ class Bench:
                         r for r in read_metrics(long_dir / "metrics" / "rank0.jsonl") if not r.get("final")
                     ]
                     timing = step_times(read_metrics(run_dir / "metrics" / "rank0.jsonl"))
-                    composed = compose(read_curve(long_dir), [r["synced"] for r in records], timing)
+                    synced = [r["synced"] for r in records]
+                    composed = compose(read_curve(long_dir), synced, timing)
+                    # The check compares like with like: a shaped run scores the replicas.
+                    same_scoring = compose(read_curve(long_dir, replicas=self.cfg.netem), synced, timing)
                     rows[algo] |= {
                         "curve": asdict(composed),
                         "measured_curve": asdict(curve),
                         "horizon_summary": json.loads((long_dir / "summary.json").read_text()),
-                        "agreement": agreement(composed, curve),
+                        "agreement": agreement(same_scoring, curve),
                     }
             groups.append(self._group(w, bw, rows, skipped))
         return {"config": asdict(self.cfg), "groups": groups, "scale": self._scale_check(groups)}

@@ -422,15 +422,7 @@ class Communicator:
         if remaining > 0:  # a round trip on links with software latency
             time.sleep(remaining)
         self.stats.blocked_s += time.perf_counter() - start
-        verdict = judge(table[:, 0].tolist(), [f > 0.5 for f in table[:, 1].tolist()], self.max_norm_ratio)
-        members = getattr(self.membership, "members", None)
-        for r, kept in enumerate(verdict.kept):
-            # by host where hosts are known (ranks change at a regroup)
-            host = members[r] if members and len(members) == self.world_size else r
-            self.step_checked.add(host)
-            if not kept:
-                self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
-                self.step_rejected.add(host)
+        verdict = self._judge(table[:, 0].tolist(), [f > 0.5 for f in table[:, 1].tolist()])
         if verdict.count == 0:
             return verdict
         if self._aggregate == "clip" and verdict.kept[self.rank]:
@@ -439,6 +431,21 @@ class Communicator:
                 tensor.mul_(limit / norm)
         if not verdict.kept[self.rank]:
             tensor.zero_()
+        return verdict
+
+    def _judge(self, norms: list[float], finite: list[bool]) -> Verdict:
+        """``comm.guard.judge`` on the group's contributions (rank order), counted by host, and
+        this worker told where its own is left out."""
+        verdict = judge(norms, finite, self.max_norm_ratio)
+        members = getattr(self.membership, "members", None)
+        for r, kept in enumerate(verdict.kept):
+            # by host where hosts are known (ranks change at a regroup)
+            host = members[r] if members and len(members) == self.world_size else r
+            self.step_checked.add(host)
+            if not kept:
+                self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
+                self.step_rejected.add(host)
+        if verdict.count and not verdict.kept[self.rank]:
             print(
                 f"geotrain: this worker's contribution to an average was left out "
                 f"({verdict.reasons[self.rank]}; --max-norm-ratio {self.max_norm_ratio:g})",
@@ -446,6 +453,52 @@ class Communicator:
                 flush=True,
             )
         return verdict
+
+    # -- the check, for codecs whose collective is not a mean all-reduce -------------------------
+    @property
+    def checking(self) -> bool:
+        """Whether contributions are checked before they are averaged (``max_norm_ratio``, or an
+        ``aggregate`` other than the plain mean)."""
+        return self.max_norm_ratio > 0 or self._aggregate != "mean"
+
+    @property
+    def aggregate_kind(self) -> tuple[str, int]:
+        """``--aggregate`` parsed: (mean | clip | trimmed | median, f)."""
+        return self._aggregate, self._trim
+
+    def spoiled(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``--chaos corrupt`` for a codec that encodes before it sends: a corrupted copy of
+        ``tensor`` where a corruption is due (None otherwise). The codec sends the copy and keeps
+        its own state (error feedback, momentum) clean, as a worker whose message was spoiled on
+        the way would."""
+        if not self.corrupt_next or not tensor.is_floating_point():
+            return None
+        copy = tensor.detach().clone()
+        corrupt_(copy, self.corrupt_next)
+        self.corrupt_next = ""
+        return copy
+
+    def screen(self, tensor: torch.Tensor) -> Verdict | None:
+        """The check before a codec's own collective (a reduce-scatter of quantised rows): the same
+        verdict on every worker, ``tensor`` zeroed here where this worker's is left out (scaled
+        down with ``clip``). None where nothing is checked."""
+        if not self.checking or self.world_size == 1:
+            return None
+        return self._screen(tensor)
+
+    def weigh_gathered(self, norms: list[float], finite: list[bool]) -> list[float]:
+        """The check on contributions every worker already holds (an all-gather's messages,
+        decoded), with no communication: each one's weight in the mean, in rank order. 0 where it
+        is left out, else 1, or with ``clip`` the factor that brings it down to the median norm.
+        Every worker computes the same weights from the same messages."""
+        if not self.checking or len(norms) < 2:
+            return [1.0] * len(norms)
+        verdict = self._judge(norms, finite)
+        limit = clip_norm(norms, verdict.kept) if self._aggregate == "clip" else float("inf")
+        return [
+            (min(1.0, limit / norm) if norm > 0 else 1.0) if kept else 0.0
+            for norm, kept in zip(norms, verdict.kept, strict=True)
+        ]
 
     def all_to_all(self, tensor: torch.Tensor, async_op: bool = False):
         """Split ``tensor`` (first dimension) into ``world_size`` equal parts and send part j to
@@ -585,6 +638,20 @@ class Communicator:
             8 * len(values),
         )
         return (t / self.world_size).tolist()
+
+    def mean_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` in place over the group, as control traffic: counted in
+        ``control_calls``, not in the training bytes and time (a measurement, such as scoring the
+        replicas' mean model, not part of any algorithm)."""
+        if self.world_size == 1:
+            return tensor
+        self.control_calls += 1
+        self._wait(
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            "all-reduce",
+            tensor.numel() * tensor.element_size(),
+        )
+        return tensor.div_(self.world_size)
 
     def max_scalars(self, values: list[float]) -> list[float]:
         if self.world_size == 1:

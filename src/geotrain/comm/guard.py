@@ -25,9 +25,14 @@ adopter's empty message weighing 0) keep the plain check.
 What it costs: one all-reduce of 2 N floats per mean all-reduce (a link latency, not bandwidth,
 counted as blocked time), and a norm of the message. It covers what goes through
 ``Communicator.all_reduce`` as a mean: plain buckets, the fp16, bf16, PowerSGD and ACP-SGD codecs
-(each factor judged on its own), DDP under ``--on-failure continue`` (its comm hook). Not yet:
-the two-phase quantised codecs (int8, int4, sign), top-k's and the frontier methods' all-gathers
-(sparseloco, demo, streaming), and PyTorch DDP's own all-reduce.
+(each factor judged on its own), DDP's buckets (its comm hook goes through the communicator when
+the check is on). The quantised codecs (int8, int4, sign) judge the vector before quantising it
+with the same control all-reduce (``Communicator.screen``) and average the kept rows of their
+reduce-scatter, where trimmed and median cost nothing extra. Where every worker holds every
+message (top-k's and chunked top-k's all-gathers, sparseloco, demo, streaming) the decoded
+messages are judged where they arrive, with no communication (``Communicator.weigh_gathered``).
+Not covered: PyTorch's PowerSGD hook (``ddp_powersgd``) and the quantised codecs' second phase
+(each worker re-quantises the mean of its own shard).
 """
 
 from __future__ import annotations

@@ -211,29 +211,52 @@ class ChunkTopK(Codec):
             v += state["residual"] * self.decay if self.decay != 1 else state["residual"]
         payload, sent = self.encode(v)
         state["residual"] = v - sent
+        spoiled = comm.spoiled(v)  # --chaos corrupt: a spoiled message, the residual kept clean
+        if spoiled is not None:
+            payload = self.encode(spoiled)[0]
         handle = comm.all_gather(payload, async_op=True)
 
         def finish() -> None:
-            unflatten_into(self.mean_of(handle.wait(), n), tensors)
+            payloads = handle.wait()
+            weights = comm.weigh_gathered(*self.norms(payloads, n)) if comm.checking else None
+            unflatten_into(self.mean_of(payloads, n, weights), tensors)
 
         return Pending(finish)
 
-    def mean_of(self, payloads: torch.Tensor, n: int) -> torch.Tensor:
+    def norms(self, payloads: torch.Tensor, n: int) -> tuple[list[float], list[bool]]:
+        """Each payload's decoded L2 norm and whether it decodes to finite values (the norm
+        check's inputs, ``Communicator.weigh_gathered``): indices within a payload are distinct,
+        so the norm of its values is the norm of the vector it stands for."""
+        norms, finite = [], []
+        for payload in payloads:
+            scales, codes, _ = self._parts(payload, n)
+            values = self._values(scales, codes)
+            ok = bool(torch.isfinite(values).all())
+            norms.append(float(values.norm()) if ok else 0.0)
+            finite.append(ok)
+        return norms, finite
+
+    def mean_of(self, payloads: torch.Tensor, n: int, weights: list[float] | None = None) -> torch.Tensor:
         """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over
         the workers that sent one: an all-zero payload is the empty stand-in of a worker that
         adopted another's state (``sync.base.InFlight.adopted``), and counting it would shrink
         the mean. (A real payload is never all zero bytes unless its whole chunk of the buffer is
-        zero with k = 1, which then adds nothing either way but the divisor.)
+        zero with k = 1, which then adds nothing either way but the divisor.) ``weights`` (the
+        norm check's, by rank): a payload of weight 0 is left out of the sum and the divisor, one
+        below 1 is scaled down (``--aggregate clip``).
 
         Summed in rank order on every worker, so every replica gets the same bits."""
         total = torch.zeros(self.chunks(n), self.chunk)
         senders = 0
-        for payload in payloads:  # indices within one payload are distinct: scatter-add is exact
-            if not payload.any():
+        # Indices within one payload are distinct: scatter-add is exact.
+        for r, payload in enumerate(payloads):
+            weight = 1.0 if weights is None else weights[r]
+            if weight == 0 or not payload.any():
                 continue
             senders += 1
             scales, codes, idx = self._parts(payload, n)
-            total.scatter_add_(1, idx, self._values(scales, codes))
+            values = self._values(scales, codes)
+            total.scatter_add_(1, idx, values if weight == 1 else values * weight)
         return total.reshape(-1)[:n].div_(max(1, senders))
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:

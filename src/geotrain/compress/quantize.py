@@ -22,6 +22,7 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
+from geotrain.comm.guard import GATHERED, robust_mean
 from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
 
 
@@ -133,14 +134,28 @@ class _BlockQuantizer(Codec):
                 residual = torch.cat([residual[:n], torch.zeros(v.numel() - n)])
                 state.pop("server_residual", None)
             v += residual
-        data = self.encode(v.reshape(world, chunk), block)
+        # The norm check judges what is sent, before it is quantised: a copy, so that a message
+        # left out (zeroed) keeps its values in the residual for the next one.
+        sent = comm.spoiled(v) if world > 1 else None  # --chaos corrupt: the message only
+        if sent is None:
+            sent = v.clone() if comm.checking and world > 1 else v
+        verdict = comm.screen(sent)
+        if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
+            return Pending(lambda: None)
+        data = self.encode(sent.reshape(world, chunk), block)
         state["residual"] = v - self.decode(data, chunk, block).reshape(-1)
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         handle = comm.all_to_all(data, async_op=True)
 
         def finish() -> None:
-            mean = self.decode(handle.wait(), chunk, block).mean(dim=0)
+            rows = self.decode(handle.wait(), chunk, block)
+            if verdict is None:
+                mean = rows.mean(dim=0)
+            else:  # this worker's shard of every kept contribution: the mean or a robust statistic
+                kept = rows[torch.tensor(verdict.kept)]
+                kind, f = comm.aggregate_kind
+                mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
             if "server_residual" in state:
                 mean += state["server_residual"]
             mine = self.encode(mean.unsqueeze(0), block)

@@ -63,17 +63,26 @@ class TopK(Codec):
         v[idx.long()] = 0  # what was not sent stays for the next message
         state["residual"] = v
         # Values and indices travel as one int32 message: the bits of the fp32 values, then indices.
-        message = torch.cat([values.view(torch.int32), idx])
+        spoiled = comm.spoiled(values)  # --chaos corrupt: the message, not the residual
+        message = torch.cat([(values if spoiled is None else spoiled).view(torch.int32), idx])
         if len(set(counts)) == 1:
             handle = comm.all_gather(message, async_op=True)
         else:
             handle = comm.all_gather_uneven(message, [2 * c for c in counts], async_op=True)
 
         def finish() -> None:
+            gathered = zip(handle.wait(), counts, strict=True)
+            parts = [(part[:k].view(torch.float32), part[k:].long()) for part, k in gathered]
+            weights = [1.0] * len(parts)
+            if comm.checking:  # the norm check on the gathered messages (the same on every worker)
+                finite = [bool(torch.isfinite(v).all()) for v, _ in parts]
+                norms = [float(v.norm()) if ok else 0.0 for (v, _), ok in zip(parts, finite, strict=True)]
+                weights = comm.weigh_gathered(norms, finite)
             total = torch.zeros(n)
-            for part, k in zip(handle.wait(), counts, strict=True):
-                total.index_add_(0, part[k:].long(), part[:k].view(torch.float32))
-            unflatten_into(total.div_(comm.world_size), tensors)
+            for (v, idx), weight in zip(parts, weights, strict=True):
+                if weight:
+                    total.index_add_(0, idx, v if weight == 1 else v * weight)
+            unflatten_into(total.div_(max(1, sum(w > 0 for w in weights))), tensors)
 
         return Pending(finish)
 

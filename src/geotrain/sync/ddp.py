@@ -54,7 +54,8 @@ class DDP(SyncAlgorithm):
             )
         self._grad_tensors = [p for p in self.parameters()]
         # Through the Communicator also with sites: its all-reduce goes in two levels.
-        through_comm = comm.membership is not None or comm.two_level is not None
+        # And with the norm check, which judges every bucket before it is averaged.
+        through_comm = comm.membership is not None or comm.two_level is not None or comm.checking
         self._interruptible = self._ddp is not None and self.codec is None and through_comm
         if self.codec is not None and self._ddp is not None:
             self._ddp.register_comm_hook(None, self._codec_hook)

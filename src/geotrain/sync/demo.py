@@ -157,23 +157,42 @@ class DeMo(SyncAlgorithm):
         for p, m, t, c in zip(self._params, self._momentum, self._transforms, self._codecs, strict=True):
             g = p.grad.detach().float() if p.grad is not None else torch.zeros_like(m)
             new = m * self.config.beta + g
-            payload, sent = c.encode(t.encode(new))
+            coefficients = t.encode(new)
+            payload, sent = c.encode(coefficients)
+            spoiled = self.comm.spoiled(coefficients)  # --chaos corrupt: the message, not the momentum
+            if spoiled is not None:
+                payload = c.encode(spoiled)[0]
             momenta.append(new.sub_(t.decode(sent)))
             payloads.append(payload)
         return momenta, torch.cat(payloads)
 
     def _apply(self, gathered: torch.Tensor) -> None:
         """theta <- theta (1 - lr wd) - lr sign(IDCT(mean of the gathered messages))."""
+        weights = self._weights(gathered) if self.comm.checking else None
         offset = 0
         with torch.no_grad():
             for p, t, c, size in zip(self._params, self._transforms, self._codecs, self._sizes, strict=True):
-                mean = c.mean_of(gathered[:, offset : offset + size], p.numel())
+                mean = c.mean_of(gathered[:, offset : offset + size], p.numel(), weights)
                 offset += size
                 group = self._group_of[id(p)]
                 lr, wd = group["lr"], group.get("weight_decay", 0.0)
                 if wd:
                     p.mul_(1 - lr * wd)
                 p.add_(t.decode(mean).sign_().to(p.dtype), alpha=-lr)
+
+    def _weights(self, gathered: torch.Tensor) -> list[float]:
+        """The norm check over each worker's whole message (every parameter's coefficients;
+        the DCT is orthonormal, so it is the norm of what the message stands for): one verdict
+        per worker and step, the same on every worker, with no communication."""
+        squares = [0.0] * gathered.shape[0]
+        finite = [True] * gathered.shape[0]
+        offset = 0
+        for p, c, size in zip(self._params, self._codecs, self._sizes, strict=True):
+            norms, ok = c.norms(gathered[:, offset : offset + size], p.numel())
+            offset += size
+            squares = [s + n * n for s, n in zip(squares, norms, strict=True)]
+            finite = [a and b for a, b in zip(finite, ok, strict=True)]
+        return self.comm.weigh_gathered([math.sqrt(s) for s in squares], finite)
 
     def _land_in_flight(self) -> None:
         gathered = self.in_flight.land()

@@ -112,11 +112,18 @@ class SparseLoCo(PeriodicSync):
         # A chunk with fewer than k real entries sends some of its padding (a zero picked codes to
         # a level of +-scale/3): none of it may stay here, in the start point or in the anchor.
         sent.mul_(self._real)
+        spoiled = self.comm.spoiled(error)  # --chaos corrupt: the message only, e stays clean
+        if spoiled is not None:
+            payload = self.chunker.encode(spoiled)[0]
         return payload, sent, error.sub_(sent)
 
     def _land(self, gathered: torch.Tensor) -> None:
-        """theta <- theta - alpha * mean of the gathered messages (padding kept at zero)."""
-        mean = self.chunker.mean_of(gathered, self.n)
+        """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
+        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike)."""
+        weights = None
+        if self.comm.checking:
+            weights = self.comm.weigh_gathered(*self.chunker.norms(gathered, self.n))
+        mean = self.chunker.mean_of(gathered, self.n, weights)
         self._anchor.sub_(mean.mul_(self.config.alpha)).mul_(self._real)
 
     def _land_in_flight(self) -> None:

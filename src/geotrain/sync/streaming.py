@@ -194,13 +194,21 @@ class StreamingDiLoCo(SyncAlgorithm):
         if self.quantizer is not None:
             block, chunk = self.quantizer.layout(n, 1)
             gathered = self.quantizer.decode(gathered, chunk, block)[:, :n]
+        if self.comm.checking:  # the norm check on the decoded messages: no communication
+            finite = [bool(torch.isfinite(row).all()) for row in gathered]
+            norms = [float(row.norm()) if ok else 0.0 for row, ok in zip(gathered, finite, strict=True)]
+            weights = torch.tensor(self.comm.weigh_gathered(norms, finite))
+            sent &= weights > 0
+            gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
         return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
 
     def _local(self, f: int) -> torch.Tensor:
         return flatten([p.detach() for p in self.fragments[f]])
 
     def _launch(self, f: int) -> None:
-        self.in_flight.launch(self._encode(self._global[f] - self._local(f)))
+        delta = self._global[f] - self._local(f)
+        spoiled = self.comm.spoiled(delta)  # --chaos corrupt
+        self.in_flight.launch(self._encode(delta if spoiled is None else spoiled))
 
     def _land(self, f: int) -> None:
         gathered = self.in_flight.land()
