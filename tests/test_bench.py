@@ -123,6 +123,8 @@ def test_compute_share_on_two_cores():
         ({"eval_every": 0}, "--eval-every"),
         ({"smooth": 2}, "--smooth must be an odd number"),
         ({"lr_schedule": "step"}, "unknown --lr-schedule 'step'; accepted: constant, cosine"),
+        ({"model_config": "n_lyer=3"}, "--model-config n_lyer: tiny takes dropout, n_embd"),
+        ({"lora": "r=0"}, "--lora"),
     ],
 )
 def test_bench_config_rejects_bad_matrices(kwargs, message):
@@ -320,3 +322,10 @@ def test_a_bench_over_a_horizon_composes_long_loopback_curves_with_shaped_step_t
         assert check["steps_compared"] == 20 and check["max_loss_diff"] == 0.0, (algo, check)
         assert 0.7 < check["time_ratio"] < 1.3, (algo, check)
     assert "Composed curves" in proc.stdout
+
+
+def test_every_cell_trains_the_model_the_bench_was_given():
+    cfg = BenchConfig(algos=["nosync", "diloco"], model_config="n_layer=1", lora="r=2,alpha=4,targets=c_attn")
+    for algo in ("nosync", "diloco"):
+        job = cfg.train_config(algo)
+        assert (job.model_config, job.lora, job.lora_fa) == ("n_layer=1", "r=2,alpha=4,targets=c_attn", False)

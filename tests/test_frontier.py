@@ -230,11 +230,20 @@ def _demo_steps(rank, world_size, overlap: bool, steps: int = 3):
 
 
 def _different_seeds(rank, world_size):
-    """Workers whose models differ get rank 0's; equal ones compare 8 bytes and move nothing."""
+    """Workers whose models differ get rank 0's; equal ones compare 8 bytes and move nothing.
+    PyTorch DDP too: its constructor's own broadcast of every parameter is turned off."""
+    import torch.distributed as dist
+
+    coalesced = []  # DDP's constructor broadcasts through this when it syncs the module itself
+    original = dist._broadcast_coalesced
+    dist._broadcast_coalesced = lambda *a, **k: coalesced.append(1) or original(*a, **k)
     out = {}
-    for name, seed in (("equal", 0), ("differ", rank)):
-        model, _, sync = _tiny_sync({"H": 2}, Communicator(), seed=seed)
-        out[name] = (sync.startup_broadcast_bytes, flatten(list(model.parameters())).detach())
+    for algo in ("sparseloco", "ddp"):
+        for name, seed in (("equal", 0), ("differ", rank)):
+            model, _, sync = _tiny_sync({"H": 2} if algo == "sparseloco" else {}, Communicator(), seed, algo)
+            params = flatten(list(model.parameters())).detach()
+            out[f"{algo}/{name}"] = (sync.startup_broadcast_bytes, params, len(coalesced))
+            sync.close()
     return out
 
 
@@ -367,9 +376,11 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
     from helpers import run_workers
 
     out = run_workers(_different_seeds, 2, timeout=120)
-    assert [o["equal"][0] for o in out] == [0, 0]
-    assert all(o["differ"][0] > 0 for o in out)
-    assert torch.equal(out[0]["differ"][1], out[1]["differ"][1])
+    for algo in ("sparseloco", "ddp"):
+        assert [o[f"{algo}/equal"][0] for o in out] == [0, 0]
+        assert all(o[f"{algo}/differ"][0] > 0 for o in out)
+        assert torch.equal(out[0][f"{algo}/differ"][1], out[1][f"{algo}/differ"][1])
+    assert [o["ddp/differ"][2] for o in out] == [0, 0]  # DDP's own broadcast never ran
 
 
 # -- the CLI ------------------------------------------------------------------------------------

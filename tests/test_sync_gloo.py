@@ -312,7 +312,9 @@ def _score_mean_model(rank, world_size):
     own = [p.detach().clone() for p in model.parameters()]
     batches = [_batch(99, s) for s in range(2)]
     comm = Communicator()
+    before = comm.stats.copy()
     differ = evaluate_run(model, batches, torch.device("cpu"), comm, average=True)
+    spent = comm.stats.delta(before)
     restored = all(torch.equal(p, q) for p, q in zip(model.parameters(), own, strict=True))
     # The reference: the mean model built by hand, scored on one process's copy.
     mean = _model()
@@ -326,7 +328,6 @@ def _score_mean_model(rank, world_size):
     with torch.no_grad():  # now one model: scored once, nothing averaged
         for p, q in zip(model.parameters(), mean.parameters(), strict=True):
             p.copy_(q)
-    before = comm.stats.copy()
     same = evaluate_run(model, batches, torch.device("cpu"), comm, average=True)
     local_only = evaluate_run(model, batches, torch.device("cpu"), comm, average=False)
     return {
@@ -336,7 +337,7 @@ def _score_mean_model(rank, world_size):
         "replicas_by_hand": replicas_by_hand,
         "same": same,
         "local_only": local_only,
-        "training_bytes": comm.stats.sent_bytes - before.sent_bytes,
+        "training": (spent.sent_bytes, spent.recv_bytes, spent.calls),
         "mean_loss": evaluate(mean, batches, torch.device("cpu")),
     }
 
@@ -350,6 +351,6 @@ def test_a_validation_scores_the_replicas_mean_model_and_puts_each_replica_back(
         assert replicas == pytest.approx(replicas_mean, rel=1e-9)
         assert mean_loss != pytest.approx(replicas, rel=1e-4)  # the two scorings differ here
         assert r["restored"]  # bitwise: training goes on as without the validation
-        assert r["same"] == (r["mean_loss"], r["mean_loss"])  # one model: no average to take
+        assert r["same"] == (r["mean_loss"], None)  # one model: no average to take
         assert r["local_only"] == (r["mean_loss"], None)
-        assert r["training_bytes"] == 0  # a measurement, not training traffic
+        assert r["training"] == (0, 0, 0)  # the mean moved, as a measurement, not training traffic

@@ -591,7 +591,12 @@ def _cmd_bench(argv: list[str]) -> int:
     p.add_argument(
         "--workers", default="4", help="worker counts, e.g. 2,4,8 (several: predictions are checked)"
     )
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help="tiny, mini, small, hf:DIR or hf:TYPE (as geotrain run)")
+    p.add_argument("--model-config", dest="model_config", default="", help="NAME=VALUE,... (as geotrain run)")
+    p.add_argument("--lora", default="", help="r=8,alpha=16,targets=q_proj,v_proj (as geotrain run)")
+    p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
+    p.add_argument("--data", default="", help="as geotrain run (empty: the standard library's sources)")
+    p.add_argument("--tokenizer", default="", help="as geotrain run: --data tokenized once, cached")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch-size", dest="batch_size", type=int, default=32)
     p.add_argument("--eval-every", dest="eval_every", type=int, default=15)
@@ -652,6 +657,11 @@ def _cmd_bench(argv: list[str]) -> int:
             bandwidths=args.bandwidths.split(","),
             workers=workers,
             model=args.model,
+            model_config=args.model_config,
+            lora=args.lora,
+            lora_fa=args.lora_fa,
+            data=args.data,
+            tokenizer=args.tokenizer,
             steps=args.steps,
             batch_size=args.batch_size,
             eval_every=args.eval_every,
@@ -665,7 +675,12 @@ def _cmd_bench(argv: list[str]) -> int:
             horizon=args.horizon,
             cell_budget_s=args.cell_budget,
         )
-    except (ConfigError, LinkSpecError) as e:
+        # The model and data every cell will use, checked (and text tokenized) once, here.
+        job = cfg.train_config("nosync")
+        corpus = load_corpus(job.data or None, job.tokenizer)
+        context = model_context(job.model_spec(), corpus.vocab_size, job.block_size, corpus.tokens)
+        corpus.check_fits(context, max(cfg.workers))
+    except (ConfigError, DataError, LinkSpecError, ModelError) as e:
         raise UsageError(str(e)) from None
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     bench = Bench(cfg, out, echo=lambda msg: print(f"geotrain: {msg}", file=sys.stderr))

@@ -264,9 +264,15 @@ class TrainConfig:
             f"uncompressed or with {', '.join(c for c in GUARDED_CODECS if c)}; not --algo {self.algo}"
             + (f" --compress {self.compress}" if self.compress else ""),
         )
+        robust = parse_aggregate(self.aggregate)[0] in GATHERED
+        need(
+            not (robust and self.algo in ("streaming", "co2")),
+            f"--aggregate {self.aggregate} is not offered with {self.algo} (its fragments' gather, "
+            "co2's weighted sum in flight): use --max-norm-ratio R with --aggregate mean or clip",
+        )
         sparse = self.algo in ("sparseloco", "demo") or codec in ("topk", "adatopk", "chunktopk")
         need(
-            not (sparse and parse_aggregate(self.aggregate)[0] in GATHERED),
+            not (sparse and robust),
             f"--aggregate {self.aggregate} takes a statistic of each coordinate over the workers, "
             f"and sparse messages ({self.algo}" + (f" --compress {self.compress}" if self.compress else "")
             + ") leave most coordinates zero: use --max-norm-ratio R with --aggregate mean or clip",
@@ -560,25 +566,27 @@ def evaluate_run(
 ) -> tuple[float, float | None]:
     """A mid-run validation: ``(val_loss, val_loss_replicas)``.
 
-    The replicas' own losses, averaged, are the first figure without ``average`` (the second is
-    then None). With it, where the replicas differ (a periodic method between its syncs), the
-    first is the loss of their mean, the model ``finalize`` would make of them if the run
-    stopped here, which is what a time-to-loss comparison with DDP must score; the second is
-    still the replicas'. The mean is evaluated in place and the replica's own parameters are put
-    back bitwise, so training goes on exactly as without the evaluation.
+    The replicas' own losses, averaged, are the first figure without ``average``, or where the
+    replicas are one model (the second is then None). With it, where they differ (a periodic
+    method between its syncs), the first is the loss of their mean, the model ``finalize`` would
+    make of them if the run stopped here, which is what a time-to-loss comparison with DDP must
+    score; the second is still the replicas'. The mean is evaluated in place and the replica's
+    own parameters are put back bitwise, so training goes on exactly as without the evaluation.
     """
     replicas = comm.mean_scalars([evaluate(model, batches, device)])[0]
     if not average or comm.world_size == 1:
         return replicas, None
     trained = [p for p in model.parameters() if p.requires_grad]
-    digest = hashlib.sha256()
-    for p in trained:
-        digest.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    if len(set(comm.all_gather_object(digest.hexdigest()))) == 1:
-        return replicas, replicas  # already one model (a sync step, or a synchronous method)
+    flat = torch.cat([p.detach().reshape(-1).float() for p in trained])
+    # 52 bits of a digest, exact in the control channel's float64: equal everywhere iff max == min
+    # (two floats, and a wait that gives up when a member is lost, unlike an object gather).
+    digest = hashlib.sha256(flat.cpu().contiguous().view(torch.uint8).numpy()).digest()
+    mine = float(int.from_bytes(digest[:8], "little") >> 12)
+    most, least = comm.max_scalars([mine, -mine])
+    if most == -least:
+        return replicas, None  # already one model (a sync step, or a synchronous method)
     own = [p.detach().clone() for p in trained]
     try:
-        flat = torch.cat([p.detach().reshape(-1).float() for p in trained])
         comm.mean_control(flat)
         offset = 0
         with torch.no_grad():
@@ -588,8 +596,8 @@ def evaluate_run(
         mean_loss = comm.mean_scalars([evaluate(model, batches, device)])[0]
     finally:
         with torch.no_grad():
-            for p, mine in zip(trained, own, strict=True):
-                p.copy_(mine)
+            for p, saved in zip(trained, own, strict=True):
+                p.copy_(saved)
     return mean_loss, replicas
 
 

@@ -81,6 +81,11 @@ class BenchConfig:
     bandwidths: list[str] = field(default_factory=lambda: list(DEFAULT_BANDWIDTHS))
     workers: list[int] = field(default_factory=lambda: [4])
     model: str = "tiny"
+    model_config: str = ""  # NAME=VALUE,... resizing the model (geotrain run --model-config)
+    lora: str = ""  # r=8,alpha=16,targets=...: fine-tune adapters only (geotrain run --lora)
+    lora_fa: bool = False
+    data: str = ""  # "": the standard library's sources
+    tokenizer: str = ""
     steps: int = 120
     batch_size: int = 16
     eval_every: int = 10
@@ -125,7 +130,8 @@ class BenchConfig:
         if self.eval_every < 1 or self.steps < self.eval_every:
             raise ConfigError(f"--eval-every must be 1 to --steps ({self.steps}), got {self.eval_every}")
         job = {"model": self.model, "steps": self.steps, "batch_size": self.batch_size, "H": self.H}
-        TrainConfig(**job, lr_schedule=self.lr_schedule)  # validates
+        model = {"model_config": self.model_config, "lora": self.lora, "lora_fa": self.lora_fa}
+        TrainConfig(**job, **model, lr_schedule=self.lr_schedule)  # validates
 
     def groups(self) -> list[tuple[int, str]]:
         return [(w, bw) for w in self.workers for bw in self.bandwidths]
@@ -136,6 +142,11 @@ class BenchConfig:
             algo=algo,
             compress=codec,
             model=self.model,
+            model_config=self.model_config,
+            lora=self.lora,
+            lora_fa=self.lora_fa,
+            data=self.data,
+            tokenizer=self.tokenizer,
             steps=self.steps,
             batch_size=self.batch_size,
             eval_every=self.eval_every,
@@ -358,8 +369,10 @@ class Bench:
                     timing = step_times(read_metrics(run_dir / "metrics" / "rank0.jsonl"))
                     synced = [r["synced"] for r in records]
                     composed = compose(read_curve(long_dir), synced, timing)
-                    # The check compares like with like: a shaped run scores the replicas.
-                    same_scoring = compose(read_curve(long_dir, replicas=self.cfg.netem), synced, timing)
+                    # The check compares like with like: a shaped run scores the replicas (one
+                    # that fell back to loopback, without root, the mean, as the long run does).
+                    shaped = summary.get("network_mode") != "loopback"
+                    same_scoring = compose(read_curve(long_dir, replicas=shaped), synced, timing)
                     rows[algo] |= {
                         "curve": asdict(composed),
                         "measured_curve": asdict(curve),

@@ -19,8 +19,8 @@ sum: the mean all-reduce becomes an all-gather of the vectors (each worker sends
 its message instead of about 2, so N / 2 times the bytes), and every worker computes the same
 coordinate-wise statistic over the contributions the check kept (:func:`robust_mean`). They
 resist what a norm cannot see: a contribution with a plausible norm pointing the wrong way (a
-flipped sign), up to F of them (``median``: fewer than half). Weighted sums in flight (CO2's, an
-adopter's empty message weighing 0) keep the plain check.
+flipped sign), up to F of them (``median``: fewer than half). Weighted sums in flight (an
+adopter's empty message weighing 0) keep the plain check; co2 and streaming refuse them.
 
 What it costs: one all-reduce of 2 N floats per mean all-reduce (a link latency, not bandwidth,
 counted as blocked time), and a norm of the message. It covers what goes through
@@ -84,6 +84,17 @@ class Verdict:
     @property
     def count(self) -> int:
         return sum(self.kept)
+
+
+def message_norm(values, valid: bool = True) -> tuple[float, bool]:
+    """A received message's (norm, finite) for :func:`judge`, where every worker judges the
+    messages it holds without exchanging norms: in float64, rounded to 6 significant digits, so
+    that hosts whose kernels sum in different orders still reach the same verdict and clip by
+    the same factors. ``valid`` False (indices repeated or out of range: a message built to
+    pass the norm and still move one coordinate far) counts as not finite."""
+    if not valid or not bool(values.isfinite().all()):
+        return 0.0, False
+    return float(f"{float(values.double().norm()):.6g}"), True
 
 
 def clip_norm(norms: list[float], kept: list[bool]) -> float:

@@ -37,6 +37,7 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
+from geotrain.comm.guard import message_norm
 from geotrain.compress.codec import Codec, Shapes, numel, require
 
 VALUE_BITS = (2, 4, 8)
@@ -219,20 +220,24 @@ class ChunkTopK(Codec):
         def finish() -> None:
             payloads = handle.wait()
             weights = comm.weigh_gathered(*self.norms(payloads, n)) if comm.checking else None
+            if weights is not None and not any(weights):  # nothing to average: each keeps its own
+                return
             unflatten_into(self.mean_of(payloads, n, weights), tensors)
 
         return Pending(finish)
 
     def norms(self, payloads: torch.Tensor, n: int) -> tuple[list[float], list[bool]]:
         """Each payload's decoded L2 norm and whether it decodes to finite values (the norm
-        check's inputs, ``Communicator.weigh_gathered``): indices within a payload are distinct,
-        so the norm of its values is the norm of the vector it stands for."""
+        check's inputs, ``Communicator.weigh_gathered``). A payload whose indices repeat within
+        a chunk, or point past it, is counted as not finite: with distinct indices the norm of
+        its values is the norm of the vector it stands for, and only then."""
         norms, finite = [], []
         for payload in payloads:
-            scales, codes, _ = self._parts(payload, n)
-            values = self._values(scales, codes)
-            ok = bool(torch.isfinite(values).all())
-            norms.append(float(values.norm()) if ok else 0.0)
+            scales, codes, idx = self._parts(payload, n)
+            ordered = idx.sort(dim=1).values  # distinct and inside the chunk, or it is refused
+            valid = bool(ordered[:, -1].lt(self.chunk).all() and ordered.diff(dim=1).gt(0).all())
+            norm, ok = message_norm(self._values(scales, codes), valid)
+            norms.append(norm)
             finite.append(ok)
         return norms, finite
 

@@ -134,16 +134,21 @@ class _BlockQuantizer(Codec):
                 residual = torch.cat([residual[:n], torch.zeros(v.numel() - n)])
                 state.pop("server_residual", None)
             v += residual
-        # The norm check judges what is sent, before it is quantised: a copy, so that a message
-        # left out (zeroed) keeps its values in the residual for the next one.
-        sent = comm.spoiled(v) if world > 1 else None  # --chaos corrupt: the message only
-        if sent is None:
-            sent = v.clone() if comm.checking and world > 1 else v
+        # The norm check judges what is sent, before it is quantised (``screen`` zeroes a message
+        # left out, scales a clipped one). The residual keeps only the quantisation error of what
+        # was sent: a message left out or clipped is dropped, not carried into the next one, where
+        # a spike (or a NaN) would grow and be rejected again and again.
+        spoiled = comm.spoiled(v) if world > 1 else None  # --chaos corrupt: the message only
+        sent = spoiled if spoiled is not None else (v.clone() if comm.checking and world > 1 else v)
         verdict = comm.screen(sent)
         if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
             return Pending(lambda: None)
         data = self.encode(sent.reshape(world, chunk), block)
-        state["residual"] = v - self.decode(data, chunk, block).reshape(-1)
+        if spoiled is None:
+            state["residual"] = sent - self.decode(data, chunk, block).reshape(-1)
+        else:  # spoiled on the way: this worker's residual is that of the message it meant to send
+            clean = self.encode(v.reshape(world, chunk), block)
+            state["residual"] = v - self.decode(clean, chunk, block).reshape(-1)
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         handle = comm.all_to_all(data, async_op=True)

@@ -24,7 +24,13 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
+from geotrain.comm.guard import message_norm
 from geotrain.compress.codec import Codec, Shapes, numel, require
+
+
+def _distinct_in(idx: torch.Tensor, n: int) -> bool:
+    """Whether a received message's indices are distinct and inside ``[0, n)``."""
+    return idx.numel() == 0 or bool(idx.min() >= 0 and idx.max() < n and idx.unique().numel() == idx.numel())
 
 
 @dataclass
@@ -75,9 +81,12 @@ class TopK(Codec):
             parts = [(part[:k].view(torch.float32), part[k:].long()) for part, k in gathered]
             weights = [1.0] * len(parts)
             if comm.checking:  # the norm check on the gathered messages (the same on every worker)
-                finite = [bool(torch.isfinite(v).all()) for v, _ in parts]
-                norms = [float(v.norm()) if ok else 0.0 for (v, _), ok in zip(parts, finite, strict=True)]
-                weights = comm.weigh_gathered(norms, finite)
+                # indices distinct and in range, or the norm of the values is not the message's
+                valid = [_distinct_in(i, n) for _, i in parts]
+                judged = [message_norm(v, ok) for (v, _), ok in zip(parts, valid, strict=True)]
+                weights = comm.weigh_gathered([j[0] for j in judged], [j[1] for j in judged])
+                if not any(weights):  # nothing to average: each worker keeps its own
+                    return
             total = torch.zeros(n)
             for (v, idx), weight in zip(parts, weights, strict=True):
                 if weight:

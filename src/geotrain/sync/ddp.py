@@ -41,7 +41,9 @@ class DDP(SyncAlgorithm):
         model, comm = self.module, self.comm
         self._ddp = None
         if comm.world_size > 1:
-            # DDP broadcasts parameters itself; ours (in super) already made them equal.
+            # Not DDP's own broadcast of every parameter (frozen ones too, and again at each
+            # regroup): ours (in super) compares digests and moves them only where they differ,
+            # and a regroup hands the state over before it rebinds.
             # With a codec, buckets must keep their first layout: DDP otherwise rebuilds them after
             # its first step, so a resumed run's first step would group (and quantise) gradients
             # differently from an uninterrupted one, and the codec's residuals would not match
@@ -51,6 +53,7 @@ class DDP(SyncAlgorithm):
                 process_group=comm.group,
                 bucket_cap_mb=self.config.bucket_mb,
                 find_unused_parameters=self.codec is not None,
+                init_sync=False,
             )
         self._grad_tensors = [p for p in self.parameters()]
         # Through the Communicator also with sites: its all-reduce goes in two levels.
@@ -89,9 +92,6 @@ class DDP(SyncAlgorithm):
 
         threading.Thread(target=finish, name="geotrain-ddp-bucket", daemon=True).start()
         return future
-
-    def broadcast_parameters(self) -> None:
-        pass  # DistributedDataParallel's constructor does it
 
     def rebind(self) -> None:
         # A reducer is bound to its group for life: a new wrapper for the new epoch's group. The
@@ -167,7 +167,9 @@ class DDPPowerSGD(DDP):
         self._ddp = None
         self._grad_tensors = self.parameters()
         if comm.world_size > 1:
-            self._ddp = DistributedDataParallel(model, process_group=comm.group, bucket_cap_mb=1024.0)
+            self._ddp = DistributedDataParallel(
+                model, process_group=comm.group, bucket_cap_mb=1024.0, init_sync=False
+            )
             self._state = powersgd.PowerSGDState(
                 process_group=comm.group,
                 matrix_approximation_rank=config.rank,

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.guard import message_norm
 from geotrain.compress.quantize import Int4, Int8
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for
@@ -195,9 +196,8 @@ class StreamingDiLoCo(SyncAlgorithm):
             block, chunk = self.quantizer.layout(n, 1)
             gathered = self.quantizer.decode(gathered, chunk, block)[:, :n]
         if self.comm.checking:  # the norm check on the decoded messages: no communication
-            finite = [bool(torch.isfinite(row).all()) for row in gathered]
-            norms = [float(row.norm()) if ok else 0.0 for row, ok in zip(gathered, finite, strict=True)]
-            weights = torch.tensor(self.comm.weigh_gathered(norms, finite))
+            judged = [message_norm(row) for row in gathered]
+            weights = torch.tensor(self.comm.weigh_gathered([j[0] for j in judged], [j[1] for j in judged]))
             sent &= weights > 0
             gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
         return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
