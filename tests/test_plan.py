@@ -333,3 +333,35 @@ def test_communication_under_backward_runs_slower_then_full_speed_after():
     assert queue_spans([1.0], [0.3], 1.0, 2.0) == [(1.0, pytest.approx(1.3))]
     assert simulate_backward([0.2], [0.6], 1.0, 2.0) == pytest.approx(0.2)
     assert simulate_backward([0.2], [0.6], 1.0, 1.0) == pytest.approx(0.0)
+
+
+def test_the_planner_prices_the_trust_options_on_a_plain_profile():
+    """The norm check adds a round trip (a control all-reduce) before each all-reduce; trimmed
+    and median gather every contribution, N/2 times a ring all-reduce's bytes (2x on 4)."""
+    from geotrain.plan.planner import retarget
+
+    profile = _profile()
+    _, plain = retarget(profile, 4, [20_000_000] * 4)
+    _, checked = retarget(profile, 4, [20_000_000] * 4, checked=True)
+    _, median = retarget(profile, 4, [20_000_000] * 4, aggregate="median")
+    assert (
+        checked.alpha_s == pytest.approx(2 * plain.alpha_s)
+        and checked.beta_s_per_byte == plain.beta_s_per_byte
+    )
+    assert median.alpha_s == pytest.approx(2 * plain.alpha_s)
+    assert median.beta_s_per_byte == pytest.approx(2 * plain.beta_s_per_byte)
+    _, eight = retarget(profile, 8, [20_000_000] * 8, aggregate="trimmed")
+    _, eight_plain = retarget(profile, 8, [20_000_000] * 8)
+    assert eight.beta_s_per_byte == pytest.approx(4 * eight_plain.beta_s_per_byte)
+    plan = make_plan(profile, H=4, workers=4, rates_bps=[20_000_000] * 4, aggregate="median")
+    assert plan["target"]["aggregate"] == "median"
+    assert (
+        plan["predicted_s"]["ddp"]
+        > make_plan(profile, H=4, workers=4, rates_bps=[20_000_000] * 4)["predicted_s"]["ddp"]
+    )
+    # A profile measured with the options has their cost in its fit: priced again, never twice.
+    measured = {**profile, "allreduce": {**profile["allreduce"], "aggregate": "median", "checked": True}}
+    _, same = retarget(measured, 4, [20_000_000] * 4, aggregate="median", checked=True)
+    assert same.alpha_s == pytest.approx(retarget(measured, 4, [20_000_000] * 4)[1].alpha_s)
+    with pytest.raises(ValueError, match="profile again without them"):
+        retarget(measured, 4, [20_000_000] * 4, aggregate="mean")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.guard import parse_aggregate
 from geotrain.data.corpus import DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.models import ModelError, model_context
@@ -525,6 +526,19 @@ def _cmd_plan(argv: list[str]) -> int:
         default=0.5e6,
         help="tokens per step on each accelerator",
     )
+    p.add_argument(
+        "--aggregate",
+        default=None,
+        help="price a trust option on a profile taken without it: mean, clip, trimmed:f=F or median "
+        "(the last two gather every contribution: N/2 times the bytes; default: as profiled)",
+    )
+    p.add_argument(
+        "--max-norm-ratio",
+        dest="max_norm_ratio",
+        type=float,
+        default=None,
+        help="price the norm check (> 0: one more round trip per all-reduce; default: as profiled)",
+    )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
     args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth")))
@@ -545,9 +559,14 @@ def _cmd_plan(argv: list[str]) -> int:
             raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
         workers = args.workers or profile.get("workers")
         rates = parse_bandwidths(args.bandwidth, workers) if args.bandwidth else None
+        if args.max_norm_ratio is not None and not (args.max_norm_ratio == 0 or args.max_norm_ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be >= 1, or 0 for off; got {args.max_norm_ratio}")
+        aggregate = parse_aggregate(args.aggregate)[0] if args.aggregate else None
+        checked = None if args.max_norm_ratio is None else args.max_norm_ratio > 0
         plan = make_plan(
-            profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale
-        )
+            profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
+            aggregate=aggregate, checked=checked,
+        )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(
             str(e) if not isinstance(e, KeyError) else f"profile lacks {e}; profile again"
@@ -556,7 +575,9 @@ def _cmd_plan(argv: list[str]) -> int:
     if args.png:
         from geotrain.plan.planner import plot_schedule, retarget
 
-        compute, link = retarget(profile, args.workers, rates, args.compute_scale)
+        compute, link = retarget(
+            profile, args.workers, rates, args.compute_scale, aggregate=aggregate, checked=checked
+        )
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))
     print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))

@@ -39,6 +39,17 @@ class LinkModel:
         return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
 
 
+def guarded_link(link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False) -> LinkModel:
+    """The all-reduce line under the trust options (``comm/guard.py``), from one measured without
+    them. The norm check (``checked``, or any aggregate but the mean) precedes each all-reduce with
+    a control all-reduce of 2 N floats: one more latency. ``trimmed`` and ``median`` gather every
+    contribution: each worker sends N - 1 copies of its message where a ring all-reduce sends
+    2 (N - 1) / N, so N / 2 times the bytes."""
+    alpha = link.alpha_s * (2 if checked or aggregate != "mean" else 1)
+    beta = link.beta_s_per_byte * (max(1.0, workers / 2) if aggregate in ("trimmed", "median") else 1.0)
+    return LinkModel(alpha, beta)
+
+
 @dataclass(frozen=True)
 class ComputeModel:
     """Per-layer backward times (backward order), layer sizes, and the rest of an iteration."""

@@ -17,6 +17,7 @@ from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.plan.cost import (
     ComputeModel,
     LinkModel,
+    guarded_link,
     predict_co2,
     predict_periodic,
     predict_schedule,
@@ -116,13 +117,26 @@ def retarget(
     rates_bps: list[int] | None = None,
     compute_scale: float = 1.0,
     algorithm: str = "best",
+    aggregate: str | None = None,
+    checked: bool | None = None,
 ) -> tuple[ComputeModel, LinkModel]:
     """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
 
     ``compute_scale`` multiplies compute times: 1 on real machines, where each worker has its own
     hardware; on an emulated cluster sharing C cores, max(1, N/C) / max(1, N_profile/C).
+    ``aggregate`` and ``checked`` (``--aggregate``, ``--max-norm-ratio``; None: as profiled) price
+    the trust options on a profile measured without them (``cost.guarded_link``).
     """
     compute, link = models_from_profile(profile)
+    measured = profile["allreduce"].get("aggregate", "mean"), bool(profile["allreduce"].get("checked", False))
+    wanted = (aggregate or measured[0], measured[1] if checked is None else checked)
+    if wanted != measured and measured != ("mean", False):
+        raise ValueError(
+            f"the profile's all-reduces were measured with --aggregate {measured[0]}"
+            + (" and the norm check" if measured[1] else "")
+            + ": profile again without them to price other trust options"
+        )
+    priced = wanted != measured  # from a plain profile: each all-reduce as the options make it
     if compute_scale <= 0:
         raise ValueError(f"compute scale must be > 0, got {compute_scale}")
     if compute_scale != 1.0:
@@ -133,12 +147,15 @@ def retarget(
             optimizer_s=compute.optimizer_s * compute_scale,
         )
     if workers is None and rates_bps is None:
-        return compute, link
-    measured_rates = profile_rates(profile)
-    net = NetworkModel.calibrate(link, int(profile["workers"]), measured_rates)
-    workers = workers or int(profile["workers"])
-    rates = rates_bps or [min(measured_rates)] * workers
-    return compute, net.link_model(workers, rates, algorithm)
+        moved = link
+        workers = int(profile["workers"])
+    else:
+        measured_rates = profile_rates(profile)
+        net = NetworkModel.calibrate(link, int(profile["workers"]), measured_rates)
+        workers = workers or int(profile["workers"])
+        rates = rates_bps or [min(measured_rates)] * workers
+        moved = net.link_model(workers, rates, algorithm)
+    return compute, guarded_link(moved, workers, *wanted) if priced else moved
 
 
 def make_plan(
@@ -148,8 +165,10 @@ def make_plan(
     workers: int | None = None,
     rates_bps: list[int] | None = None,
     compute_scale: float = 1.0,
+    aggregate: str | None = None,
+    checked: bool | None = None,
 ) -> dict[str, Any]:
-    compute, link = retarget(profile, workers, rates_bps, compute_scale)
+    compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
     table = []
     if choose is not None:
         for h in CANDIDATE_H:
@@ -187,6 +206,9 @@ def make_plan(
             "link": describe_links(rates_bps) if rates_bps else profile.get("link"),
             "slowest_bps": slowest,
             "compute_scale": compute_scale,
+            # the trust options priced (comm/guard.py): None where as profiled
+            "aggregate": aggregate,
+            "max_norm_check": checked,
         },
         "link_model": {
             "alpha_s": link.alpha_s,
@@ -216,6 +238,16 @@ def stands_for_line(plan: dict[str, Any], accel: Accelerator | None = None) -> s
     )
 
 
+def _trust_note(target: dict[str, Any]) -> str:
+    """The trust options priced into the all-reduce line, if any (``cost.guarded_link``)."""
+    priced = []
+    if target.get("max_norm_check"):
+        priced.append("the norm check")
+    if target.get("aggregate") not in (None, "mean"):
+        priced.append(f"--aggregate {target['aggregate']}")
+    return f" (with {' and '.join(priced)})" if priced else ""
+
+
 def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
     pred = plan["predicted_s"]
     base = pred["nosync"]
@@ -230,7 +262,7 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         )
         + "; "
         f"all-reduce = {plan['link_model']['alpha_s'] * 1e3:.2f} ms + bytes / "
-        f"{(plan['link_model']['effective_mbit_s'] or float('inf')):.1f} Mbit/s",
+        f"{(plan['link_model']['effective_mbit_s'] or float('inf')):.1f} Mbit/s" + _trust_note(target),
         *([line] if (line := stands_for_line(plan, accel)) else []),
         "",
         f"{'algorithm':<10} {'H':>4} {'step s':>9} {'x nosync':>9}",

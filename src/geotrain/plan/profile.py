@@ -171,7 +171,15 @@ def profile_link(comm: Communicator, sizes: list[int], reps: int = 2) -> dict[st
         samples.append([nbytes, comm.max_scalars([statistics.median(times)])[0]])
     alpha, beta = fit_link(samples)
     residuals = [abs(alpha + beta * n - s) / s for n, s in samples]
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "samples": samples, "max_rel_residual": max(residuals)}
+    return {
+        "alpha_s": alpha,
+        "beta_s_per_byte": beta,
+        "samples": samples,
+        "max_rel_residual": max(residuals),
+        # The trust options the all-reduces were measured with (their cost is in the fit).
+        "aggregate": comm.aggregate_kind[0],
+        "checked": comm.max_norm_ratio > 0,
+    }
 
 
 def fit_link(samples: list[list[float]]) -> tuple[float, float]:
@@ -273,7 +281,11 @@ def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, met
         "comm_slowdown_in_backward": 1.0,
         "contention_measured": False,
         "spread": {"backward_cv": averaged[n + 3], "link_max_rel_residual": link["max_rel_residual"]},
-        "allreduce": {k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
+        "allreduce": {
+            **{k: link[k] for k in ("alpha_s", "beta_s_per_byte", "samples")},
+            "aggregate": link.get("aggregate", "mean"),  # the trust options measured (cost.guarded_link)
+            "checked": link.get("checked", False),
+        },
     }
 
 
