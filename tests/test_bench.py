@@ -329,3 +329,20 @@ def test_every_cell_trains_the_model_the_bench_was_given():
     for algo in ("nosync", "diloco"):
         job = cfg.train_config(algo)
         assert (job.model_config, job.lora, job.lora_fa) == ("n_layer=1", "r=2,alpha=4,targets=c_attn", False)
+
+
+def test_a_rerun_with_another_model_is_refused_even_by_a_bench_that_did_not_record_it(tmp_path):
+    """An older bench.json has no model_config or lora: it was made with their defaults then."""
+    from dataclasses import asdict
+
+    from geotrain.bench.matrix import Bench
+
+    old = asdict(BenchConfig(algos=["nosync"]))
+    for key in ("model_config", "lora", "lora_fa", "data", "tokenizer"):
+        del old[key]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    Bench(BenchConfig(algos=["nosync"]), tmp_path, echo=print).check_reuse()  # the same job: kept
+    with pytest.raises(ConfigError, match="holds runs made with lora=''"):
+        Bench(
+            BenchConfig(algos=["nosync"], lora="r=2,alpha=4,targets=c_attn"), tmp_path, echo=print
+        ).check_reuse()

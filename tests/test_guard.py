@@ -338,3 +338,24 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["final_val_loss"] < 10
     assert summary["rejected_updates"]["2"] >= 2
+
+
+def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_not_finite():
+    """Chunked top-k's messages judged where they arrive: an adopter's empty stand-in (all zero
+    bytes) is kept and weighs nothing; one whose indices repeat within a chunk (k copies of a
+    value at one coordinate pass a norm check and still move that coordinate k times as far) is
+    counted as not finite, and so is a non-finite scale."""
+    from geotrain.compress.chunked import ChunkTopK, pack_bits
+
+    codec = ChunkTopK(chunk=256, k=16, bits=4)
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    real, sent = codec.encode(v)
+    c = codec.chunks(1000)
+    forged = real.clone()
+    index_bytes = pack_bits(torch.zeros(c * 16, dtype=torch.int64), 8)  # every index 0
+    forged[-index_bytes.numel() :] = index_bytes
+    nan = real.clone()
+    nan[:4] = torch.tensor([float("nan")]).view(torch.uint8)
+    norms, finite = codec.norms(torch.stack([real, torch.zeros_like(real), forged, nan]), 1000)
+    assert finite == [True, True, False, False]
+    assert norms[0] == pytest.approx(float(sent.norm()), rel=1e-5) and norms[1] == 0.0  # 6 digits

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +340,9 @@ class Bench:
         free = {"algos", "bandwidths", "workers", "smooth", "target_loss", "horizon", "cell_budget_s"}
         if new["lr_schedule"] != "constant":
             free.discard("horizon")  # the cells' schedule is planned over the horizon
+        # A key an older bench did not record had its field's default then.
+        defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
+        old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
         changed = sorted(k for k in new if k not in free and k in old and old[k] != new[k])
         if changed:
             was = ", ".join(f"{k}={old[k]!r}" for k in changed)

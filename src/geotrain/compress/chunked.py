@@ -233,6 +233,10 @@ class ChunkTopK(Codec):
         its values is the norm of the vector it stands for, and only then."""
         norms, finite = [], []
         for payload in payloads:
+            if not payload.any():  # an adopter's empty stand-in (see mean_of): nothing to judge
+                norms.append(0.0)
+                finite.append(True)
+                continue
             scales, codes, idx = self._parts(payload, n)
             ordered = idx.sort(dim=1).values  # distinct and inside the chunk, or it is refused
             valid = bool(ordered[:, -1].lt(self.chunk).all() and ordered.diff(dim=1).gt(0).all())

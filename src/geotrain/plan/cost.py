@@ -39,15 +39,28 @@ class LinkModel:
         return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
 
 
+def guard_factors(workers: int, aggregate: str = "mean", checked: bool = False) -> tuple[float, float]:
+    """What the trust options (``comm/guard.py``) multiply an all-reduce's latency and per-byte
+    time by. The norm check (``checked``, or any aggregate but the mean) precedes each all-reduce
+    with a control all-reduce of 2 N floats: one more latency. ``trimmed`` and ``median`` gather
+    every contribution: each worker sends N - 1 copies of its message where a ring all-reduce
+    sends 2 (N - 1) / N, so N / 2 times the bytes."""
+    latency = 2.0 if checked or aggregate != "mean" else 1.0
+    return latency, max(1.0, workers / 2) if aggregate in ("trimmed", "median") else 1.0
+
+
 def guarded_link(link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False) -> LinkModel:
-    """The all-reduce line under the trust options (``comm/guard.py``), from one measured without
-    them. The norm check (``checked``, or any aggregate but the mean) precedes each all-reduce with
-    a control all-reduce of 2 N floats: one more latency. ``trimmed`` and ``median`` gather every
-    contribution: each worker sends N - 1 copies of its message where a ring all-reduce sends
-    2 (N - 1) / N, so N / 2 times the bytes."""
-    alpha = link.alpha_s * (2 if checked or aggregate != "mean" else 1)
-    beta = link.beta_s_per_byte * (max(1.0, workers / 2) if aggregate in ("trimmed", "median") else 1.0)
-    return LinkModel(alpha, beta)
+    """The all-reduce line under the trust options, from one measured without them."""
+    latency, per_byte = guard_factors(workers, aggregate, checked)
+    return LinkModel(link.alpha_s * latency, link.beta_s_per_byte * per_byte)
+
+
+def unguarded_link(
+    link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False
+) -> LinkModel:
+    """The plain all-reduce line from one measured on ``workers`` hosts with the trust options."""
+    latency, per_byte = guard_factors(workers, aggregate, checked)
+    return LinkModel(link.alpha_s / latency, link.beta_s_per_byte / per_byte)
 
 
 @dataclass(frozen=True)

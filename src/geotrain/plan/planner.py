@@ -23,6 +23,7 @@ from geotrain.plan.cost import (
     predict_schedule,
     predict_ssgd,
     queue_spans,
+    unguarded_link,
 )
 from geotrain.plan.gather import (
     Accelerator,
@@ -91,12 +92,34 @@ def predict_algo(
 
 
 def predictions(
-    compute: ComputeModel, link: LinkModel, H: int, schedule: Schedule, workers: int
+    compute: ComputeModel,
+    link: LinkModel,
+    H: int,
+    schedule: Schedule,
+    workers: int,
+    plain: LinkModel | None = None,
+    options: tuple[str, bool] = ("mean", False),
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
-    the plan's H."""
+    the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
+    all-reduce under them and ``plain`` the one without: the gathering methods (sparseloco, demo,
+    streaming) judge the messages they hold with no communication, co2's weighted sum pays the
+    check's round trip only, and the combinations a run refuses (trimmed or median with them)
+    are left out."""
     periods = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
-    return {algo: predict_algo(algo, compute, link, periods[algo], workers, schedule) for algo in PREDICTED}
+    plain = plain or link
+    aggregate, checked = options
+    out = {}
+    for algo in PREDICTED:
+        if aggregate in ("trimmed", "median") and algo in ("sparseloco", "demo", "streaming", "co2"):
+            continue  # refused by the run: a coordinate-wise statistic of these is not offered
+        line = link
+        if algo in ("sparseloco", "demo", "streaming"):
+            line = plain
+        elif algo == "co2":
+            line = guarded_link(plain, workers, "mean", checked or aggregate != "mean")
+        out[algo] = predict_algo(algo, compute, line, periods[algo], workers, schedule)
+    return out
 
 
 def profile_rates(profile: dict[str, Any]) -> list[int]:
@@ -125,18 +148,14 @@ def retarget(
     ``compute_scale`` multiplies compute times: 1 on real machines, where each worker has its own
     hardware; on an emulated cluster sharing C cores, max(1, N/C) / max(1, N_profile/C).
     ``aggregate`` and ``checked`` (``--aggregate``, ``--max-norm-ratio``; None: as profiled) price
-    the trust options on a profile measured without them (``cost.guarded_link``).
+    the trust options (``cost.guarded_link``): the options the profile was measured with are taken
+    out of its line first, so any profile prices any options, at any worker count.
+    The line returned is the all-reduce's under the options; ``trust_options`` says which.
     """
     compute, link = models_from_profile(profile)
-    measured = profile["allreduce"].get("aggregate", "mean"), bool(profile["allreduce"].get("checked", False))
+    measured = trust_options(profile)
     wanted = (aggregate or measured[0], measured[1] if checked is None else checked)
-    if wanted != measured and measured != ("mean", False):
-        raise ValueError(
-            f"the profile's all-reduces were measured with --aggregate {measured[0]}"
-            + (" and the norm check" if measured[1] else "")
-            + ": profile again without them to price other trust options"
-        )
-    priced = wanted != measured  # from a plain profile: each all-reduce as the options make it
+    link = unguarded_link(link, int(profile["workers"]), *measured)
     if compute_scale <= 0:
         raise ValueError(f"compute scale must be > 0, got {compute_scale}")
     if compute_scale != 1.0:
@@ -155,7 +174,12 @@ def retarget(
         workers = workers or int(profile["workers"])
         rates = rates_bps or [min(measured_rates)] * workers
         moved = net.link_model(workers, rates, algorithm)
-    return compute, guarded_link(moved, workers, *wanted) if priced else moved
+    return compute, guarded_link(moved, workers, *wanted)
+
+
+def trust_options(profile: dict[str, Any]) -> tuple[str, bool]:
+    """The (aggregate, norm check) a profile's all-reduces were measured with."""
+    return profile["allreduce"].get("aggregate", "mean"), bool(profile["allreduce"].get("checked", False))
 
 
 def make_plan(
@@ -169,6 +193,9 @@ def make_plan(
     checked: bool | None = None,
 ) -> dict[str, Any]:
     compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
+    measured = trust_options(profile)
+    options = (aggregate or measured[0], measured[1] if checked is None else checked)
+    plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
     table = []
     if choose is not None:
         for h in CANDIDATE_H:
@@ -206,9 +233,9 @@ def make_plan(
             "link": describe_links(rates_bps) if rates_bps else profile.get("link"),
             "slowest_bps": slowest,
             "compute_scale": compute_scale,
-            # the trust options priced (comm/guard.py): None where as profiled
-            "aggregate": aggregate,
-            "max_norm_check": checked,
+            # the trust options priced (comm/guard.py)
+            "aggregate": options[0],
+            "max_norm_check": options[1],
         },
         "link_model": {
             "alpha_s": link.alpha_s,
@@ -216,7 +243,9 @@ def make_plan(
             "effective_mbit_s": 8e-6 / link.beta_s_per_byte if link.beta_s_per_byte else None,
         },
         "schedule": schedule_to_json(schedule, list(compute.names)),
-        "predicted_s": predictions(compute, link, H, schedule, int(workers or profile["workers"])),
+        "predicted_s": predictions(
+            compute, link, H, schedule, int(workers or profile["workers"]), plain, options
+        ),
         "choose": table,
     }
 

@@ -10,6 +10,7 @@ the codec's collectives and hands DDP a finished future, so those buckets do not
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from geotrain.ft.membership import retire
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
+
+# DDP's own broadcast of every parameter at construction, off where this torch can turn it off
+# (``init_sync``, torch >= 2.6): SyncAlgorithm compares digests and moves only what differs.
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+NO_INIT_SYNC = {"init_sync": False} if "init_sync" in _DDP_ARGS else {}
 
 
 @dataclass
@@ -53,7 +59,7 @@ class DDP(SyncAlgorithm):
                 process_group=comm.group,
                 bucket_cap_mb=self.config.bucket_mb,
                 find_unused_parameters=self.codec is not None,
-                init_sync=False,
+                **NO_INIT_SYNC,
             )
         self._grad_tensors = [p for p in self.parameters()]
         # Through the Communicator also with sites: its all-reduce goes in two levels.
@@ -168,7 +174,7 @@ class DDPPowerSGD(DDP):
         self._grad_tensors = self.parameters()
         if comm.world_size > 1:
             self._ddp = DistributedDataParallel(
-                model, process_group=comm.group, bucket_cap_mb=1024.0, init_sync=False
+                model, process_group=comm.group, bucket_cap_mb=1024.0, **NO_INIT_SYNC
             )
             self._state = powersgd.PowerSGDState(
                 process_group=comm.group,
