@@ -760,8 +760,22 @@ def _cmd_soak(argv: list[str]) -> int:
     p.add_argument(
         "--spares", type=int, default=0, help="hosts waiting in a backup pool to replace the killed at once"
     )
+    p.add_argument("--model-config", dest="model_config", default="", help="NAME=VALUE,... (as geotrain run)")
+    p.add_argument("--lora", default="", help="r=8,alpha=16,targets=q_proj,v_proj (as geotrain run)")
+    p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
     p.add_argument("--out", default="runs/soak")
     args = p.parse_args(argv)
+    extra: list[str] = []
+    if args.model_config or args.lora:
+        from geotrain.train import TrainConfig
+
+        try:  # refused here in one line, not after the first run has started
+            model = {"model_config": args.model_config, "lora": args.lora, "lora_fa": args.lora_fa}
+            TrainConfig(model=args.model, **model)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        extra += ["--model-config", args.model_config] if args.model_config else []
+        extra += (["--lora", args.lora] + (["--lora-fa"] if args.lora_fa else [])) if args.lora else []
     restart = f",restart={args.restart}" if args.restart not in ("", "0") else ""
     chaos = f"kill:every={args.kill_every}{restart}"
     try:
@@ -774,7 +788,8 @@ def _cmd_soak(argv: list[str]) -> int:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     job = SoakJob(
-        **{k: getattr(args, k) for k in SoakJob.__dataclass_fields__ if k not in ("extra", "on_failure")}
+        **{k: getattr(args, k) for k in SoakJob.__dataclass_fields__ if k not in ("extra", "on_failure")},
+        extra=tuple(extra),
     )
     try:
         soak(job, chaos, Path(args.out))
