@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -578,12 +577,7 @@ def evaluate_run(
         return replicas, None
     trained = [p for p in model.parameters() if p.requires_grad]
     flat = torch.cat([p.detach().reshape(-1).float() for p in trained])
-    # 52 bits of a digest, exact in the control channel's float64: equal everywhere iff max == min
-    # (two floats, and a wait that gives up when a member is lost, unlike an object gather).
-    digest = hashlib.sha256(flat.cpu().contiguous().view(torch.uint8).numpy()).digest()
-    mine = float(int.from_bytes(digest[:8], "little") >> 12)
-    most, least = comm.max_scalars([mine, -mine])
-    if most == -least:
+    if comm.same_everywhere(flat):
         return replicas, None  # already one model (a sync step, or a synchronous method)
     own = [p.detach().clone() for p in trained]
     try:
