@@ -356,6 +356,7 @@ def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_
     forged[-index_bytes.numel() :] = index_bytes
     nan = real.clone()
     nan[:4] = torch.tensor([float("nan")]).view(torch.uint8)
-    norms, finite = codec.norms(torch.stack([real, torch.zeros_like(real), forged, nan]), 1000)
+    judged = codec.norms(torch.stack([real, torch.zeros_like(real), forged, nan]), 1000)
+    norms, finite = [n for n, _ in judged], [ok for _, ok in judged]
     assert finite == [True, True, False, False]
     assert norms[0] == pytest.approx(float(sent.norm()), rel=1e-5) and norms[1] == 0.0  # 6 digits

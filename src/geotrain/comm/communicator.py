@@ -487,13 +487,15 @@ class Communicator:
             return None
         return self._screen(tensor)
 
-    def weigh_gathered(self, norms: list[float], finite: list[bool]) -> list[float]:
+    def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
         """The check on contributions every worker already holds (an all-gather's messages,
-        decoded), with no communication: each one's weight in the mean, in rank order. 0 where it
-        is left out, else 1, or with ``clip`` the factor that brings it down to the median norm.
-        Every worker computes the same weights from the same messages."""
-        if not self.checking or len(norms) < 2:
-            return [1.0] * len(norms)
+        decoded; ``judged``: each one's ``guard.message_norm``, in rank order), with no
+        communication: each one's weight in the mean. 0 where it is left out, else 1, or with
+        ``clip`` the factor that brings it down to the median norm. Every worker computes the
+        same weights from the same messages."""
+        if not self.checking or len(judged) < 2:
+            return [1.0] * len(judged)
+        norms, finite = [n for n, _ in judged], [ok for _, ok in judged]
         verdict = self._judge(norms, finite)
         limit = clip_norm(norms, verdict.kept) if self._aggregate == "clip" else float("inf")
         return [

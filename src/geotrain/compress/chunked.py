@@ -219,31 +219,28 @@ class ChunkTopK(Codec):
 
         def finish() -> None:
             payloads = handle.wait()
-            weights = comm.weigh_gathered(*self.norms(payloads, n)) if comm.checking else None
+            weights = comm.weigh_gathered(self.norms(payloads, n)) if comm.checking else None
             if weights is not None and not any(weights):  # nothing to average: each keeps its own
                 return
             unflatten_into(self.mean_of(payloads, n, weights), tensors)
 
         return Pending(finish)
 
-    def norms(self, payloads: torch.Tensor, n: int) -> tuple[list[float], list[bool]]:
+    def norms(self, payloads: torch.Tensor, n: int) -> list[tuple[float, bool]]:
         """Each payload's decoded L2 norm and whether it decodes to finite values (the norm
         check's inputs, ``Communicator.weigh_gathered``). A payload whose indices repeat within
         a chunk, or point past it, is counted as not finite: with distinct indices the norm of
         its values is the norm of the vector it stands for, and only then."""
-        norms, finite = [], []
+        judged = []
         for payload in payloads:
             if not payload.any():  # an adopter's empty stand-in (see mean_of): nothing to judge
-                norms.append(0.0)
-                finite.append(True)
+                judged.append((0.0, True))
                 continue
             scales, codes, idx = self._parts(payload, n)
             ordered = idx.sort(dim=1).values  # distinct and inside the chunk, or it is refused
             valid = bool(ordered[:, -1].lt(self.chunk).all() and ordered.diff(dim=1).gt(0).all())
-            norm, ok = message_norm(self._values(scales, codes), valid)
-            norms.append(norm)
-            finite.append(ok)
-        return norms, finite
+            judged.append(message_norm(self._values(scales, codes), valid))
+        return judged
 
     def mean_of(self, payloads: torch.Tensor, n: int, weights: list[float] | None = None) -> torch.Tensor:
         """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over

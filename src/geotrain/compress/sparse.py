@@ -82,9 +82,7 @@ class TopK(Codec):
             weights = [1.0] * len(parts)
             if comm.checking:  # the norm check on the gathered messages (the same on every worker)
                 # indices distinct and in range, or the norm of the values is not the message's
-                valid = [_distinct_in(i, n) for _, i in parts]
-                judged = [message_norm(v, ok) for (v, _), ok in zip(parts, valid, strict=True)]
-                weights = comm.weigh_gathered([j[0] for j in judged], [j[1] for j in judged])
+                weights = comm.weigh_gathered([message_norm(v, _distinct_in(i, n)) for v, i in parts])
                 if not any(weights):  # nothing to average: each worker keeps its own
                     return
             total = torch.zeros(n)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from geotrain.comm.guard import GATHERED
+
 
 @dataclass(frozen=True)
 class LinkModel:
@@ -46,7 +48,7 @@ def guard_factors(workers: int, aggregate: str = "mean", checked: bool = False) 
     every contribution: each worker sends N - 1 copies of its message where a ring all-reduce
     sends 2 (N - 1) / N, so N / 2 times the bytes."""
     latency = 2.0 if checked or aggregate != "mean" else 1.0
-    return latency, max(1.0, workers / 2) if aggregate in ("trimmed", "median") else 1.0
+    return latency, max(1.0, workers / 2) if aggregate in GATHERED else 1.0
 
 
 def guarded_link(link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False) -> LinkModel:

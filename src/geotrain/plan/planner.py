@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from geotrain.comm.guard import GATHERED
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.plan.cost import (
     ComputeModel,
@@ -111,7 +112,7 @@ def predictions(
     aggregate, checked = options
     out = {}
     for algo in PREDICTED:
-        if aggregate in ("trimmed", "median") and algo in ("sparseloco", "demo", "streaming", "co2"):
+        if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
             continue  # refused by the run: a coordinate-wise statistic of these is not offered
         line = link
         if algo in ("sparseloco", "demo", "streaming"):
@@ -153,9 +154,8 @@ def retarget(
     The line returned is the all-reduce's under the options; ``trust_options`` says which.
     """
     compute, link = models_from_profile(profile)
-    measured = trust_options(profile)
-    wanted = (aggregate or measured[0], measured[1] if checked is None else checked)
-    link = unguarded_link(link, int(profile["workers"]), *measured)
+    wanted = trust_options(profile, aggregate, checked)
+    link = unguarded_link(link, int(profile["workers"]), *trust_options(profile))
     if compute_scale <= 0:
         raise ValueError(f"compute scale must be > 0, got {compute_scale}")
     if compute_scale != 1.0:
@@ -177,9 +177,13 @@ def retarget(
     return compute, guarded_link(moved, workers, *wanted)
 
 
-def trust_options(profile: dict[str, Any]) -> tuple[str, bool]:
-    """The (aggregate, norm check) a profile's all-reduces were measured with."""
-    return profile["allreduce"].get("aggregate", "mean"), bool(profile["allreduce"].get("checked", False))
+def trust_options(
+    profile: dict[str, Any], aggregate: str | None = None, checked: bool | None = None
+) -> tuple[str, bool]:
+    """The (aggregate, norm check) to price: those given, the rest as the profile's all-reduces
+    were measured with."""
+    measured = profile["allreduce"].get("aggregate", "mean"), bool(profile["allreduce"].get("checked", False))
+    return aggregate or measured[0], measured[1] if checked is None else checked
 
 
 def make_plan(
@@ -193,8 +197,7 @@ def make_plan(
     checked: bool | None = None,
 ) -> dict[str, Any]:
     compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
-    measured = trust_options(profile)
-    options = (aggregate or measured[0], measured[1] if checked is None else checked)
+    options = trust_options(profile, aggregate, checked)
     plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
     table = []
     if choose is not None:

@@ -188,11 +188,11 @@ class DeMo(SyncAlgorithm):
         finite = [True] * gathered.shape[0]
         offset = 0
         for p, c, size in zip(self._params, self._codecs, self._sizes, strict=True):
-            norms, ok = c.norms(gathered[:, offset : offset + size], p.numel())
+            for r, (norm, ok) in enumerate(c.norms(gathered[:, offset : offset + size], p.numel())):
+                squares[r] += norm * norm
+                finite[r] = finite[r] and ok
             offset += size
-            squares = [s + n * n for s, n in zip(squares, norms, strict=True)]
-            finite = [a and b for a, b in zip(finite, ok, strict=True)]
-        return self.comm.weigh_gathered([math.sqrt(s) for s in squares], finite)
+        return self.comm.weigh_gathered([(math.sqrt(s), ok) for s, ok in zip(squares, finite, strict=True)])
 
     def _land_in_flight(self) -> None:
         gathered = self.in_flight.land()

@@ -122,7 +122,7 @@ class SparseLoCo(PeriodicSync):
         the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike)."""
         weights = None
         if self.comm.checking:
-            weights = self.comm.weigh_gathered(*self.chunker.norms(gathered, self.n))
+            weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n))
         mean = self.chunker.mean_of(gathered, self.n, weights)
         self._anchor.sub_(mean.mul_(self.config.alpha)).mul_(self._real)
 

@@ -196,8 +196,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             block, chunk = self.quantizer.layout(n, 1)
             gathered = self.quantizer.decode(gathered, chunk, block)[:, :n]
         if self.comm.checking:  # the norm check on the decoded messages: no communication
-            judged = [message_norm(row) for row in gathered]
-            weights = torch.tensor(self.comm.weigh_gathered([j[0] for j in judged], [j[1] for j in judged]))
+            weights = torch.tensor(self.comm.weigh_gathered([message_norm(row) for row in gathered]))
             sent &= weights > 0
             gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
         return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
