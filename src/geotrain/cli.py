@@ -342,9 +342,7 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
             raise UsageError(f"--workers plus --spares must be at most {MAX_HOSTS} (one /24 subnet)")
         # With sites, exactly their LAN rate (not through --bandwidth's printed rate).
         rates = sites.host_rates() if sites is not None else parse_bandwidths(args.bandwidth, args.workers)
-        corpus = load_corpus(cfg.data or None, cfg.tokenizer)
-        context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
-        corpus.check_fits(context, args.workers)
+        check_model_and_data(cfg, args.workers)
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
         if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):
@@ -584,6 +582,14 @@ def _cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def check_model_and_data(cfg, workers: int) -> None:
+    """The model and the data a job will train on, checked in the launcher before anything starts
+    (text is tokenized here, once, and cached): raises ModelError, DataError or ConfigError."""
+    corpus = load_corpus(cfg.data or None, cfg.tokenizer)
+    context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
+    corpus.check_fits(context, workers)
+
+
 def _cmd_bench(argv: list[str]) -> int:
     from geotrain.bench.matrix import DEFAULT_ALGOS, DEFAULT_BANDWIDTHS, Bench, BenchConfig
     from geotrain.bench.report import markdown_table, scale_table, write_report
@@ -697,10 +703,7 @@ def _cmd_bench(argv: list[str]) -> int:
             cell_budget_s=args.cell_budget,
         )
         # The model and data every cell will use, checked (and text tokenized) once, here.
-        job = cfg.train_config("nosync")
-        corpus = load_corpus(job.data or None, job.tokenizer)
-        context = model_context(job.model_spec(), corpus.vocab_size, job.block_size, corpus.tokens)
-        corpus.check_fits(context, max(cfg.workers))
+        check_model_and_data(cfg.train_config("nosync"), max(cfg.workers))
     except (ConfigError, DataError, LinkSpecError, ModelError) as e:
         raise UsageError(str(e)) from None
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -765,17 +768,15 @@ def _cmd_soak(argv: list[str]) -> int:
     p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
     p.add_argument("--out", default="runs/soak")
     args = p.parse_args(argv)
-    extra: list[str] = []
-    if args.model_config or args.lora:
-        from geotrain.train import TrainConfig
+    from geotrain.train import TrainConfig
 
-        try:  # refused here in one line, not after the first run has started
-            model = {"model_config": args.model_config, "lora": args.lora, "lora_fa": args.lora_fa}
-            TrainConfig(model=args.model, **model)
-        except ConfigError as e:
-            raise UsageError(str(e)) from None
-        extra += ["--model-config", args.model_config] if args.model_config else []
-        extra += (["--lora", args.lora] + (["--lora-fa"] if args.lora_fa else [])) if args.lora else []
+    try:  # refused here in one line, not after the first run has started
+        TrainConfig(model=args.model, model_config=args.model_config, lora=args.lora, lora_fa=args.lora_fa)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    extra = ["--model-config", args.model_config] if args.model_config else []
+    extra += ["--lora", args.lora] if args.lora else []
+    extra += ["--lora-fa"] if args.lora_fa else []
     restart = f",restart={args.restart}" if args.restart not in ("", "0") else ""
     chaos = f"kill:every={args.kill_every}{restart}"
     try:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from geotrain.api import Sync
+from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
 from geotrain.comm.guard import GATHERED, parse_aggregate
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
@@ -575,23 +576,15 @@ def evaluate_run(
     replicas = comm.mean_scalars([evaluate(model, batches, device)])[0]
     if not average or comm.world_size == 1:
         return replicas, None
-    trained = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat([p.detach().reshape(-1).float() for p in trained])
-    if comm.same_everywhere(flat):
+    trained = [p.data for p in model.parameters() if p.requires_grad]
+    own = flatten(trained)
+    if comm.same_everywhere(own):
         return replicas, None  # already one model (a sync step, or a synchronous method)
-    own = [p.detach().clone() for p in trained]
     try:
-        comm.mean_control(flat)
-        offset = 0
-        with torch.no_grad():
-            for p in trained:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        unflatten_into(comm.mean_control(own.to(torch.float32, copy=True)), trained)
         mean_loss = comm.mean_scalars([evaluate(model, batches, device)])[0]
     finally:
-        with torch.no_grad():
-            for p, saved in zip(trained, own, strict=True):
-                p.copy_(saved)
+        unflatten_into(own, trained)
     return mean_loss, replicas
 
 
