@@ -217,6 +217,29 @@ def test_each_fragment_takes_its_own_nesterov_outer_step():
     assert sorted(buffers) == [0, 1]
 
 
+def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_counts_twice():
+    """A joiner (or a survivor behind) loads a member's replica, which holds the member's
+    progress since each fragment's last sync. Kept, that progress would be in both workers'
+    Delta_f at the fragment's next landing: counted twice. The adopter restarts each fragment
+    from theta_f and takes part in the gather in flight with an empty message."""
+    member, member_opt, member_sync = _tiny("streaming", {"H": 8, "fragments": 4, "tau": 1})
+    for step in range(3):  # fragment 0 landed after step 2; fragment 1 is in flight
+        _train_step(member_sync, member_opt, 0, step)
+    assert member_sync.in_flight.flying
+    moved = [not torch.equal(member_sync._local(f), theta) for f, theta in enumerate(member_sync._global)]
+    assert sum(moved) >= 3  # the member's replica is ahead of theta in the unsynced fragments
+    joiner, _, joiner_sync = _tiny("streaming", {"H": 8, "fragments": 4, "tau": 1}, seed=1)
+    joiner.load_state_dict(member.state_dict())
+    joiner_sync.load_state_dict(member_sync.state_dict())
+    joiner_sync.adopted_state()
+    for f, theta in enumerate(joiner_sync._global):
+        assert torch.equal(theta, member_sync._global[f])
+        assert torch.equal(joiner_sync._local(f), theta)  # its next Delta_f is its own progress only
+    member_sync.rebind()
+    assert not joiner_sync.in_flight.saved().any() and member_sync.in_flight.saved().any()
+    member_sync.close()
+
+
 @pytest.mark.parametrize("bits", [32, 4])
 def test_an_overlapped_fragment_mixes_the_local_steps_taken_in_flight(bits):
     """tau 1, mix 0.5: the fragment landing after step 2k was sent after step 2k-1, so theta

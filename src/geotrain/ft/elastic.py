@@ -141,9 +141,9 @@ def _hand_over(
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))
-        sync.adopted_state()
         if param_digest(model) != digest:
             raise CorruptSnapshot("the parameters received differ from the leader's after loading")
+        sync.adopted_state()  # after the check: Streaming DiLoCo's adopter restarts from theta
     return {"handed_over_bytes": total, "stripes": stripes}
 
 

@@ -30,9 +30,10 @@ outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_f
 
 Sync boundaries (for the membership layer) are the steps where a fragment launches or lands:
 every gcd(s, tau) steps (every step at tau = 1). So after a fault the survivors are treated as
-lock-stepped: one that is behind the furthest adopts its whole state, and a joiner copies a
-member's replica, whose unsynchronised progress in the other fragments then counts twice at
-their next syncs (each fragment's progress is at most H steps of one worker).
+lock-stepped: one that is behind the furthest adopts its whole state. A replica is never synced
+in all its fragments at once, so an adopter (a joiner, a survivor behind) starts every fragment
+from theta_f, not from the member's replica it loaded: the member's progress since each
+fragment's last sync is the member's, and counts once, in the member's own Delta_f.
 
 Memory: one copy of the parameters (theta) and the outer momentum, as DiLoCo.
 """
@@ -274,6 +275,11 @@ class StreamingDiLoCo(SyncAlgorithm):
 
     def adopted_state(self) -> None:
         self.in_flight.adopted()
+        # The replica loaded holds the other worker's progress since each fragment's last sync;
+        # kept, it would count twice, in both workers' Delta_f at that fragment's next landing.
+        with torch.no_grad():
+            for theta, fragment in zip(self._global, self.fragments, strict=True):
+                unflatten_into(theta, [p.data for p in fragment])
 
     def replicated_parts(self) -> set[str]:
         return set()  # the fragments are never all equal at once: each worker's own
