@@ -1,6 +1,11 @@
 """A plain PyTorch training loop spread over workers with geotrain.wrap.
 
     torchrun --nproc-per-node 2 examples/plain_loop.py --algo diloco --H 5
+    torchrun --nproc-per-node 2 examples/plain_loop.py --algo diloco --pace time --slow 1
+
+With ``--pace time`` (localsgd, diloco) a period lasts the fastest worker's H steps: a slower
+worker (``--slow RANK`` makes one sleep 20 ms per step) skips its last steps of each period,
+and the average weighs each worker by the steps it computed.
 
 Each worker fits the same small regression model to its own shard of data. geotrain averages
 them as the algorithm says; at the end every worker holds the same model, and every rank prints
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,8 @@ def main() -> None:
     parser.add_argument("--algo", default="diloco")
     parser.add_argument("--H", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--pace", default="steps", help="localsgd, diloco: steps or time")
+    parser.add_argument("--slow", type=int, default=-1, help="this rank sleeps 20 ms per step")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # NCCL on GPUs; torchrun sets the rendezvous
@@ -44,13 +52,22 @@ def main() -> None:
     options = {"H": args.H} if "H" in geotrain.api.accepted_options(args.algo) else {}
     if args.algo == "streaming":
         options["fragments"] = 2  # this model has two layers with parameters
+    if args.pace != "steps":
+        options["pace"] = args.pace
     if args.algo == "sparseloco":
         options |= {"chunk": 64, "k": 8}  # its default chunk is larger than this model
     # dreamddp plans its layer schedule from the first steps of this loop, timed as they run
     # (or pass plan="plan.json" from `geotrain plan`, or profile=a function returning a loss).
     sync = geotrain.wrap(model, optimizer, algo=args.algo, **options)
 
+    skipped = 0
     for _ in range(args.steps):
+        if not sync.computes():  # a straggler's skipped step (pace="time"); always True otherwise
+            sync.skip()
+            skipped += 1
+            continue
+        if rank == args.slow:
+            time.sleep(0.02)
         x, y = batch()
         loss = nn.functional.mse_loss(sync.model(x), y)
         loss.backward()
@@ -61,7 +78,8 @@ def main() -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     print(
-        f"rank {rank}: loss {loss.item():.4f} sent {sync.stats['sent_bytes']} bytes digest {digest}",
+        f"rank {rank}: loss {loss.item():.4f} sent {sync.stats['sent_bytes']} bytes digest {digest} "
+        f"skipped {skipped}",
         flush=True,
     )
     dist.destroy_process_group()

@@ -169,16 +169,25 @@ def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them():
     assert torch.equal(ranks[0]["final"], ranks[1]["final"])
 
 
-@pytest.mark.parametrize("algo", ["diloco", "dreamddp"])  # dreamddp plans from its first steps
-def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo):
+@pytest.mark.parametrize(
+    "algo, extra",
+    [
+        ("diloco", ["--pace", "time", "--slow", "1"]),  # rank 1 skips steps; rank 0 none
+        ("dreamddp", []),  # plans from its first steps
+    ],
+)
+def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo, extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(ROOT / "examples" / "plain_loop.py"), "--algo", algo, "--H", "5", "--steps", "20"]
+    cmd += [str(ROOT / "examples" / "plain_loop.py"), "--algo", algo, "--H", "5", "--steps", "20", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = re.findall(r"rank (\d): loss ([0-9.]+) sent (\d+) bytes digest (\w+)", proc.stdout)
-    assert sorted(r for r, *_ in lines) == ["0", "1"]
-    assert len({d for *_, d in lines}) == 1  # the same parameters on both
-    assert all(int(sent) > 0 for _, _, sent, _ in lines)
+    pattern = r"rank (\d): loss ([0-9.]+) sent (\d+) bytes digest (\w+) skipped (\d+)"
+    lines = {r: rest for r, *rest in re.findall(pattern, proc.stdout)}
+    assert sorted(lines) == ["0", "1"]
+    assert len({digest for _, _, digest, _ in lines.values()}) == 1  # the same parameters on both
+    assert all(int(sent) > 0 for _, sent, _, _ in lines.values())
+    skipped = {r: int(rest[-1]) for r, rest in lines.items()}
+    assert skipped["0"] == 0 and (skipped["1"] > 0) == bool(extra), skipped
 
 
 @pytest.mark.skipif(

@@ -71,6 +71,19 @@ class Sync:
             after_update()
         return self.algorithm.after_step()
 
+    def computes(self) -> bool:
+        """Before a step: whether this worker computes it. Always True but under
+        ``pace="time"`` (``localsgd``, ``diloco``), where a straggler skips its last steps of a
+        period: call ``skip()`` instead of the forward, backward and ``step()``."""
+        return self.algorithm.computes_step()
+
+    def skip(self) -> bool:
+        """A step this worker does not compute (``computes()`` said so): only the sync it
+        holds, if any. Returns True when it synchronised."""
+        if self._finished:
+            raise RuntimeError("skip() after finish(): wrap the model again to train on")
+        return self.algorithm.after_step()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -101,6 +101,7 @@ class TrainConfig:
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
+    pace: str = "steps"  # localsgd, diloco: "time": a period lasts the fastest worker's H steps
     bucket_mb: float = 0.0  # 0: the algorithm's default
     compress: str = ""  # a codec, e.g. int8, topk:ratio=0.01, acpsgd:rank=4 ("": none)
     # sparseloco and demo (0, or beta -1: the algorithm's default; see --help)
@@ -351,6 +352,8 @@ class TrainConfig:
             opts["bucket_mb"] = self.bucket_mb
         if self.warm_start:
             opts["warm_start"] = self.warm_start
+        if self.pace != "steps":
+            opts["pace"] = self.pace
         if self.plan:
             opts["plan_path"] = self.plan
         if self.compress:
@@ -429,6 +432,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "co2's heavy-ball (-1: 0.5)",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
+        "pace": "localsgd, diloco: steps (every worker computes the H steps of a period) or time (a "
+        "period lasts the fastest worker's H steps: a straggler computes the steps it can in that "
+        "time and skips the rest, and the average weighs each worker by the steps it computed)",
         "chunk": "sparseloco: values per top-k chunk (default 4096); demo: DCT block per dimension (64)",
         "k": "values sent per chunk: sparseloco 64 of 4096 (1.56%%), demo 32 of 64x64",
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8); streaming 4, 8 or "
@@ -764,13 +770,19 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     phase, loss = "compute", torch.tensor(float("nan"))
     no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
 
-    def one_step(x: torch.Tensor, y: torch.Tensor, step: int) -> bool:
+    def one_step(x: torch.Tensor | None, y: torch.Tensor | None, step: int) -> bool:
+        """One step; with no batch, a step this worker skips (``--pace time``): only the sync
+        it holds, if any."""
         nonlocal phase, loss
         phase = "compute"
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
             raise MembershipChanged("a joiner is admitted")
+        if x is None:
+            loss = torch.tensor(float("nan"))
+            phase = "sync"  # nothing to apply: only the synchronisation can fail
+            return stepper.skip()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
         for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution
@@ -929,12 +941,14 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             wait_for_joiners(step - 1)
         t0 = time.perf_counter()
         before = comm.stats.copy()
-        if batch is None:
+        computes = sync.computes_step()  # False: a straggler's skipped step (--pace time)
+        step_tokens = cfg.batch_size * model.block_size * sync.workers_computing()
+        if batch is None and computes:
             batch = sampler.next_train()
         counted = False  # this step's tokens are in tokens_done already (adopted from a leader)
         try:
-            synced = one_step(*batch, step)
-            batch = None
+            synced = one_step(*(batch if computes else (None, None)), step)
+            batch = None if computes else batch
         except RuntimeError as e:
             if phase == "sync":
                 batch = None  # this worker's step used it
@@ -954,7 +968,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if device.type == "cuda":
             torch.cuda.synchronize()
         if not counted:
-            tokens_done += tokens_per_step
+            tokens_done += step_tokens
         # Not at a step adopted from a leader: the others are past their snapshot of it (a
         # snapshot's agreement to ship is a collective every member must join).
         if not counted and (step == cfg.steps or snapshots.due(step)):
@@ -982,6 +996,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             "calls": spent.calls,
             "synced": synced,
         }
+        if not computes:
+            record["computed"] = False  # skipped (--pace time)
         if membership is not None:
             record["workers"] = comm.world_size
         if cfg.eval_every and step % cfg.eval_every == 0 and no_eval_through < step < cfg.steps:
@@ -1028,7 +1044,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             )  # fmt: skip
         if progress is not None:
             mbit = spent.sent_bytes * 8 / step_s / 1e6
-            postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
+            postfix = {"loss": f"{record['train_loss']:.3f}", "tok/s": f"{step_tokens / step_s:,.0f}"}
             if val_loss is not None:
                 postfix["val"] = f"{val_loss:.3f}"
             postfix["link"] = f"{mbit:.1f}Mbit/s"
@@ -1192,6 +1208,9 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
     step_s, compute_s, blocked_s, sent_per_step, _ = comm.mean_scalars(local)
     (wall_s,) = comm.max_scalars([train_s])
     sync_cfg = cfg.sync_config().as_dict()
+    skipped = None
+    if cfg.pace == "time":  # by rank of the last group: the steps each left to the faster ones
+        skipped = comm.all_gather_object(sum(r.get("computed") is False for r in records))
     return {
         "algo": cfg.algo,
         "algo_config": " ".join(f"{k}={v}" for k, v in sync_cfg.items()),
@@ -1205,6 +1224,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "link": cfg.link,
         "network_mode": cfg.network_mode,
         "stragglers": {str(h): f for h, f in cfg.slow_factors().items()} or None,  # --slow
+        "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host

@@ -23,6 +23,7 @@ import torch.nn as nn
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import Codec, ConfigError, make_codec
+from geotrain.sync.pace import PACES, TimePace
 
 
 @dataclass
@@ -54,6 +55,10 @@ def require_period(H: int) -> None:
         isinstance(H, int) and H >= 1,
         f"H (inner steps between outer steps) must be an integer >= 1, got {H}",
     )
+
+
+def require_pace(pace: str) -> None:
+    require(pace in PACES, f"--pace must be one of {', '.join(PACES)}, got {pace!r}")
 
 
 def require_warm_start(warm_start: int) -> None:
@@ -123,6 +128,17 @@ class SyncAlgorithm:
 
     def prepare(self, loss_fn) -> None:
         """Once before training, with a closure that computes a training loss (for profiling)."""
+
+    def computes_step(self) -> bool:
+        """Before the step under way: whether this worker computes it (forward, backward and
+        update). False for the steps a straggler skips under ``--pace time`` (``sync.pace``):
+        the loop then calls ``after_step`` alone, which makes any sync the step holds."""
+        return True
+
+    def workers_computing(self) -> int:
+        """How many workers compute the step under way (the tokens it trains), the same number
+        on every worker."""
+        return self.comm.world_size
 
     def before_step(self) -> None:
         """After backward, before ``optimizer.step()``."""
@@ -198,10 +214,49 @@ class PeriodicSync(SyncAlgorithm):
     the first W steps are synchronous SGD, the gradients averaged before each optimizer step, so
     the replicas stay equal (parameters and optimizer state) through the steep start of training
     where local steps drift most. Then the method runs periodically, its syncs at the same
-    multiples of H as without a warm start."""
+    multiples of H as without a warm start.
+
+    Where the config has ``pace`` = "time" (``sync.pace``), a period lasts the fastest worker's
+    H steps: slower workers skip their last steps of it, and ``synchronize`` weighs each
+    worker's contribution by ``sync_weight()``."""
+
+    def __init__(self, model, optimizer, comm, config) -> None:
+        super().__init__(model, optimizer, comm, config)
+        paced = getattr(config, "pace", "steps") == "time"
+        self.pacer = TimePace(config.H, comm) if paced else None
 
     def synchronize(self) -> None:
+        """Average the replicas (each worker's contribution times ``sync_weight()``)."""
         raise NotImplementedError
+
+    def sync_weight(self) -> float:
+        """This worker's factor in the sync under way: 1, or N k_r / sum k under ``--pace time``
+        (exactly 1.0 where every worker computed as many of the period's steps)."""
+        if self.pacer is None or self.in_warm_start():
+            return 1.0
+        return self.pacer.weight(self.step_count % self.config.H or self.config.H)
+
+    def _paced_sync(self) -> None:
+        if self.pacer is None:
+            self.synchronize()
+            return
+        following = self.pacer.exchange()  # first: a failure here has changed nothing
+        self.synchronize()
+        self.pacer.quotas = following
+
+    def computes_step(self) -> bool:
+        if self.pacer is None or self.in_warm_start():
+            return True
+        return self.pacer.computes(self.step_count % self.config.H)
+
+    def workers_computing(self) -> int:
+        if self.pacer is None or self.in_warm_start():
+            return self.comm.world_size
+        return self.pacer.workers_computing(self.step_count % self.config.H)
+
+    def rebind(self) -> None:
+        if self.pacer is not None:
+            self.pacer.reset()  # the new group's first period runs unpaced, its sync unweighted
 
     @property
     def warm_start(self) -> int:
@@ -223,6 +278,8 @@ class PeriodicSync(SyncAlgorithm):
 
     def after_step(self) -> bool:
         warm = self.in_warm_start()
+        if self.pacer is not None:
+            self.pacer.stepped()
         super().after_step()
         if warm:  # the replicas are equal already
             self.syncs += 1
@@ -230,7 +287,7 @@ class PeriodicSync(SyncAlgorithm):
                 self.track_parameters()
             return True
         if self.at_boundary():
-            self.synchronize()
+            self._paced_sync()
             return True
         return False
 
@@ -245,7 +302,7 @@ class PeriodicSync(SyncAlgorithm):
 
     def retry_sync(self) -> None:
         if self.at_boundary() and self.step_count > self.warm_start:
-            self.synchronize()  # a failed synchronisation changed nothing it would redo twice
+            self._paced_sync()  # a failed synchronisation changed nothing it would redo twice
 
     def sync_period(self) -> int:
         # In the warm start every step is a collective: the membership layer must treat the
@@ -260,6 +317,23 @@ class PeriodicSync(SyncAlgorithm):
             return {"model", "optimizer", "sync"}  # synchronous SGD so far: all equal
         # Right after a sync the parameters are equal; the (inner) optimizers never are.
         return {"model", "sync"} if self.at_boundary() else {"sync"}
+
+    def info(self) -> str:
+        if self.pacer is None:
+            return super().info()
+        paced = f"paced by time: steps computed per period of {self.config.H}, by rank: {self.pacer.quotas}"
+        return "; ".join(filter(None, [super().info(), paced]))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.pacer is not None:
+            state["pace"] = self.pacer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.pacer is not None and "pace" in state:
+            self.pacer.load_state_dict(state["pace"])
 
 
 class InFlight:

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import PeriodicSync, SyncConfig, require, require_period, require_warm_start
+from geotrain.sync.base import (
+    PeriodicSync,
+    SyncConfig,
+    require,
+    require_pace,
+    require_period,
+    require_warm_start,
+)
 
 # The outer step's multiple of a period's mean local progress, outer_lr / (1 - momentum): the
 # paper's 0.7 / 0.1 = 7 at H=500, and 1.4 at H=10 where it was measured best here.
@@ -56,6 +63,7 @@ class DiLoCoConfig(SyncConfig):
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
+    pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
 
     def __post_init__(self) -> None:
         require_period(self.H)
@@ -65,6 +73,7 @@ class DiLoCoConfig(SyncConfig):
         require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
+        require_pace(self.pace)
 
 
 class DiLoCo(PeriodicSync):
@@ -84,6 +93,9 @@ class DiLoCo(PeriodicSync):
     def outer_step(self) -> None:
         params = self.parameters()
         deltas = [outer - p.detach() for outer, p in zip(self._outer, params, strict=True)]
+        weight = self.sync_weight()
+        if weight != 1.0:  # --pace time: the mean weighted by the steps each worker computed
+            torch._foreach_mul_(deltas, weight)
         reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="outer")
         for outer, delta in zip(self._outer, deltas, strict=True):
             outer.grad = delta

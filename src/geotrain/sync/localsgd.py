@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.sync.base import PeriodicSync, SyncConfig, adopt_mean_change, require, require_warm_start
+from geotrain.sync.base import (
+    PeriodicSync,
+    SyncConfig,
+    adopt_mean_change,
+    require,
+    require_pace,
+    require_warm_start,
+)
 
 
 @dataclass
@@ -27,6 +34,7 @@ class LocalSGDConfig(SyncConfig):
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
+    pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
 
     def __post_init__(self) -> None:
         require(
@@ -35,6 +43,7 @@ class LocalSGDConfig(SyncConfig):
         )
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
+        require_pace(self.pace)
 
 
 class LocalSGD(PeriodicSync):
@@ -46,10 +55,17 @@ class LocalSGD(PeriodicSync):
 
     def average_parameters(self) -> None:
         params = [p.data for p in self.parameters()]
-        if self.codec is None:
+        weight = self.sync_weight()  # --pace time: the mean weighted by the steps each computed
+        if self.codec is None and weight == 1.0:
             reduce_tensors(self.comm, params, self.config.bucket_mb)
+        elif self.codec is None:  # on a copy: a failed average leaves the parameters to retry
+            weighted = torch._foreach_mul(params, weight)
+            reduce_tensors(self.comm, weighted, self.config.bucket_mb)
+            torch._foreach_copy_(params, weighted)
         else:
             deltas = [p - ref for p, ref in zip(params, self._ref, strict=True)]
+            if weight != 1.0:
+                torch._foreach_mul_(deltas, weight)
             reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="delta")
             adopt_mean_change(params, self._ref, deltas)
         self.syncs += 1

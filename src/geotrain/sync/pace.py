@@ -1,0 +1,106 @@
+"""Periods measured in time for stragglers: ``--pace time`` (``localsgd``, ``diloco``).
+
+With one worker FACTOR times slower, a per-step method runs at its pace, and so does a periodic
+one run by steps: at every sync the others wait for the straggler's H steps. A period measured
+in time instead lets each worker do the inner steps it can in the time the fastest takes for H
+(time-based local SGD; FusionLLM's and DiLoCo-style heterogeneous periods make the same trade).
+Worker r computes the first
+
+    k_r = clamp(round(H * t_min / t_r), 1, H)
+
+of a period's H steps and skips the rest (no data, forward, backward or update: the step counter
+alone moves, so every worker reaches the sync at the same step and the membership layer's
+boundaries, snapshots and resume stay where they are). t_r is the median compute time of
+worker r's steps in the last period, t_min the fastest worker's. The average at the sync weighs
+each worker by its tokens, k_r / sum_j k_j, so a straggler's shorter progress counts for what it
+is: x <- sum_r k_r x_r / sum_j k_j (parameters, or pseudo-gradients under diloco and codecs).
+
+Every worker all-gathers one float per sync (its t_r) and computes every k_r from the same
+numbers, so all agree on the weights, and on the tokens each step trains, without another
+exchange. The first period, and the first after a change of members, runs with k_r = H on every
+worker: nothing has been measured yet. Where no worker is slower the quotas stay H and the run is
+the one ``--pace steps`` makes, bitwise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+PACES = ("steps", "time")
+
+
+class TimePace:
+    """The quotas k_r of the period under way, and this worker's step times in it."""
+
+    def __init__(self, H: int, comm) -> None:
+        self.H = H
+        self.comm = comm
+        self.quotas = [H] * comm.world_size
+        self._times: list[float] = []
+        self._started: float | None = None  # clock() at the start of a computed step
+        self.clock = time.perf_counter  # tests set their own
+
+    # -- the steps of a period -------------------------------------------------------------------
+    def computes(self, index: int) -> bool:
+        """Whether this worker computes the step at ``index`` (0-based) of its period; a computed
+        step is timed from here to ``stepped``."""
+        self._fit_group()
+        computes = index < self.quotas[self.comm.rank]
+        self._started = self.clock() if computes else None
+        return computes
+
+    def stepped(self) -> None:
+        """The step ``computes`` asked about has been applied (before any sync it makes)."""
+        if self._started is not None:
+            self._times.append(self.clock() - self._started)
+            self._started = None
+
+    def workers_computing(self, index: int) -> int:
+        """How many workers compute the step at ``index`` of the period (the tokens it trains)."""
+        self._fit_group()
+        return sum(q > index for q in self.quotas)
+
+    # -- the sync --------------------------------------------------------------------------------
+    def weight(self, steps: int) -> float:
+        """This worker's factor in a sync ``steps`` steps into the period (H at its end; fewer
+        at the end of a run): N c_r / sum c, c_r = min(k_r, steps) the steps worker r computed.
+        The mean of the weighted contributions is then their token-weighted mean; the factor is
+        exactly 1.0 where every worker computed as many."""
+        self._fit_group()
+        computed = [min(q, steps) for q in self.quotas]
+        return len(computed) * computed[self.comm.rank] / sum(computed)
+
+    def exchange(self) -> list[int]:
+        """At the sync, before its average: all-gather the period's median step time and return
+        the next period's quotas (set them once the average has landed: a failed exchange
+        changes nothing). A worker that timed nothing (after a change of members) reports 0,
+        which counts as unknown: the next period runs unpaced."""
+        mine = statistics.median(self._times) if self._times else 0.0
+        gathered = self.comm.all_gather(torch.tensor([mine], dtype=torch.float64))
+        self._times = []
+        times = [float(t) for t in gathered.reshape(-1)]
+        if not all(t > 0 for t in times):
+            return [self.H] * len(times)
+        fastest = min(times)
+        return [max(1, min(self.H, round(self.H * fastest / t))) for t in times]
+
+    def reset(self) -> None:
+        """A change of members: the next period starts unpaced, nothing measured."""
+        self.quotas = [self.H] * self.comm.world_size
+        self._times, self._started = [], None
+
+    def _fit_group(self) -> None:
+        if len(self.quotas) != self.comm.world_size:
+            self.reset()
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"quotas": list(self.quotas)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.quotas = [int(q) for q in state["quotas"]]
+        self._times, self._started = [], None

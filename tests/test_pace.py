@@ -1,0 +1,175 @@
+"""``--pace time``: a period lasts the fastest worker's H steps; stragglers skip the rest of it,
+and the average weighs each worker by the steps it computed.
+
+Pure logic with a fake communicator (quotas, weights), then a gloo group of 3 whose step times
+come from a test clock, checked against the token-weighted closed form; then the CLI with a
+real straggler (``--slow``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from geotrain.comm.communicator import Communicator
+from geotrain.models.gpt import GPT, gpt_config
+from geotrain.sync import ConfigError, build_sync, sync_config
+from geotrain.sync.pace import TimePace
+from helpers import Cases, refused
+
+GEOTRAIN = [sys.executable, "-m", "geotrain"]
+
+
+class FakeComm:
+    """Rank ``rank`` of a group whose other members report ``times`` in the all-gather."""
+
+    def __init__(self, rank: int, times: list[float]) -> None:
+        self.rank, self.times, self.gathers = rank, times, 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.times)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        rows = [torch.tensor([t], dtype=tensor.dtype) for t in self.times]
+        rows[self.rank] = tensor
+        return torch.stack(rows)
+
+
+def _paced(rank: int, times: list[float], mine: float, H: int = 10) -> TimePace:
+    pace = TimePace(H, FakeComm(rank, times))
+    now = [0.0]
+    pace.clock = lambda: now[0]
+    for i in range(H):
+        if pace.computes(i):
+            now[0] += mine
+            pace.stepped()
+    return pace
+
+
+def test_each_worker_computes_the_steps_that_fit_in_the_fastest_workers_period():
+    pace = _paced(1, [1.0, 0, 2.0, 4.0], mine=1.5)
+    assert pace.quotas == [10] * 4  # nothing measured yet: the first period is unpaced
+    following = pace.exchange()
+    assert following == [10, 7, 5, 2]  # round(10 * 1.0 / t): 6.67, 5, 2.5 (to even)
+    pace.quotas = following
+    assert [pace.computes(i) for i in range(10)] == [True] * 7 + [False] * 3
+    assert [pace.workers_computing(i) for i in range(10)] == [4, 4, 3, 3, 3, 2, 2, 1, 1, 1]
+    # N c_r / sum c, c_r = min(k_r, steps): the token-weighted mean of the contributions
+    assert pace.weight(10) == pytest.approx(4 * 7 / 24)
+    assert pace.weight(2) == 1.0  # two steps in (a run's last, partial period): all computed 2
+    assert pace.weight(6) == pytest.approx(4 * 6 / (6 + 6 + 5 + 2))
+
+
+def test_a_straggler_computes_at_least_one_step_and_a_worker_that_timed_nothing_unpaces():
+    assert _paced(0, [0, 1000.0], mine=1.0).exchange() == [10, 1]
+    pace = TimePace(10, FakeComm(0, [1.0, 2.0]))
+    assert pace.exchange() == [10, 10]  # this worker timed no step (after a change of members)
+    pace.quotas = [10, 5]
+    pace.comm.times = [1.0, 2.0, 3.0]  # a new group of 3: its first period runs unpaced
+    assert pace.quotas != [10] * 3 and pace.computes(9) and pace.quotas == [10] * 3
+    assert pace.weight(10) == 1.0
+
+
+def test_equal_workers_keep_every_step_and_a_weight_of_exactly_one():
+    pace = _paced(2, [1.0, 1.0, 0, 1.0], mine=1.0)
+    pace.quotas = pace.exchange()
+    assert pace.quotas == [10] * 4 and pace.weight(10) == 1.0  # bitwise the unpaced average
+
+
+@pytest.mark.parametrize("algo", ["localsgd", "diloco"])
+def test_pace_is_validated_and_refused_by_algorithms_without_periods(algo, capsys):
+    with pytest.raises(ConfigError, match="--pace must be one of steps, time, got 'wall'"):
+        sync_config(algo, {"pace": "wall"})
+    with pytest.raises(
+        ConfigError, match="dreamddp does not take --pace; algorithms that do: localsgd, diloco"
+    ):
+        sync_config("dreamddp", {"pace": "time"})
+    assert "--pace must be one of steps, time" in refused(
+        ["run", "--workers", "2", "--no-netem", "--algo", algo, "--pace", "fast"], capsys
+    )
+
+
+# -- a gloo group of 3, step times from a test clock ---------------------------------------------
+H, STEPS = 4, 8
+STEP_S = {0: 1.0, 1: 2.0, 2: 1.0}  # rank 1 takes twice as long: 2 of the second period's 4 steps
+
+
+def _paced_run(rank: int, world_size: int, algo: str) -> dict:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"H": H, "pace": "time"} | (
+        {"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {}
+    )
+    sync = build_sync(algo, model, opt, Communicator(), options)
+    now = [0.0]
+    sync.pacer.clock = lambda: now[0]
+    computed, computing, before = [], [], None
+    for step in range(STEPS):
+        computing.append(sync.workers_computing())
+        computed.append(sync.computes_step())
+        if computed[-1]:
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randint(0, 256, (2, 16), generator=g)
+            sync.model(x, torch.roll(x, -1, dims=1))[1].backward()
+            sync.before_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            now[0] += STEP_S[rank]
+        if step == STEPS - 1:
+            before = [p.detach().clone() for p in model.parameters()]
+        sync.after_step()
+    sync.close()
+    return {
+        "computed": computed,
+        "computing": computing,
+        "before": before,
+        "after": [p.detach().clone() for p in model.parameters()],
+        "quotas": list(sync.pacer.quotas),
+    }
+
+
+PACED = Cases(_paced_run, 3, [("localsgd",), ("diloco",)])
+
+
+@pytest.mark.parametrize("algo", ["localsgd", "diloco"])
+def test_a_time_paced_sync_is_the_token_weighted_mean_of_the_replicas(algo):
+    """Period 1: every worker computes its 4 steps, then the quotas follow the step times:
+    [4, 2, 4]. Period 2: rank 1 computes 2 steps and skips 2, and the sync at step 8 is
+    (4 x_0 + 2 x_1 + 4 x_2) / 10 (DiLoCo at outer lr 1, no momentum: the same mean)."""
+    ranks = PACED.get(algo)
+    assert ranks[1]["computed"] == [True] * 6 + [False] * 2
+    assert ranks[0]["computed"] == ranks[2]["computed"] == [True] * 8
+    assert ranks[0]["computing"] == [3] * 6 + [2] * 2  # the tokens each step trains, everywhere
+    k = torch.tensor([4.0, 2.0, 4.0])
+    for i, after in enumerate(ranks[0]["after"]):
+        want = sum(k[r] * ranks[r]["before"][i] for r in range(3)) / k.sum()
+        torch.testing.assert_close(after, want, atol=1e-6, rtol=1e-5)
+        assert all(torch.equal(r["after"][i], after) for r in ranks)  # one model again
+    assert all(r["quotas"] == [4, 2, 4] for r in ranks)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+def test_a_time_paced_run_lets_the_straggler_skip_steps_and_counts_only_computed_tokens(tmp_path):
+    """--slow 1:4 on 2 workers, localsgd H=5: after the first period host 1 computes about a
+    quarter of each period's steps and host 0 all of them; tokens count computed steps only."""
+    run = tmp_path / "run"
+    cmd = [*GEOTRAIN, "run", "--workers", "2", "--no-netem", "--model", "tiny", "--batch-size", "4"]
+    cmd += ["--steps", "15", "--H", "5", "--algo", "localsgd", "--pace", "time", "--slow", "1:4"]
+    cmd += ["--no-progress", "--threads", "1", "--eval-every", "0", "--run-dir", str(run)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    skipped = summary["skipped_steps"]
+    assert skipped["0"] == 0 and 4 <= skipped["1"] <= 8, skipped  # 2 periods, k_1 in 1..3 of 5
+    per_step = 4 * 64  # tokens of one worker's step (batch 4 x tiny's block of 64)
+    assert summary["tokens"] == per_step * (2 * 15 - skipped["1"])
+    assert "paced by time" in summary["codec_info"]
+    records = [json.loads(x) for x in (run / "metrics" / "rank1.jsonl").read_text().splitlines()]
+    assert sum(r.get("computed") is False for r in records if "step" in r) == skipped["1"]
