@@ -113,6 +113,15 @@ PLAN_ERRORS = [
     (["--profile", "profile.json", "--H", "-1"], "--H must be 1 to the number of layers (3), got -1"),
     (["--profile", "profile.json", "--choose", "--budget", "0.5"], "--budget is a factor"),
     (["--profile", "bad.json", "--H", "2"], "is not JSON"),
+    (
+        ["--profile", "profile.json", "--H", "2", "--topology", "2x2,wan=5mbit", "--workers", "4"],
+        "--topology gives the hosts and their links: drop --workers and --bandwidth",
+    ),
+    (["--profile", "profile.json", "--H", "2", "--topology", "2x2"], "the WAN rate (wan=RATE) is missing"),
+    (
+        ["--profile", "profile.json", "--H", "2", "--topology", "2x2,wan=5mbit", "--speed", "1.5"],
+        "--speed is a fraction of nosync's step rate in (0, 1], got 1.5",
+    ),
 ]
 
 

@@ -86,3 +86,50 @@ def test_after_a_failed_two_level_job_every_later_one_fails_unrun():
     ok = Chain()
     assert ok.submit(lambda: ran.append(2)).wait() and ran == [2]
     ok.close(wait_s=5)
+
+
+def _site_averaged(rank, world_size, algo):
+    """4 ranks in sites 3+1, H=4, --site-H 2: the parameters before and after each sync."""
+    from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"H": 4, "site_H": 2} | ({"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {})
+    comm = Communicator(site_of_host=[0, 0, 0, 1])
+    sync = build_sync(algo, model, opt, comm, options)
+    before, after = [], []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(8, 6, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        before.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        sync.after_step()
+        after.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    stats = comm.stats.as_dict()
+    comm.close()
+    return {"before": before, "after": after, "stats": stats}
+
+
+@pytest.mark.parametrize("algo", ["localsgd", "diloco"])
+def test_site_h_averages_inside_each_site_between_the_syncs_across_sites(algo):
+    """Step 2 (a multiple of --site-H 2): the three hosts of site 0 take their mean over their LAN,
+    the lone host of site 1 keeps its own; step 4 (H): every host takes the mean of all four.
+    Steps 1 and 3 move nothing. Bytes: one site all-reduce of the 21 parameters (84 bytes; 2 x 2/3
+    of them on a site of 3), then the two-level average across sites."""
+    out = run_workers(_site_averaged, 4, algo, timeout=120)
+    site = torch.stack([out[r]["before"][1] for r in range(3)]).mean(dim=0)
+    for r in range(3):
+        torch.testing.assert_close(out[r]["after"][1], site, atol=1e-6, rtol=1e-6)
+        assert torch.equal(out[r]["after"][1], out[0]["after"][1])  # bitwise, inside the site
+    assert torch.equal(out[3]["after"][1], out[3]["before"][1])  # a site of one: nothing to average
+    for r in range(4):
+        assert torch.equal(out[r]["after"][0], out[r]["before"][0])
+        assert torch.equal(out[r]["after"][2], out[r]["before"][2])
+    everyone = torch.stack([out[r]["before"][3] for r in range(4)]).mean(dim=0)
+    for r in range(4):
+        torch.testing.assert_close(out[r]["after"][3], everyone, atol=1e-6, rtol=1e-6)
+    assert out[0]["stats"]["calls"] == 1 + 1 and out[3]["stats"]["calls"] == 1  # site + across
+    assert out[0]["stats"]["payload_bytes"] == 2 * 84 and out[3]["stats"]["payload_bytes"] == 84

@@ -371,3 +371,29 @@ def test_the_planner_prices_the_trust_options_on_a_plain_profile():
     _, as_plain = retarget(measured, 8, [20_000_000] * 8, aggregate="mean", checked=False)
     _, moved = retarget(measured, 8, [20_000_000] * 8)  # median on 8: 4x the plain bytes
     assert moved.beta_s_per_byte == pytest.approx(4 * as_plain.beta_s_per_byte)
+
+
+def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
+    """The profile's link: 0.5 ms per hop at full efficiency (1 ms + 4e-7 s/B on 2 x 20 Mbit/s).
+    2 sites of 2 behind 20 Mbit/s uplinks, 1 Gbit/s inside, the model 2.4 MB: a flat ring sends
+    1.5 M per crossing (1.443 s), two levels M across plus two LAN all-reduces (1.0014 s), one
+    site's average 0.0202 s. Within 0.5 of nosync's 0.071 s step (0.071 s of overhead): H 16
+    across (1.0014 / 16 = 0.0626), then --site-H 4 (0.0202 x (1/4 - 1/16) = 0.0038; --site-H 2
+    would cost 0.0088, over the 0.0085 left); a flat ring needs H 25 (1.443 / 20 = 0.072 > 0.071)."""
+    from geotrain.netem.topology import parse_topology
+    from geotrain.plan.planner import format_plan
+
+    plan = make_plan(_profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5)
+    sites = plan["sites"]
+    assert sites["allreduce_s"] == pytest.approx({"flat": 1.443, "two_level": 1.0014, "site": 0.0202})
+    choice = sites["choice"]
+    assert (choice["H"], choice["site_H"], choice["flat_H"]) == (16, 4, 25)
+    assert choice["predicted_step_s"] == pytest.approx(0.071 + 1.0014 / 16 + 0.0202 * (1 / 4 - 1 / 16))
+    assert plan["target"]["workers"] == 4  # the table: the flat ring through the slowest uplink
+    assert "--hierarchy sites --H 16 with --site-H 4" in format_plan(plan)
+    # At 0.95 of nosync only the longest periods fit: H 500 across, then --site-H 16 inside.
+    strict = make_plan(_profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"))["sites"]
+    assert (strict["choice"]["H"], strict["choice"]["site_H"], strict["choice"]["flat_H"]) == (500, 16, 500)
+    # A faster WAN for one site does not help: the slower uplink carries as many bytes.
+    uneven = make_plan(_profile(), H=4, topology=parse_topology("2x2,wan=20mbit+1gbit"), speed=0.5)["sites"]
+    assert uneven["allreduce_s"] == pytest.approx(sites["allreduce_s"])

@@ -501,6 +501,19 @@ def _cmd_plan(argv: list[str]) -> int:
     )
     p.add_argument("--bandwidth", default=None, help="predict for these links: one rate or one per worker")
     p.add_argument(
+        "--topology",
+        default=None,
+        help="predict for sites (as geotrain run takes them, e.g. 2x2,lan=1gbit,wan=20mbit): the flat "
+        "ring against two levels, and the periods across and inside sites (--H, --site-H) that keep "
+        "the step within --speed of nosync",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=0.95,
+        help="with --topology: the fraction of nosync's step rate the chosen periods keep (0.95)",
+    )
+    p.add_argument(
         "--compute-scale",
         dest="compute_scale",
         type=float,
@@ -555,6 +568,9 @@ def _cmd_plan(argv: list[str]) -> int:
         choose = ChooseConfig(args.budget, args.penalty, args.max_H) if args.choose else None
         if args.workers is not None and not 1 <= args.workers <= 100_000:
             raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
+        topology = parse_topology(args.topology) if args.topology else None
+        if topology is not None and (args.workers is not None or args.bandwidth):
+            raise ValueError("--topology gives the hosts and their links: drop --workers and --bandwidth")
         workers = args.workers or profile.get("workers")
         rates = parse_bandwidths(args.bandwidth, workers) if args.bandwidth else None
         if args.max_norm_ratio is not None and not (args.max_norm_ratio == 0 or args.max_norm_ratio >= 1):
@@ -563,7 +579,7 @@ def _cmd_plan(argv: list[str]) -> int:
         checked = None if args.max_norm_ratio is None else args.max_norm_ratio > 0
         plan = make_plan(
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=checked,
+            aggregate=aggregate, checked=checked, topology=topology, speed=args.speed,
         )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(
@@ -573,9 +589,12 @@ def _cmd_plan(argv: list[str]) -> int:
     if args.png:
         from geotrain.plan.planner import plot_schedule, retarget
 
+        if topology is not None:  # the table's line: a flat ring through the slowest uplink
+            workers, rates = topology.workers, [min(topology.wan_bps)] * topology.workers
         compute, link = retarget(
-            profile, args.workers, rates, args.compute_scale, aggregate=aggregate, checked=checked
-        )
+            profile, workers if topology else args.workers, rates, args.compute_scale,
+            aggregate=aggregate, checked=checked,
+        )  # fmt: skip
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))
     print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))

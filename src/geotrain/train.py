@@ -102,6 +102,7 @@ class TrainConfig:
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
     pace: str = "steps"  # localsgd, diloco: "time": a period lasts the fastest worker's H steps
+    site_H: int = 0  # localsgd, diloco with --hierarchy: parameters averaged in each site every site_H
     bucket_mb: float = 0.0  # 0: the algorithm's default
     compress: str = ""  # a codec, e.g. int8, topk:ratio=0.01, acpsgd:rank=4 ("": none)
     # sparseloco and demo (0, or beta -1: the algorithm's default; see --help)
@@ -249,6 +250,11 @@ class TrainConfig:
             "--hierarchy sites needs the site of each host: run with --topology, or give geotrain train "
             "--sites 0,0,1,1 (one site number per host)",
         )
+        need(
+            not self.site_H or self.hierarchy != "off",
+            "--site-H averages inside each site: give the sites with --hierarchy sites (and --topology or "
+            "--sites) or --hierarchy auto",
+        )
         parse_redundancy(self.redundancy)
         self.snapshot_rate_bps()
         self.link_rate_bps()
@@ -354,6 +360,8 @@ class TrainConfig:
             opts["warm_start"] = self.warm_start
         if self.pace != "steps":
             opts["pace"] = self.pace
+        if self.site_H:
+            opts["site_H"] = self.site_H
         if self.plan:
             opts["plan_path"] = self.plan
         if self.compress:
@@ -432,6 +440,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "co2's heavy-ball (-1: 0.5)",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
+        "site_H": "localsgd, diloco with --hierarchy sites or auto: the parameters are averaged inside "
+        "each site (over its LAN) every site_H steps, and across sites every H; 0: off (the two levels "
+        "then only split each all-reduce)",
         "pace": "localsgd, diloco: steps (every worker computes the H steps of a period) or time (a "
         "period lasts the fastest worker's H steps: a straggler computes the steps it can in that "
         "time and skips the rest, and the average weighs each worker by the steps it computed)",

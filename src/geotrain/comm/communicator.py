@@ -394,6 +394,25 @@ class Communicator:
             return handle
         return handle.wait()
 
+    def site_mean(self, tensor: torch.Tensor) -> None:
+        """Average the contiguous ``tensor`` in place over this rank's site only (its LAN group:
+        ``--site-H``), blocking. Nothing where the rank has no site peers: a site of one, sites of
+        one host each, or no sites. Unchecked by ``max_norm_ratio``: a site's hosts trust one
+        another (one lab, one cloud region); the check guards what crosses between sites."""
+        groups = self.two_level
+        if groups is None or groups.intra is None or self._chain is None:
+            return
+        launched, k = time.perf_counter(), groups.site_size
+        nbytes = tensor.numel() * tensor.element_size()
+        wire = 2 * (k - 1) * nbytes // k
+        self.stats.calls += 1
+        self.stats.payload_bytes += nbytes
+        self.stats.sent_bytes += wire
+        self.stats.recv_bytes += wire
+        flat, intra = tensor.view(-1), groups.intra
+        work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
+        Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()
+
     def _robust_mean(self, tensor: torch.Tensor, kept_ranks: list[bool], launched: float) -> Handle:
         """``--aggregate trimmed|median``: every contribution gathered, the same coordinate-wise
         statistic computed over the kept ones on every worker, written into ``tensor``."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from geotrain.comm.guard import GATHERED
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
+from geotrain.netem.topology import Topology
 from geotrain.plan.cost import (
     ComputeModel,
     LinkModel,
@@ -25,6 +26,7 @@ from geotrain.plan.cost import (
     predict_ssgd,
     queue_spans,
     unguarded_link,
+    whole_model_allreduce_s,
 )
 from geotrain.plan.gather import (
     Accelerator,
@@ -37,6 +39,7 @@ from geotrain.plan.gather import (
 from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
+from geotrain.plan.sites import choose_periods, format_sites, site_links
 
 CANDIDATE_H = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 50, 64, 80, 100)
 
@@ -156,25 +159,39 @@ def retarget(
     compute, link = models_from_profile(profile)
     wanted = trust_options(profile, aggregate, checked)
     link = unguarded_link(link, int(profile["workers"]), *trust_options(profile))
-    if compute_scale <= 0:
-        raise ValueError(f"compute scale must be > 0, got {compute_scale}")
-    if compute_scale != 1.0:
-        compute = replace(
-            compute,
-            backward_s=tuple(b * compute_scale for b in compute.backward_s),
-            forward_s=compute.forward_s * compute_scale,
-            optimizer_s=compute.optimizer_s * compute_scale,
-        )
+    compute = scaled(compute, compute_scale)
     if workers is None and rates_bps is None:
         moved = link
         workers = int(profile["workers"])
     else:
         measured_rates = profile_rates(profile)
-        net = NetworkModel.calibrate(link, int(profile["workers"]), measured_rates)
+        net = profile_network(profile)
         workers = workers or int(profile["workers"])
         rates = rates_bps or [min(measured_rates)] * workers
         moved = net.link_model(workers, rates, algorithm)
     return compute, guarded_link(moved, workers, *wanted)
+
+
+def scaled(compute: ComputeModel, compute_scale: float) -> ComputeModel:
+    """The compute times multiplied by ``compute_scale`` (> 0)."""
+    if compute_scale <= 0:
+        raise ValueError(f"compute scale must be > 0, got {compute_scale}")
+    if compute_scale == 1.0:
+        return compute
+    return replace(
+        compute,
+        backward_s=tuple(b * compute_scale for b in compute.backward_s),
+        forward_s=compute.forward_s * compute_scale,
+        optimizer_s=compute.optimizer_s * compute_scale,
+    )
+
+
+def profile_network(profile: dict[str, Any]) -> NetworkModel:
+    """Per-hop latency and link efficiency from the profile's all-reduce, without the trust
+    options it was measured with (``network.NetworkModel``)."""
+    _, link = models_from_profile(profile)
+    link = unguarded_link(link, int(profile["workers"]), *trust_options(profile))
+    return NetworkModel.calibrate(link, int(profile["workers"]), profile_rates(profile))
 
 
 def trust_options(
@@ -195,7 +212,14 @@ def make_plan(
     compute_scale: float = 1.0,
     aggregate: str | None = None,
     checked: bool | None = None,
+    topology: Topology | None = None,
+    speed: float = 0.95,
 ) -> dict[str, Any]:
+    """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
+    ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
+    ``sites`` prices the two levels and picks their periods (``plan/sites.py``)."""
+    if topology is not None:
+        workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
     compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
     options = trust_options(profile, aggregate, checked)
     plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
@@ -250,6 +274,21 @@ def make_plan(
             compute, link, H, schedule, int(workers or profile["workers"]), plain, options
         ),
         "choose": table,
+        "sites": None if topology is None else plan_sites(profile, compute, topology, speed),
+    }
+
+
+def plan_sites(
+    profile: dict[str, Any], compute: ComputeModel, topology: Topology, speed: float
+) -> dict[str, Any]:
+    links = site_links(profile_network(profile), topology)
+    model_bytes = sum(compute.nbytes)
+    return {
+        "topology": topology.describe(),
+        "model_bytes": model_bytes,
+        "links": {name: vars(line) for name, line in vars(links).items()},
+        "allreduce_s": {name: whole_model_allreduce_s(compute, line) for name, line in vars(links).items()},
+        "choice": choose_periods(compute, links, speed),
     }
 
 
@@ -318,6 +357,8 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
             f"  iteration {h:>2}: {shown}  +{len(layers) - len(primary)} fill-in, "
             f"exposed {sched['exposed_s'][h] * 1e3:.0f} ms"
         )
+    if plan.get("sites"):
+        lines += ["", format_sites(plan["sites"], base)]
     if plan["choose"]:
         lines += ["", f"{'H':>4} {'step s':>9} {'steps x':>8} {'time-to-loss x nosync':>22}"]
         for row in plan["choose"]:

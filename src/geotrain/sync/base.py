@@ -57,6 +57,14 @@ def require_period(H: int) -> None:
     )
 
 
+def require_site_period(site_H: int, H: int) -> None:
+    require(
+        isinstance(site_H, int) and 0 <= site_H < H,
+        f"--site-H (steps between averages inside a site) must be an integer in [0, H) = [0, {H}), "
+        f"got {site_H}: 0 turns it off; a period of H or more is the sync across sites already",
+    )
+
+
 def require_pace(pace: str) -> None:
     require(pace in PACES, f"--pace must be one of {', '.join(PACES)}, got {pace!r}")
 
@@ -289,7 +297,19 @@ class PeriodicSync(SyncAlgorithm):
         if self.at_boundary():
             self._paced_sync()
             return True
+        site_H = getattr(self.config, "site_H", 0)
+        if site_H and self.step_count % site_H == 0:
+            self.average_in_site()
         return False
+
+    def average_in_site(self) -> None:
+        """``--site-H``: the parameters averaged over this worker's site (its LAN), between the
+        syncs across sites. Inside a site the replicas then drift for site_H steps only; across
+        sites for H. The optimizers' states stay each worker's own, as between any syncs."""
+        params = [p.data for p in self.parameters()]
+        flat = flatten(params)
+        self.comm.site_mean(flat)
+        unflatten_into(flat, params)
 
     def track_parameters(self) -> None:
         """The warm start's last step: any reference copy of the last average (DiLoCo's

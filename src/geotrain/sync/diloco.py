@@ -37,6 +37,7 @@ from geotrain.sync.base import (
     require,
     require_pace,
     require_period,
+    require_site_period,
     require_warm_start,
 )
 
@@ -64,6 +65,7 @@ class DiLoCoConfig(SyncConfig):
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
     pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
+    site_H: int = 0  # > 0: parameters averaged inside each site every site_H steps (--hierarchy)
 
     def __post_init__(self) -> None:
         require_period(self.H)
@@ -74,6 +76,7 @@ class DiLoCoConfig(SyncConfig):
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
         require_pace(self.pace)
+        require_site_period(self.site_H, self.H)
 
 
 class DiLoCo(PeriodicSync):

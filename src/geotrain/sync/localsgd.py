@@ -24,6 +24,7 @@ from geotrain.sync.base import (
     adopt_mean_change,
     require,
     require_pace,
+    require_site_period,
     require_warm_start,
 )
 
@@ -35,6 +36,7 @@ class LocalSGDConfig(SyncConfig):
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
     pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
+    site_H: int = 0  # > 0: parameters averaged inside each site every site_H steps (--hierarchy)
 
     def __post_init__(self) -> None:
         require(
@@ -44,6 +46,7 @@ class LocalSGDConfig(SyncConfig):
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
         require_pace(self.pace)
+        require_site_period(self.site_H, self.H)
 
 
 class LocalSGD(PeriodicSync):
