@@ -122,6 +122,7 @@ PLAN_ERRORS = [
         ["--profile", "profile.json", "--H", "2", "--topology", "2x2,wan=5mbit", "--speed", "1.5"],
         "--speed is a fraction of nosync's step rate in (0, 1], got 1.5",
     ),
+    (["--profile", "profile.json", "--H", "2", "--speed", "0.9"], "--speed chooses the periods on sites"),
 ]
 
 

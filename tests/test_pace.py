@@ -173,3 +173,45 @@ def test_a_time_paced_run_lets_the_straggler_skip_steps_and_counts_only_computed
     assert "paced by time" in summary["codec_info"]
     records = [json.loads(x) for x in (run / "metrics" / "rank1.jsonl").read_text().splitlines()]
     assert sum(r.get("computed") is False for r in records if "step" in r) == skipped["1"]
+
+
+def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
+    """--site-H needs sites (a library wrap without them is refused, not silently idle); --pace
+    time is not combined with --site-H or with the norm check; a site average is a collective
+    between syncs, so a regroup agrees on it (collective_period) and retries it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="--site-H averages inside sites, and this run has none"):
+        build_sync("diloco", model, opt, Communicator(), {"site_H": 2})
+    sited = Communicator(site_of_host=[0])
+    with pytest.raises(ConfigError, match="--pace time and --site-H cannot be combined"):
+        build_sync("localsgd", model, opt, sited, {"site_H": 2, "pace": "time"})
+    with pytest.raises(ConfigError, match="--pace time weighs each worker's contribution"):
+        build_sync("localsgd", model, opt, Communicator(max_norm_ratio=10), {"pace": "time"})
+    sync = build_sync("diloco", model, opt, sited, {"H": 10, "site_H": 4})
+    assert "averages nothing here" in capsys.readouterr().err  # a site of one host
+    assert (sync.sync_period(), sync.collective_period()) == (10, 2)
+    averaged = []
+    monkeypatch.setattr(sync, "average_in_site", lambda: averaged.append(sync.step_count))
+    for _ in range(10):
+        sync.after_step()
+        sync.retry_sync()  # a regroup at this step: the site average is redone, the rest not
+    assert averaged == [4, 4, 8, 8]  # at 10 the sync across sites, not the site's
+    unsited = build_sync("diloco", model, opt, Communicator(), {"H": 10})
+    assert unsited.collective_period() == unsited.sync_period() == 10
+    assert "--pace time weighs each worker" in refused(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--no-netem",
+            "--algo",
+            "diloco",
+            "--pace",
+            "time",
+            "--max-norm-ratio",
+            "5",
+        ],
+        capsys,
+    )

@@ -397,3 +397,8 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
     # A faster WAN for one site does not help: the slower uplink carries as many bytes.
     uneven = make_plan(_profile(), H=4, topology=parse_topology("2x2,wan=20mbit+1gbit"), speed=0.5)["sites"]
     assert uneven["allreduce_s"] == pytest.approx(sites["allreduce_s"])
+    # The norm check's round trip weighs on the averages across sites, not on a site's own.
+    checked = make_plan(
+        _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, checked=True
+    )["sites"]["allreduce_s"]
+    assert checked == pytest.approx({"flat": 1.446, "two_level": 1.0044, "site": 0.0202})

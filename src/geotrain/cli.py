@@ -569,6 +569,8 @@ def _cmd_plan(argv: list[str]) -> int:
         if args.workers is not None and not 1 <= args.workers <= 100_000:
             raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
         topology = parse_topology(args.topology) if args.topology else None
+        if topology is None and args.speed != 0.95:
+            raise ValueError("--speed chooses the periods on sites: give --topology too")
         if topology is not None and (args.workers is not None or args.bandwidth):
             raise ValueError("--topology gives the hosts and their links: drop --workers and --bandwidth")
         workers = args.workers or profile.get("workers")

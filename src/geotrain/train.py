@@ -251,6 +251,12 @@ class TrainConfig:
             "--sites 0,0,1,1 (one site number per host)",
         )
         need(
+            self.pace != "time" or not (self.max_norm_ratio > 0 or self.aggregate != "mean"),
+            "--pace time weighs each worker's contribution by the steps it computed, which the norm check "
+            "and the robust averages would judge as they are: drop --pace time, or --max-norm-ratio and "
+            "--aggregate",
+        )
+        need(
             not self.site_H or self.hierarchy != "off",
             "--site-H averages inside each site: give the sites with --hierarchy sites (and --topology or "
             "--sites) or --hierarchy auto",
@@ -967,6 +973,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if not resume.local_done and resume.committed < step:
                 step = resume.committed + 1  # redo it
                 continue
+            step_tokens = cfg.batch_size * model.block_size * sync.workers_computing()  # the new group
             if not resume.local_done:
                 # Behind the leader, this worker adopted its state after its step (tokens too):
                 # that step is done here as well, and recorded like any other.

@@ -178,14 +178,14 @@ def regroup(
     leader = statuses.index(best)
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
-    behind = catching_up(statuses, sync.sync_period())
+    behind = catching_up(statuses, sync.collective_period())
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
     mine = best if comm.rank in behind else status  # behind none: each at its own step
-    boundary = next_boundary(statuses, behind, sync.sync_period())
+    boundary = next_boundary(statuses, behind, sync.collective_period())
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)

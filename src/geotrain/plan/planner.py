@@ -274,14 +274,27 @@ def make_plan(
             compute, link, H, schedule, int(workers or profile["workers"]), plain, options
         ),
         "choose": table,
-        "sites": None if topology is None else plan_sites(profile, compute, topology, speed),
+        "sites": None if topology is None else plan_sites(profile, compute, topology, speed, options),
     }
 
 
 def plan_sites(
-    profile: dict[str, Any], compute: ComputeModel, topology: Topology, speed: float
+    profile: dict[str, Any],
+    compute: ComputeModel,
+    topology: Topology,
+    speed: float,
+    options: tuple[str, bool] = ("mean", False),
 ) -> dict[str, Any]:
+    """The two levels priced on ``topology`` and their periods chosen (``plan/sites.py``). The
+    trust options (``options``) weigh on the averages across sites; a site's own average is
+    not checked (``Communicator.site_mean``)."""
     links = site_links(profile_network(profile), topology)
+    n = topology.workers
+    links = replace(
+        links,
+        flat=guarded_link(links.flat, n, *options),
+        two_level=guarded_link(links.two_level, n, *options),
+    )
     model_bytes = sum(compute.nbytes)
     return {
         "topology": topology.describe(),

@@ -43,7 +43,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     # Options of one algorithm, given only when set (0 is a value for some of them).
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip"), "")
     why_not["pace"] = ""
-    why_not["site_H"] = " (it averages every step already, or plans its own schedule)"
+    why_not["site_H"] = ""
     for option, why in why_not.items():
         value = options.get(option)
         given = value is not None if option in ("tau", "clip", "mix") else bool(value)

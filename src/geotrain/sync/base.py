@@ -14,6 +14,8 @@ create process groups.
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -183,9 +185,16 @@ class SyncAlgorithm:
     def sync_period(self) -> int:
         """Steps between the points where every replica has synchronised all it will (a joiner
         is admitted at one of them): every step for per-step methods. A method returning H > 1
-        issues no collective between them: its replicas run free, and survivors of a fault go
-        on each from its own step (``ft/elastic.py``)."""
+        issues no collective between them (unless ``collective_period`` says otherwise): its
+        replicas run free, and survivors of a fault go on each from its own step
+        (``ft/elastic.py``)."""
         return 1
+
+    def collective_period(self) -> int:
+        """Steps between the points where the algorithm may issue a collective, for the
+        regroup's agreement (``ft/elastic.py``): the sync period, or a divisor of it where the
+        algorithm also communicates between its syncs (``--site-H``)."""
+        return self.sync_period()
 
     def default_snapshot_every(self) -> int:
         """Steps between snapshots unless the user says: per-step methods every 50 steps."""
@@ -231,6 +240,30 @@ class PeriodicSync(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config) -> None:
         super().__init__(model, optimizer, comm, config)
         paced = getattr(config, "pace", "steps") == "time"
+        site_H = getattr(config, "site_H", 0)
+        require(
+            not (paced and comm.checking),
+            "--pace time weighs each worker's contribution by the steps it computed, which the norm "
+            "check and the robust averages would judge as they are: drop --pace time, or "
+            "--max-norm-ratio and --aggregate",
+        )
+        require(
+            not (paced and site_H),
+            "--pace time and --site-H cannot be combined yet (a site's average is not weighted by "
+            "the steps each computed): drop one of them",
+        )
+        require(
+            not site_H or comm.site_of_host is not None,
+            "--site-H averages inside sites, and this run has none: give them with --hierarchy sites "
+            "(--topology or --sites) or --hierarchy auto",
+        )
+        if site_H and comm.two_level is None and comm.rank == 0:
+            print(
+                "geotrain: --site-H averages nothing here: no site has two hosts among the "
+                f"members (sites {comm.site_of_host})",
+                file=sys.stderr,
+                flush=True,
+            )
         self.pacer = TimePace(config.H, comm) if paced else None
 
     def synchronize(self) -> None:
@@ -297,10 +330,14 @@ class PeriodicSync(SyncAlgorithm):
         if self.at_boundary():
             self._paced_sync()
             return True
-        site_H = getattr(self.config, "site_H", 0)
-        if site_H and self.step_count % site_H == 0:
+        if self._site_step():
             self.average_in_site()
         return False
+
+    def _site_step(self) -> bool:
+        """The step just counted averages inside the sites (``--site-H``; not a sync across)."""
+        site_H = getattr(self.config, "site_H", 0)
+        return bool(site_H) and self.step_count % site_H == 0 and not self.at_boundary()
 
     def average_in_site(self) -> None:
         """``--site-H``: the parameters averaged over this worker's site (its LAN), between the
@@ -321,8 +358,19 @@ class PeriodicSync(SyncAlgorithm):
             self.synchronize()
 
     def retry_sync(self) -> None:
-        if self.at_boundary() and self.step_count > self.warm_start:
+        if self.step_count <= self.warm_start:
+            return
+        if self.at_boundary():
             self._paced_sync()  # a failed synchronisation changed nothing it would redo twice
+        elif self._site_step():
+            self.average_in_site()  # on the new group's sites
+
+    def collective_period(self) -> int:
+        # --site-H: the site averages are collectives too, so survivors that differ in how many
+        # they have done are not free to go on each from its own step.
+        site_H = getattr(self.config, "site_H", 0)
+        period = self.sync_period()
+        return math.gcd(period, site_H) if site_H and period > 1 else period
 
     def sync_period(self) -> int:
         # In the warm start every step is a collective: the membership layer must treat the
