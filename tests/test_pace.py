@@ -80,6 +80,8 @@ def test_equal_workers_keep_every_step_and_a_weight_of_exactly_one():
     pace = _paced(2, [1.0, 1.0, 0, 1.0], mine=1.0)
     pace.quotas = pace.exchange()
     assert pace.quotas == [10] * 4 and pace.weight(10) == 1.0  # bitwise the unpaced average
+    # Within 10% of the fastest, a worker keeps every step; beyond, it drops what does not fit.
+    assert _paced(1, [1.0, 0, 1.2], mine=1.08).exchange() == [10, 10, 8]
 
 
 @pytest.mark.parametrize("algo", ["localsgd", "diloco"])

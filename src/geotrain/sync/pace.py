@@ -6,7 +6,7 @@ in time instead lets each worker do the inner steps it can in the time the faste
 (time-based local SGD; FusionLLM's and DiLoCo-style heterogeneous periods make the same trade).
 Worker r computes the first
 
-    k_r = clamp(round(H * t_min / t_r), 1, H)
+    k_r = clamp(round(H * t_min / t_r), 1, H),   and k_r = H where t_r <= (1 + TOLERANCE) t_min,
 
 of a period's H steps and skips the rest (no data, forward, backward or update: the step counter
 alone moves, so every worker reaches the sync at the same step and the membership layer's
@@ -14,6 +14,10 @@ boundaries, snapshots and resume stay where they are). t_r is the median compute
 worker r's steps in the last period, t_min the fastest worker's. The average at the sync weighs
 each worker by its tokens, k_r / sum_j k_j, so a straggler's shorter progress counts for what it
 is: x <- sum_r k_r x_r / sum_j k_j (parameters, or pseudo-gradients under diloco and codecs).
+Workers within ``TOLERANCE`` (10%) of the fastest keep every step: step times of equal machines
+differ by a few percent from period to period (here, four workers sharing two cores measured
+9 of 10 steps for two equal workers), and a step of tokens is worth more than the fastest
+worker's few seconds of wait at the sync.
 
 Every worker all-gathers one float per sync (its t_r) and computes every k_r from the same
 numbers, so all agree on the weights, and on the tokens each step trains, without another
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 PACES = ("steps", "time")
+TOLERANCE = 0.1  # a worker this close to the fastest computes every step of the period
 
 
 class TimePace:
@@ -86,7 +91,10 @@ class TimePace:
         if not all(t > 0 for t in times):
             return [self.H] * len(times)
         fastest = min(times)
-        return [max(1, min(self.H, round(self.H * fastest / t))) for t in times]
+        return [
+            self.H if t <= (1 + TOLERANCE) * fastest else max(1, min(self.H, round(self.H * fastest / t)))
+            for t in times
+        ]
 
     def reset(self) -> None:
         """A change of members: the next period starts unpaced, nothing measured."""
