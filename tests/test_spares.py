@@ -104,6 +104,23 @@ def test_the_pool_hands_each_vacancy_to_the_first_live_spare_and_takes_it_back_f
     assert fresh.get(f"assign/{third}") == b"2" and fresh.get("placed/2") == str(third).encode()
 
 
+def test_on_sites_a_vacancy_goes_to_a_spare_of_the_lost_hosts_site_first(tmp_path):
+    """2 sites of 2 (hosts 0-3) and spares dealt over the sites (machine 4 in site 0, 5 in
+    site 1): host 3 of site 1 is lost, and the spare of site 1 takes its place although the
+    spare of site 0 registered first; with no spare of its site left, another site's serves."""
+    store, clock = _master(), _Clock()
+    pool = Pool(
+        store, tmp_path, hosts=4, timeout_s=2.0, live=[0, 1, 2, 3], clock=clock, site_of=[0, 0, 1, 1, 0, 1]
+    )
+    near, far = _register(store, 4), _register(store, 5)
+    pool.tick([0, 1, 2], attempt=0, run_over=False)
+    assert store.get(f"assign/{far}") == b"3" and not store.check([f"assign/{near}"])
+    pool.tick([0, 1, 2, 3], attempt=0, run_over=False)  # admitted
+    pool.tick([0, 1, 3], attempt=0, run_over=False)  # host 2 of site 1 lost: site 0's spare serves
+    assert store.get(f"assign/{near}") == b"2"
+    assert [(x["label"], x["host"]) for x in read_jsonl(tmp_path / "spares.jsonl")] == [(5, 3), (4, 2)]
+
+
 def test_a_spare_waits_until_given_a_place_or_until_the_run_is_over():
     store = _master()
     got: list = []

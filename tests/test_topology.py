@@ -198,6 +198,39 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
     assert {f["step"] for f in finals} == {10} and len({f["param_digest"] for f in finals}) == 1
 
 
+@pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
+def test_on_sites_a_spare_of_the_lost_hosts_site_takes_its_place(tmp_path, cleanup_keepers):
+    """2 sites of 2 and 2 spares, dealt over the sites (machine 4 behind site 0's uplink, 5
+    behind site 1's). Host 3 of site 1 is killed after step 5: machine 5 takes its place, is
+    admitted at step 8 (--min-workers 4) and the four train to the end as one model."""
+    run = tmp_path / "run"
+    cleanup_keepers.append((run, 4))
+    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "2", "--algo", "localsgd"]
+    cmd += [
+        "--H",
+        "4",
+        "--steps",
+        "12",
+        "--model",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
+    cmd += ["--fault-timeout", "3", "--min-workers", "4", "--join-timeout", "60"]
+    cmd += ["--chaos", "kill:step=5,rank=3", "--run-dir", str(run)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "spare host 5 takes host 3's place" in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["workers_start"], summary["workers"]) == (4, 4)
+    assert summary["membership"][-1]["joined"] == [3] and summary["faults"][0]["rejoined_after_step"] == 8
+    finals = [json.loads((run / "metrics" / f"rank{h}.jsonl").read_text().splitlines()[-1]) for h in range(4)]
+    assert {f["step"] for f in finals} == {12} and len({f["param_digest"] for f in finals}) == 1
+
+
 def _median_step(run, host):
     """The median step time (a shared machine's hiccups move the mean), the first step left out."""
     lines = (run / "metrics" / f"rank{host}.jsonl").read_text().splitlines()
@@ -225,7 +258,6 @@ CLI_ERRORS = [
     (["--topology", "2x2,wan=1mbit", "--workers", "3"], "has 4 hosts, not --workers 3; leave --workers out"),
     (["--topology", "2x2,wan=1mbit", "--bandwidth", "5mbit"], "drop --bandwidth"),
     (["--topology", "2x2,wan=1mbit", "--no-netem"], "drop --no-netem"),
-    (["--topology", "2x2,wan=1mbit", "--spares", "1"], "drop --spares"),
     (["--topology", "2x2,wan=1mbit", "--sites", "0,1,0,1"], "drop --sites"),
     (["--hierarchy", "sites"], "--hierarchy sites needs the site of each host: run with --topology"),
     (["--slow", "1:1"], "--slow takes HOST:FACTOR, ';'-separated, each host once, a factor above 1"),

@@ -308,7 +308,7 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
                     f"--topology {args.topology} has {sites.workers} hosts, not --workers {args.workers}; "
                     "leave --workers out"
                 )
-            for clash in ("bandwidth", "no_netem", "spares", "sites"):
+            for clash in ("bandwidth", "no_netem", "sites"):
                 if clash in given:
                     flag = "--" + clash.replace("_", "-")
                     raise UsageError(

@@ -121,7 +121,12 @@ class Pool:
     moves for ``timeout_s``) loses the place to the next spare: if it had not claimed it yet,
     the claim is closed ("revoked") so it never goes on as that host. Each hand-out and revocation
     is appended to ``control/spares.jsonl``: the launcher moves the spare's process into the
-    host's place, or stops it. A restarted coordinator rebuilds the pool from that file."""
+    host's place, or stops it. A restarted coordinator rebuilds the pool from that file.
+
+    ``site_of`` (the site of each machine label, hosts and spares; ``geotrain run --topology``
+    with ``--spares``): a vacancy goes first to a waiting spare of the lost host's own site, so
+    the replacement sits behind the same uplink and its two-level groups are the right ones;
+    to another site's spare only where its own site has none."""
 
     def __init__(
         self,
@@ -132,8 +137,10 @@ class Pool:
         live: list[int],
         clock=time.monotonic,
         door: Door | None = None,
+        site_of: list[int] | None = None,
     ) -> None:
         self.store, self.hosts, self.timeout_s, self.clock, self.door = store, hosts, timeout_s, clock, door
+        self.site_of = site_of
         self.path, self.issued_path = control_dir / "spares.jsonl", control_dir / "spares-issued"
         self.beats: dict[int, tuple[int, float]] = {}  # spare -> (beats, when they last moved)
         self.placed: dict[int, int] = {}  # host -> the spare given its place, until admitted
@@ -208,11 +215,23 @@ class Pool:
                 return
             if h in live or h in self.placed or self.store.check([f"join/{h}"]):
                 continue
-            i = waiting.pop(0)
+            i = waiting.pop(self._nearest(waiting, h))
             self.placed[h] = i
             self.store.set(f"placed/{h}", str(i))
             self.store.set(f"assign/{i}", str(h))
             self._record(spare=i, label=self._label(i), host=h)
+
+    def _nearest(self, waiting: list[int], host: int) -> int:
+        """The index in ``waiting`` of the first spare of ``host``'s site, else 0."""
+        if self.site_of is None or host >= len(self.site_of):
+            return 0
+        labels = [self._label(i) for i in waiting]
+        same = [
+            k
+            for k, m in enumerate(labels)
+            if 0 <= m < len(self.site_of) and self.site_of[m] == self.site_of[host]
+        ]
+        return same[0] if same else 0
 
     def _proven(self, i: int) -> bool:
         """A spare is given a place only with a proof of the run token (``sparepass/{i}``)."""
@@ -243,6 +262,7 @@ def serve(
     token: str = "",
     restarted: bool = False,
     listen_fd: int | None = None,
+    site_of: list[int] | None = None,
 ) -> dict | None:
     """Host the store, write its port to ``control/port``, watch heartbeats until told to stop
     (``until_done``, a broker: until every member has left in order or failed).
@@ -252,7 +272,7 @@ def serve(
     epochs = Epochs(store, control_dir, hosts) if elastic else None
     pool = None
     if epochs is not None:
-        pool = Pool(store, control_dir, hosts, fault_timeout_s, epochs.live, door=door)
+        pool = Pool(store, control_dir, hosts, fault_timeout_s, epochs.live, door=door, site_of=site_of)
     (control_dir / "port.tmp").write_text(str(store.port))
     os.replace(control_dir / "port.tmp", control_dir / "port")
     verdicts = (control_dir / "verdicts.jsonl").open("a", buffering=1)
@@ -503,12 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--elastic", action="store_true", help="publish membership epochs")
     p.add_argument("--restart", action="store_true", help="take over from a coordinator that died")
     p.add_argument("--listen-fd", dest="listen_fd", type=int, default=None, help="a bound, listening socket")
+    p.add_argument("--machine-sites", dest="machine_sites", default="", help="the site of each machine label")
     args = p.parse_args(argv)
     token = read_token()  # the launcher's, in the environment, never on a command line
     control = Path(args.control_dir)
     serve(
         control, args.hosts, args.fault_timeout, args.bind, args.port, args.elastic, token=token,
         restarted=args.restart, listen_fd=args.listen_fd,
+        site_of=[int(x) for x in args.machine_sites.split(",")] if args.machine_sites else None,
     )  # fmt: skip
     return 0
 

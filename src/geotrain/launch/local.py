@@ -107,8 +107,6 @@ class LaunchConfig:
                 raise ValueError(f"--topology {self.topology} has {sites.workers} hosts, not {self.workers}")
             if self.rates_bps and self.rates_bps != sites.host_rates():
                 raise ValueError(f"--topology {self.topology}: its hosts' links run at its lan= rate")
-            if self.spares:
-                raise ValueError("--spares with --topology is not supported yet: leave one of them out")
         if self.join_timeout_s < 0:
             raise ValueError(f"--join-timeout must be >= 0 seconds, got {self.join_timeout_s}")
         if self.fault_timeout_s < MIN_FAULT_TIMEOUT_S:
@@ -429,6 +427,13 @@ def _start_joiner(
     return _spawn(hosts, launch, cluster, machine, cmd, threads, "ab")
 
 
+def machine_sites(launch: LaunchConfig) -> list[int]:
+    """The site of each machine of a ``--topology`` run: its hosts' (numbered site by site), then
+    its ``--spares`` dealt over the sites in turn (spare k in site k mod S)."""
+    hosts = launch.sites.host_sites()
+    return hosts + [k % len(launch.sites.sites) for k in range(launch.spares)]
+
+
 def _start_coordinator(
     launch: LaunchConfig, cluster: EmulatedCluster | None, port: int = 0, wait: bool = True
 ) -> subprocess.Popen:
@@ -457,6 +462,8 @@ def _start_coordinator(
     cmd += ["--listen-fd", str(listener.fileno())] if listener is not None else []
     if launch.on_failure == "continue" and launch.workers > 1:
         cmd += ["--elastic"]
+    if launch.sites is not None and launch.spares:
+        cmd += ["--machine-sites", ",".join(map(str, machine_sites(launch)))]
     if cluster is not None:
         cmd = cluster.control_prefix() + cmd
     else:
@@ -648,12 +655,13 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if reason is None:
             sweep_stale()
             try:
-                # Spares are machines of their own, on the slowest of the hosts' links.
+                # Spares are machines of their own, on the slowest of the hosts' links; on sites,
+                # dealt over the sites in turn, behind their uplinks.
                 spare_links = [min(launch.rates_bps)] * launch.spares
                 sites = launch.sites
                 cluster = EmulatedCluster(
                     launch.rates_bps + spare_links,
-                    sites=sites.host_sites() if sites else None,
+                    sites=machine_sites(launch) if sites else None,
                     wan_bps=list(sites.wan_bps) if sites else None,
                 ).up()
                 mode = "netns"
