@@ -402,3 +402,8 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
         _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, checked=True
     )["sites"]["allreduce_s"]
     assert checked == pytest.approx({"flat": 1.446, "two_level": 1.0044, "site": 0.0202})
+    # A median gathers every contribution over the flat group: the two levels do not apply.
+    median = make_plan(
+        _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, aggregate="median"
+    )["sites"]["allreduce_s"]
+    assert median["two_level"] == median["flat"] == pytest.approx(0.006 + 2 * 6e-7 * 2.4e6)

@@ -119,6 +119,16 @@ def test_on_sites_a_vacancy_goes_to_a_spare_of_the_lost_hosts_site_first(tmp_pat
     pool.tick([0, 1, 3], attempt=0, run_over=False)  # host 2 of site 1 lost: site 0's spare serves
     assert store.get(f"assign/{near}") == b"2"
     assert [(x["label"], x["host"]) for x in read_jsonl(tmp_path / "spares.jsonl")] == [(5, 3), (4, 2)]
+    # Two vacancies at once and one spare, of the higher host's site: it goes there, not to the
+    # lower host of the other site.
+    store = _master()
+    pool = Pool(
+        store, tmp_path / "b", hosts=4, timeout_s=2.0, live=[0, 1, 2, 3], clock=clock, site_of=[0, 0, 1, 1, 1]
+    )
+    (tmp_path / "b").mkdir()
+    only = _register(store, 4)
+    pool.tick([0, 2], attempt=0, run_over=False)
+    assert store.get(f"assign/{only}") == b"3" and not store.check(["placed/1"])
 
 
 def test_a_spare_waits_until_given_a_place_or_until_the_run_is_over():

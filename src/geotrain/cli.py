@@ -510,7 +510,7 @@ def _cmd_plan(argv: list[str]) -> int:
     p.add_argument(
         "--speed",
         type=float,
-        default=0.95,
+        default=None,
         help="with --topology: the fraction of nosync's step rate the chosen periods keep (0.95)",
     )
     p.add_argument(
@@ -569,7 +569,7 @@ def _cmd_plan(argv: list[str]) -> int:
         if args.workers is not None and not 1 <= args.workers <= 100_000:
             raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
         topology = parse_topology(args.topology) if args.topology else None
-        if topology is None and args.speed != 0.95:
+        if topology is None and args.speed is not None:
             raise ValueError("--speed chooses the periods on sites: give --topology too")
         if topology is not None and (args.workers is not None or args.bandwidth):
             raise ValueError("--topology gives the hosts and their links: drop --workers and --bandwidth")
@@ -581,7 +581,8 @@ def _cmd_plan(argv: list[str]) -> int:
         checked = None if args.max_norm_ratio is None else args.max_norm_ratio > 0
         plan = make_plan(
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=checked, topology=topology, speed=args.speed,
+            aggregate=aggregate, checked=checked, topology=topology,
+            speed=0.95 if args.speed is None else args.speed,
         )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(

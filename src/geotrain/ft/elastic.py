@@ -11,10 +11,12 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
    where that is consistent. Per-step methods all report the same step and redo it with the same
    batch (no survivor applied it: their collectives come before the optimizer step). Periodic
    methods (``sync_period() = H > 1``) run free between syncs, so survivors are at different
-   local steps when a fault stops them; as long as all have completed the same number of syncs,
-   each goes on from its own step: those whose averaging failed redo it (``retry_sync``) and the
-   others meet it at that boundary from their own ``after_step``. A collective can finish on some
-   survivors and fail on others (the lost peer had sent its last chunk); then the one that got
+   local steps when a fault stops them; as long as all have completed the same number of
+   collectives (every ``collective_period()`` steps: the syncs, and ``--site-H``'s site averages
+   between them), each goes on from its own step: those whose averaging failed redo it
+   (``retry_sync``) and the others meet it at that boundary from their own ``after_step``. A
+   collective can finish on some survivors and fail on others (the lost peer had sent its last
+   chunk); then the one that got
    furthest (the leader) sends its model and algorithm state (its optimizer too where every
    worker's is the same: S-SGD, DDP) to the others, who adopt it. Codec residuals and data
    streams stay with their owners;
@@ -63,8 +65,9 @@ class StepStatus:
 
 
 def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
-    """The ranks that must adopt the leader's state: none where periodic members (``period`` > 1)
-    have all completed the same syncs (each goes on from its own local step), otherwise every
+    """The ranks that must adopt the leader's state: none where periodic members (``period`` > 1,
+    the collective period) have all completed the same collectives (each goes on from its own
+    local step), otherwise every
     rank not at the furthest status (a joiner is at step -1, behind every sync)."""
     best = max(statuses)
     if period > 1 and len({s.committed // period for s in statuses}) == 1:
@@ -172,20 +175,26 @@ def regroup(
     t_join = time.perf_counter()
     membership.join(epoch, members, backend)
     comm.rebind(None)
-    reports = comm.all_gather_object((status.committed, status.local_done, tokens))
-    statuses = [StepStatus(c, d) for c, d, _ in reports]
+    # Each rank's periods too: around the end of a warm start they differ from rank to rank, and
+    # every rank must take the same decisions below (the least period: the most careful).
+    reports = comm.all_gather_object(
+        (status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period())
+    )
+    statuses = [StepStatus(c, d) for c, d, *_ in reports]
+    voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
+    collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
     best = max(statuses)
     leader = statuses.index(best)
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
-    behind = catching_up(statuses, sync.collective_period())
+    behind = catching_up(statuses, collective_period)
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
     mine = best if comm.rank in behind else status  # behind none: each at its own step
-    boundary = next_boundary(statuses, behind, sync.collective_period())
+    boundary = next_boundary(statuses, behind, sync_period)  # where joiners are admitted
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)

@@ -210,28 +210,34 @@ class Pool:
             if i not in self.done and i not in self.placed.values() and self.store.check([f"spare/{i}"])
         ]  # fmt: skip
         waiting = [i for i in waiting if self._alive(i, now, attempt) and self._proven(i)]
-        for h in range(self.hosts):
-            if not waiting:
-                return
-            if h in live or h in self.placed or self.store.check([f"join/{h}"]):
-                continue
-            i = waiting.pop(self._nearest(waiting, h))
+        vacant = [
+            h for h in range(self.hosts)
+            if h not in live and h not in self.placed and not self.store.check([f"join/{h}"])
+        ]  # fmt: skip
+        # Spares of each vacancy's own site first, then what is left, in host order.
+        for h, i in self._match(vacant, waiting):
             self.placed[h] = i
             self.store.set(f"placed/{h}", str(i))
             self.store.set(f"assign/{i}", str(h))
             self._record(spare=i, label=self._label(i), host=h)
 
-    def _nearest(self, waiting: list[int], host: int) -> int:
-        """The index in ``waiting`` of the first spare of ``host``'s site, else 0."""
-        if self.site_of is None or host >= len(self.site_of):
-            return 0
-        labels = [self._label(i) for i in waiting]
-        same = [
-            k
-            for k, m in enumerate(labels)
-            if 0 <= m < len(self.site_of) and self.site_of[m] == self.site_of[host]
-        ]
-        return same[0] if same else 0
+    def _match(self, vacant: list[int], waiting: list[int]) -> list[tuple[int, int]]:
+        """(host, spare) pairs: each vacancy takes the first waiting spare of its own site (with
+        ``site_of``), then the vacancies left take the spares left, first come first served."""
+        waiting, pairs, left = list(waiting), [], []
+
+        def site(machine: int) -> int | None:
+            return self.site_of[machine] if self.site_of and 0 <= machine < len(self.site_of) else None
+
+        for h in vacant:
+            same = [i for i in waiting if site(h) is not None and site(self._label(i)) == site(h)]
+            if same:
+                waiting.remove(same[0])
+                pairs.append((h, same[0]))
+            else:
+                left.append(h)
+        pairs += list(zip(left, waiting, strict=False))
+        return sorted(pairs)
 
     def _proven(self, i: int) -> bool:
         """A spare is given a place only with a proof of the run token (``sparepass/{i}``)."""

@@ -445,7 +445,14 @@ def _start_coordinator(
     control = launch.run_dir / "control"
     restart, listener = bool(port), None
     if not port:
+        # A fresh coordinator's control folder, but a resume keeps the sites --hierarchy auto
+        # measured (train.py's _measured_sites): the sums' order, and so the bits, go with them.
+        sites = control / "sites.json"
+        kept = sites.read_bytes() if sites.exists() else None
         shutil.rmtree(control, ignore_errors=True)
+        if kept is not None:
+            control.mkdir(parents=True, exist_ok=True)
+            write_atomic(sites, kept)
         if cluster is not None:
             port = COORDINATOR_PORT  # in a namespace of its own, fresh: nothing else listens there
         else:  # bound here and handed over: its port is known now, and no one else can take it

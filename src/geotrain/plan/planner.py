@@ -289,12 +289,15 @@ def plan_sites(
     trust options (``options``) weigh on the averages across sites; a site's own average is
     not checked (``Communicator.site_mean``)."""
     links = site_links(profile_network(profile), topology)
-    n = topology.workers
-    links = replace(
-        links,
-        flat=guarded_link(links.flat, n, *options),
-        two_level=guarded_link(links.two_level, n, *options),
-    )
+    n, (aggregate, checked) = topology.workers, options
+    flat = guarded_link(links.flat, n, *options)
+    if aggregate in GATHERED:  # a coordinate-wise statistic gathers over the flat group: no two levels
+        two_level = flat
+    elif checked or aggregate != "mean":  # the check's verdict is a flat all-reduce of 2 N floats
+        two_level = replace(links.two_level, alpha_s=links.two_level.alpha_s + links.flat.alpha_s)
+    else:
+        two_level = links.two_level
+    links = replace(links, flat=flat, two_level=two_level)
     model_bytes = sum(compute.nbytes)
     return {
         "topology": topology.describe(),

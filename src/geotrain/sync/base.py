@@ -225,7 +225,8 @@ class SyncAlgorithm:
 
 class PeriodicSync(SyncAlgorithm):
     """A method that synchronises every ``config.H`` steps and issues no collective between
-    (``localsgd``, ``diloco``, ``sparseloco``): subclasses say what ``synchronize`` does.
+    (``localsgd``, ``diloco``, ``sparseloco``), but the site averages of ``--site-H``
+    (``collective_period``): subclasses say what ``synchronize`` does.
 
     A warm start (post-local SGD, Lin et al. 2020; where the config has ``warm_start`` W > 0):
     the first W steps are synchronous SGD, the gradients averaged before each optimizer step, so
@@ -255,12 +256,12 @@ class PeriodicSync(SyncAlgorithm):
         require(
             not site_H or comm.site_of_host is not None,
             "--site-H averages inside sites, and this run has none: give them with --hierarchy sites "
-            "(--topology or --sites) or --hierarchy auto",
+            "(--topology or --sites) or --hierarchy auto (geotrain.wrap takes no sites yet)",
         )
-        if site_H and comm.two_level is None and comm.rank == 0:
+        if site_H and comm.two_level is None and comm.world_size > 1 and comm.rank == 0:
             print(
-                "geotrain: --site-H averages nothing here: no site has two hosts among the "
-                f"members (sites {comm.site_of_host})",
+                f"geotrain: --site-H averages nothing here: the sites {comm.site_of_host} make one "
+                "level (a single site, or sites of one host each)",
                 file=sys.stderr,
                 flush=True,
             )
