@@ -96,6 +96,10 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
         # A fragment lands every 2 steps, each sent a step before (tau 1): lock-stepped members.
         ("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2"),
         ("co2", ["--H", "4"], "kill:step=6,rank=2"),  # step 4's mean in flight, landed at 8 by two
+        # --site-H 2 in sites 0,0,1: host 0's site average at step 6 fails with its site-mate;
+        # host 2 (a site of one) runs on to step 8, whose sync fails: host 0, a collective behind,
+        # adopts its state (theta_outer included: its sync failed) and the two redo step 8's.
+        ("diloco", ["--site-H", "2", "--sites", "0,0,1", "--hierarchy", "sites"], "kill:step=5,rank=1"),
     ],
 )
 @pytest.mark.usefixtures("no_leftovers")
@@ -131,7 +135,9 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
         if json.loads(x).get("final")
     ]
     assert len(finals) == 2 and len({f["param_digest"] for f in finals}) == 1
-    if algo == "diloco":
+    if algo == "diloco" and "--site-H" in extra:
+        assert epoch["behind"] == [0] and epoch["leader"] == 2  # it adopted host 2's state
+    elif algo == "diloco":
         assert epoch["step"] == 8 and epoch["at_step"] == 8  # the sync of step 8, redone
         # Ring copies go on between the two survivors: redundancy is still on at the end (it
         # used to stop at the first change). Step 4's shipment, among three, may have been

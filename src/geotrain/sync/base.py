@@ -266,6 +266,7 @@ class PeriodicSync(SyncAlgorithm):
                 flush=True,
             )
         self.pacer = TimePace(config.H, comm) if paced else None
+        self.last_sync = 0  # the step whose sync last completed here (step 0: the common start)
 
     def synchronize(self) -> None:
         """Average the replicas (each worker's contribution times ``sync_weight()``)."""
@@ -281,10 +282,17 @@ class PeriodicSync(SyncAlgorithm):
     def _paced_sync(self) -> None:
         if self.pacer is None:
             self.synchronize()
-            return
-        following = self.pacer.exchange()  # first: a failure here has changed nothing
-        self.synchronize()
-        self.pacer.quotas = following
+        else:
+            following = self.pacer.exchange()  # first: a failure here has changed nothing
+            self.synchronize()
+            self.pacer.quotas = following
+        self.last_sync = self.step_count
+
+    def synced_now(self) -> bool:
+        """Whether the parameters are the replicas' last average right now: in the warm start,
+        or after this step's sync completed. Not at a boundary whose sync failed (a survivor that
+        adopts this worker's state then must not take its parameters for the average)."""
+        return self.step_count <= self.warm_start or self.last_sync == self.step_count
 
     def computes_step(self) -> bool:
         if self.pacer is None or self.in_warm_start():
@@ -403,6 +411,9 @@ class PeriodicSync(SyncAlgorithm):
         super().load_state_dict(state)
         if self.pacer is not None and "pace" in state:
             self.pacer.load_state_dict(state["pace"])
+        # A snapshot is taken after a completed step; a hand-over's leader may have failed its
+        # sync (DiLoCo then sends theta_outer, and says so).
+        self.last_sync = self.step_count if self.at_boundary() else -1
 
 
 class InFlight:

@@ -121,7 +121,7 @@ class DiLoCo(PeriodicSync):
         twice (a fifth of a snapshot), and ``load_state_dict`` takes it from the parameters."""
         state = super().state_dict()
         # Callers copy or serialise the list.
-        state["outer_params"] = None if self.at_boundary() else list(self._outer)
+        state["outer_params"] = None if self.synced_now() else list(self._outer)
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         return state
 
@@ -131,6 +131,7 @@ class DiLoCo(PeriodicSync):
         if state["outer_params"] is None:
             self.track_parameters()
         else:
+            self.last_sync = -1  # the parameters are not the average (a boundary's failed sync)
             with torch.no_grad():
                 for dst, src in zip(self._outer, state["outer_params"], strict=True):
                     dst.copy_(src)
