@@ -2,8 +2,7 @@
 
 With one worker FACTOR times slower, a per-step method runs at its pace, and so does a periodic
 one run by steps: at every sync the others wait for the straggler's H steps. A period measured
-in time instead lets each worker do the inner steps it can in the time the fastest takes for H
-(time-based local SGD; FusionLLM's and DiLoCo-style heterogeneous periods make the same trade).
+in time instead lets each worker do the inner steps it can in the time the fastest takes for H.
 Worker r computes the first
 
     k_r = clamp(round(H * t_min / t_r), 1, H),   and k_r = H where t_r <= (1 + TOLERANCE) t_min,
@@ -22,8 +21,9 @@ worker's few seconds of wait at the sync.
 Every worker all-gathers one float per sync (its t_r) and computes every k_r from the same
 numbers, so all agree on the weights, and on the tokens each step trains, without another
 exchange. The first period, and the first after a change of members, runs with k_r = H on every
-worker: nothing has been measured yet. Where no worker is slower the quotas stay H and the run is
-the one ``--pace steps`` makes, bitwise.
+worker: nothing has been measured yet. Where every worker stays within the tolerance of the
+fastest, the quotas stay H and the parameters are those ``--pace steps`` gives, bitwise (the
+weights are exactly 1.0), for one more all-gather of a float per sync.
 """
 
 from __future__ import annotations
