@@ -294,15 +294,20 @@ class PeriodicSync(SyncAlgorithm):
         adopts this worker's state then must not take its parameters for the average)."""
         return self.step_count <= self.warm_start or self.last_sync == self.step_count
 
-    def computes_step(self) -> bool:
+    def _paced_index(self) -> int | None:
+        """The step under way's place in its period where ``--pace time`` decides who computes
+        it; None where every worker does (unpaced, or in the warm start)."""
         if self.pacer is None or self.in_warm_start():
-            return True
-        return self.pacer.computes(self.step_count % self.config.H)
+            return None
+        return self.step_count % self.config.H
+
+    def computes_step(self) -> bool:
+        index = self._paced_index()
+        return True if index is None else self.pacer.computes(index)
 
     def workers_computing(self) -> int:
-        if self.pacer is None or self.in_warm_start():
-            return self.comm.world_size
-        return self.pacer.workers_computing(self.step_count % self.config.H)
+        index = self._paced_index()
+        return self.comm.world_size if index is None else self.pacer.workers_computing(index)
 
     def rebind(self) -> None:
         if self.pacer is not None:
@@ -343,10 +348,13 @@ class PeriodicSync(SyncAlgorithm):
             self.average_in_site()
         return False
 
+    @property
+    def site_H(self) -> int:
+        return getattr(self.config, "site_H", 0)
+
     def _site_step(self) -> bool:
         """The step just counted averages inside the sites (``--site-H``; not a sync across)."""
-        site_H = getattr(self.config, "site_H", 0)
-        return bool(site_H) and self.step_count % site_H == 0 and not self.at_boundary()
+        return bool(self.site_H) and self.step_count % self.site_H == 0 and not self.at_boundary()
 
     def average_in_site(self) -> None:
         """``--site-H``: the parameters averaged over this worker's site (its LAN), between the
@@ -377,9 +385,8 @@ class PeriodicSync(SyncAlgorithm):
     def collective_period(self) -> int:
         # --site-H: the site averages are collectives too, so survivors that differ in how many
         # they have done are not free to go on each from its own step.
-        site_H = getattr(self.config, "site_H", 0)
         period = self.sync_period()
-        return math.gcd(period, site_H) if site_H and period > 1 else period
+        return math.gcd(period, self.site_H) if self.site_H and period > 1 else period
 
     def sync_period(self) -> int:
         # In the warm start every step is a collective: the membership layer must treat the
