@@ -978,7 +978,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if not resume.local_done and resume.committed < step:
                 step = resume.committed + 1  # redo it
                 continue
-            step_tokens = cfg.batch_size * model.block_size * sync.workers_computing()  # the new group
+            # At most the new group's workers (--pace time: at most those that computed the step)
+            step_tokens = min(step_tokens, cfg.batch_size * model.block_size * comm.world_size)
             if not resume.local_done:
                 # Behind the leader, this worker adopted its state after its step (tokens too):
                 # that step is done here as well, and recorded like any other.
