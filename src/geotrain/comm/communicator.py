@@ -325,8 +325,9 @@ class Communicator:
     def min_collective_s(self) -> float:
         return 2 * (self.world_size - 1) * self.latency_s
 
-    def _account(self, nbytes: int) -> None:
-        n = self.world_size
+    def _account(self, nbytes: int, workers: int = 0) -> None:
+        """One ring all-reduce of ``nbytes`` among ``workers`` (0: the whole group)."""
+        n = workers or self.world_size
         self.stats.calls += 1
         self.stats.payload_bytes += nbytes
         wire = 2 * (n - 1) * nbytes // n
@@ -404,11 +405,7 @@ class Communicator:
             return
         launched, k = time.perf_counter(), groups.site_size
         nbytes = tensor.numel() * tensor.element_size()
-        wire = 2 * (k - 1) * nbytes // k
-        self.stats.calls += 1
-        self.stats.payload_bytes += nbytes
-        self.stats.sent_bytes += wire
-        self.stats.recv_bytes += wire
+        self._account(nbytes, k)
         flat, intra = tensor.view(-1), groups.intra
         work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
         Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()

@@ -45,16 +45,15 @@ class SiteLinks:
 
 
 def site_links(net: NetworkModel, topology: Topology) -> SiteLinks:
-    n, s, k = topology.workers, len(topology.sites), max(topology.sites)
-    a, wan, lan = (
-        net.hop_latency_s,
-        net.efficiency * min(topology.wan_bps) / 8,
-        net.efficiency * topology.lan_bps / 8,
-    )
-    flat = LinkModel(2 * (n - 1) * a, 2 * (n - 1) / n / wan)
-    site = LinkModel(2 * (k - 1) * a, 2 * (k - 1) / k / lan) if k > 1 else LinkModel(0.0, 0.0)
+    """Each line a ring of ``net``'s: the flat one through the slowest uplink, a site's on its
+    LAN, and the stripes' across sites (one carrier per site, the slowest uplink) between two
+    of the site's."""
+    wan = [min(topology.wan_bps)]
+    flat = net.link_model(topology.workers, wan, "ring")
+    site = net.link_model(max(topology.sites), [topology.lan_bps], "ring")  # a site of one: 0
+    across = net.link_model(len(topology.sites), wan, "ring")
     two_level = LinkModel(
-        2 * site.alpha_s + 2 * (s - 1) * a, 2 * site.beta_s_per_byte + 2 * (s - 1) / s / wan
+        2 * site.alpha_s + across.alpha_s, 2 * site.beta_s_per_byte + across.beta_s_per_byte
     )
     return SiteLinks(flat, two_level, site)
 
