@@ -111,6 +111,15 @@ class _RacyWork(_Work):
         return super().wait(timeout)
 
 
+def test_an_adopter_weighs_nothing_in_an_average_redone_after_a_regroup():
+    from geotrain.sync.base import redo_weight
+
+    assert [redo_weight(r, range(3), {2}) for r in range(3)] == [1.5, 1.5, 0.0]  # mean of ranks 0, 1
+    assert [redo_weight(r, [1, 3], {0, 2}) for r in (1, 3)] == [1.0, 1.0]  # a site without adopters
+    assert redo_weight(0, [0, 1], {0, 1}) == 1.0  # all copies of the leader's: their mean is it
+    assert redo_weight(0, range(4), ()) == 1.0
+
+
 def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_not_hidden():
     wait_work(_Work(3), interrupt=lambda: False)  # finishes after a few polls
     wait_work(_RacyWork(1), interrupt=lambda: False)
@@ -507,6 +516,86 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     assert d0["event"]["epoch"] == 5 and d0["event"]["members"] == [0, 1]
     for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
         assert torch.equal(g0, g1)
+
+
+def _redoer(host: int, store_port: int, file_store: str, out: str) -> None:
+    """Host 2 is a joiner; hosts 0 and 1 applied step 4 and their average (H=4) failed."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.elastic import regroup
+    from geotrain.sync import build_sync
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+        results = {}
+        for algo in ("localsgd", "diloco"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+            sync = build_sync(algo, model, optimizer, Communicator(membership=membership), {"H": 4})
+            with torch.no_grad():  # replicas that differ, as after 4 local steps
+                for p in model.parameters():
+                    p.add_(host + 1)
+            joiner = host == 2
+            sync.step_count = 0 if joiner else 4
+            status = StepStatus(-1, False) if joiner else StepStatus(3, True)
+            before = [p.detach().clone() for p in model.parameters()]
+            event = regroup(membership, sync.comm, sync, model, optimizer, status)
+            results[algo] = {
+                "event": event,
+                "before": before,
+                "after": [p.detach().clone() for p in model.parameters()],
+            }
+            sync.close()
+            dist.barrier()
+            if host == 0:
+                membership.store().set(f"members/{membership.epoch + 1}", "0,1,2")
+                membership.store().add("epoch", 1)
+        dist.destroy_process_group()
+        torch.save({"ok": results}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
+    """A member is lost at a sync boundary while a joiner waits: the survivors (hosts 0 and 1)
+    had applied step 4 and their average failed; the joiner (host 2) adopts the leader's state
+    and takes part in the redone average. It must hold the survivors' mean, not (2 x0 + x1) / 3:
+    the joiner's copy of the leader's parameters weighs nothing."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
+    store.add("epoch", 1)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
+        outs = [os.path.join(tmp, f"host{h}.pt") for h in range(3)]
+        procs = [
+            ctx.Process(target=_redoer, args=(h, store.port, os.path.join(tmp, "fs"), outs[h]), daemon=True)
+            for h in range(3)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        got = [torch.load(outs[h], weights_only=False) for h in range(3)]
+    for g in got:
+        assert "ok" in g, g.get("error")
+    runs = [g["ok"] for g in got]
+    local = [r["localsgd"] for r in runs]
+    assert local[2]["event"]["behind"] == [2] and local[2]["event"]["leader"] == 0
+    for k, x0 in enumerate(local[0]["before"]):
+        mean = (x0 + local[1]["before"][k]) / 2
+        for r in local:
+            torch.testing.assert_close(r["after"][k], mean, rtol=0, atol=1e-6)
+    outer = [r["diloco"] for r in runs]
+    for k in range(len(outer[0]["after"])):
+        assert torch.equal(outer[0]["after"][k], outer[2]["after"][k])
+        assert torch.equal(outer[1]["after"][k], outer[2]["after"][k])
 
 
 def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_how(tmp_path):

@@ -195,7 +195,7 @@ def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
     assert "averages nothing here" not in capsys.readouterr().err  # a world of one (a joiner's) is quiet
     assert (sync.sync_period(), sync.collective_period()) == (10, 2)
     averaged = []
-    monkeypatch.setattr(sync, "average_in_site", lambda: averaged.append(sync.step_count))
+    monkeypatch.setattr(sync, "average_in_site", lambda weight=1.0: averaged.append(sync.step_count))
     for _ in range(10):
         sync.after_step()
         sync.retry_sync()  # a regroup at this step: the site average is redone, the rest not

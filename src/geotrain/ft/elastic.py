@@ -202,8 +202,10 @@ def regroup(
     t_redo = time.perf_counter()
     if mine.local_done:
         # The failed averaging itself, on the new group: link time, not overhead. Members that
-        # had not reached this boundary meet it from their own after_step.
-        sync.retry_sync()
+        # had not reached this boundary meet it from their own after_step. Those that adopted
+        # the leader's state redo it too (they are at its step), but hold its contribution: in
+        # the average they weigh nothing, or the leader would count twice.
+        sync.retry_sync(adopters=frozenset(behind))
     return {
         "epoch": epoch,
         "members": members,

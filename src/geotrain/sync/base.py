@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -82,6 +83,18 @@ def codec_from_config(config: SyncConfig) -> Codec | None:
     """The codec named by ``config.compress`` ("" or absent: send uncompressed)."""
     spec = getattr(config, "compress", "")
     return make_codec(spec) if spec else None
+
+
+def redo_weight(rank: int, group: Collection[int], adopters: Collection[int]) -> float:
+    """This rank's factor in an average over ``group`` redone after a regroup, where the
+    ``adopters`` hold copies of the leader's state: 0 for them, |group| / |kept| for the others,
+    so that the mean over the group is the mean of the others' own contributions (the leader's
+    counted once). 1 where no one in the group adopted, or everyone did (then all contributions
+    are the same copy, and their mean is it)."""
+    kept = [r for r in group if r not in adopters]
+    if not kept or len(kept) == len(group):
+        return 1.0
+    return len(group) / len(kept) if rank in kept else 0.0
 
 
 def adopt_mean_change(
@@ -169,9 +182,11 @@ class SyncAlgorithm:
         continue``): drop what was bound to the old one (handles in flight, a DDP wrapper) and
         adapt to the new worker count. Called on every member at once, so it may communicate."""
 
-    def retry_sync(self) -> None:
+    def retry_sync(self, adopters: Collection[int] = ()) -> None:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
-        periodic methods' averaging at a sync boundary), on the new group."""
+        periodic methods' averaging at a sync boundary), on the new group. ``adopters``: the
+        group ranks that have just loaded the leader's state (a joiner, a member behind); what
+        they contribute is the leader's, so an average must not count it again."""
 
     def info(self) -> str:
         """What the algorithm (its codec) decided at run time, for the summary; "" if nothing."""
@@ -266,6 +281,7 @@ class PeriodicSync(SyncAlgorithm):
                 flush=True,
             )
         self.pacer = TimePace(config.H, comm) if paced else None
+        self._redo_weight: float | None = None  # retry_sync's, for the sync it redoes
         self.last_sync = 0  # the step whose sync last completed here (step 0: the common start)
 
     def synchronize(self) -> None:
@@ -274,7 +290,10 @@ class PeriodicSync(SyncAlgorithm):
 
     def sync_weight(self) -> float:
         """This worker's factor in the sync under way: 1, or N k_r / sum k under ``--pace time``
-        (exactly 1.0 where every worker computed as many of the period's steps)."""
+        (exactly 1.0 where every worker computed as many of the period's steps); in a sync redone
+        after a regroup, 0 for a worker that adopted the leader's state (``redo_weight``)."""
+        if self._redo_weight is not None:
+            return self._redo_weight
         if self.pacer is None or self.in_warm_start():
             return 1.0
         return self.pacer.weight(self.step_count % self.config.H or self.config.H)
@@ -356,12 +375,15 @@ class PeriodicSync(SyncAlgorithm):
         """The step just counted averages inside the sites (``--site-H``; not a sync across)."""
         return bool(self.site_H) and self.step_count % self.site_H == 0 and not self.at_boundary()
 
-    def average_in_site(self) -> None:
+    def average_in_site(self, weight: float = 1.0) -> None:
         """``--site-H``: the parameters averaged over this worker's site (its LAN), between the
         syncs across sites. Inside a site the replicas then drift for site_H steps only; across
-        sites for H. The optimizers' states stay each worker's own, as between any syncs."""
+        sites for H. The optimizers' states stay each worker's own, as between any syncs.
+        ``weight``: this worker's factor (``redo_weight``, in an average redone after a regroup)."""
         params = [p.data for p in self.parameters()]
         flat = flatten(params)
+        if weight != 1.0:
+            flat.mul_(weight)
         self.comm.site_mean(flat)
         unflatten_into(flat, params)
 
@@ -374,13 +396,27 @@ class PeriodicSync(SyncAlgorithm):
         if not self.at_boundary():
             self.synchronize()
 
-    def retry_sync(self) -> None:
+    def retry_sync(self, adopters: Collection[int] = ()) -> None:
         if self.step_count <= self.warm_start:
             return
+        rank = self.comm.rank
         if self.at_boundary():
-            self._paced_sync()  # a failed synchronisation changed nothing it would redo twice
-        elif self._site_step():
-            self.average_in_site()  # on the new group's sites
+            # A failed synchronisation changed nothing it would redo twice. The weight reaches
+            # the methods that average what each worker holds (localsgd, diloco); those with a
+            # message in flight give an adopter's an empty one instead (``InFlight.adopted``).
+            self._redo_weight = redo_weight(rank, range(self.comm.world_size), adopters)
+            try:
+                self._paced_sync()
+            finally:
+                self._redo_weight = None
+        elif self._site_step():  # on the new group's sites
+            levels = self.comm.two_level  # None: no site average to redo, nor to weigh
+            site = (
+                [r for r, s in enumerate(levels.site_of_rank) if s == levels.site_of_rank[rank]]
+                if levels
+                else [rank]
+            )
+            self.average_in_site(redo_weight(rank, site, adopters))
 
     def collective_period(self) -> int:
         # --site-H: the site averages are collectives too, so survivors that differ in how many

@@ -41,6 +41,7 @@ Memory: one copy of the parameters (theta) and the outer momentum, as DiLoCo.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,9 +238,10 @@ class StreamingDiLoCo(SyncAlgorithm):
             self._launch(launching)
         return landing is not None
 
-    def retry_sync(self) -> None:
+    def retry_sync(self, adopters: Collection[int] = ()) -> None:
         # The collective that failed was this step's landing (a launch only waits at landing):
-        # ``rebind`` kept the message, which ``_land`` sends again on the new group.
+        # ``rebind`` kept the message, which ``_land`` sends again on the new group. An adopter's
+        # is empty already (``InFlight.adopted``): ``adopters`` needs no weighing here.
         step = self.step_count
         if self.in_flight.flying and self._landing(step) is not None:
             self._land(self._landing(step))
