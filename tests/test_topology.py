@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from geotrain.launch.coordinator import read_jsonl
 from geotrain.netem import cluster as netem
 from geotrain.netem.cluster import EmulatedCluster, geotrain_namespaces, sweep_stale
 from geotrain.netem.links import LinkSpecError
@@ -199,35 +200,28 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
-def test_on_sites_a_spare_of_the_lost_hosts_site_takes_its_place(tmp_path, cleanup_keepers):
-    """2 sites of 2 and 2 spares, dealt over the sites (machine 4 behind site 0's uplink, 5
-    behind site 1's). Host 3 of site 1 is killed after step 5: machine 5 takes its place, is
-    admitted at step 8 (--min-workers 4) and the four train to the end as one model. (Which
-    spare registers first is a race here: the preference itself is pinned in test_spares.py.)"""
+def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site(tmp_path, cleanup_keepers):
+    """2 sites of 2 and 1 spare, dealt to site 0 (machine 4, behind site 0's uplink). Host 3 of
+    site 1 is killed after step 5: machine 4 takes its place, is admitted at step 8
+    (--min-workers 4) and the four train to the end as one model. With --site-H the new host 3
+    averages with site 0, where its machine is, not with site 1, where its host number was.
+    (The same-site preference is pinned in test_spares.py.)"""
     run = tmp_path / "run"
     cleanup_keepers.append((run, 4))
-    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "2", "--algo", "localsgd"]
-    cmd += [
-        "--H",
-        "4",
-        "--steps",
-        "12",
-        "--model",
-        "tiny",
-        "--batch-size",
-        "4",
-        "--no-progress",
-        "--threads",
-        "1",
-    ]
+    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "1", "--algo", "localsgd"]
+    cmd += ["--H", "4", "--steps", "12", "--model", "tiny", "--batch-size", "4", "--no-progress"]
+    cmd += ["--threads", "1", "--hierarchy", "sites", "--site-H", "2"]
     cmd += ["--fault-timeout", "3", "--min-workers", "4", "--join-timeout", "60"]
     cmd += ["--chaos", "kill:step=5,rank=3", "--run-dir", str(run)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "spare host 5 takes host 3's place" in proc.stderr, proc.stderr[-3000:]
+    assert "spare host 4 takes host 3's place" in proc.stderr, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["workers_start"], summary["workers"]) == (4, 4)
     assert summary["membership"][-1]["joined"] == [3] and summary["faults"][0]["rejoined_after_step"] == 8
+    assert summary["sites"] == [0, 0, 1, 0]
+    (joined,) = [e for e in read_jsonl(run / "control" / "epochs.jsonl") if e.get("joined")]
+    assert joined["site"] == 0
     finals = [json.loads((run / "metrics" / f"rank{h}.jsonl").read_text().splitlines()[-1]) for h in range(4)]
     assert {f["step"] for f in finals} == {12} and len({f["param_digest"] for f in finals}) == 1
 

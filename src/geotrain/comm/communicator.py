@@ -295,6 +295,9 @@ class Communicator:
                 raise ValueError(
                     f"--sites names {len(self.site_of_host)} hosts, but host {max(members)} is in the run"
                 )
+            # A spare of another site that took a host's place is in its machine's site.
+            moved = getattr(self.membership, "sites", None) or {}
+            self.site_of_host = [moved.get(h, s) for h, s in enumerate(self.site_of_host)]
             sites = [self.site_of_host[h] for h in members]
             self.two_level = site_groups(sites, self.rank, self.timeout_s)
         # A job of the old group stuck on a lost peer must not hold up the new group's.

@@ -116,6 +116,7 @@ class Membership:
         # algorithm's ``sync_period`` (which changes, e.g. after a warm start), asked each time.
         self.period = period
         self.published = 0  # the newest epoch the heartbeat thread has seen
+        self.sites: dict[int, int] = {}  # host -> its machine's site, where a joiner's is not its own
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
@@ -327,6 +328,10 @@ class Membership:
         )
         if self.snapshot_groups:
             self.snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        # The machines' sites where the coordinator said (a spare of another site took a lost
+        # host's place): read by every member at the same epoch, so all form the same groups.
+        store = self.store()
+        self.sites.update({h: int(store.get(f"site/{h}")) for h in members if store.check([f"site/{h}"])})
         with self._lock:
             self.epoch, self.members = epoch, list(members)
             self.published = max(self.published, epoch)

@@ -76,11 +76,13 @@ class Epochs:
         for e in read_jsonl(self.path):  # a restarted coordinator publishes them again
             self.epoch, self.live = int(e["epoch"]), list(e["members"])
             store.set(f"kind/{self.epoch}", "join" if e.get("joined") else "leave")
+            if "site" in e:  # a joiner's machine's site, where it is not its host's own
+                store.set(f"site/{e['joined'][0]}", str(e["site"]))
             store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
         store.set("members/0", ",".join(map(str, range(hosts))))
         store.add("epoch", self.epoch - store.add("epoch", 0))
 
-    def _publish(self, kind: str, why: str, **change: list[int]) -> None:
+    def _publish(self, kind: str, why: str, **change: list[int] | int) -> None:
         self.epoch += 1
         # Members and kind first: a trainer that sees the counter move reads them at once.
         self.store.set(f"kind/{self.epoch}", kind)
@@ -101,12 +103,16 @@ class Epochs:
             self.live = [h for h in self.live if h not in gone]
             self._publish("leave", why, left=sorted(gone))
 
-    def join(self, host: int) -> None:
+    def join(self, host: int, site: int | None = None) -> None:
         """Admit a joiner: last in rank order, so rank 0 stays a survivor's (it writes the run's
-        summary from its whole history)."""
+        summary from its whole history). ``site``: the site of the machine that joins as
+        ``host`` (a spare of another site's), published before the epoch so that every member
+        forms the new epoch's site groups with it (``Membership.join``)."""
         if host not in self.live:
             self.live = [*self.live, host]
-            self._publish("join", "requested", joined=[host])
+            if site is not None:
+                self.store.set(f"site/{host}", str(site))
+            self._publish("join", "requested", joined=[host], **({"site": site} if site is not None else {}))
 
 
 class Pool:
@@ -239,6 +245,14 @@ class Pool:
         pairs += list(zip(left, waiting, strict=False))
         return sorted(pairs)
 
+    def site_of_joiner(self, host: int) -> int | None:
+        """The site of the machine that joins as ``host`` (with ``site_of``): the spare's placed
+        there, else the host's own machine's (a replacement on the same machine)."""
+        if not self.site_of:
+            return None
+        machine = self._label(self.placed[host]) if host in self.placed else host
+        return self.site_of[machine] if 0 <= machine < len(self.site_of) else None
+
     def _proven(self, i: int) -> bool:
         """A spare is given a place only with a proof of the run token (``sparepass/{i}``)."""
         if self.door is None or not self.door.token:
@@ -357,7 +371,7 @@ def serve(
                     store.delete_key(f"failed/{attempt}/{h}")
                     reported.discard(h)
                     last.pop(h, None)
-                    epochs.join(h)
+                    epochs.join(h, pool.site_of_joiner(h) if pool is not None else None)
             pool.tick(epochs.live, attempt, store.check(["finished"]))  # type: ignore[union-attr]
         now = time.monotonic()
         for h in range(hosts):
