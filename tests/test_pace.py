@@ -102,14 +102,19 @@ H, STEPS = 4, 8
 STEP_S = {0: 1.0, 1: 2.0, 2: 1.0}  # rank 1 takes twice as long: 2 of the second period's 4 steps
 
 
-def _paced_run(rank: int, world_size: int, algo: str) -> dict:
+def _paced_run(rank: int, world_size: int, algo: str, sited: bool = False) -> dict:
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     options = {"H": H, "pace": "time"} | (
         {"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {}
     )
-    sync = build_sync(algo, model, opt, Communicator(), options)
+    comm = Communicator()
+    if sited:  # ranks 0 and 1 share a site and average every 2 steps; rank 1 is 4x slower
+        options["site_H"], comm = 2, Communicator(site_of_host=[0, 0, 1])
+    sync = build_sync(algo, model, opt, comm, options)
+    step_s = {**STEP_S, 1: 4.0} if sited else STEP_S
+    mid = mid_after = None
     now = [0.0]
     sync.pacer.clock = lambda: now[0]
     computed, computing, before = [], [], None
@@ -123,12 +128,18 @@ def _paced_run(rank: int, world_size: int, algo: str) -> dict:
             sync.before_step()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            now[0] += STEP_S[rank]
+            now[0] += step_s[rank]
         if step == STEPS - 1:
             before = [p.detach().clone() for p in model.parameters()]
+        if step == 5:
+            mid = [p.detach().clone() for p in model.parameters()]  # before the site average at 6
         sync.after_step()
+        if step == 5:
+            mid_after = [p.detach().clone() for p in model.parameters()]
     sync.close()
     return {
+        "mid": mid,
+        "mid_after": mid_after,
         "computed": computed,
         "computing": computing,
         "before": before,
@@ -137,7 +148,7 @@ def _paced_run(rank: int, world_size: int, algo: str) -> dict:
     }
 
 
-PACED = Cases(_paced_run, 3, [("localsgd",), ("diloco",)])
+PACED = Cases(_paced_run, 3, [("localsgd",), ("diloco",), ("localsgd", True)])
 
 
 @pytest.mark.parametrize("algo", ["localsgd", "diloco"])
@@ -155,6 +166,43 @@ def test_a_time_paced_sync_is_the_token_weighted_mean_of_the_replicas(algo):
         torch.testing.assert_close(after, want, atol=1e-6, rtol=1e-5)
         assert all(torch.equal(r["after"][i], after) for r in ranks)  # one model again
     assert all(r["quotas"] == [4, 2, 4] for r in ranks)
+
+
+def test_with_site_averages_each_site_counts_for_its_tokens_and_each_worker_for_its_last_steps():
+    """Sites {0, 1} and {2}, --site-H 2, H=4; rank 1 4x slower, so the second period's quotas
+    are [4, 1, 4]. The site average at step 6 weighs ranks 0 and 1 by the steps each computed
+    since the period began (2 and 1): (2 x_0 + x_1) / 3. At the sync at step 8 rank 1 has
+    computed nothing since, so its site counts through rank 0 with the site's 5 steps, and rank
+    2's site with its 4: (5 x_0 + 4 x_2) / 9."""
+    ranks = PACED.get("localsgd", True)
+    assert all(r["quotas"] == [4, 1, 4] for r in ranks)
+    assert ranks[1]["computed"] == [True] * 5 + [False] * 3
+    for i in range(len(ranks[0]["after"])):
+        site = (2 * ranks[0]["mid"][i] + ranks[1]["mid"][i]) / 3
+        torch.testing.assert_close(ranks[0]["mid_after"][i], site, atol=1e-6, rtol=1e-5)
+        assert torch.equal(ranks[1]["mid_after"][i], ranks[0]["mid_after"][i])
+        assert torch.equal(ranks[2]["mid_after"][i], ranks[2]["mid"][i])  # a site of one
+        want = (5 * ranks[0]["before"][i] + 4 * ranks[2]["before"][i]) / 9
+        torch.testing.assert_close(ranks[0]["after"][i], want, atol=1e-6, rtol=1e-5)
+        assert all(torch.equal(r["after"][i], ranks[0]["after"][i]) for r in ranks)
+
+
+def test_site_weights_are_the_closed_forms():
+    pace = TimePace(10, FakeComm(1, [1.0, 2.0, 1.0, 1.0]))
+    pace.quotas = [10, 3, 10, 6]
+    sites = [0, 0, 1, 1]
+    # A site average 4 steps into the period, the last at 0: steps since, by rank 4, 3, 4, 4.
+    assert pace.site_weight(0, 4, sites) == pytest.approx(2 * 3 / 7)
+    assert pace.site_weight(4, 6, sites) == pytest.approx(0.0)  # rank 1 computed none of 5, 6
+    pace.comm.rank = 2
+    assert pace.site_weight(4, 6, sites) == 1.0 and pace.site_weight(4, 8, sites) == pytest.approx(2 * 4 / 6)
+    # The sync at 10, the last site average at 8: site 1 computed 16 of 29 steps, rank 2 all of
+    # its site's 2 since (rank 3 stopped at 6).
+    assert pace.weight(10, 8, sites) == pytest.approx(4 * 16 * 1.0 / 29)
+    pace.comm.rank = 1  # site 0: 13 steps, rank 1 none of the last 2
+    assert pace.weight(10, 8, sites) == 0.0
+    pace.quotas = [10] * 4
+    assert pace.weight(10, 8, sites) == 1.0 and pace.site_weight(4, 8, sites) == 1.0
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
@@ -179,7 +227,7 @@ def test_a_time_paced_run_lets_the_straggler_skip_steps_and_counts_only_computed
 
 def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
     """--site-H needs sites (a library wrap without them is refused, not silently idle); --pace
-    time is not combined with --site-H or with the norm check; a site average is a collective
+    time is not combined with the norm check; a site average is a collective
     between syncs, so a regroup agrees on it (collective_period) and retries it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -187,8 +235,6 @@ def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
     with pytest.raises(ConfigError, match="--site-H averages inside sites, and this run has none"):
         build_sync("diloco", model, opt, Communicator(), {"site_H": 2})
     sited = Communicator(site_of_host=[0])
-    with pytest.raises(ConfigError, match="--pace time and --site-H cannot be combined"):
-        build_sync("localsgd", model, opt, sited, {"site_H": 2, "pace": "time"})
     with pytest.raises(ConfigError, match="--pace time weighs each worker's contribution"):
         build_sync("localsgd", model, opt, Communicator(max_norm_ratio=10), {"pace": "time"})
     sync = build_sync("diloco", model, opt, sited, {"H": 10, "site_H": 4})
@@ -202,9 +248,6 @@ def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
     assert averaged == [4, 4, 8, 8]  # at 10 the sync across sites, not the site's
     unsited = build_sync("diloco", model, opt, Communicator(), {"H": 10})
     assert unsited.collective_period() == unsited.sync_period() == 10
-    assert "--pace time and --site-H cannot be combined" in refused(
-        ["run", "--workers", "2", "--no-netem", "--algo", "diloco", "--pace", "time", "--site-H", "2"], capsys
-    )
     assert "--pace time weighs each worker" in refused(
         [
             "run",

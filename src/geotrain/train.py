@@ -257,11 +257,6 @@ class TrainConfig:
             "--aggregate",
         )
         need(
-            self.pace != "time" or not self.site_H,
-            "--pace time and --site-H cannot be combined yet (a site's average is not weighted by the steps "
-            "each computed): drop one of them",
-        )
-        need(
             not self.site_H or self.hierarchy != "off",
             "--site-H averages inside each site: give the sites with --hierarchy sites (and --topology or "
             "--sites) or --hierarchy auto",

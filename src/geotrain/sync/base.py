@@ -264,11 +264,6 @@ class PeriodicSync(SyncAlgorithm):
             "--max-norm-ratio and --aggregate",
         )
         require(
-            not (paced and site_H),
-            "--pace time and --site-H cannot be combined yet (a site's average is not weighted by "
-            "the steps each computed): drop one of them",
-        )
-        require(
             not site_H or comm.site_of_host is not None,
             "--site-H averages inside sites, and this run has none: give them with --hierarchy sites "
             "(--topology or --sites) or --hierarchy auto (geotrain.wrap takes no sites yet)",
@@ -296,7 +291,18 @@ class PeriodicSync(SyncAlgorithm):
             return self._redo_weight
         if self.pacer is None or self.in_warm_start():
             return 1.0
-        return self.pacer.weight(self.step_count % self.config.H or self.config.H)
+        steps = self.step_count % self.config.H or self.config.H
+        levels = self.comm.two_level if self.site_H else None
+        if levels is None:  # no site averages in the period
+            return self.pacer.weight(steps)
+        return self.pacer.weight(steps, self._last_site_index(steps), levels.site_of_rank)
+
+    def _last_site_index(self, index: int) -> int:
+        """The period index of the last site average before ``index`` (``--site-H``; 0: none in
+        this period yet). Sites average at the multiples of site_H that are not boundaries."""
+        start = self.step_count - index  # the period's first step, counted from 0
+        last = (self.step_count - 1) // self.site_H * self.site_H
+        return last - start if last > start else 0
 
     def _paced_sync(self) -> None:
         if self.pacer is None:
@@ -364,8 +370,17 @@ class PeriodicSync(SyncAlgorithm):
             self._paced_sync()
             return True
         if self._site_step():
-            self.average_in_site()
+            self.average_in_site(self._site_weight())
         return False
+
+    def _site_weight(self) -> float:
+        """``--pace time``: this worker's factor in the site average just due, token-weighted
+        over the steps each of its site computed since the last (``TimePace.site_weight``)."""
+        levels = self.comm.two_level
+        index = self._paced_index()
+        if index is None or levels is None:
+            return 1.0
+        return self.pacer.site_weight(self._last_site_index(index), index, levels.site_of_rank)
 
     @property
     def site_H(self) -> int:

@@ -1,4 +1,5 @@
-"""Periods measured in time for stragglers: ``--pace time`` (``localsgd``, ``diloco``).
+"""Periods measured in time for stragglers: ``--pace time`` (``localsgd``, ``diloco``; with
+``--site-H`` too).
 
 With one worker FACTOR times slower, a per-step method runs at its pace, and so does a periodic
 one run by steps: at every sync the others wait for the straggler's H steps. A period measured
@@ -70,14 +71,44 @@ class TimePace:
         return sum(q > index for q in self.quotas)
 
     # -- the sync --------------------------------------------------------------------------------
-    def weight(self, steps: int) -> float:
+    def weight(self, steps: int, since: int = 0, sites: list[int] | None = None) -> float:
         """This worker's factor in a sync ``steps`` steps into the period (H at its end; fewer
         at the end of a run): N c_r / sum c, c_r = min(k_r, steps) the steps worker r computed.
         The mean of the weighted contributions is then their token-weighted mean; the factor is
-        exactly 1.0 where every worker computed as many."""
+        exactly 1.0 where every worker computed as many.
+
+        With ``--site-H`` (``sites``: each rank's site; ``since``: the period index of the site
+        averages' last, 0 if none) each worker holds its site's token-weighted mean up to then
+        plus its own steps since: the factor is N K_s t_r / (T_s K), K_s the steps site s
+        computed in the period, t_r worker r's since the site average and T_s their sum over
+        the site. So a site counts for its tokens, and inside it each worker's last steps for
+        theirs: the result is what a site average at the sync, then a token-weighted average
+        of the sites, would give (t_r / T_s is 1 / n_s where no one in the site computed
+        since). Without sites (or since 0 and a site each) it is N k_r / sum k."""
         self._fit_group()
-        computed = [min(q, steps) for q in self.quotas]
-        return len(computed) * computed[self.comm.rank] / sum(computed)
+        rank, n = self.comm.rank, len(self.quotas)
+        done = [min(q, steps) for q in self.quotas]
+        tail = [d - min(q, since) for d, q in zip(done, self.quotas, strict=True)]
+        if len(set(done)) == 1 and len(set(tail)) == 1:
+            return 1.0  # bitwise the unpaced average
+        sites = sites or list(range(n))
+        site = [r for r in range(n) if sites[r] == sites[rank]]
+        site_done, site_tail = sum(done[r] for r in site), sum(tail[r] for r in site)
+        share = tail[rank] / site_tail if site_tail else 1 / len(site)
+        return n * site_done * share / sum(done)
+
+    def site_weight(self, start: int, end: int, sites: list[int]) -> float:
+        """This worker's factor in a site average (``--site-H``) at period index ``end``, the
+        last at ``start`` (0: the period's start): n_s t_r / T_s, t_r the steps worker r computed
+        since and T_s their sum over its site, so that the site's mean is token-weighted; 1.0
+        where every worker of the site computed as many (or none did: they are one model)."""
+        self._fit_group()
+        rank = self.comm.rank
+        tail = [min(q, end) - min(q, start) for q in self.quotas]
+        site = [r for r in range(len(sites)) if sites[r] == sites[rank]]
+        if len({tail[r] for r in site}) == 1:
+            return 1.0
+        return len(site) * tail[rank] / sum(tail[r] for r in site)
 
     def exchange(self) -> list[int]:
         """At the sync, before its average: all-gather the period's median step time and return
