@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sites.py --steps 40            # W2 and W2 with host 3 2x slower
     python benchmarks/bench_sites.py --cells "nosync,diloco two-level" --no-straggler
+    python benchmarks/bench_sites.py --cells "nosync,diloco two-level site-H" --straggler-only
 
 W2 is GPT ``mini`` (batch 8 x 128, one thread per host) on ``--topology 2x2,lan=1gbit,wan=20mbit``:
 2 sites of 2 hosts, each site behind one 20 Mbit/s uplink. Every cell runs the same job through
@@ -42,7 +43,7 @@ CELLS = {  # name: extra flags
     "sparseloco": ["--algo", "sparseloco", "--H", "20"],
 }
 DEFAULT = "nosync,diloco flat,diloco two-level,diloco two-level site-H,streaming,co2,sparseloco"
-PACED = ("diloco flat", "diloco two-level")  # run again with --pace time under a straggler
+PACED = ("diloco flat", "diloco two-level", "diloco two-level site-H")  # again with --pace time, straggling
 
 
 def run_cell(out: Path, block: str, name: str, flags: list[str], args: argparse.Namespace) -> dict:
@@ -71,6 +72,7 @@ def main() -> None:
     p.add_argument("--cells", default=DEFAULT, help=f"comma-separated, of: {', '.join(CELLS)}")
     p.add_argument("--slow", default="3:2", help="the straggler of the second block (HOST:FACTOR)")
     p.add_argument("--no-straggler", dest="straggler", action="store_false", help="the first block only")
+    p.add_argument("--straggler-only", dest="plain", action="store_false", help="the second block only")
     p.add_argument("--out", default="runs/bench_sites")
     args = p.parse_args()
     names = [c.strip() for c in args.cells.split(",") if c.strip()]
@@ -78,13 +80,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown cell {unknown[0]!r}; cells: {', '.join(CELLS)}")
     names = ["nosync"] + [c for c in names if c != "nosync"]
-    blocks = [("W2", [])] + ([(f"W2 --slow {args.slow}", ["--slow", args.slow])] if args.straggler else [])
+    blocks = [("W2", [])] if args.plain else []
+    blocks += [(f"W2 --slow {args.slow}", ["--slow", args.slow])] if args.straggler else []
     out = Path(args.out)
     rows = []
     for block, extra in blocks:
         plan = [(n, [f.format(site_H=args.site_H) for f in CELLS[n]]) for n in names]
         if extra:
-            plan += [(f"{n} --pace time", [*CELLS[n], "--pace", "time"]) for n in names if n in PACED]
+            plan += [(f"{n} --pace time", [*flags, "--pace", "time"]) for n, flags in plan if n in PACED]
         plan.append(("nosync (again)", CELLS["nosync"]))
         results = {n: run_cell(out, block, n, [*flags, *extra], args) for n, flags in plan}
         bound = (results["nosync"]["step_s_mean"] + results["nosync (again)"]["step_s_mean"]) / 2
