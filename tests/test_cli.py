@@ -46,10 +46,9 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
             "10",
             "--run-dir",
             str(run_dir),
-            # Worker 1 sends NaN at the outer step of step 10 (--chaos corrupt): the norm check
-            # leaves it out, the run goes on finite, and the summary counts it.
-            "--max-norm-ratio",
-            "10",
+            # Worker 1 sends NaN at the outer step of step 10 (--chaos corrupt): the norm check,
+            # on by default for diloco, leaves it out, the run goes on finite, and the summary
+            # counts it.
             "--chaos",
             "corrupt:step=10,rank=1,kind=nan",
         ]
@@ -57,7 +56,7 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "rank 1 corrupts its next contribution (nan) from step 10" in proc.stderr
-    assert summary["rejected_updates"] == {"1": 1}
+    assert summary["rejected_updates"] == {"1": 1} and summary["max_norm_ratio"] == 10
     assert summary["network_mode"] == ("loopback" if netem_unavailable_reason() else "netns")
     assert summary["workers"] == 2 and summary["steps"] == 20
     assert f"run directory: {run_dir}" in proc.stdout

@@ -120,6 +120,35 @@ def test_an_adopter_weighs_nothing_in_an_average_redone_after_a_regroup():
     assert redo_weight(0, range(4), ()) == 1.0
 
 
+def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
+    """SparseLoCo and CO2 send a message of their own at the outer step: a worker whose copy of
+    the leader's state is left out (``Communicator.leaving_out``) sends the empty one, which
+    the decoders and the weighted mean leave out, and keeps its error feedback as it was."""
+    from geotrain.sync import build_sync
+
+    for algo, options in (("sparseloco", {"H": 2, "overlap": False}), ("co2", {"H": 2})):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        comm = Communicator()
+        sync = build_sync(algo, model, optimizer, comm, options)
+        start = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if sync.step_count == 1:
+                comm.left_out = frozenset({0})  # as leaving_out sets it on a larger group
+            sync.after_step()
+        comm.left_out = frozenset()
+        if algo == "sparseloco":  # the empty payload decodes to nothing: no outer step moved it
+            assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+            assert not sync._error.any()
+        else:  # its message in flight, the weight last: all zero
+            assert not sync.in_flight.saved().any()
+        sync.close()
+
+
 def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_not_hidden():
     wait_work(_Work(3), interrupt=lambda: False)  # finishes after a few polls
     wait_work(_RacyWork(1), interrupt=lambda: False)
@@ -529,11 +558,13 @@ def _redoer(host: int, store_port: int, file_store: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         results = {}
-        for algo in ("localsgd", "diloco"):
+        for algo in ("localsgd", "diloco", "checked"):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-            sync = build_sync(algo, model, optimizer, Communicator(membership=membership), {"H": 4})
+            comm = Communicator(membership=membership, max_norm_ratio=10 if algo == "checked" else 0)
+            options = {"H": 4} | ({"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {})
+            sync = build_sync("localsgd" if algo == "checked" else algo, model, optimizer, comm, options)
             with torch.no_grad():  # replicas that differ, as after 4 local steps
                 for p in model.parameters():
                     p.add_(host + 1)
@@ -542,10 +573,12 @@ def _redoer(host: int, store_port: int, file_store: str, out: str) -> None:
             status = StepStatus(-1, False) if joiner else StepStatus(3, True)
             before = [p.detach().clone() for p in model.parameters()]
             event = regroup(membership, sync.comm, sync, model, optimizer, status)
+            after = [p.detach().clone() for p in model.parameters()]
             results[algo] = {
                 "event": event,
                 "before": before,
-                "after": [p.detach().clone() for p in model.parameters()],
+                "after": after,
+                "rejected": comm.rejected_by_rank,
             }
             sync.close()
             dist.barrier()
@@ -586,16 +619,16 @@ def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
     for g in got:
         assert "ok" in g, g.get("error")
     runs = [g["ok"] for g in got]
-    local = [r["localsgd"] for r in runs]
-    assert local[2]["event"]["behind"] == [2] and local[2]["event"]["leader"] == 0
-    for k, x0 in enumerate(local[0]["before"]):
-        mean = (x0 + local[1]["before"][k]) / 2
-        for r in local:
-            torch.testing.assert_close(r["after"][k], mean, rtol=0, atol=1e-6)
-    outer = [r["diloco"] for r in runs]
-    for k in range(len(outer[0]["after"])):
-        assert torch.equal(outer[0]["after"][k], outer[2]["after"][k])
-        assert torch.equal(outer[1]["after"][k], outer[2]["after"][k])
+    # localsgd, diloco at outer lr 1 without momentum (the same mean), localsgd with the norm
+    # check on (the copy left out of the verdict, not counted as rejected)
+    for algo in ("localsgd", "diloco", "checked"):
+        ranks = [r[algo] for r in runs]
+        assert ranks[2]["event"]["behind"] == [2] and ranks[2]["event"]["leader"] == 0
+        for k, x0 in enumerate(ranks[0]["before"]):
+            mean = (x0 + ranks[1]["before"][k]) / 2
+            for r in ranks:
+                torch.testing.assert_close(r["after"][k], mean, rtol=0, atol=1e-6)
+        assert all(r["rejected"] == {} for r in ranks)
 
 
 def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_how(tmp_path):

@@ -237,7 +237,7 @@ def test_a_bad_contribution_is_left_out_and_the_mean_is_the_honest_workers(kind)
 
 def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate(capsys):
     err = refused(["run", "--workers", "2", "--no-netem", "--max-norm-ratio", "0.5"], capsys)
-    assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), or 0 for off" in err
+    assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), 0 for off, or auto" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"], capsys)
     assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"], capsys)
@@ -360,3 +360,28 @@ def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_
     norms, finite = [n for n, _ in judged], [ok for _, ok in judged]
     assert finite == [True, True, False, False]
     assert norms[0] == pytest.approx(float(sent.norm()), rel=1e-5) and norms[1] == 0.0  # 6 digits
+
+
+def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_nothing():
+    import geotrain
+    from geotrain.comm.guard import AUTO, default_norm_ratio
+    from geotrain.sync import ConfigError
+    from geotrain.train import TrainConfig
+
+    for algo in ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo"):
+        assert default_norm_ratio(algo) == 10.0 and TrainConfig(algo=algo).norm_ratio() == 10.0
+    for algo in ("ssgd", "ddp", "dreamddp", "nosync", "ddp_powersgd"):
+        assert default_norm_ratio(algo) == 0.0  # a round trip before every bucket, or nothing to check
+    assert (
+        default_norm_ratio("diloco", "int4") == 10.0 and default_norm_ratio("diloco", "chunktopk:k=8") == 10.0
+    )
+    assert default_norm_ratio("diloco", pace="time") == 0.0
+    assert TrainConfig(algo="diloco", max_norm_ratio=0).norm_ratio() == 0.0  # told: off
+    assert TrainConfig(algo="ssgd", max_norm_ratio=5).norm_ratio() == 5.0
+    assert TrainConfig().max_norm_ratio == AUTO
+    with pytest.raises(ConfigError, match="max_norm_ratio takes a number >= 1, 0 for off, or 'auto'"):
+        geotrain.wrap(
+            torch.nn.Linear(2, 2),
+            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+            max_norm_ratio="on",
+        )

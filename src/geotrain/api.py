@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.communicator import Communicator
+from geotrain.comm.guard import default_norm_ratio
 from geotrain.sync import ALGORITHMS, ConfigError, SyncAlgorithm, sync_config
 
 # Names a user passes that the configs spell otherwise.
@@ -151,7 +152,7 @@ def wrap(
     *,
     group: dist.ProcessGroup | None = None,
     profile: Callable[[], torch.Tensor] | None = None,
-    max_norm_ratio: float = 0.0,
+    max_norm_ratio: float | str = "auto",
     aggregate: str = "mean",
     **options: Any,
 ) -> Sync:
@@ -163,8 +164,10 @@ def wrap(
     training loss on a batch, called a few times here to profile the model and the link; with
     neither it times the loop's first steps (synchronous ones) and plans from them.
     ``max_norm_ratio`` R > 0 leaves out of every average a worker's contribution that is not
-    finite or whose norm is more than R times the others' median, and ``aggregate="clip"`` scales
-    each one down to the median norm (``geotrain.comm.guard``)."""
+    finite or whose norm is more than R times the others' median (0: off; "auto", the default:
+    10 for the periodic methods and the gathers, off for the per-step all-reduces and under
+    ``pace="time"``), and ``aggregate="clip"`` scales each one down to the median norm
+    (``geotrain.comm.guard``)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"wrap takes a torch.nn.Module as the model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -178,6 +181,14 @@ def wrap(
             f"{algo} does not take {', '.join(unknown)}; it takes: {', '.join(accepted) or 'no options'}"
         )
     config = sync_config(algo, {ALIASES.get(k, k): v for k, v in options.items()})
+    if isinstance(max_norm_ratio, str):
+        if max_norm_ratio != "auto":
+            raise ConfigError(
+                f"max_norm_ratio takes a number >= 1, 0 for off, or 'auto'; got {max_norm_ratio!r}"
+            )
+        max_norm_ratio = default_norm_ratio(
+            algo, str(getattr(config, "compress", "")), str(getattr(config, "pace", "steps"))
+        )
     try:
         comm = Communicator(group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate)
     except ValueError as e:

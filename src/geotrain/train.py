@@ -31,7 +31,15 @@ import torch.distributed as dist
 from geotrain.api import Sync
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
-from geotrain.comm.guard import GATHERED, parse_aggregate
+from geotrain.comm.guard import (
+    AUTO,
+    GATHERED,
+    GUARDED_ALGOS,
+    GUARDED_CODECS,
+    default_norm_ratio,
+    norm_ratio_arg,
+    parse_aggregate,
+)
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
@@ -140,7 +148,9 @@ class TrainConfig:
     sites: str = ""  # the site of each host, e.g. 0,0,1,1 ("": one site; geotrain run --topology sets it)
     hierarchy: str = "off"  # off | sites | auto: all-reduces in two levels (comm/hierarchy.py)
     slow: str = ""  # stragglers: HOST:FACTOR[;HOST:FACTOR], that host's compute FACTOR x slower
-    max_norm_ratio: float = 0.0  # > 0: leave out of averages what is not finite or R x the median norm
+    # > 0: leave out of averages what is not finite or R x the median norm; 0: off; AUTO (-1):
+    # 10 where it is (nearly) free, the periodic methods and the gathers (comm/guard.py)
+    max_norm_ratio: float = AUTO
     max_rejections: int = 0  # > 0: a host rejected this many times in a row is dropped (continue)
     aggregate: str = "mean"  # mean | clip | trimmed:f=F | median (comm/guard.py)
     progress: bool = True
@@ -210,16 +220,16 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         need(
-            self.max_norm_ratio == 0 or self.max_norm_ratio >= 1,
-            f"--max-norm-ratio must be >= 1 (a multiple of the median norm), or 0 for off; "
-            f"got {self.max_norm_ratio}",
+            self.max_norm_ratio in (0, AUTO) or self.max_norm_ratio >= 1,
+            f"--max-norm-ratio must be >= 1 (a multiple of the median norm), 0 for off, or auto; "
+            f"got {self.max_norm_ratio:g}",
         )
         need(
             self.max_rejections >= 0,
             f"--max-rejections must be >= 0 (0: never drop), got {self.max_rejections}",
         )
         need(
-            not self.max_rejections or self.max_norm_ratio > 0 or self.aggregate != "mean",
+            not self.max_rejections or self.norm_ratio() > 0 or self.aggregate != "mean",
             "--max-rejections counts what the checks reject: give --max-norm-ratio R (or an --aggregate)",
         )
         need(self.resume_step >= 0, f"--resume-step must be >= 0 (0 = the newest), got {self.resume_step}")
@@ -251,7 +261,7 @@ class TrainConfig:
             "--sites 0,0,1,1 (one site number per host)",
         )
         need(
-            self.pace != "time" or not (self.max_norm_ratio > 0 or self.aggregate != "mean"),
+            self.pace != "time" or not (self.norm_ratio() > 0 or self.aggregate != "mean"),
             "--pace time weighs each worker's contribution by the steps it computed, which the norm check "
             "and the robust averages would judge as they are: drop --pace time, or --max-norm-ratio and "
             "--aggregate",
@@ -269,7 +279,7 @@ class TrainConfig:
         except ChaosError as e:
             raise ConfigError(str(e)) from None
         codec = self.compress.partition(":")[0]
-        checking = self.max_norm_ratio > 0 or self.aggregate != "mean"
+        checking = self.norm_ratio() > 0 or self.aggregate != "mean"
         covered = self.algo in GUARDED_ALGOS and codec in GUARDED_CODECS
         need(
             covered or not checking,
@@ -317,6 +327,13 @@ class TrainConfig:
                 )
             out[h] = f
         return out
+
+    def norm_ratio(self) -> float:
+        """``--max-norm-ratio`` as it applies: the number given, or under ``auto`` (the default)
+        10 for the methods whose check costs a round trip per sync or nothing, else 0 (off)."""
+        if self.max_norm_ratio != AUTO:
+            return self.max_norm_ratio
+        return default_norm_ratio(self.algo, self.compress, self.pace)
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""
@@ -391,15 +408,6 @@ class TrainConfig:
             else:
                 argv += [flag, str(value)]
         return argv
-
-
-# What comm/guard.py checks (mean all-reduces, CO2's weighted sums, the codecs' own collectives and
-# the frontier methods' gathers): where --max-norm-ratio and --chaos corrupt apply. Not: nosync
-# (nothing is averaged) and ddp_powersgd (PyTorch's hook).
-GUARDED_ALGOS = ("ssgd", "ddp", "localsgd", "diloco", "dreamddp", "co2", "streaming", "sparseloco", "demo")
-GUARDED_CODECS = (
-    *("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", "topk", "adatopk", "chunktopk"),
-)
 
 
 def _rate_bps(text: str, flag: str) -> float:
@@ -504,7 +512,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "rejected this many times in a row is dropped from the run (0: never; use with 3 or more workers)",
         "max_norm_ratio": "leave out of every average (gradients, pseudo-gradients, parameters) a worker's "
         "contribution that is not finite or whose norm is more than R times the others' median; "
-        "0: off (see the README: what it covers)",
+        "0: off; auto (the default): 10 for localsgd, diloco, co2, streaming, sparseloco and demo "
+        "(a round trip per sync, or none), off for the per-step all-reduces and under --pace time "
+        "(see the README: what it covers)",
         "aggregate": "mean; clip: every contribution to an average is also scaled down to the "
         "median norm where above it (no extra communication); trimmed:f=F: the coordinate-wise mean "
         "without each coordinate's F largest and F smallest values; median: the coordinate-wise "
@@ -544,6 +554,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            typ = norm_ratio_arg if f.name == "max_norm_ratio" else typ  # a number or "auto"
             parser.add_argument(flag, type=typ, default=f.default, help=helps.get(f.name), dest=f.name)
 
 
@@ -641,6 +652,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         membership = Membership(*heartbeat.address, ctx.rank, first, cfg.timeout_s)
         membership.join_request = heartbeat.join_request
         membership.snapshot_groups = cfg.redundancy != "off" and bool(cfg.keeper)
+        membership.follow_sites = cfg.hierarchy == "sites"  # a spare's own site (coordinator's numbers)
         heartbeat.membership = membership
     beyond = sorted(h for h in cfg.slow_factors() if h >= ctx.world_size)
     if beyond:
@@ -662,7 +674,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         timeout_s=cfg.timeout_s,
         link=cfg.link,
         site_of_host=sites,
-        max_norm_ratio=cfg.max_norm_ratio,
+        max_norm_ratio=cfg.norm_ratio(),
         aggregate=cfg.aggregate,
     )
     # Profiling batches come from their own sampler so that the training data stream is the same
@@ -1246,6 +1258,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
+        "max_norm_ratio": cfg.norm_ratio(),  # as it applied (auto resolved): 0 is off
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,

@@ -274,6 +274,10 @@ class Communicator:
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
         self.step_rejected: set[int] = set()
+        # Ranks whose contributions the averages under way leave out, known alike on every
+        # worker (``leaving_out``: an average redone after a regroup, where they hold copies of
+        # the leader's state): they send zeros and the mean is over the others.
+        self.left_out: frozenset[int] = frozenset()
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
         self.rebind(self.group)
@@ -312,6 +316,20 @@ class Communicator:
             self._chain = None
         retire(self.two_level)
         self.two_level = None
+
+    @contextlib.contextmanager
+    def leaving_out(self, ranks):
+        """Inside, the averages leave out the contributions of ``ranks`` (the same set on every
+        worker): mean all-reduces (checked or not, robust or not), weighted sums (``screen``:
+        their weight goes with them), the quantised codecs' rows and the gathers' messages. Not
+        where it would leave nothing (every rank), nor with none."""
+        ranks = frozenset(r for r in ranks if 0 <= r < self.world_size)
+        previous = self.left_out
+        self.left_out = ranks if len(ranks) < self.world_size else frozenset()
+        try:
+            yield
+        finally:
+            self.left_out = previous
 
     @contextlib.contextmanager
     def naming_timeouts(self, op: str, nbytes: int):
@@ -371,6 +389,10 @@ class Communicator:
             self.corrupt_next = ""
         robust = self._aggregate in GATHERED and op == "mean"
         checked = self.max_norm_ratio > 0 or self._aggregate != "mean"
+        if guarded and self.left_out and not checked and self.world_size > 1:
+            if self.rank in self.left_out:
+                tensor.zero_()  # a weighted sum's weight too: it weighs nothing
+            divide_by = self.world_size - len(self.left_out) if op == "mean" else 1
         if guarded and checked and self.world_size > 1:
             verdict = self._screen(tensor)
             if verdict.count == 0:  # nothing to average: every worker keeps its own (as it was)
@@ -455,17 +477,25 @@ class Communicator:
 
     def _judge(self, norms: list[float], finite: list[bool]) -> Verdict:
         """``comm.guard.judge`` on the group's contributions (rank order), counted by host, and
-        this worker told where its own is left out."""
+        this worker told where its own is left out. The ``left_out`` ranks are left out as
+        they are, neither judged (nor in the others' median) nor counted as rejected."""
+        out = self.left_out if len(norms) == self.world_size else frozenset()
+        norms = [0.0 if r in out else n for r, n in enumerate(norms)]  # 0: not in any median
+        finite = [True if r in out else f for r, f in enumerate(finite)]
         verdict = judge(norms, finite, self.max_norm_ratio)
+        for r in out:
+            verdict.kept[r], verdict.reasons[r] = False, "left out: a copy of the leader's state"
         members = getattr(self.membership, "members", None)
         for r, kept in enumerate(verdict.kept):
+            if r in out:
+                continue
             # by host where hosts are known (ranks change at a regroup)
             host = members[r] if members and len(members) == self.world_size else r
             self.step_checked.add(host)
             if not kept:
                 self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
                 self.step_rejected.add(host)
-        if verdict.count and not verdict.kept[self.rank]:
+        if verdict.count and not verdict.kept[self.rank] and self.rank not in out:
             print(
                 f"geotrain: this worker's contribution to an average was left out "
                 f"({verdict.reasons[self.rank]}; --max-norm-ratio {self.max_norm_ratio:g})",
@@ -502,8 +532,15 @@ class Communicator:
         """The check before a codec's own collective (a reduce-scatter of quantised rows): the same
         verdict on every worker, ``tensor`` zeroed here where this worker's is left out (scaled
         down with ``clip``). None where nothing is checked."""
-        if not self.checking or self.world_size == 1:
+        if self.world_size == 1:
             return None
+        if not self.checking:
+            if not self.left_out:
+                return None
+            if self.rank in self.left_out:
+                tensor.zero_()
+            kept = [r not in self.left_out for r in range(self.world_size)]
+            return Verdict(kept, ["" if k else "left out" for k in kept])
         return self._screen(tensor)
 
     def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
@@ -513,7 +550,7 @@ class Communicator:
         ``clip`` the factor that brings it down to the median norm. Every worker computes the
         same weights from the same messages."""
         if not self.checking or len(judged) < 2:
-            return [1.0] * len(judged)
+            return [0.0 if r in self.left_out else 1.0 for r in range(len(judged))]
         norms, finite = [n for n, _ in judged], [ok for _, ok in judged]
         verdict = self._judge(norms, finite)
         limit = clip_norm(norms, verdict.kept) if self._aggregate == "clip" else float("inf")

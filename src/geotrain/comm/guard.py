@@ -33,6 +33,12 @@ message (top-k's and chunked top-k's all-gathers, sparseloco, demo, streaming) t
 messages are judged where they arrive, with no communication (``Communicator.weigh_gathered``).
 Not covered: PyTorch's PowerSGD hook (``ddp_powersgd``) and the quantised codecs' second phase
 (each worker re-quantises the mean of its own shard).
+
+On by default (``auto``, :func:`default_norm_ratio`): R = 10 for the methods that average at
+most once a period or judge gathered messages (``CHECKED_BY_DEFAULT``), where the check costs a
+round trip per sync or nothing; off for the per-step all-reduces (``ssgd``, ``ddp``,
+``dreamddp``: a round trip before every bucket, waited for inside backward) and under ``--pace
+time`` (its weighted contributions would be judged as they are).
 """
 
 from __future__ import annotations
@@ -41,6 +47,31 @@ import statistics
 from dataclasses import dataclass
 
 import torch
+
+# What the check covers (mean all-reduces, CO2's weighted sums, the codecs' own collectives and
+# the frontier methods' gathers): where --max-norm-ratio and --chaos corrupt apply. Not: nosync
+# (nothing is averaged) and ddp_powersgd (PyTorch's hook).
+GUARDED_ALGOS = ("ssgd", "ddp", "localsgd", "diloco", "dreamddp", "co2", "streaming", "sparseloco", "demo")
+GUARDED_CODECS = (
+    *("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", "topk", "adatopk", "chunktopk"),
+)
+# Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
+CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
+DEFAULT_NORM_RATIO = 10.0
+AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides
+
+
+def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps") -> float:
+    """``--max-norm-ratio auto``: 10 where the check is (nearly) free, else 0 (off)."""
+    codec = compress.partition(":")[0]
+    free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time"
+    return DEFAULT_NORM_RATIO if free else 0.0
+
+
+def norm_ratio_arg(text: str) -> float:
+    """``--max-norm-ratio``'s value: ``auto`` (AUTO), or a number."""
+    return AUTO if str(text).strip().lower() == "auto" else float(text)
+
 
 AGGREGATES = ("mean", "clip", "trimmed:f=F", "median")
 GATHERED = ("trimmed", "median")  # aggregates that need every contribution (an all-gather)

@@ -116,7 +116,11 @@ class Membership:
         # algorithm's ``sync_period`` (which changes, e.g. after a warm start), asked each time.
         self.period = period
         self.published = 0  # the newest epoch the heartbeat thread has seen
-        self.sites: dict[int, int] = {}  # host -> its machine's site, where a joiner's is not its own
+        # host -> the site of the machine that joined as it (a spare of another site's), read at
+        # each epoch where ``follow_sites`` (--hierarchy sites: the coordinator's site numbers
+        # are the run's; --hierarchy auto numbers the sites it measures its own way)
+        self.sites: dict[int, int] = {}
+        self.follow_sites = False
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
@@ -330,8 +334,9 @@ class Membership:
             self.snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         # The machines' sites where the coordinator said (a spare of another site took a lost
         # host's place): read by every member at the same epoch, so all form the same groups.
-        store = self.store()
-        self.sites.update({h: int(store.get(f"site/{h}")) for h in members if store.check([f"site/{h}"])})
+        if self.follow_sites:
+            store = self.store()
+            self.sites.update({h: int(store.get(f"site/{h}")) for h in members if store.check([f"site/{h}"])})
         with self._lock:
             self.epoch, self.members = epoch, list(members)
             self.published = max(self.published, epoch)

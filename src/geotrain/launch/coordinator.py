@@ -76,7 +76,7 @@ class Epochs:
         for e in read_jsonl(self.path):  # a restarted coordinator publishes them again
             self.epoch, self.live = int(e["epoch"]), list(e["members"])
             store.set(f"kind/{self.epoch}", "join" if e.get("joined") else "leave")
-            if "site" in e:  # a joiner's machine's site, where it is not its host's own
+            if "site" in e:  # the site of the machine that joined (with --topology and --spares)
                 store.set(f"site/{e['joined'][0]}", str(e["site"]))
             store.set(f"members/{self.epoch}", ",".join(map(str, self.live)))
         store.set("members/0", ",".join(map(str, range(hosts))))
@@ -152,10 +152,13 @@ class Pool:
         self.placed: dict[int, int] = {}  # host -> the spare given its place, until admitted
         self.done: set[int] = set()  # spares admitted, revoked or gone
         self.issued = 0
+        self.labels: dict[int, int] = {}  # spare -> its machine's label, as it was placed
         latest: dict[int, dict] = {}
         for line in read_jsonl(self.path):  # a restarted coordinator: the pool as it was
             self.done.add(int(line["spare"]))
             latest[int(line["host"])] = line
+            if "label" in line:  # a spare placed before the restart does not register again
+                self.labels[int(line["spare"])] = int(line["label"])
         with contextlib.suppress(OSError, ValueError):
             self.issued = int(self.issued_path.read_text())
         self.issued = max([self.issued, *self.done])
@@ -263,7 +266,9 @@ class Pool:
         return self.door.signed("spare", self.store.get(key).decode(errors="replace"), i) is not None
 
     def _label(self, i: int) -> int:
-        return int(self.store.get(f"spare/{i}")) if self.store.check([f"spare/{i}"]) else i
+        if i not in self.labels and self.store.check([f"spare/{i}"]):
+            self.labels[i] = int(self.store.get(f"spare/{i}"))
+        return self.labels.get(i, i)
 
 
 def read_epochs(control_dir: Path) -> list[dict]:

@@ -152,6 +152,11 @@ class SyncAlgorithm:
     def prepare(self, loss_fn) -> None:
         """Once before training, with a closure that computes a training loss (for profiling)."""
 
+    def contributes(self) -> bool:
+        """Whether this worker's contribution enters the average under way: not where it holds a
+        copy of the leader's (an average redone after a regroup, ``Communicator.leaving_out``)."""
+        return self.comm.rank not in self.comm.left_out
+
     def computes_step(self) -> bool:
         """Before the step under way: whether this worker computes it (forward, backward and
         update). False for the steps a straggler skips under ``--pace time`` (``sync.pace``):
@@ -276,7 +281,6 @@ class PeriodicSync(SyncAlgorithm):
                 flush=True,
             )
         self.pacer = TimePace(config.H, comm) if paced else None
-        self._redo_weight: float | None = None  # retry_sync's, for the sync it redoes
         self.last_sync = 0  # the step whose sync last completed here (step 0: the common start)
 
     def synchronize(self) -> None:
@@ -285,10 +289,7 @@ class PeriodicSync(SyncAlgorithm):
 
     def sync_weight(self) -> float:
         """This worker's factor in the sync under way: 1, or N k_r / sum k under ``--pace time``
-        (exactly 1.0 where every worker computed as many of the period's steps); in a sync redone
-        after a regroup, 0 for a worker that adopted the leader's state (``redo_weight``)."""
-        if self._redo_weight is not None:
-            return self._redo_weight
+        (exactly 1.0 where every worker computed as many of the period's steps)."""
         if self.pacer is None or self.in_warm_start():
             return 1.0
         steps = self.step_count % self.config.H or self.config.H
@@ -416,14 +417,11 @@ class PeriodicSync(SyncAlgorithm):
             return
         rank = self.comm.rank
         if self.at_boundary():
-            # A failed synchronisation changed nothing it would redo twice. The weight reaches
-            # the methods that average what each worker holds (localsgd, diloco); those with a
-            # message in flight give an adopter's an empty one instead (``InFlight.adopted``).
-            self._redo_weight = redo_weight(rank, range(self.comm.world_size), adopters)
-            try:
+            # A failed synchronisation changed nothing it would redo twice. The adopters' copies
+            # of the leader's contributions are left out of its averages (``leaving_out``), and
+            # the methods with a message of their own send an empty one (``contributes``).
+            with self.comm.leaving_out(adopters):
                 self._paced_sync()
-            finally:
-                self._redo_weight = None
         elif self._site_step():  # on the new group's sites
             levels = self.comm.two_level  # None: no site average to redo, nor to weigh
             site = (

@@ -124,7 +124,10 @@ class CO2(PeriodicSync):
         # The last period's message: if its wait fails (a lost member), nothing here has changed
         # and ``retry_sync`` sends it again on the new group.
         self._land_in_flight()
-        self.in_flight.launch(delta)
+        if self.contributes():
+            self.in_flight.launch(delta)
+        else:  # a copy of the leader's (an average redone after a regroup): it weighs nothing
+            self.in_flight.launch_weighted(torch.zeros(delta.numel() + 1))
         self._start = self._eager_start(delta)
         self._set_params(self._start)
         self.syncs += 1

@@ -106,7 +106,12 @@ class SparseLoCo(PeriodicSync):
     def _message(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The payload of the chunked top-k of beta e + delta, what it decodes to, and the e
         that stays. ``self._error`` is not changed yet, so a message that fails to arrive can
-        be made again from the same state (``retry_sync``)."""
+        be made again from the same state (``retry_sync``). A worker left out of the average
+        (``contributes``: its delta is a copy of the leader's) sends the empty payload, which
+        the decoders leave out, and keeps its e as it is."""
+        if not self.contributes():
+            empty = torch.zeros(self.chunker.payload_bytes(self.n), dtype=torch.uint8)
+            return empty, torch.zeros_like(self._error), self._error.clone()
         error = self._error * self.config.beta + delta
         payload, sent = self.chunker.encode(error)
         # A chunk with fewer than k real entries sends some of its padding (a zero picked codes to
