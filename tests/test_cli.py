@@ -46,9 +46,11 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
             "10",
             "--run-dir",
             str(run_dir),
-            # Worker 1 sends NaN at the outer step of step 10 (--chaos corrupt): the norm check,
-            # on by default for diloco, leaves it out, the run goes on finite, and the summary
-            # counts it.
+            # Worker 1 sends NaN at the outer step of step 10 (--chaos corrupt): the norm check
+            # leaves it out, the run goes on finite, and the summary counts it. (Between two
+            # workers it is off by default: given here.)
+            "--max-norm-ratio",
+            "10",
             "--chaos",
             "corrupt:step=10,rank=1,kind=nan",
         ]

@@ -56,6 +56,24 @@ def test_error_feedback_keeps_the_sum(spec):
         torch.testing.assert_close(s + r, w, atol=2e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("spec", LOCAL_LOSSY)
+def test_a_worker_left_out_of_a_redone_average_keeps_its_error_feedback(spec):
+    """In an average redone after a regroup, a worker holding a copy of the leader's state is
+    left out (``Communicator.leaving_out``): what its codec would keep of the copy, the leader
+    sends, so its error feedback stays as it was before the call."""
+    codec = make_codec(spec)
+    comm = Communicator()
+    shapes = [(24, 40), (40,)]
+    gen = torch.Generator().manual_seed(2)
+    codec.reduce(comm, "k", [torch.randn(s, generator=gen) for s in shapes]).wait()
+    before = [r.clone() for r in _residual_sum(codec, "k", shapes)]
+    comm.left_out = frozenset({0})  # as leaving_out sets it for a copy on a larger group
+    codec.reduce(comm, "k", [torch.randn(s, generator=gen) for s in shapes]).wait()
+    comm.left_out = frozenset()
+    for b, a in zip(before, _residual_sum(codec, "k", shapes), strict=True):
+        assert torch.equal(b, a)
+
+
 def _rank_r(n, m, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, r, generator=g) @ torch.randn(r, m, generator=g)

@@ -329,7 +329,8 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "geotrain.cli", "run", "--workers", "3", "--no-netem", "--model", "tiny"]
     cmd += ["--algo", "localsgd", "--H", "1", "--steps", "60", "--batch-size", "4", "--no-progress"]
-    cmd += ["--max-norm-ratio", "10", "--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
+    # The norm check is on by default among 3 workers (--max-norm-ratio auto: 10 for localsgd)
+    cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
     proc = subprocess.run([*cmd, "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
@@ -337,7 +338,7 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["final_val_loss"] < 10
-    assert summary["rejected_updates"]["2"] >= 2
+    assert summary["rejected_updates"]["2"] >= 2 and summary["max_norm_ratio"] == 10
 
 
 def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_not_finite():
@@ -376,6 +377,9 @@ def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_noth
         default_norm_ratio("diloco", "int4") == 10.0 and default_norm_ratio("diloco", "chunktopk:k=8") == 10.0
     )
     assert default_norm_ratio("diloco", pace="time") == 0.0
+    assert default_norm_ratio("diloco", workers=2) == 0.0 and default_norm_ratio("diloco", workers=3) == 10.0
+    assert default_norm_ratio("localsgd", warm_start=20) == 0.0
+    assert TrainConfig(algo="diloco", profile_out="p.json").norm_ratio() == 0.0  # the link, unchecked
     assert TrainConfig(algo="diloco", max_norm_ratio=0).norm_ratio() == 0.0  # told: off
     assert TrainConfig(algo="ssgd", max_norm_ratio=5).norm_ratio() == 5.0
     assert TrainConfig().max_norm_ratio == AUTO

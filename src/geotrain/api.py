@@ -186,8 +186,13 @@ def wrap(
             raise ConfigError(
                 f"max_norm_ratio takes a number >= 1, 0 for off, or 'auto'; got {max_norm_ratio!r}"
             )
+        workers = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         max_norm_ratio = default_norm_ratio(
-            algo, str(getattr(config, "compress", "")), str(getattr(config, "pace", "steps"))
+            algo,
+            str(getattr(config, "compress", "")),
+            str(getattr(config, "pace", "steps")),
+            workers,
+            int(getattr(config, "warm_start", 0)),
         )
     try:
         comm = Communicator(group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate)

@@ -328,12 +328,15 @@ class TrainConfig:
             out[h] = f
         return out
 
-    def norm_ratio(self) -> float:
+    def norm_ratio(self, workers: int | None = None) -> float:
         """``--max-norm-ratio`` as it applies: the number given, or under ``auto`` (the default)
-        10 for the methods whose check costs a round trip per sync or nothing, else 0 (off)."""
+        10 for the methods whose check costs a round trip per sync or nothing, among ``workers``
+        >= 3 (None: not known yet), else 0 (off). A profile measures the link unchecked."""
         if self.max_norm_ratio != AUTO:
             return self.max_norm_ratio
-        return default_norm_ratio(self.algo, self.compress, self.pace)
+        if self.profile_out:
+            return 0.0
+        return default_norm_ratio(self.algo, self.compress, self.pace, workers, self.warm_start)
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""
@@ -674,7 +677,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         timeout_s=cfg.timeout_s,
         link=cfg.link,
         site_of_host=sites,
-        max_norm_ratio=cfg.norm_ratio(),
+        max_norm_ratio=cfg.norm_ratio(ctx.world_size),
         aggregate=cfg.aggregate,
     )
     # Profiling batches come from their own sampler so that the training data stream is the same
@@ -1258,7 +1261,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
-        "max_norm_ratio": cfg.norm_ratio(),  # as it applied (auto resolved): 0 is off
+        "max_norm_ratio": comm.max_norm_ratio,  # as it applied (auto resolved): 0 is off
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,

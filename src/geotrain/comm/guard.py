@@ -36,9 +36,10 @@ Not covered: PyTorch's PowerSGD hook (``ddp_powersgd``) and the quantised codecs
 
 On by default (``auto``, :func:`default_norm_ratio`): R = 10 for the methods that average at
 most once a period or judge gathered messages (``CHECKED_BY_DEFAULT``), where the check costs a
-round trip per sync or nothing; off for the per-step all-reduces (``ssgd``, ``ddp``,
-``dreamddp``: a round trip before every bucket, waited for inside backward) and under ``--pace
-time`` (its weighted contributions would be judged as they are).
+round trip per sync or nothing, among 3 workers or more; off for the per-step all-reduces
+(``ssgd``, ``ddp``, ``dreamddp``: a round trip before every bucket, waited for inside backward,
+and so with a warm start), under ``--pace time`` (its weighted contributions would be judged as
+they are), and between two workers (a ratio cannot say which of two is wrong).
 """
 
 from __future__ import annotations
@@ -61,11 +62,17 @@ DEFAULT_NORM_RATIO = 10.0
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides
 
 
-def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps") -> float:
-    """``--max-norm-ratio auto``: 10 where the check is (nearly) free, else 0 (off)."""
+def default_norm_ratio(
+    algo: str, compress: str = "", pace: str = "steps", workers: int | None = None, warm_start: int = 0
+) -> float:
+    """``--max-norm-ratio auto``: 10 where the check is (nearly) free and can tell who is wrong,
+    else 0 (off). Off with fewer than 3 workers (of two that disagree, a ratio cannot say which
+    one is wrong: it would leave out the larger, an honest one as often as not, e.g. against a
+    joiner's first short delta), and through a warm start (synchronous steps: a round trip
+    before every bucket). ``workers`` None: not known yet (validation), taken as enough."""
     codec = compress.partition(":")[0]
-    free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time"
-    return DEFAULT_NORM_RATIO if free else 0.0
+    free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time" and not warm_start
+    return DEFAULT_NORM_RATIO if free and (workers is None or workers >= 3) else 0.0
 
 
 def norm_ratio_arg(text: str) -> float:

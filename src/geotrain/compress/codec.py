@@ -72,7 +72,25 @@ class Codec(ABC):
         )
 
     def reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
-        """Launch the compressed mean of ``tensors`` over ``comm``'s group."""
+        """Launch the compressed mean of ``tensors`` over ``comm``'s group. A worker whose
+        contribution the mean leaves out (``Communicator.leaving_out``: a copy of the leader's,
+        in an average redone after a regroup) keeps its error feedback as it was: what it would
+        have kept of the copy, the leader sends itself."""
+        if comm.rank in comm.left_out:
+            state = self.state(key)
+            feedback = {k: v.clone() for k, v in state.items() if k == "residual" or k[:1] == "e"}
+            pending = self._launch(comm, key, tensors)
+
+            def finish() -> None:
+                pending.wait()
+                for k in [k for k in state if k == "residual" or k[:1] == "e"]:
+                    del state[k]
+                state.update(feedback)
+
+            return Pending(finish)
+        return self._launch(comm, key, tensors)
+
+    def _launch(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         if self.warmup:
             state = self.state(key)
             sent = int(state.get("messages", torch.tensor(0)))

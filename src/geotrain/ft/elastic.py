@@ -177,12 +177,12 @@ def regroup(
     comm.rebind(None)
     # Each rank's periods too: around the end of a warm start they differ from rank to rank, and
     # every rank must take the same decisions below (the least period: the most careful).
-    # And whether it holds a copy of a leader's state for an average not yet redone (it adopted
-    # in a regroup whose redo then failed too): its contribution is still the leader's.
+    # And whose state it holds a copy of for an average not yet redone (it adopted in a regroup
+    # whose redo then failed too): while that leader is a member, the copy is left out of it.
     reports = comm.all_gather_object(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
-            getattr(sync, "holds_copy", False),
+            getattr(sync, "holds_copy", None),
         )
     )  # fmt: skip
     statuses = [StepStatus(c, d) for c, d, *_ in reports]
@@ -193,14 +193,14 @@ def regroup(
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, collective_period)
-    copies = frozenset(behind) | {r for r, report in enumerate(reports) if report[5]}
+    copies = frozenset(behind) | {r for r, report in enumerate(reports) if report[5] in members}
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
-            sync.holds_copy = True  # until the average below completes
+            sync.holds_copy = members[leader]  # until the average below completes
     mine = best if comm.rank in behind else status  # behind none: each at its own step
     boundary = next_boundary(statuses, behind, sync_period)  # where joiners are admitted
     membership.going_on_after(mine.done)
@@ -214,7 +214,7 @@ def regroup(
         # the leader's state redo it too (they are at its step), but hold its contribution: in
         # the average they weigh nothing, or the leader would count twice.
         sync.retry_sync(adopters=copies)
-    sync.holds_copy = False
+    sync.holds_copy = None
     return {
         "epoch": epoch,
         "members": members,
