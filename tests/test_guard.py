@@ -115,7 +115,9 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
     comm = Communicator(max_norm_ratio=10.0, aggregate="median" if spec.endswith("+median") else "mean")
     codec = make_codec(spec.removesuffix("+median"))
     honest = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
-    if rank == 2:
+    if rank == 2 and how.startswith("shard:"):  # its shard of the mean, in the second phase
+        comm.corrupt_shard = how.removeprefix("shard:")
+    elif rank == 2:
         comm.corrupt_next = how
     out, residuals = [], []
     for _ in range(2):  # a second message: the spoiled worker's residual stayed clean
@@ -152,6 +154,12 @@ FRONTIER = [
     *("algo/sparseloco/nan", "algo/sparseloco/scale=1e6", "algo/demo/nan", "algo/demo/scale=1e6"),
     *("algo/streaming/nan", "algo/streaming/scale=1e6", "algo/ddp/nan", "algo/ddp/scale=1e6"),
 ]
+SHARDS = [
+    ("int8", "shard:scale=1e6"),
+    ("int4", "shard:nan"),
+    ("sign", "shard:scale=1e6"),
+    ("int8+median", "shard:inf"),
+]
 ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
 RUNS = Cases(
     _case,
@@ -159,6 +167,7 @@ RUNS = Cases(
     [
         ("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
+        *((f"codec/{c}/{how}",) for c, how in SHARDS),
         *((k,) for k in FRONTIER),
     ],
 )  # fmt: skip
@@ -206,6 +215,27 @@ def test_a_codecs_own_collective_leaves_a_bad_contribution_out(spec, how):
         assert error < 0.02, error
     elif spec == "int4":
         assert error < 0.2, error  # a mean over 3 (a NaN or 1e6 counted) would be 0.33 off or worse
+
+
+@pytest.mark.parametrize(("spec", "how"), SHARDS)
+def test_a_spoiled_shard_of_the_mean_is_left_out_in_the_second_phase(spec, how):
+    """The quantised codecs average in two phases: a reduce-scatter of every contribution's
+    rows (checked before it), then each worker's shard of the mean, re-quantised, all-gathered.
+    Worker 2 spoils its shard: every worker finds it above what the first phase's norms allow
+    (or not finite), zeroes that shard alike and counts worker 2 once; the other shards are the
+    honest mean of all three."""
+    from geotrain.compress.codec import make_codec
+
+    ranks = RUNS.get(f"codec/{spec}/{how}")
+    first = ranks[0]["means"][0]
+    third = make_codec(spec.removesuffix("+median")).layout(first.numel(), 3)[1]
+    honest = torch.stack([r["honest"] for r in ranks])
+    expected = honest.median(dim=0).values if spec.endswith("+median") else honest.mean(dim=0)
+    for r in ranks:
+        assert torch.equal(r["means"][0], first) and r["rejected"] == {2: 1}
+    assert not first[2 * third :].any()  # worker 2's shard: left out, on every worker
+    error = float((first[: 2 * third] - expected[: 2 * third]).norm() / expected[: 2 * third].norm())
+    assert error < (0.02 if spec.startswith("int8") else 0.2 if spec == "int4" else 0.9), error
 
 
 @pytest.mark.parametrize("case", FRONTIER)

@@ -42,7 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.guard import GATHERED, Verdict, clip_norm, judge, parse_aggregate, robust_mean
+from geotrain.comm.guard import (
+    DEFAULT_NORM_RATIO,
+    GATHERED,
+    Verdict,
+    clip_norm,
+    judge,
+    message_norm,
+    parse_aggregate,
+    robust_mean,
+)
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
 from geotrain.ft.membership import MembershipChanged, retire
 
@@ -270,6 +279,7 @@ class Communicator:
             raise ValueError(f"max_norm_ratio must be >= 1, or 0 for off; got {self.max_norm_ratio}")
         self._aggregate, self._trim = parse_aggregate(self.aggregate)
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
+        self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
@@ -542,6 +552,33 @@ class Communicator:
             kept = [r not in self.left_out for r in range(self.world_size)]
             return Verdict(kept, ["" if k else "left out" for k in kept])
         return self._screen(tensor)
+
+    def check_shards(self, shards: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+        """The second phase of a sharded average (the quantised codecs: each worker averages one
+        shard of every kept contribution, re-quantises it and all-gathers it): ``shards`` (one
+        row per worker, decoded from the same bytes everywhere) checked against the bound the
+        first phase's norms set (``Verdict.shard_bound``). A shard that is not finite, or whose
+        norm is above it, is zeroed (that part of the model gets no average this time, on every
+        worker alike) and counted as its owner's rejection. No communication."""
+        if not verdict.norms:
+            return shards
+        bound = verdict.shard_bound(self.max_norm_ratio or DEFAULT_NORM_RATIO)
+        for r in range(shards.shape[0]):
+            norm, finite = message_norm(shards[r])
+            if finite and norm <= bound:
+                continue
+            shards[r].zero_()
+            members = getattr(self.membership, "members", None)
+            host = members[r] if members and len(members) == self.world_size else r
+            self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
+            self.step_rejected.add(host)
+            said = f"{norm:.3g} > {bound:.3g}, what the contributions allow" if finite else "not finite"
+            print(
+                f"geotrain: host {host}'s shard of an average was left out (its norm {said})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return shards
 
     def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
         """The check on contributions every worker already holds (an all-gather's messages,

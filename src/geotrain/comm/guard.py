@@ -44,6 +44,7 @@ they are), and between two workers (a ratio cannot say which of two is wrong).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -118,10 +119,22 @@ def robust_mean(rows, kind: str, f: int = 0):
 class Verdict:
     kept: list[bool]  # by rank
     reasons: list[str]  # by rank: "" where kept
+    norms: tuple[float, ...] = ()  # by rank, as judged (where the contributions' norms are known)
 
     @property
     def count(self) -> int:
         return sum(self.kept)
+
+    def shard_bound(self, ratio: float) -> float:
+        """The largest norm a part of the average can honestly have, times ``ratio``: a shard
+        of the mean (or of a coordinate-wise statistic) of the kept contributions is at most
+        the root of the sum of their squared norms. A second phase that re-quantises the mean
+        (``compress.quantize``) adds its rounding, which ``ratio`` (10, or the check's own)
+        leaves room for. inf where no norms are known."""
+        if not self.norms:
+            return float("inf")
+        kept = [n for n, k in zip(self.norms, self.kept, strict=True) if k]
+        return ratio * math.sqrt(sum(n * n for n in kept))
 
 
 def message_norm(values, valid: bool = True) -> tuple[float, bool]:
@@ -164,4 +177,4 @@ def judge(norms: list[float], finite: list[bool], ratio: float) -> Verdict:
         else:
             kept.append(True)
             reasons.append("")
-    return Verdict(kept, reasons)
+    return Verdict(kept, reasons, tuple(norms))

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
-from geotrain.comm.communicator import Communicator
+from geotrain.comm.communicator import Communicator, corrupt_
 from geotrain.comm.guard import GATHERED, robust_mean
 from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
 
@@ -169,8 +169,14 @@ class _BlockQuantizer(Codec):
                 mean += state["server_residual"]
             mine = self.encode(mean.unsqueeze(0), block)
             state["server_residual"] = mean - self.decode(mine, chunk, block)[0]
-            everyone = comm.all_gather(mine[0])
-            unflatten_into(self.decode(everyone, chunk, block).reshape(-1)[:n], tensors)
+            if comm.corrupt_shard:  # a worker that spoils its shard of the mean (tests, chaos)
+                spoiled = self.decode(mine, chunk, block)
+                corrupt_(spoiled, comm.corrupt_shard)
+                mine, comm.corrupt_shard = self.encode(spoiled, block), ""
+            everyone = self.decode(comm.all_gather(mine[0]), chunk, block)
+            if verdict is not None:  # the second phase checked too: each shard against the first's norms
+                everyone = comm.check_shards(everyone, verdict)
+            unflatten_into(everyone.reshape(-1)[:n], tensors)
 
         return Pending(finish)
 
