@@ -40,6 +40,7 @@ CELLS = {  # name: extra flags
     "diloco two-level site-H": ["--algo", "diloco", "--hierarchy", "sites", "--site-H", "{site_H}"],
     "streaming": ["--algo", "streaming", "--H", "20"],
     "co2": ["--algo", "co2", "--H", "20"],
+    "co2 two-level": ["--algo", "co2", "--H", "20", "--hierarchy", "sites"],
     "sparseloco": ["--algo", "sparseloco", "--H", "20"],
 }
 DEFAULT = "nosync,diloco flat,diloco two-level,diloco two-level site-H,streaming,co2,sparseloco"

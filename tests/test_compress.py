@@ -74,6 +74,21 @@ def test_a_worker_left_out_of_a_redone_average_keeps_its_error_feedback(spec):
         assert torch.equal(b, a)
 
 
+def test_restored_error_feedback_takes_the_layout_of_a_new_group():
+    from geotrain.compress.codec import _restore_feedback
+
+    state = {
+        "residual": torch.zeros(12),
+        "server_residual": torch.ones(4),
+        "e0": torch.ones(2, 2),
+        "q0": torch.ones(3),
+    }
+    _restore_feedback(state, {"residual": torch.arange(9.0)})  # saved under a group of another size
+    assert torch.equal(state["residual"], torch.cat([torch.arange(9.0), torch.zeros(3)]))
+    assert "e0" not in state  # none before the call: none after
+    assert torch.equal(state["server_residual"], torch.ones(4)) and torch.equal(state["q0"], torch.ones(3))
+
+
 def _rank_r(n, m, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, r, generator=g) @ torch.randn(r, m, generator=g)

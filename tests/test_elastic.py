@@ -111,6 +111,20 @@ class _RacyWork(_Work):
         return super().wait(timeout)
 
 
+def test_copies_held_after_a_failed_redo_are_left_out_while_their_leader_is_a_member():
+    from geotrain.ft.elastic import held_copies
+
+    S = StepStatus
+    members = [0, 1, 2, 3]
+    # Hosts 2 and 3 hold copies of host 0's state: left out while host 0 is a member...
+    assert held_copies([None, None, 0, 0], [S(9, True)] * 4, members) == {2, 3}
+    # ...and once it is gone, one copy stands for it (the lowest rank), once.
+    assert held_copies([None, 0, 0], [S(9, True)] * 3, [1, 2, 3]) == {2}
+    # A joiner that took host 0's number is not host 0's state.
+    assert held_copies([None, None, 0, 0], [S(-1, False)] + [S(9, True)] * 3, members) == {3}
+    assert held_copies([None] * 3, [S(9, True)] * 3, [0, 1, 2]) == set()
+
+
 def test_an_adopter_weighs_nothing_in_an_average_redone_after_a_regroup():
     from geotrain.sync.base import redo_weight
 

@@ -407,8 +407,10 @@ def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_noth
         default_norm_ratio("diloco", "int4") == 10.0 and default_norm_ratio("diloco", "chunktopk:k=8") == 10.0
     )
     assert default_norm_ratio("diloco", pace="time") == 0.0
-    assert default_norm_ratio("diloco", workers=2) == 0.0 and default_norm_ratio("diloco", workers=3) == 10.0
     assert default_norm_ratio("localsgd", warm_start=20) == 0.0
+    # Under auto the communicator keeps it on only in groups of 3 or more (decided at each rebind)
+    assert Communicator(max_norm_ratio=10, auto_min_workers=3).max_norm_ratio == 0.0  # a world of one
+    assert Communicator(max_norm_ratio=10, auto_min_workers=1).max_norm_ratio == 10.0
     assert TrainConfig(algo="diloco", profile_out="p.json").norm_ratio() == 0.0  # the link, unchecked
     assert TrainConfig(algo="diloco", max_norm_ratio=0).norm_ratio() == 0.0  # told: off
     assert TrainConfig(algo="ssgd", max_norm_ratio=5).norm_ratio() == 5.0

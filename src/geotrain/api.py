@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.communicator import Communicator
-from geotrain.comm.guard import default_norm_ratio
+from geotrain.comm.guard import AUTO_MIN_WORKERS, default_norm_ratio
 from geotrain.sync import ALGORITHMS, ConfigError, SyncAlgorithm, sync_config
 
 # Names a user passes that the configs spell otherwise.
@@ -186,16 +186,19 @@ def wrap(
             raise ConfigError(
                 f"max_norm_ratio takes a number >= 1, 0 for off, or 'auto'; got {max_norm_ratio!r}"
             )
-        workers = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         max_norm_ratio = default_norm_ratio(
             algo,
             str(getattr(config, "compress", "")),
             str(getattr(config, "pace", "steps")),
-            workers,
             int(getattr(config, "warm_start", 0)),
         )
+        auto_min_workers = AUTO_MIN_WORKERS
+    else:
+        auto_min_workers = 0
     try:
-        comm = Communicator(group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate)
+        comm = Communicator(
+            group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate, auto_min_workers=auto_min_workers
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     algorithm = ALGORITHMS[algo][0](model, optimizer, comm, config)

@@ -33,6 +33,7 @@ from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
 from geotrain.comm.guard import (
     AUTO,
+    AUTO_MIN_WORKERS,
     GATHERED,
     GUARDED_ALGOS,
     GUARDED_CODECS,
@@ -328,15 +329,16 @@ class TrainConfig:
             out[h] = f
         return out
 
-    def norm_ratio(self, workers: int | None = None) -> float:
+    def norm_ratio(self) -> float:
         """``--max-norm-ratio`` as it applies: the number given, or under ``auto`` (the default)
-        10 for the methods whose check costs a round trip per sync or nothing, among ``workers``
-        >= 3 (None: not known yet), else 0 (off). A profile measures the link unchecked."""
+        10 for the methods whose check costs a round trip per sync or nothing, else 0 (off);
+        the communicator also turns auto's off in groups of fewer than 3 (``AUTO_MIN_WORKERS``).
+        A profile measures the link unchecked."""
         if self.max_norm_ratio != AUTO:
             return self.max_norm_ratio
         if self.profile_out:
             return 0.0
-        return default_norm_ratio(self.algo, self.compress, self.pace, workers, self.warm_start)
+        return default_norm_ratio(self.algo, self.compress, self.pace, self.warm_start)
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""
@@ -677,9 +679,16 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         timeout_s=cfg.timeout_s,
         link=cfg.link,
         site_of_host=sites,
-        max_norm_ratio=cfg.norm_ratio(ctx.world_size),
+        max_norm_ratio=cfg.norm_ratio(),
+        auto_min_workers=AUTO_MIN_WORKERS if cfg.max_norm_ratio == AUTO else 0,
         aggregate=cfg.aggregate,
     )
+    if cfg.max_rejections and not comm.checking and comm.world_size > 1:
+        raise ConfigError(
+            f"--max-rejections counts what the checks reject, and the norm check is off among "
+            f"{comm.world_size} workers (--max-norm-ratio auto needs {AUTO_MIN_WORKERS} or more): give "
+            "--max-norm-ratio 10 to check anyway"
+        )
     # Profiling batches come from their own sampler so that the training data stream is the same
     # for every algorithm.
     profile_sampler = BatchSampler(
@@ -1261,7 +1270,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
-        "max_norm_ratio": comm.max_norm_ratio,  # as it applied (auto resolved): 0 is off
+        "max_norm_ratio": cfg.norm_ratio(),  # auto resolved (0: off); applied from these workers on:
+        "norm_check_min_workers": comm.auto_min_workers or None,
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from geotrain.comm.guard import (
-    DEFAULT_NORM_RATIO,
     GATHERED,
     Verdict,
     clip_norm,
@@ -271,6 +270,9 @@ class Communicator:
     max_norm_ratio: float = 0.0
     # "clip": also scale each contribution down to the median norm (comm/guard.py)
     aggregate: str = "mean"
+    # > 0 (--max-norm-ratio auto): max_norm_ratio applies only while the group has this many
+    # workers or more, decided again at every rebind (all members alike); 0 off below
+    auto_min_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
@@ -278,6 +280,7 @@ class Communicator:
         if not (self.max_norm_ratio == 0 or self.max_norm_ratio >= 1):
             raise ValueError(f"max_norm_ratio must be >= 1, or 0 for off; got {self.max_norm_ratio}")
         self._aggregate, self._trim = parse_aggregate(self.aggregate)
+        self._wanted_ratio = self.max_norm_ratio
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
@@ -299,6 +302,8 @@ class Communicator:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
+        if self.auto_min_workers:
+            self.max_norm_ratio = self._wanted_ratio if self.world_size >= self.auto_min_workers else 0.0
         # Never freed, like an epoch's default group: a subgroup's destructor joins its threads,
         # and one may wait on a lost peer for data of an abandoned collective.
         retire(self.two_level)
@@ -557,12 +562,13 @@ class Communicator:
         """The second phase of a sharded average (the quantised codecs: each worker averages one
         shard of every kept contribution, re-quantises it and all-gathers it): ``shards`` (one
         row per worker, decoded from the same bytes everywhere) checked against the bound the
-        first phase's norms set (``Verdict.shard_bound``). A shard that is not finite, or whose
-        norm is above it, is zeroed (that part of the model gets no average this time, on every
+        first phase's norms set (``Verdict.shard_bound``: 10 times what the kept contributions
+        allow, whatever ``max_norm_ratio``). A shard that is not finite, or whose norm is above
+        it, is zeroed (that part of the model gets no average this time, on every
         worker alike) and counted as its owner's rejection. No communication."""
         if not verdict.norms:
             return shards
-        bound = verdict.shard_bound(self.max_norm_ratio or DEFAULT_NORM_RATIO)
+        bound = verdict.shard_bound()
         for r in range(shards.shape[0]):
             norm, finite = message_norm(shards[r])
             if finite and norm <= bound:

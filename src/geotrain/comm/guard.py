@@ -60,20 +60,21 @@ GUARDED_CODECS = (
 # Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
 CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
 DEFAULT_NORM_RATIO = 10.0
+SHARD_SLACK = 10.0  # a re-quantised shard of the mean may be this many times what the kept allow
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides
+AUTO_MIN_WORKERS = 3  # under auto, the check is on only in groups of this many workers or more
 
 
-def default_norm_ratio(
-    algo: str, compress: str = "", pace: str = "steps", workers: int | None = None, warm_start: int = 0
-) -> float:
-    """``--max-norm-ratio auto``: 10 where the check is (nearly) free and can tell who is wrong,
-    else 0 (off). Off with fewer than 3 workers (of two that disagree, a ratio cannot say which
-    one is wrong: it would leave out the larger, an honest one as often as not, e.g. against a
-    joiner's first short delta), and through a warm start (synchronous steps: a round trip
-    before every bucket). ``workers`` None: not known yet (validation), taken as enough."""
+def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_start: int = 0) -> float:
+    """``--max-norm-ratio auto``: 10 where the check is (nearly) free, else 0 (off); off too
+    for a run with a warm start (its synchronous steps: a round trip before every bucket). The
+    communicator keeps it on only while the group has AUTO_MIN_WORKERS or more
+    (``Communicator.auto_min_workers``): of two workers that disagree a ratio cannot say which
+    is wrong, and would leave out the larger, an honest one as often as not (against a joiner's
+    first short delta, say)."""
     codec = compress.partition(":")[0]
     free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time" and not warm_start
-    return DEFAULT_NORM_RATIO if free and (workers is None or workers >= 3) else 0.0
+    return DEFAULT_NORM_RATIO if free else 0.0
 
 
 def norm_ratio_arg(text: str) -> float:
@@ -125,16 +126,16 @@ class Verdict:
     def count(self) -> int:
         return sum(self.kept)
 
-    def shard_bound(self, ratio: float) -> float:
-        """The largest norm a part of the average can honestly have, times ``ratio``: a shard
+    def shard_bound(self) -> float:
+        """The largest norm a part of the average can honestly have, times SHARD_SLACK: a shard
         of the mean (or of a coordinate-wise statistic) of the kept contributions is at most
         the root of the sum of their squared norms. A second phase that re-quantises the mean
-        (``compress.quantize``) adds its rounding, which ``ratio`` (10, or the check's own)
-        leaves room for. inf where no norms are known."""
-        if not self.norms:
-            return float("inf")
-        kept = [n for n, k in zip(self.norms, self.kept, strict=True) if k]
-        return ratio * math.sqrt(sum(n * n for n in kept))
+        (``compress.quantize``) adds two roundings and its server residual, which the slack
+        leaves room for unless the contributions shrink SHARD_SLACK-fold from one average to
+        the next. inf where no norms are known or all are 0 (then only finiteness is judged)."""
+        kept = [n for n, k in zip(self.norms, self.kept, strict=True) if k] if self.norms else []
+        bound = SHARD_SLACK * math.sqrt(sum(n * n for n in kept))
+        return bound if bound > 0 else float("inf")
 
 
 def message_norm(values, valid: bool = True) -> tuple[float, bool]:

@@ -78,14 +78,14 @@ class Codec(ABC):
         have kept of the copy, the leader sends itself."""
         if comm.rank in comm.left_out:
             state = self.state(key)
-            feedback = {k: v.clone() for k, v in state.items() if k == "residual" or k[:1] == "e"}
+            feedback = {k: v.clone() for k, v in state.items() if _is_feedback(k)}
             pending = self._launch(comm, key, tensors)
 
             def finish() -> None:
-                pending.wait()
-                for k in [k for k in state if k == "residual" or k[:1] == "e"]:
-                    del state[k]
-                state.update(feedback)
+                try:
+                    pending.wait()
+                finally:  # a redo that fails again leaves it as it was, too
+                    _restore_feedback(state, feedback)
 
             return Pending(finish)
         return self._launch(comm, key, tensors)
@@ -128,6 +128,27 @@ class Codec(ABC):
             state.get("spec") == self.spec(), f"checkpoint codec {state.get('spec')!r} != {self.spec()!r}"
         )
         self._state = {k: dict(v) for k, v in state["streams"]}
+
+
+def _is_feedback(key: str) -> bool:
+    """A codec state entry that is this worker's error feedback (not shared factors, counters or
+    the server residual of its shard): "residual", and PowerSGD's "e<i>"."""
+    return key == "residual" or (key[:1] == "e" and key[1:].isdigit())
+
+
+def _restore_feedback(state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Put the error feedback back as ``saved`` held it, in the layout the call left (a group of
+    another size pads the residual otherwise): its first values, the rest zero."""
+    for k in [k for k in state if _is_feedback(k) and k not in saved]:
+        del state[k]
+    for k, old in saved.items():
+        new = state.get(k)
+        if new is not None and new.shape != old.shape:
+            resized = torch.zeros_like(new).reshape(-1)
+            m = min(resized.numel(), old.numel())
+            resized[:m] = old.reshape(-1)[:m]
+            old = resized.view_as(new)
+        state[k] = old
 
 
 def numel(shape: tuple[int, ...]) -> int:

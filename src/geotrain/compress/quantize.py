@@ -169,7 +169,7 @@ class _BlockQuantizer(Codec):
                 mean += state["server_residual"]
             mine = self.encode(mean.unsqueeze(0), block)
             state["server_residual"] = mean - self.decode(mine, chunk, block)[0]
-            if comm.corrupt_shard:  # a worker that spoils its shard of the mean (tests, chaos)
+            if comm.corrupt_shard:  # a worker that spoils its shard of the mean (a test's hook)
                 spoiled = self.decode(mine, chunk, block)
                 corrupt_(spoiled, comm.corrupt_shard)
                 mine, comm.corrupt_shard = self.encode(spoiled, block), ""

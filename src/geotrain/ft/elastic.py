@@ -84,6 +84,19 @@ def next_boundary(statuses: list[StepStatus], behind: list[int], period: int) ->
     return max(sync_boundary((best if r in behind else s).done, period) for r, s in enumerate(statuses))
 
 
+def held_copies(leaders: list[int | None], statuses: list[StepStatus], members: list[int]) -> set[int]:
+    """The ranks whose state is a copy of a leader's for an average not yet redone (``leaders``:
+    by rank, the host each copied, or None), and so are left out of it: all of them while that
+    leader is a member (not a joiner that took its host's number), else all but the lowest
+    rank, whose copy then stands for the leader, once."""
+    present = {members[r] for r, s in enumerate(statuses) if s.committed >= 0 and leaders[r] is None}
+    out: set[int] = set()
+    for host in {h for h in leaders if h is not None}:
+        holders = [r for r, h in enumerate(leaders) if h == host]
+        out |= set(holders if host in present else holders[1:])
+    return out
+
+
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     """The data shards (one per first-epoch host) this host reads from: its own, and, dealt in
     turn over the members, those of hosts that have left. Every worker computes the same deal."""
@@ -193,7 +206,7 @@ def regroup(
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, collective_period)
-    copies = frozenset(behind) | {r for r, report in enumerate(reports) if report[5] in members}
+    copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members)
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
