@@ -30,6 +30,30 @@ def _two_level(rank, world_size, site_of_host):
     }
 
 
+def _a_member_lost_while_the_groups_form(rank, world_size):
+    import time
+
+    from geotrain.comm.hierarchy import site_groups
+
+    if rank == 2:
+        return {"lost": True}  # it never makes the groups, as a host killed in the regroup
+    t0 = time.monotonic()
+    try:
+        site_groups([0, 0, 1], rank, timeout_s=3600.0, formation_s=2.0)
+    except RuntimeError as e:
+        return {"failed_after_s": time.monotonic() - t0, "error": str(e)[:200]}
+    return {"failed_after_s": None}
+
+
+def test_a_member_lost_while_the_site_groups_form_fails_the_others_within_the_formation_timeout():
+    """The groups are made under a short timeout and given the collective timeout after: a
+    member lost in those seconds fails the others in about 2 s here (the default: a minute),
+    not the hour their collectives may take at a slow link, and they regroup."""
+    out = run_workers(_a_member_lost_while_the_groups_form, 3, timeout=60)
+    for r in out[:2]:
+        assert r["failed_after_s"] is not None and r["failed_after_s"] < 20, r
+
+
 SITES = [[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1], [2, 2, 0, 1]]
 
 

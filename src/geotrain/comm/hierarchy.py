@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 
 @dataclass
@@ -67,25 +68,44 @@ class SiteGroups:
         return lan, wan
 
 
-def site_groups(site_of_rank: list[int], rank: int, timeout_s: float) -> SiteGroups | None:
+FORMATION_S = 60.0  # at most this long to make a group: a few connects, not a collective's bytes
+
+
+def site_groups(
+    site_of_rank: list[int], rank: int, timeout_s: float, formation_s: float = FORMATION_S
+) -> SiteGroups | None:
     """Make the two levels' groups for ranks in ``site_of_rank`` (the site of each rank of the
     current default group). Collective: every rank calls it at the same point. None where two
-    levels would be one: a single site, or sites of one host each."""
+    levels would be one: a single site, or sites of one host each.
+
+    Each group is made under a timeout of at most ``formation_s`` (its connects move a few
+    bytes) and then given ``timeout_s`` for its collectives, which at a slow link may be hours
+    (``plan.network.collective_timeout_s``): a member lost while the groups form (a regroup
+    just after a fault) makes the others fail here within a minute, and regroup again, rather
+    than hold them for the collective timeout."""
     sites = sorted(set(site_of_rank))
     members = {s: [r for r, site in enumerate(site_of_rank) if site == s] for s in sites}
     if len(sites) < 2 or all(len(m) == 1 for m in members.values()):
         return None
     timeout = timedelta(seconds=timeout_s or 600.0)
+    forming = min(timeout, timedelta(seconds=formation_s))
+
+    def new_group(ranks: list[int]):
+        group = dist.new_group(ranks, backend="gloo", timeout=forming)
+        if rank in ranks and forming < timeout:
+            _set_pg_timeout(timeout, group)  # its collectives get the whole timeout
+        return group
+
     intra = None
     for s in sites:  # every rank makes every group, in the same order
-        group = dist.new_group(members[s], backend="gloo", timeout=timeout)
+        group = new_group(members[s])
         if rank in members[s] and len(members[s]) > 1:
             intra = group
     stripes = max(len(m) for m in members.values())
     carried = []
     for j in range(stripes):
         carriers = [members[s][j % len(members[s])] for s in sites]
-        group = dist.new_group(carriers, backend="gloo", timeout=timeout)
+        group = new_group(carriers)
         if rank in carriers:
             carried.append((j, group))
     return SiteGroups(list(site_of_rank), intra, carried, stripes, rank)
