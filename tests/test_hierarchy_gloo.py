@@ -54,6 +54,77 @@ def test_a_member_lost_while_the_site_groups_form_fails_the_others_within_the_fo
         assert r["failed_after_s"] is not None and r["failed_after_s"] < 20, r
 
 
+class _Published:
+    """A membership whose coordinator publishes an epoch that lost a member 1 s from now."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.epoch, self.members, self._at = 0, None, time.monotonic() + 1.0
+
+    @property
+    def published_leave(self) -> int:
+        import time
+
+        return 1 if time.monotonic() > self._at else 0
+
+
+def _an_agreement_with_a_lost_member(rank: int, store: str, out: str) -> None:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from geotrain.ft.membership import MembershipChanged
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    comm = Communicator(membership=_Published())
+    result = {"gave_up_after_s": None}
+    if rank == 0:  # rank 1 never joins the all-gather, as a host frozen in the regroup
+        t0 = time.monotonic()
+        try:
+            comm.all_gather_object((rank, "status"))
+        except MembershipChanged:
+            result["gave_up_after_s"] = time.monotonic() - t0
+    else:
+        time.sleep(8)  # alive, its connections open: only the published epoch can end rank 0's wait
+    torch.save(result, out)
+    os._exit(0)  # the group is abandoned, as a regroup retires it: no teardown
+
+
+def _an_agreement(rank, world_size):
+    return Communicator().all_gather_object({"rank": rank, "pad": "x" * (100 * rank)})
+
+
+def test_the_regroups_agreement_gives_up_when_an_epoch_that_lost_a_member_is_published():
+    """The regroup's all-gather of objects waits like a collective: given up once an epoch that
+    lost members is published (here 1 s in; the collective timeout would be minutes), so a
+    member frozen during a regroup does not hold the others (one killed fails them at once). It
+    still gathers every worker's object, of any size, in rank order."""
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_an_agreement_with_a_lost_member, args=(r, os.path.join(tmp, "s"), outs[r]))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        gave_up = torch.load(outs[0])["gave_up_after_s"]
+    assert gave_up is not None and gave_up < 6, gave_up
+    got = run_workers(_an_agreement, 3, timeout=60)
+    assert all(g == [{"rank": r, "pad": "x" * (100 * r)} for r in range(3)] for g in got)
+
+
 SITES = [[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1], [2, 2, 0, 1]]
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import pickle
 import re
 import sys
 import threading
@@ -52,7 +53,7 @@ from geotrain.comm.guard import (
     robust_mean,
 )
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
-from geotrain.ft.membership import MembershipChanged, retire
+from geotrain.ft.membership import FORMATION_S, MembershipChanged, retire
 
 INTERRUPT_POLL = timedelta(milliseconds=50)
 
@@ -281,6 +282,7 @@ class Communicator:
             raise ValueError(f"max_norm_ratio must be >= 1, or 0 for off; got {self.max_norm_ratio}")
         self._aggregate, self._trim = parse_aggregate(self.aggregate)
         self._wanted_ratio = self.max_norm_ratio
+        self._bound = False  # rebound once already: later rebinds are regroups
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
@@ -318,11 +320,15 @@ class Communicator:
             moved = getattr(self.membership, "sites", None) or {}
             self.site_of_host = [moved.get(h, s) for h, s in enumerate(self.site_of_host)]
             sites = [self.site_of_host[h] for h in members]
-            self.two_level = site_groups(sites, self.rank, self.timeout_s)
+            # At start-up peers may still be loading: the whole timeout. In a regroup every member
+            # is up, and one lost while the groups form must not hold the others for hours.
+            forming = FORMATION_S if self._bound else (self.timeout_s or 600.0)
+            self.two_level = site_groups(sites, self.rank, self.timeout_s, forming)
         # A job of the old group stuck on a lost peer must not hold up the new group's.
         if self._chain is not None:
             self._chain.close()
         self._chain = Chain() if self.two_level is not None else None
+        self._bound = True
 
     def close(self) -> None:
         """Stop the two-level chain and let go of its groups (before the process group goes)."""
@@ -779,13 +785,27 @@ class Communicator:
         return t.tolist()
 
     def all_gather_object(self, obj):
-        """Every worker's picklable ``obj`` in rank order (control traffic: restores, agreement)."""
+        """Every worker's picklable ``obj`` in rank order (control traffic: restores, agreement).
+        On gloo in two all-gathers (sizes, then the padded pickles) whose waits, like a
+        collective's, give up once an epoch that lost members is published: a member lost
+        during a regroup's agreement must not hold the others for the collective timeout."""
         if self.world_size == 1:
             return [obj]
         self.control_calls += 1
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        if dist.get_backend(self.group) != "gloo":  # NCCL: torch's own, on the device
+            out = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        mine = torch.tensor([len(data)], dtype=torch.int64)
+        self._wait(dist.all_gather(sizes, mine, group=self.group, async_op=True), "all-gather", 8)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(rows, buf, group=self.group, async_op=True), "all-gather", longest)
+        return [pickle.loads(row[: int(n)].numpy().tobytes()) for row, n in zip(rows, sizes, strict=True)]
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from geotrain.ft.membership import FORMATION_S, formed_group
 
 
 @dataclass
@@ -68,9 +69,6 @@ class SiteGroups:
         return lan, wan
 
 
-FORMATION_S = 60.0  # at most this long to make a group: a few connects, not a collective's bytes
-
-
 def site_groups(
     site_of_rank: list[int], rank: int, timeout_s: float, formation_s: float = FORMATION_S
 ) -> SiteGroups | None:
@@ -78,23 +76,17 @@ def site_groups(
     current default group). Collective: every rank calls it at the same point. None where two
     levels would be one: a single site, or sites of one host each.
 
-    Each group is made under a timeout of at most ``formation_s`` (its connects move a few
-    bytes) and then given ``timeout_s`` for its collectives, which at a slow link may be hours
-    (``plan.network.collective_timeout_s``): a member lost while the groups form (a regroup
-    just after a fault) makes the others fail here within a minute, and regroup again, rather
-    than hold them for the collective timeout."""
+    Each group is made under a timeout of at most ``formation_s`` (``ft.membership.formed_group``;
+    at start-up the communicator gives the whole timeout, as peers may still be loading), then
+    given ``timeout_s`` for its collectives: a member lost while a regroup makes them fails the
+    others here within a minute, and they regroup again."""
     sites = sorted(set(site_of_rank))
     members = {s: [r for r, site in enumerate(site_of_rank) if site == s] for s in sites}
     if len(sites) < 2 or all(len(m) == 1 for m in members.values()):
         return None
-    timeout = timedelta(seconds=timeout_s or 600.0)
-    forming = min(timeout, timedelta(seconds=formation_s))
 
     def new_group(ranks: list[int]):
-        group = dist.new_group(ranks, backend="gloo", timeout=forming)
-        if rank in ranks and forming < timeout:
-            _set_pg_timeout(timeout, group)  # its collectives get the whole timeout
-        return group
+        return formed_group(ranks, timeout_s, formation_s)  # its collectives: the whole timeout
 
     intra = None
     for s in sites:  # every rank makes every group, in the same order

@@ -79,7 +79,11 @@ class Codec(ABC):
         if comm.rank in comm.left_out:
             state = self.state(key)
             feedback = {k: v.clone() for k, v in state.items() if _is_feedback(k)}
-            pending = self._launch(comm, key, tensors)
+            try:
+                pending = self._launch(comm, key, tensors)
+            except BaseException:
+                _restore_feedback(state, feedback)
+                raise
 
             def finish() -> None:
                 try:

@@ -59,6 +59,29 @@ def retire(obj) -> None:
         RETIRED.append(obj)
 
 
+FORMATION_S = 60.0  # at most this long to make a group in a regroup: a few connects, not a collective's bytes
+
+
+def formed_group(ranks: list[int] | None, timeout_s: float, formation_s: float = FORMATION_S):
+    """``dist.new_group(ranks)`` (None: every rank) of gloo, made under a timeout of at most
+    ``formation_s`` (its connects move a few bytes) and then given ``timeout_s`` for its
+    collectives, which at a slow link may take hours (``plan.network.collective_timeout_s``): a
+    member lost while a regroup makes its groups fails the others here within ``formation_s``,
+    and they regroup again, rather than wait out the collective timeout. Collective."""
+    timeout = timedelta(seconds=timeout_s or 600.0)
+    forming = min(timeout, timedelta(seconds=formation_s))
+    group = dist.new_group(ranks, backend="gloo", timeout=forming)
+    member = ranks is None or dist.get_rank() in ranks
+    if member and forming < timeout:
+        from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
+
+        set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is None:  # an older torch: the group keeps the collective timeout throughout
+            return dist.new_group(ranks, backend="gloo", timeout=timeout)
+        set_timeout(timeout, group)
+    return group
+
+
 class MembershipChanged(RuntimeError):
     """The group this collective ran on has lost a member: abandon it and regroup."""
 
@@ -331,7 +354,7 @@ class Membership:
             timeout=timedelta(seconds=self.timeout_s),
         )
         if self.snapshot_groups:
-            self.snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            self.snapshot_group = formed_group(None, self.timeout_s)
         # The machines' sites where the coordinator said (a spare of another site took a lost
         # host's place): read by every member at the same epoch, so all form the same groups.
         if self.follow_sites:
