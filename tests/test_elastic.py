@@ -125,15 +125,6 @@ def test_copies_held_after_a_failed_redo_are_left_out_while_their_leader_is_a_me
     assert held_copies([None] * 3, [S(9, True)] * 3, [0, 1, 2]) == set()
 
 
-def test_an_adopter_weighs_nothing_in_an_average_redone_after_a_regroup():
-    from geotrain.sync.base import redo_weight
-
-    assert [redo_weight(r, range(3), {2}) for r in range(3)] == [1.5, 1.5, 0.0]  # mean of ranks 0, 1
-    assert [redo_weight(r, [1, 3], {0, 2}) for r in (1, 3)] == [1.0, 1.0]  # a site without adopters
-    assert redo_weight(0, [0, 1], {0, 1}) == 1.0  # all copies of the leader's: their mean is it
-    assert redo_weight(0, range(4), ()) == 1.0
-
-
 def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
     """SparseLoCo and CO2 send a message of their own at the outer step: a worker whose copy of
     the leader's state is left out (``Communicator.leaving_out``) sends the empty one, which
@@ -431,6 +422,29 @@ def test_a_member_that_waits_to_admit_a_joiner_regroups_for_a_lost_member_instea
 # -- real gloo processes ----------------------------------------------------------------------
 
 
+def _hosts(fn, store, n: int, kept: tuple[int, ...]) -> list[dict]:
+    """``fn(host, store port, file store, out)`` on ``n`` spawned hosts; the results of ``kept``
+    (each host saved {"ok": ...} or {"error": traceback})."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
+        outs = [os.path.join(tmp, f"host{h}.pt") for h in range(n)]
+        procs = [
+            ctx.Process(target=fn, args=(h, store.port, os.path.join(tmp, "fs"), outs[h]), daemon=True)
+            for h in range(n)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        got = [torch.load(outs[h], weights_only=False) for h in kept]
+    for g in got:
+        assert "ok" in g, g.get("error")
+    return [g["ok"] for g in got]
+
+
 def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
     from geotrain.comm.communicator import Communicator
     from geotrain.ft.elastic import regroup
@@ -504,24 +518,7 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
-        outs = [os.path.join(tmp, f"host{h}.pt") for h in range(3)]
-        procs = [
-            ctx.Process(target=_survivor, args=(h, store.port, os.path.join(tmp, "fs"), outs[h]), daemon=True)
-            for h in range(3)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        got = [torch.load(outs[h], weights_only=False) for h in (0, 1)]
-    for g in got:
-        assert "ok" in g, g.get("error")
-    (h0, h1) = (g["ok"] for g in got)
+    (h0, h1) = _hosts(_survivor, store, 3, (0, 1))
 
     e0, e1 = h0["ssgd"]["event"], h1["ssgd"]["event"]
     assert (
@@ -615,24 +612,7 @@ def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
     store.add("epoch", 1)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
-        outs = [os.path.join(tmp, f"host{h}.pt") for h in range(3)]
-        procs = [
-            ctx.Process(target=_redoer, args=(h, store.port, os.path.join(tmp, "fs"), outs[h]), daemon=True)
-            for h in range(3)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        got = [torch.load(outs[h], weights_only=False) for h in range(3)]
-    for g in got:
-        assert "ok" in g, g.get("error")
-    runs = [g["ok"] for g in got]
+    runs = _hosts(_redoer, store, 3, (0, 1, 2))
     # localsgd, diloco at outer lr 1 without momentum (the same mean), localsgd with the norm
     # check on (the copy left out of the verdict, not counted as rejected)
     for algo in ("localsgd", "diloco", "checked"):

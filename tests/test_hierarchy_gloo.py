@@ -125,6 +125,33 @@ def test_the_regroups_agreement_gives_up_when_an_epoch_that_lost_a_member_is_pub
     assert all(g == [{"rank": r, "pad": "x" * (100 * r)} for r in range(3)] for g in got)
 
 
+def _site_means_leaving_out(rank, world_size):
+    comm = Communicator(site_of_host=[0, 0, 1, 1])
+    out = {}
+    for name, ranks in (("one", {1}), ("a whole site", {0, 1}), ("none", set()), ("across", {0, 2})):
+        x = torch.full((5,), float(rank + 1))
+        with comm.leaving_out(ranks):
+            comm.site_mean(x)
+        out[name] = x
+    return out
+
+
+def test_a_site_average_redone_after_a_regroup_leaves_the_copies_out():
+    """Sites {0, 1} and {2, 3}, each rank contributing rank + 1. Leaving out rank 1 (a copy of
+    the leader's state): site 0's mean is rank 0's alone, site 1's untouched. A whole site of
+    copies averages them (they are the same state), and so does leaving out no one."""
+    out = run_workers(_site_means_leaving_out, 4, timeout=120)
+    want = {
+        "one": [1.0, 1.0, 3.5, 3.5],
+        "a whole site": [1.5, 1.5, 3.5, 3.5],
+        "none": [1.5, 1.5, 3.5, 3.5],
+        "across": [2.0, 2.0, 4.0, 4.0],
+    }
+    for name, values in want.items():
+        for rank, v in enumerate(values):
+            assert torch.equal(out[rank][name], torch.full((5,), v)), (name, rank)
+
+
 SITES = [[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1], [2, 2, 0, 1]]
 
 

@@ -342,8 +342,9 @@ class Communicator:
     def leaving_out(self, ranks):
         """Inside, the averages leave out the contributions of ``ranks`` (the same set on every
         worker): mean all-reduces (checked or not, robust or not), weighted sums (``screen``:
-        their weight goes with them), the quantised codecs' rows and the gathers' messages. Not
-        where it would leave nothing (every rank), nor with none."""
+        their weight goes with them), the quantised codecs' rows, the gathers' messages and a
+        site's average (where some of the site stays). Not where it would leave nothing (every
+        rank), nor with none."""
         ranks = frozenset(r for r in ranks if 0 <= r < self.world_size)
         previous = self.left_out
         self.left_out = ranks if len(ranks) < self.world_size else frozenset()
@@ -450,8 +451,14 @@ class Communicator:
         if groups is None or groups.intra is None or self._chain is None:
             return
         launched, k = time.perf_counter(), groups.site_size
+        site = [r for r, s in enumerate(groups.site_of_rank) if s == groups.site_of_rank[self.rank]]
+        out = self.left_out & set(site)  # copies of the leader's, in an average redone (leaving_out)
+        if out and len(out) < k:
+            if self.rank in out:
+                tensor.zero_()
+            k -= len(out)  # the divisor; the bytes are the site's all the same
         nbytes = tensor.numel() * tensor.element_size()
-        self._account(nbytes, k)
+        self._account(nbytes, groups.site_size)
         flat, intra = tensor.view(-1), groups.intra
         work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
         Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()

@@ -85,18 +85,6 @@ def codec_from_config(config: SyncConfig) -> Codec | None:
     return make_codec(spec) if spec else None
 
 
-def redo_weight(rank: int, group: Collection[int], adopters: Collection[int]) -> float:
-    """This rank's factor in an average over ``group`` redone after a regroup, where the
-    ``adopters`` hold copies of the leader's state: 0 for them, |group| / |kept| for the others,
-    so that the mean over the group is the mean of the others' own contributions (the leader's
-    counted once). 1 where no one in the group adopted, or everyone did (then all contributions
-    are the same copy, and their mean is it)."""
-    kept = [r for r in group if r not in adopters]
-    if not kept or len(kept) == len(group):
-        return 1.0
-    return len(group) / len(kept) if rank in kept else 0.0
-
-
 def adopt_mean_change(
     params: list[torch.Tensor], refs: list[torch.Tensor], changes: list[torch.Tensor]
 ) -> None:
@@ -395,7 +383,7 @@ class PeriodicSync(SyncAlgorithm):
         """``--site-H``: the parameters averaged over this worker's site (its LAN), between the
         syncs across sites. Inside a site the replicas then drift for site_H steps only; across
         sites for H. The optimizers' states stay each worker's own, as between any syncs.
-        ``weight``: this worker's factor (``redo_weight``, in an average redone after a regroup)."""
+        ``weight``: this worker's factor (``--pace time``'s token weight)."""
         params = [p.data for p in self.parameters()]
         flat = flatten(params)
         if weight != 1.0:
@@ -415,21 +403,14 @@ class PeriodicSync(SyncAlgorithm):
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         if self.step_count <= self.warm_start:
             return
-        rank = self.comm.rank
-        if self.at_boundary():
-            # A failed synchronisation changed nothing it would redo twice. The adopters' copies
-            # of the leader's contributions are left out of its averages (``leaving_out``), and
-            # the methods with a message of their own send an empty one (``contributes``).
-            with self.comm.leaving_out(adopters):
+        # A failed synchronisation changed nothing it would redo twice. The adopters' copies of
+        # the leader's contributions are left out of its averages (``leaving_out``: the site's
+        # too), and the methods with a message of their own send an empty one (``contributes``).
+        with self.comm.leaving_out(adopters):
+            if self.at_boundary():
                 self._paced_sync()
-        elif self._site_step():  # on the new group's sites
-            levels = self.comm.two_level  # None: no site average to redo, nor to weigh
-            site = (
-                [r for r, s in enumerate(levels.site_of_rank) if s == levels.site_of_rank[rank]]
-                if levels
-                else [rank]
-            )
-            self.average_in_site(redo_weight(rank, site, adopters))
+            elif self._site_step():  # on the new group's sites (its first period runs unpaced)
+                self.average_in_site()
 
     def collective_period(self) -> int:
         # --site-H: the site averages are collectives too, so survivors that differ in how many
