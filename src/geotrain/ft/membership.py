@@ -68,16 +68,14 @@ def formed_group(ranks: list[int] | None, timeout_s: float, formation_s: float =
     collectives, which at a slow link may take hours (``plan.network.collective_timeout_s``): a
     member lost while a regroup makes its groups fails the others here within ``formation_s``,
     and they regroup again, rather than wait out the collective timeout. Collective."""
-    timeout = timedelta(seconds=timeout_s or 600.0)
-    forming = min(timeout, timedelta(seconds=formation_s))
-    group = dist.new_group(ranks, backend="gloo", timeout=forming)
-    member = ranks is None or dist.get_rank() in ranks
-    if member and forming < timeout:
-        from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
+    from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
 
-        set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
-        if set_timeout is None:  # an older torch: the group keeps the collective timeout throughout
-            return dist.new_group(ranks, backend="gloo", timeout=timeout)
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    timeout = timedelta(seconds=timeout_s or 600.0)
+    # Without the helper (an older torch) the group keeps the collective timeout throughout.
+    forming = min(timeout, timedelta(seconds=formation_s)) if set_timeout is not None else timeout
+    group = dist.new_group(ranks, backend="gloo", timeout=forming)  # every rank, once: collective
+    if (ranks is None or dist.get_rank() in ranks) and forming < timeout:
         set_timeout(timeout, group)
     return group
 
