@@ -270,6 +270,8 @@ def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate(capsys):
     assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), 0 for off, or auto" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"], capsys)
     assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
+    err = refused(["run", "--workers", "2", "--no-netem", "--max-rejections", "2"], capsys)  # auto: off at 2
+    assert "the norm check is off among 2 workers (--max-norm-ratio auto needs 3 or more)" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"], capsys)
     assert "give trimmed:f=F, F >= 1 values cut at each end" in err
     job = ["run", "--workers", "2", "--no-netem", "--algo", "nosync", "--chaos", "corrupt:step=2,rank=1"]
