@@ -513,16 +513,12 @@ class Communicator:
         verdict = judge(norms, finite, self.max_norm_ratio)
         for r in out:
             verdict.kept[r], verdict.reasons[r] = False, "left out: a copy of the leader's state"
-        members = getattr(self.membership, "members", None)
         for r, kept in enumerate(verdict.kept):
             if r in out:
                 continue
-            # by host where hosts are known (ranks change at a regroup)
-            host = members[r] if members and len(members) == self.world_size else r
-            self.step_checked.add(host)
+            self.step_checked.add(self._host(r))
             if not kept:
-                self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
-                self.step_rejected.add(host)
+                self._rejected(r)
         if verdict.count and not verdict.kept[self.rank] and self.rank not in out:
             print(
                 f"geotrain: this worker's contribution to an average was left out "
@@ -538,6 +534,12 @@ class Communicator:
         """Whether contributions are checked before they are averaged (``max_norm_ratio``, or an
         ``aggregate`` other than the plain mean)."""
         return self.max_norm_ratio > 0 or self._aggregate != "mean"
+
+    @property
+    def screening(self) -> bool:
+        """Whether some contribution may be kept out of the average under way: checked, or a
+        copy ``leaving_out`` leaves out. Codecs judge (``screen``, ``weigh_gathered``) where so."""
+        return self.checking or bool(self.left_out)
 
     @property
     def aggregate_kind(self) -> tuple[str, int]:
@@ -560,16 +562,25 @@ class Communicator:
         """The check before a codec's own collective (a reduce-scatter of quantised rows): the same
         verdict on every worker, ``tensor`` zeroed here where this worker's is left out (scaled
         down with ``clip``). None where nothing is checked."""
-        if self.world_size == 1:
+        if self.world_size == 1 or not self.screening:
             return None
-        if not self.checking:
-            if not self.left_out:
-                return None
+        if not self.checking:  # only copies left out: no norms to exchange
             if self.rank in self.left_out:
                 tensor.zero_()
             kept = [r not in self.left_out for r in range(self.world_size)]
             return Verdict(kept, ["" if k else "left out" for k in kept])
         return self._screen(tensor)
+
+    def _host(self, rank: int) -> int:
+        """The host of a group rank, where hosts are known (ranks change at a regroup)."""
+        members = getattr(self.membership, "members", None)
+        return members[rank] if members and len(members) == self.world_size else rank
+
+    def _rejected(self, rank: int) -> None:
+        """Count a contribution of ``rank`` left out by the check (``rejected_updates``)."""
+        host = self._host(rank)
+        self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
+        self.step_rejected.add(host)
 
     def check_shards(self, shards: torch.Tensor, verdict: Verdict) -> torch.Tensor:
         """The second phase of a sharded average (the quantised codecs: each worker averages one
@@ -587,10 +598,8 @@ class Communicator:
             if finite and norm <= bound:
                 continue
             shards[r].zero_()
-            members = getattr(self.membership, "members", None)
-            host = members[r] if members and len(members) == self.world_size else r
-            self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
-            self.step_rejected.add(host)
+            self._rejected(r)
+            host = self._host(r)
             said = f"{norm:.3g} > {bound:.3g}, what the contributions allow" if finite else "not finite"
             print(
                 f"geotrain: host {host}'s shard of an average was left out (its norm {said})",

@@ -219,8 +219,7 @@ class ChunkTopK(Codec):
 
         def finish() -> None:
             payloads = handle.wait()
-            judged = comm.checking or comm.left_out  # the norm check, or copies left out of a redo
-            weights = comm.weigh_gathered(self.norms(payloads, n)) if judged else None
+            weights = comm.weigh_gathered(self.norms(payloads, n)) if comm.screening else None
             if weights is not None and not any(weights):  # nothing to average: each keeps its own
                 return
             unflatten_into(self.mean_of(payloads, n, weights), tensors)

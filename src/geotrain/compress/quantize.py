@@ -139,11 +139,7 @@ class _BlockQuantizer(Codec):
         # was sent: a message left out or clipped is dropped, not carried into the next one, where
         # a spike (or a NaN) would grow and be rejected again and again.
         spoiled = comm.spoiled(v) if world > 1 else None  # --chaos corrupt: the message only
-        sent = (
-            spoiled
-            if spoiled is not None
-            else (v.clone() if (comm.checking or comm.left_out) and world > 1 else v)
-        )
+        sent = spoiled if spoiled is not None else (v.clone() if comm.screening and world > 1 else v)
         verdict = comm.screen(sent)
         if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
             return Pending(lambda: None)

@@ -80,7 +80,7 @@ class TopK(Codec):
             gathered = zip(handle.wait(), counts, strict=True)
             parts = [(part[:k].view(torch.float32), part[k:].long()) for part, k in gathered]
             weights = [1.0] * len(parts)
-            if comm.checking or comm.left_out:  # the norm check on the gathered messages (alike everywhere)
+            if comm.screening:  # the norm check on the gathered messages (the same on every worker)
                 # indices distinct and in range, or the norm of the values is not the message's
                 weights = comm.weigh_gathered([message_norm(v, _distinct_in(i, n)) for v, i in parts])
                 if not any(weights):  # nothing to average: each worker keeps its own

@@ -195,7 +195,7 @@ def regroup(
     reports = comm.all_gather_object(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
-            getattr(sync, "holds_copy", None),
+            membership.holds_copy,
         )
     )  # fmt: skip
     statuses = [StepStatus(c, d) for c, d, *_ in reports]
@@ -213,7 +213,7 @@ def regroup(
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
-            sync.holds_copy = members[leader]  # until the average below completes
+            membership.holds_copy = members[leader]  # until the average below completes
     mine = best if comm.rank in behind else status  # behind none: each at its own step
     boundary = next_boundary(statuses, behind, sync_period)  # where joiners are admitted
     membership.going_on_after(mine.done)
@@ -227,7 +227,7 @@ def regroup(
         # the leader's state redo it too (they are at its step), but hold its contribution: in
         # the average they weigh nothing, or the leader would count twice.
         sync.retry_sync(adopters=copies)
-    sync.holds_copy = None
+    membership.holds_copy = None
     return {
         "epoch": epoch,
         "members": members,

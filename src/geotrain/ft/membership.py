@@ -142,6 +142,9 @@ class Membership:
         # are the run's; --hierarchy auto numbers the sites it measures its own way)
         self.sites: dict[int, int] = {}
         self.follow_sites = False
+        # The host whose state this worker holds a copy of, for an average a regroup has still
+        # to redo (ft/elastic.py: the copy is left out of it while that host is a member)
+        self.holds_copy: int | None = None
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
