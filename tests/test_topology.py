@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -83,6 +84,29 @@ def test_sites_are_the_hosts_joined_by_links_much_faster_than_the_slowest():
     noisy = [[inf if i == j else 1.0 for j in range(4)] for i in range(4)]
     noisy[0][1] = noisy[1][0] = 5.0
     assert sites_from(noisy) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("joiners, members", [([3], [0, 1, 2]), ([1, 4], [0, 2, 3]), ([2, 3, 4], [0, 1])])
+def test_the_joiner_probe_meets_each_member_once_in_rounds_of_disjoint_pairs(joiners, members):
+    from geotrain.comm.linkmatrix import joiner_rounds
+
+    schedule = joiner_rounds(joiners, members)
+    met = sorted(pair for pairs in schedule for pair in pairs)
+    assert met == sorted(tuple(sorted((j, m))) for j in joiners for m in members)
+    for pairs in schedule:
+        ranks = [r for pair in pairs for r in pair]
+        assert len(ranks) == len(set(ranks))
+
+
+def test_a_joiner_takes_the_site_it_reaches_much_faster_than_the_others_else_its_own():
+    from geotrain.comm.linkmatrix import site_of_joiner
+
+    # to members of sites 0, 0, 1: fast to one of site 0 (the best link of a site counts)
+    assert site_of_joiner([100.0, 3.0, 2.0], [0, 0, 1]) == (0, {0: 100.0, 1: 2.0})
+    assert site_of_joiner([2.0, 2.5, 90.0], [0, 0, 1])[0] == 1
+    assert site_of_joiner([2.0, 2.5, 15.0], [0, 0, 1])[0] is None  # 6x: no site is clearly its
+    assert site_of_joiner([5.0, 5.0, 5.0], [0, 1, 2])[0] is None  # slow to all: a site of its own
+    assert site_of_joiner([50.0, 50.0], [0, 0])[0] is None  # one site: nothing to tell apart
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
@@ -200,17 +224,21 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
-def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site(tmp_path, cleanup_keepers):
+@pytest.mark.parametrize("hierarchy", ["sites", "auto"])
+def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site(
+    tmp_path, cleanup_keepers, hierarchy
+):
     """2 sites of 2 and 1 spare, dealt to site 0 (machine 4, behind site 0's uplink). Host 3 of
     site 1 is killed after step 5: machine 4 takes its place, is admitted at step 8
     (--min-workers 4) and the four train to the end as one model. With --site-H the new host 3
-    averages with site 0, where its machine is, not with site 1, where its host number was.
-    (The same-site preference is pinned in test_spares.py.)"""
+    averages with site 0, where its machine is, not with site 1, where its host number was:
+    the coordinator says so under --hierarchy sites; under auto the members measure the
+    joiner's links. (The same-site preference is pinned in test_spares.py.)"""
     run = tmp_path / "run"
     cleanup_keepers.append((run, 4))
     cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "1", "--algo", "localsgd"]
     cmd += ["--H", "4", "--steps", "12", "--model", "tiny", "--batch-size", "4", "--no-progress"]
-    cmd += ["--threads", "1", "--hierarchy", "sites", "--site-H", "2"]
+    cmd += ["--threads", "1", "--hierarchy", hierarchy, "--site-H", "2"]
     cmd += ["--fault-timeout", "3", "--min-workers", "4", "--join-timeout", "60"]
     cmd += ["--chaos", "kill:step=5,rank=3", "--run-dir", str(run)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -222,6 +250,9 @@ def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site
     assert summary["sites"] == [0, 0, 1, 0]
     (joined,) = [e for e in read_jsonl(run / "control" / "epochs.jsonl") if e.get("joined")]
     assert joined["site"] == 0
+    if hierarchy == "auto":
+        assert "sites [0, 0, 1, 1]" in proc.stderr and "host 3 (" in proc.stderr, proc.stderr[-3000:]
+        assert re.search(r"host 3 \(\d+ Mbit/s to site 0, \d+ Mbit/s to site 1\) joins site 0", proc.stderr)
     finals = [json.loads((run / "metrics" / f"rank{h}.jsonl").read_text().splitlines()[-1]) for h in range(4)]
     assert {f["step"] for f in finals} == {12} and len({f["param_digest"] for f in finals}) == 1
 

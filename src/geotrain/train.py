@@ -658,6 +658,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         membership.join_request = heartbeat.join_request
         membership.snapshot_groups = cfg.redundancy != "off" and bool(cfg.keeper)
         membership.follow_sites = cfg.hierarchy == "sites"  # a spare's own site (coordinator's numbers)
+        membership.measure_joiners = cfg.hierarchy == "auto"  # a joiner's site from its links
         heartbeat.membership = membership
     beyond = sorted(h for h in cfg.slow_factors() if h >= ctx.world_size)
     if beyond:

@@ -316,6 +316,8 @@ class Communicator:
                 raise ValueError(
                     f"--sites names {len(self.site_of_host)} hosts, but host {max(members)} is in the run"
                 )
+            if getattr(self.membership, "measure_joiners", False):
+                self._place_joiners(members)
             # A spare of another site that took a host's place is in its machine's site.
             moved = getattr(self.membership, "sites", None) or {}
             self.site_of_host = [moved.get(h, s) for h, s in enumerate(self.site_of_host)]
@@ -329,6 +331,36 @@ class Communicator:
             self._chain.close()
         self._chain = Chain() if self.two_level is not None else None
         self._bound = True
+
+    def _place_joiners(self, members: list[int]) -> None:
+        """``--hierarchy auto``: the site of each host new to the run (a spare, a replacement),
+        from its links to the members, measured here (``linkmatrix.site_of_joiner``): the host
+        number it took says nothing of where its machine is. Every member takes the moves the
+        lowest-ranked old member knows, so all form the same groups."""
+        from geotrain.comm.linkmatrix import joiner_rounds, measure, site_of_joiner
+
+        membership = self.membership
+        reports = self.all_gather_object((membership.newcomer, dict(membership.sites)))
+        old = [r for r, (new, _) in enumerate(reports) if not new]
+        joiners = [r for r, (new, _) in enumerate(reports) if new]
+        membership.sites = dict(reports[old[0]][1]) if old else {}
+        sites = [membership.sites.get(h, s) for h, s in enumerate(self.site_of_host)]
+        old_sites = [sites[members[r]] for r in old]
+        if not joiners or len(set(old_sites)) < 2:  # one site left: nothing to tell them from
+            return
+        t0 = time.perf_counter()
+        matrix = measure(self, schedule=joiner_rounds(joiners, old))
+        said, fresh = [], max(sites) + 1
+        for j in joiners:
+            site, best = site_of_joiner([matrix[j][r] for r in old], old_sites)
+            if site is None:  # alike to every site: a site of its own
+                site, fresh = fresh, fresh + 1
+            membership.sites[members[j]] = site
+            links = ", ".join(f"{v * 8e-6:.0f} Mbit/s to site {s}" for s, v in sorted(best.items()))
+            said.append(f"host {members[j]} ({links}) joins site {site}")
+        if self.rank == 0:
+            took = time.perf_counter() - t0
+            print(f"geotrain: joiners' links measured in {took:.1f} s: {'; '.join(said)}", file=sys.stderr)
 
     def close(self) -> None:
         """Stop the two-level chain and let go of its groups (before the process group goes)."""

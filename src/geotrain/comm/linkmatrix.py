@@ -12,6 +12,11 @@ finds the sites itself instead of being told them (``--topology``, ``--sites``):
    (connected components). With no such gap all hosts are one site and the all-reduce stays flat.
 
 The matrix and the sites it gives are the same on every rank (one all-gather of the measurements).
+
+3. **Place joiners.** A host admitted later (a spare, a replacement) measures its links to the
+   members the same way (``joiner_rounds``) and goes into the site it reaches at least ``SPLIT``
+   times faster than any other, else a site of its own (``site_of_joiner``;
+   ``Communicator._place_joiners`` runs it at the regroup).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 PROBE_BYTES = 256 * 1024  # 0.2 s each way at 10 Mbit/s, a sustained transfer at 1 Gbit/s
 SPLIT = 8.0  # the least gap between slow and fast links that splits hosts into sites
@@ -37,16 +41,31 @@ def rounds(n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def measure(comm, nbytes: int = PROBE_BYTES, repeats: int = 2) -> list[list[float]]:
-    """Bytes per second between each pair of ranks of ``comm``'s group (the diagonal: inf): the
-    best of ``repeats`` timed exchanges after an untimed one (connections and buffers warm), so
-    one slow moment does not decide. Collective: every rank calls it at the same point."""
+def joiner_rounds(joiners: list[int], members: list[int]) -> list[list[tuple[int, int]]]:
+    """Every joiner paired with every member once, in rounds of disjoint pairs: joiner ``i`` of a
+    batch of at most ``len(members)`` meets member ``(i + k) % M`` in round ``k``."""
+    out = []
+    m = len(members)
+    for start in range(0, len(joiners), m):
+        batch = joiners[start : start + m]
+        out += [[tuple(sorted((j, members[(i + k) % m]))) for i, j in enumerate(batch)] for k in range(m)]
+    return out
+
+
+def measure(
+    comm, nbytes: int = PROBE_BYTES, repeats: int = 2, schedule: list[list[tuple[int, int]]] | None = None
+) -> list[list[float]]:
+    """Bytes per second between each pair of ranks of ``comm``'s group (the diagonal: inf; a pair
+    ``schedule`` leaves out: 0): the best of ``repeats`` timed exchanges after an untimed one
+    (connections and buffers warm), so one slow moment does not decide. Collective: every rank
+    calls it at the same point. The transfers go through ``comm.exchange``, so a member lost
+    meanwhile ends them like a collective (a regroup measures joiners)."""
     n = comm.world_size
     speed = [0.0] * n
     speed[comm.rank] = float("inf")
     probe = torch.zeros(nbytes // 4)
     inbox = torch.empty_like(probe)
-    for pairs in rounds(n):
+    for pairs in rounds(n) if schedule is None else schedule:
         for a, b in pairs:
             if comm.rank not in (a, b):
                 continue
@@ -54,17 +73,33 @@ def measure(comm, nbytes: int = PROBE_BYTES, repeats: int = 2) -> list[list[floa
             for attempt in range(repeats + 1):
                 start = time.perf_counter()
                 if comm.rank == a:  # a sends first, then b: one exchange each way
-                    dist.send(probe, group_dst=peer, group=comm.group)
-                    dist.recv(inbox, group_src=peer, group=comm.group)
+                    comm.exchange([(probe, peer, 0)], [])
+                    comm.exchange([], [(inbox, peer, 0)])
                 else:
-                    dist.recv(inbox, group_src=peer, group=comm.group)
-                    dist.send(probe, group_dst=peer, group=comm.group)
+                    comm.exchange([], [(inbox, peer, 0)])
+                    comm.exchange([(probe, peer, 0)], [])
                 if attempt:  # the first exchange warms up, untimed
                     speed[peer] = max(speed[peer], 2 * nbytes / (time.perf_counter() - start))
         comm.barrier()  # the next round starts together, so only a round's own pairs share links
     rows = comm.all_gather_object(speed)
     # Each pair timed the same exchange from both ends: take the mean, so the matrix is symmetric.
     return [[(rows[i][j] + rows[j][i]) / 2 for j in range(n)] for i in range(n)]
+
+
+def site_of_joiner(
+    speeds: list[float], sites: list[int], split: float = SPLIT
+) -> tuple[int | None, dict[int, float]]:
+    """The site of a host that joins a run with sites: the one whose members it reaches fastest
+    (``speeds`` to each member, ``sites`` theirs), where that is at least ``split`` times faster
+    than any other site; None where no site is (its links to all are alike: a site of its own).
+    With the fastest link to each site."""
+    best: dict[int, float] = {}
+    for site, speed in zip(sites, speeds, strict=True):
+        best[site] = max(best.get(site, 0.0), speed)
+    ranked = sorted(best.values(), reverse=True)
+    if len(ranked) < 2 or ranked[0] < split * ranked[1]:
+        return None, best
+    return max(best, key=best.__getitem__), best
 
 
 def sites_from(matrix: list[list[float]], split: float = SPLIT) -> list[int]:

@@ -228,6 +228,7 @@ def regroup(
         # the average they weigh nothing, or the leader would count twice.
         sync.retry_sync(adopters=copies)
     membership.holds_copy = None
+    membership.newcomer = False  # its site, if measured, is the members' now
     return {
         "epoch": epoch,
         "members": members,

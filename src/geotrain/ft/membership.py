@@ -142,6 +142,10 @@ class Membership:
         # are the run's; --hierarchy auto numbers the sites it measures its own way)
         self.sites: dict[int, int] = {}
         self.follow_sites = False
+        # --hierarchy auto: a host new to the run is placed in a site by its measured links
+        # (``Communicator._place_joiners``); a newcomer until its first regroup completes.
+        self.measure_joiners = False
+        self.newcomer = not members
         # The host whose state this worker holds a copy of, for an average a regroup has still
         # to redo (ft/elastic.py: the copy is left out of it while that host is a member)
         self.holds_copy: int | None = None
