@@ -373,6 +373,33 @@ def test_the_planner_prices_the_trust_options_on_a_plain_profile():
     assert moved.beta_s_per_byte == pytest.approx(4 * as_plain.beta_s_per_byte)
 
 
+def test_the_planner_prices_the_norm_check_where_auto_turns_it_on():
+    """--max-norm-ratio auto, as a run has it by default: the per-step all-reduces (ddp, ssgd,
+    DreamDDP's schedule) unchecked, the periodic averages checked among 3 workers or more, and
+    across sites too; among 2 none is."""
+    from geotrain.netem.topology import parse_topology
+
+    profile, rates = _profile(), [20_000_000] * 4
+
+    def plan(checked, **where):
+        return make_plan(profile, H=4, checked=checked, **(where or {"workers": 4, "rates_bps": rates}))
+
+    plain, checked, auto = plan(False), plan(True), plan("auto")
+    assert auto["target"]["max_norm_check"] == "auto"
+    assert auto["schedule"]["iterations"] == plain["schedule"]["iterations"]
+    for algo in ("ddp", "ssgd", "dreamddp"):
+        assert auto["predicted_s"][algo] == plain["predicted_s"][algo] < checked["predicted_s"][algo]
+    for algo in ("localsgd", "diloco", "co2"):
+        assert auto["predicted_s"][algo] == checked["predicted_s"][algo] > plain["predicted_s"][algo]
+    two = {"workers": 2, "rates_bps": rates[:2]}
+    assert plan("auto", **two)["predicted_s"] == plan(False, **two)["predicted_s"]
+    sites = {
+        c: plan(c, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"))["sites"]
+        for c in (False, True, "auto")
+    }
+    assert sites["auto"] == sites[True] != sites[False]
+
+
 def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
     """The profile's link: 0.5 ms per hop at full efficiency (1 ms + 4e-7 s/B on 2 x 20 Mbit/s).
     2 sites of 2 behind 20 Mbit/s uplinks, 1 Gbit/s inside, the model 2.4 MB: a flat ring sends

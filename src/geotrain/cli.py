@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geotrain.comm.guard import AUTO, AUTO_MIN_WORKERS, parse_aggregate
+from geotrain.comm.guard import AUTO, AUTO_MIN_WORKERS, norm_ratio_arg, parse_aggregate
 from geotrain.data.corpus import DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.models import ModelError, model_context
@@ -560,9 +560,10 @@ def _cmd_plan(argv: list[str]) -> int:
     p.add_argument(
         "--max-norm-ratio",
         dest="max_norm_ratio",
-        type=float,
+        type=norm_ratio_arg,
         default=None,
-        help="price the norm check (> 0: one more round trip per all-reduce; default: as profiled)",
+        help="price the norm check (> 0: one more round trip per all-reduce; 0 or auto: unchecked, as "
+        "a dreamddp run's auto leaves its per-step all-reduces; default: as profiled)",
     )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
@@ -589,10 +590,11 @@ def _cmd_plan(argv: list[str]) -> int:
             raise ValueError("--topology gives the hosts and their links: drop --workers and --bandwidth")
         workers = args.workers or profile.get("workers")
         rates = parse_bandwidths(args.bandwidth, workers) if args.bandwidth else None
-        if args.max_norm_ratio is not None and not (args.max_norm_ratio == 0 or args.max_norm_ratio >= 1):
-            raise ValueError(f"--max-norm-ratio must be >= 1, or 0 for off; got {args.max_norm_ratio}")
+        ratio = args.max_norm_ratio
+        if ratio is not None and not (ratio in (0, AUTO) or ratio >= 1):
+            raise ValueError(f"--max-norm-ratio must be >= 1, 0 for off, or auto; got {ratio:g}")
         aggregate = parse_aggregate(args.aggregate)[0] if args.aggregate else None
-        checked = None if args.max_norm_ratio is None else args.max_norm_ratio > 0
+        checked = None if ratio is None else "auto" if ratio == AUTO else ratio > 0
         plan = make_plan(
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=checked, topology=topology,
@@ -610,7 +612,7 @@ def _cmd_plan(argv: list[str]) -> int:
             workers, rates = topology.workers, [min(topology.wan_bps)] * topology.workers
         compute, link = retarget(
             profile, workers if topology else args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=checked,
+            aggregate=aggregate, checked=False if checked == "auto" else checked,
         )  # fmt: skip
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from geotrain.comm.guard import GATHERED
+from geotrain.comm.guard import AUTO_MIN_WORKERS, GATHERED, default_norm_ratio
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.cost import (
@@ -103,13 +103,15 @@ def predictions(
     workers: int,
     plain: LinkModel | None = None,
     options: tuple[str, bool] = ("mean", False),
+    auto_check: bool = False,
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
     the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
     all-reduce under them and ``plain`` the one without: the gathering methods (sparseloco, demo,
     streaming) judge the messages they hold with no communication, co2's weighted sum pays the
     check's round trip only, and the combinations a run refuses (trimmed or median with them)
-    are left out."""
+    are left out. ``auto_check`` (``--max-norm-ratio auto``): each algorithm checked as a run
+    of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line."""
     periods = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
     plain = plain or link
     aggregate, checked = options
@@ -117,11 +119,14 @@ def predictions(
     for algo in PREDICTED:
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
             continue  # refused by the run: a coordinate-wise statistic of these is not offered
-        line = link
+        on = checked
+        if auto_check:
+            on = default_norm_ratio(algo) > 0 and workers >= AUTO_MIN_WORKERS
+        line = link if on == checked else guarded_link(plain, workers, aggregate, on)
         if algo in ("sparseloco", "demo", "streaming"):
             line = plain
         elif algo == "co2":
-            line = guarded_link(plain, workers, "mean", checked or aggregate != "mean")
+            line = guarded_link(plain, workers, "mean", on or aggregate != "mean")
         out[algo] = predict_algo(algo, compute, line, periods[algo], workers, schedule)
     return out
 
@@ -211,13 +216,18 @@ def make_plan(
     rates_bps: list[int] | None = None,
     compute_scale: float = 1.0,
     aggregate: str | None = None,
-    checked: bool | None = None,
+    checked: bool | str | None = None,
     topology: Topology | None = None,
     speed: float = 0.95,
 ) -> dict[str, Any]:
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
     ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
-    ``sites`` prices the two levels and picks their periods (``plan/sites.py``)."""
+    ``sites`` prices the two levels and picks their periods (``plan/sites.py``). ``checked``
+    "auto" prices the norm check where a run's ``--max-norm-ratio auto`` has it: not on the
+    schedule's per-step all-reduces, on the periodic methods' averages among 3 workers or more."""
+    auto = checked == "auto"
+    if auto:
+        checked = False  # DreamDDP's all-reduces, in backward: unchecked by default
     if topology is not None:
         workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
     compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
@@ -247,6 +257,8 @@ def make_plan(
         raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
     schedule = search_schedule(compute, link, H)
     schedule.validate(compute.n_layers)
+    # localsgd's and diloco's averages across sites: checked by auto among 3 workers or more
+    site_options = (options[0], options[1] or (auto and (workers or 0) >= AUTO_MIN_WORKERS))
     try:
         slowest = min(rates_bps or profile_rates(profile))
     except ValueError:  # a loopback profile predicted for its own loopback: no rate to speak of
@@ -262,7 +274,7 @@ def make_plan(
             "compute_scale": compute_scale,
             # the trust options priced (comm/guard.py)
             "aggregate": options[0],
-            "max_norm_check": options[1],
+            "max_norm_check": "auto" if auto else options[1],
         },
         "link_model": {
             "alpha_s": link.alpha_s,
@@ -271,10 +283,10 @@ def make_plan(
         },
         "schedule": schedule_to_json(schedule, list(compute.names)),
         "predicted_s": predictions(
-            compute, link, H, schedule, int(workers or profile["workers"]), plain, options
+            compute, link, H, schedule, int(workers or profile["workers"]), plain, options, auto
         ),
         "choose": table,
-        "sites": None if topology is None else plan_sites(profile, compute, topology, speed, options),
+        "sites": None if topology is None else plan_sites(profile, compute, topology, speed, site_options),
     }
 
 
