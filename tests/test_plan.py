@@ -18,7 +18,7 @@ from geotrain.plan.cost import (
     predict_ssgd,
     simulate_backward,
 )
-from geotrain.plan.planner import ChooseConfig, make_plan
+from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
 from geotrain.plan.profile import fit_link
 from geotrain.plan.schedule import Schedule, schedule_from_json, schedule_to_json, search_schedule
 
@@ -386,6 +386,8 @@ def test_the_planner_prices_the_norm_check_where_auto_turns_it_on():
 
     plain, checked, auto = plan(False), plan(True), plan("auto")
     assert auto["target"]["max_norm_check"] == "auto"
+    assert "(norm check auto: on the periodic averages among 3+ workers)" in format_plan(auto)
+    assert "with the norm check" in format_plan(checked) and "norm check" not in format_plan(plain)
     assert auto["schedule"]["iterations"] == plain["schedule"]["iterations"]
     for algo in ("ddp", "ssgd", "dreamddp"):
         assert auto["predicted_s"][algo] == plain["predicted_s"][algo] < checked["predicted_s"][algo]

@@ -562,8 +562,9 @@ def _cmd_plan(argv: list[str]) -> int:
         dest="max_norm_ratio",
         type=norm_ratio_arg,
         default=None,
-        help="price the norm check (> 0: one more round trip per all-reduce; 0 or auto: unchecked, as "
-        "a dreamddp run's auto leaves its per-step all-reduces; default: as profiled)",
+        help="price the norm check (> 0: one more round trip per all-reduce; 0: none; auto: as a run's "
+        "default, the periodic methods' averages among 3+ workers, not the per-step all-reduces; "
+        "default: as profiled)",
     )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")

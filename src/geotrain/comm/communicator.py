@@ -348,8 +348,12 @@ class Communicator:
         old_sites = [sites[members[r]] for r in old]
         if not joiners or len(set(old_sites)) < 2:  # one site left: nothing to tell them from
             return
-        t0 = time.perf_counter()
-        matrix = measure(self, schedule=joiner_rounds(joiners, old))
+        t0, stats = time.perf_counter(), self.stats.copy()
+        try:  # control traffic, like the regroup's agreement: not the training step's bytes
+            matrix = measure(self, schedule=joiner_rounds(joiners, old))
+        finally:
+            self.control_calls += self.stats.calls - stats.calls
+            self.stats = stats
         said, fresh = [], max(sites) + 1
         for j in joiners:
             site, best = site_of_joiner([matrix[j][r] for r in old], old_sites)

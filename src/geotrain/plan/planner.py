@@ -340,11 +340,14 @@ def stands_for_line(plan: dict[str, Any], accel: Accelerator | None = None) -> s
 def _trust_note(target: dict[str, Any]) -> str:
     """The trust options priced into the all-reduce line, if any (``cost.guarded_link``)."""
     priced = []
-    if target.get("max_norm_check"):
+    if target.get("max_norm_check") is True:
         priced.append("the norm check")
     if target.get("aggregate") not in (None, "mean"):
         priced.append(f"--aggregate {target['aggregate']}")
-    return f" (with {' and '.join(priced)})" if priced else ""
+    notes = [f"with {' and '.join(priced)}"] if priced else []
+    if target.get("max_norm_check") == "auto":  # the line is unchecked; the periodic averages are
+        notes.append("norm check auto: on the periodic averages among 3+ workers")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
