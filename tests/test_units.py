@@ -397,3 +397,55 @@ def test_a_run_saved_before_algorithm_defaults_resumes_with_them():
     assert saved_train_config(chosen) == chosen
     new = {"algo": "demo", "overlap": True, "timeout_s": 600.0, "link_rate": ""}
     assert saved_train_config(new) == new
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that notes the learning rate each of its steps ran at."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.rates: list[float] = []
+
+    def step(self, closure=None):
+        self.rates.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize(
+    "algo, options, local",
+    [
+        ("localsgd", {"H": 3, "warm_start": 2}, [False, False, True, True, True]),
+        ("diloco", {"H": 3}, [True] * 5),
+        ("ssgd", {}, [False] * 5),
+        ("nosync", {}, [False] * 5),
+    ],
+)
+def test_lr_scale_sqrt_runs_a_local_methods_own_steps_at_sqrt_n_times_the_rate(algo, options, local):
+    """lr_scale "sqrt" among 4: each worker's own optimizer step (not a warm start's averaged
+    gradient, not ssgd's shared update) at 2x the rate the caller set, which
+    is put back after the step (a schedule that reads it sees its own value)."""
+    from geotrain.api import Sync
+
+    model = _tiny()
+    opt = _RecordingSGD(model.parameters(), lr=0.1)
+    stepper = Sync(build_sync(algo, model, opt, FakeCommunicator(world_size=4), options), opt, "sqrt")
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        xy = torch.randint(0, 256, (2, 17), generator=g)
+        stepper.model(xy[:, :-1], xy[:, 1:])[1].backward()
+        stepper.step()
+        stepper.zero_grad()
+        assert opt.param_groups[0]["lr"] == 0.1
+    assert opt.rates == [0.2 if is_local else 0.1 for is_local in local]
+    plain = _RecordingSGD(model.parameters(), lr=0.1)
+    unscaled = Sync(build_sync(algo, model, plain, FakeCommunicator(world_size=4), options), plain)
+    assert unscaled.lr_factor() == 1  # lr_scale "1", the default
+    with pytest.raises(ConfigError, match="lr_scale takes 'sqrt' or '1', got 'cube'"):
+        Sync(build_sync(algo, model, plain, FakeCommunicator(), options), plain, "cube")
+
+
+def test_the_local_methods_are_those_whose_workers_step_on_their_own_gradients():
+    from geotrain.sync import ALGORITHMS
+
+    local = {name for name, (cls, _) in ALGORITHMS.items() if cls.local_steps}
+    assert local == {"localsgd", "diloco", "dreamddp", "streaming", "co2", "sparseloco"}

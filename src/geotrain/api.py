@@ -35,16 +35,30 @@ from geotrain.sync import ALGORITHMS, ConfigError, SyncAlgorithm, sync_config
 
 # Names a user passes that the configs spell otherwise.
 ALIASES = {"plan": "plan_path"}
+# lr_scale: "sqrt" runs a local method's own optimizer steps at sqrt(N) times the learning rate
+# (SyncAlgorithm.local_lr_factor), "1" leaves it as given.
+LR_SCALES = ("sqrt", "1")
+LR_SCALE_DEFAULT = "1"
 
 
 class Sync:
     """A wrapped model and optimizer: ``step``, ``zero_grad``, ``finish``, their state and the
     communication counters. Built by :func:`wrap`."""
 
-    def __init__(self, algorithm: SyncAlgorithm, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, algorithm: SyncAlgorithm, optimizer: torch.optim.Optimizer, lr_scale: str = LR_SCALE_DEFAULT
+    ) -> None:
+        if lr_scale not in LR_SCALES:
+            raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
         self.algorithm = algorithm
         self.optimizer = optimizer
+        self.lr_scale = lr_scale
         self._finished = False
+
+    def lr_factor(self) -> float:
+        """What the next optimizer step multiplies the optimizer's learning rate by: sqrt(N)
+        for a local method's own steps under ``lr_scale="sqrt"``, else 1."""
+        return self.algorithm.local_lr_factor() if self.lr_scale == "sqrt" else 1.0
 
     @property
     def model(self) -> nn.Module:
@@ -67,7 +81,17 @@ class Sync:
         self.algorithm.before_step()
         if before_update is not None:
             before_update()
-        self.optimizer.step()
+        factor = self.lr_factor()
+        groups = self.optimizer.param_groups
+        given = [group["lr"] for group in groups]  # the caller's (its schedule's), put back after
+        if factor != 1.0:
+            for group in groups:
+                group["lr"] = group["lr"] * factor
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, given, strict=True):
+                group["lr"] = lr
         if after_update is not None:
             after_update()
         return self.algorithm.after_step()
@@ -154,6 +178,7 @@ def wrap(
     profile: Callable[[], torch.Tensor] | None = None,
     max_norm_ratio: float | str = "auto",
     aggregate: str = "mean",
+    lr_scale: str = LR_SCALE_DEFAULT,
     **options: Any,
 ) -> Sync:
     """Wrap ``model`` and ``optimizer`` (neither is changed or subclassed) in ``algo``, one of
@@ -167,13 +192,18 @@ def wrap(
     finite or whose norm is more than R times the others' median (0: off; "auto", the default:
     10 for the periodic methods and the gathers, off for the per-step all-reduces and under
     ``pace="time"``), and ``aggregate="clip"`` scales each one down to the median norm
-    (``geotrain.comm.guard``)."""
+    (``geotrain.comm.guard``). ``lr_scale="sqrt"`` runs the optimizer steps each worker takes
+    on its own gradient (the local methods': ``SyncAlgorithm.local_steps``) at sqrt(N) times the
+    optimizer's learning rate, N the group's size, so that their average moves as far as a
+    synchronous step at the learning rate given; "1" leaves it as given."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"wrap takes a torch.nn.Module as the model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"wrap takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if algo not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algo!r}; accepted: {', '.join(ALGORITHMS)}")
+    if lr_scale not in LR_SCALES:
+        raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
     accepted = accepted_options(algo)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -206,4 +236,4 @@ def wrap(
         algorithm.prepare(profile)
     elif algo == "dreamddp" and not options.get("plan"):
         algorithm.observe()  # plans from the first steps of the loop itself
-    return Sync(algorithm, optimizer)
+    return Sync(algorithm, optimizer, lr_scale)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.api import Sync
+from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
 from geotrain.comm.guard import (
@@ -106,6 +106,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine: after the warm-up, over the planned --steps
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
+    lr_scale: str = LR_SCALE_DEFAULT  # sqrt: the local methods' own steps at sqrt(N) x the lr (api.py)
     H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20)
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
@@ -203,6 +204,7 @@ class TrainConfig:
         )
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.lr_steps >= 0, f"--lr-steps must be >= 0 (0 = --steps), got {self.lr_steps}")
+        need(self.lr_scale in LR_SCALES, f"--lr-scale takes {' or '.join(LR_SCALES)}, got {self.lr_scale!r}")
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
             f"--outer-momentum must be in [0, 1), or -1 to follow H, got {self.outer_momentum}",
@@ -450,6 +452,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "min_lr_ratio": "cosine: the last step's learning rate as a fraction of --lr",
         "lr_steps": "the steps the schedule is planned over, if not --steps (a short run that "
         "follows the first part of a longer run's schedule)",
+        "lr_scale": "sqrt: the optimizer steps each worker takes on its own gradient (localsgd, "
+        "diloco, dreamddp, streaming, co2, sparseloco) run at sqrt(N) x the learning rate, so their "
+        "average moves as far as a synchronous step at --lr; 1: at --lr (see the README)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp); 0: the algorithm's default (10; sparseloco, "
         "streaming, co2 20)",
@@ -703,7 +708,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if cfg.profile_out:
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
     sync = build_sync(cfg.algo, model, optimizer, comm, cfg.sync_options())
-    stepper = Sync(sync, optimizer)  # its step() is geotrain.wrap's, run in this loop
+    stepper = Sync(sync, optimizer, cfg.lr_scale)  # its step() is geotrain.wrap's, run in this loop
     if membership is not None:
         membership.period = sync.sync_period  # asked at each boundary: 1 in a warm start, then H
     generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
@@ -1277,6 +1282,9 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,
         "steps": cfg.steps,
+        # --lr-scale sqrt: the local steps' factor on the schedule's lr (in the last group)
+        "lr_scale": cfg.lr_scale,
+        "local_lr_factor": sync.local_lr_factor() if cfg.lr_scale == "sqrt" else 1.0,
         "lr_schedule": f"{cfg.lr_schedule} lr={cfg.lr:g} warmup={cfg.warmup}"
         + (
             f" min_lr_ratio={cfg.min_lr_ratio:g} over={cfg.lr_steps or cfg.steps}"

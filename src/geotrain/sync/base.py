@@ -98,6 +98,10 @@ def adopt_mean_change(
 
 class SyncAlgorithm:
     name: ClassVar[str] = "base"
+    # True where each worker's optimizer steps on its own gradient between averages (the local
+    # methods), not on the average of the gradients (ddp, ssgd) or on an update shared by all
+    # (demo): ``geotrain.wrap``'s ``lr_scale="sqrt"`` scales those steps (``local_lr_factor``).
+    local_steps: ClassVar[bool] = False
     # False where communication happens inside a library call that cannot be timed apart from
     # compute (PyTorch DDP waits for its all-reduces inside backward).
     measures_blocked_time: ClassVar[bool] = True
@@ -119,6 +123,19 @@ class SyncAlgorithm:
     def model(self) -> nn.Module:
         """The module to call forward on (the wrapper, where an algorithm needs one)."""
         return self.module
+
+    def steps_locally(self) -> bool:
+        """The step under way is each worker's own optimizer step on its own gradient, in a
+        group of more than one (``local_steps``; not a warm start's synchronous step)."""
+        return self.local_steps and self.comm.world_size > 1
+
+    def local_lr_factor(self) -> float:
+        """sqrt(N) where ``steps_locally()``, else 1: what ``lr_scale="sqrt"`` multiplies the
+        learning rate of this step by. Adam's step is its momentum over the root of its second
+        moment; a worker's gradient over 1/N of the global batch has about N times the variance
+        of DDP's averaged one, so where noise dominates the second moment, the mean of the N
+        workers' steps is DDP's step at lr / sqrt(N) (README, "Reaching DDP's loss")."""
+        return math.sqrt(self.comm.world_size) if self.steps_locally() else 1.0
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -245,6 +262,11 @@ class PeriodicSync(SyncAlgorithm):
     Where the config has ``pace`` = "time" (``sync.pace``), a period lasts the fastest worker's
     H steps: slower workers skip their last steps of it, and ``synchronize`` weighs each
     worker's contribution by ``sync_weight()``."""
+
+    local_steps = True
+
+    def steps_locally(self) -> bool:
+        return super().steps_locally() and not self.in_warm_start()
 
     def __init__(self, model, optimizer, comm, config) -> None:
         super().__init__(model, optimizer, comm, config)

@@ -70,6 +70,7 @@ class DreamDDPConfig(SyncConfig):
 
 
 class DreamDDP(SyncAlgorithm):
+    local_steps = True  # each layer is averaged once per period; the optimizers are each worker's
     name = "dreamddp"
 
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:

@@ -145,6 +145,7 @@ def strided_fragments(model: nn.Module, count: int) -> list[list[nn.Parameter]]:
 
 
 class StreamingDiLoCo(SyncAlgorithm):
+    local_steps = True
     name = "streaming"
 
     def __init__(self, model, optimizer, comm, config: StreamingConfig | None = None) -> None:
