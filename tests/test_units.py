@@ -360,6 +360,22 @@ def test_learning_rate_warms_up_then_holds_or_follows_a_cosine_to_its_floor():
     assert [lr_at(s, short) for s in (9, 10, 11, 19)] == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4])
 
 
+def test_the_warm_up_is_a_tenth_of_the_planned_steps_by_default_at_most_100():
+    import argparse
+
+    from geotrain.train import add_train_arguments
+
+    assert [TrainConfig(steps=s).warmup for s in (1, 9, 10, 400, 1000, 5000)] == [0, 0, 1, 40, 100, 100]
+    assert TrainConfig(steps=400, lr_steps=2000).warmup == 100  # over the schedule's planned steps
+    assert TrainConfig(steps=400, warmup=0).warmup == 0 and TrainConfig(steps=400, warmup=7).warmup == 7
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert parser.parse_args(["--warmup", "auto"]).warmup == -1
+    assert parser.parse_args(["--warmup", "12"]).warmup == 12
+    with pytest.raises(ConfigError, match="--warmup must be >= 0 or auto, got -2"):
+        TrainConfig(warmup=-2)
+
+
 def test_summary_table_shows_na_for_unmeasured_blocked_time():
     summary = {
         "algo": "ddp",
