@@ -331,6 +331,27 @@ def test_every_cell_trains_the_model_the_bench_was_given():
         assert (job.model_config, job.lora, job.lora_fa) == ("n_layer=1", "r=2,alpha=4,targets=c_attn", False)
 
 
+def test_a_rerun_with_another_warm_up_is_refused_even_where_a_horizon_changes_it(tmp_path):
+    """A bench made before --warmup auto (no key) ran its cells without one; auto's steps follow
+    the horizon, so a horizon added to an auto bench changes them too."""
+    from dataclasses import asdict
+
+    from geotrain.bench.matrix import Bench
+
+    old = asdict(BenchConfig(algos=["nosync"], steps=150))
+    del old["warmup"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="holds runs made with 0 warm-up steps, not 15; .* --warmup 0"):
+        Bench(BenchConfig(algos=["nosync"], steps=150), tmp_path, echo=print).check_reuse()
+    Bench(BenchConfig(algos=["nosync"], steps=150, warmup=0), tmp_path, echo=print).check_reuse()
+    (tmp_path / "config.json").write_text(json.dumps(asdict(BenchConfig(algos=["nosync"], steps=150))))
+    Bench(BenchConfig(algos=["nosync"], steps=150, warmup=15), tmp_path, echo=print).check_reuse()
+    with pytest.raises(ConfigError, match="holds runs made with 15 warm-up steps, not 100"):
+        Bench(BenchConfig(algos=["nosync"], steps=150, horizon=1000), tmp_path, echo=print).check_reuse()
+    assert BenchConfig(algos=["nosync"], steps=150, horizon=1000).train_config("nosync").warmup == 100
+    assert BenchConfig(algos=["demo"], steps=150).train_config("demo").warmup == 0
+
+
 def test_a_rerun_with_another_model_is_refused_even_by_a_bench_that_did_not_record_it(tmp_path):
     """An older bench.json has no model_config or lora: it was made with their defaults then."""
     from dataclasses import asdict

@@ -83,6 +83,7 @@ def _resume_cases(rank, world_size, tmp: str, cases):
             threads=1,
             progress=False,
             snapshot_every=3,
+            warmup=0,  # (auto would follow each run's --steps: 2N for the whole, N for the first half)
         )
         whole = train(TrainConfig(steps=2 * N, run_dir=str(base / "whole"), **common), ctx)
         train(TrainConfig(steps=N, run_dir=str(base / "split"), **common), ctx)

@@ -368,6 +368,7 @@ def test_the_warm_up_is_a_tenth_of_the_planned_steps_by_default_at_most_100():
     assert [TrainConfig(steps=s).warmup for s in (1, 9, 10, 400, 1000, 5000)] == [0, 0, 1, 40, 100, 100]
     assert TrainConfig(steps=400, lr_steps=2000).warmup == 100  # over the schedule's planned steps
     assert TrainConfig(steps=400, warmup=0).warmup == 0 and TrainConfig(steps=400, warmup=7).warmup == 7
+    assert TrainConfig(algo="demo", steps=400).warmup == 0  # its signed steps did worse with one
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     assert parser.parse_args(["--warmup", "auto"]).warmup == -1
@@ -453,6 +454,19 @@ def test_lr_scale_sqrt_runs_a_local_methods_own_steps_at_sqrt_n_times_the_rate(a
         stepper.zero_grad()
         assert opt.param_groups[0]["lr"] == 0.1
     assert opt.rates == [0.2 if is_local else 0.1 for is_local in local]
+    if any(local):  # a step hook that sets the rate keeps it (unscaled); weight decay is held
+        group = opt.param_groups[0]
+        group["weight_decay"] = 0.01
+        seen = []
+        hook = opt.register_step_post_hook(lambda o, *_: seen.append(o.param_groups[0]["weight_decay"]))
+        stepper.model(xy[:, :-1], xy[:, 1:])[1].backward()
+        stepper.step()
+        assert set(seen) == {0.005} and group["weight_decay"] == 0.01 and group["lr"] == 0.1
+        hook.remove()
+        opt.register_step_post_hook(lambda o, *_: o.param_groups[0].update(lr=0.4))  # a scheduler's
+        stepper.model(xy[:, :-1], xy[:, 1:])[1].backward()
+        stepper.step()
+        assert group["lr"] == 0.2 and opt.rates[-1] == 0.2  # its 0.4 was the scaled rate: 0.2 given
     plain = _RecordingSGD(model.parameters(), lr=0.1)
     unscaled = Sync(build_sync(algo, model, plain, FakeCommunicator(world_size=4), options), plain)
     assert unscaled.lr_factor() == 1  # lr_scale "1", the default

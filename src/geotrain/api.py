@@ -82,19 +82,34 @@ class Sync:
         if before_update is not None:
             before_update()
         factor = self.lr_factor()
-        groups = self.optimizer.param_groups
-        given = [group["lr"] for group in groups]  # the caller's (its schedule's), put back after
-        if factor != 1.0:
-            for group in groups:
-                group["lr"] = group["lr"] * factor
-        try:
+        if factor == 1.0:
             self.optimizer.step()
-        finally:
-            for group, lr in zip(groups, given, strict=True):
-                group["lr"] = lr
+        else:
+            self._scaled_step(factor)
         if after_update is not None:
             after_update()
         return self.algorithm.after_step()
+
+    def _scaled_step(self, factor: float) -> None:
+        """The optimizer step at ``factor`` x each group's learning rate, its weight decay held
+        where it was (lr x wd: decay is not gradient noise), then the caller's values put back,
+        unless the step set new ones itself (a step hook's scheduler): those are kept, unscaled."""
+        groups = self.optimizer.param_groups
+        given = [(group["lr"], group.get("weight_decay")) for group in groups]
+        for group, (lr, wd) in zip(groups, given, strict=True):
+            group["lr"] = lr * factor
+            if wd:
+                group["weight_decay"] = wd / factor
+        scaled = [(group["lr"], group.get("weight_decay")) for group in groups]
+        try:
+            self.optimizer.step()
+        finally:
+            for group, (lr, wd), (lr_in, wd_in) in zip(groups, given, scaled, strict=True):
+                group["lr"] = lr if group["lr"] == lr_in else group["lr"] / factor
+                if wd:
+                    group["weight_decay"] = (
+                        wd if group["weight_decay"] == wd_in else group["weight_decay"] * factor
+                    )
 
     def computes(self) -> bool:
         """Before a step: whether this worker computes it. Always True but under
@@ -202,6 +217,8 @@ def wrap(
         raise ConfigError(f"wrap takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if algo not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algo!r}; accepted: {', '.join(ALGORITHMS)}")
+    if lr_scale == 1:  # the number, as well as "1"
+        lr_scale = "1"
     if lr_scale not in LR_SCALES:
         raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
     accepted = accepted_options(algo)

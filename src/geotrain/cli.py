@@ -155,6 +155,7 @@ def saved_train_config(train_saved: dict[str, Any]) -> dict[str, Any]:
     algorithms had their own defaults and timeouts were derived (its config has no ``link_rate``)
     saved overlap=True, the one default then (DeMo's is now off), and the fixed 600 s timeout."""
     saved = dict(train_saved)
+    saved.setdefault("lr_scale", "1")  # saved before --lr-scale: off, its only behaviour then
     if "link_rate" not in saved:
         if saved.get("overlap") is True:
             saved["overlap"] = None
@@ -181,7 +182,7 @@ def _cmd_resume(argv: list[str]) -> int:
     from geotrain.ft.keeper import KeeperClient
     from geotrain.ft.snapshots import ResumeError, preflight
     from geotrain.launch.local import LaunchConfig, RunFailed, keeper_socket, run_local_cluster
-    from geotrain.train import TrainConfig
+    from geotrain.train import AUTO_WARMUP, TrainConfig
 
     parser = _run_parser()
     argv = _attach_dash_values(argv, ("--steps", "--resume-step"))
@@ -207,6 +208,8 @@ def _cmd_resume(argv: list[str]) -> int:
         )
     names = {f.name for f in fields(TrainConfig)}
     for name in sorted(given & names - RESUME_MAY_CHANGE):
+        if name == "warmup" and args.warmup == AUTO_WARMUP:
+            continue  # auto was resolved when the run was made, and saved as a number
         if getattr(args, name) != train_saved.get(name):
             raise UsageError(
                 f"--resume: the run was made with {name}={train_saved.get(name)!r}, not "
@@ -633,6 +636,7 @@ def _cmd_bench(argv: list[str]) -> int:
     from geotrain.bench.matrix import DEFAULT_ALGOS, DEFAULT_BANDWIDTHS, Bench, BenchConfig
     from geotrain.bench.report import markdown_table, scale_table, write_report
     from geotrain.launch.local import RunFailed
+    from geotrain.train import warmup_arg
 
     p = _Parser(
         prog="geotrain bench",
@@ -689,6 +693,13 @@ def _cmd_bench(argv: list[str]) -> int:
         help="every cell's learning rate: constant, or cosine over --steps (over --horizon with one)",
     )
     p.add_argument(
+        "--warmup",
+        type=warmup_arg,
+        default="auto",
+        help="every cell's learning-rate warm-up in steps; auto: a tenth of the planned steps "
+        "(--horizon or --steps), at most 100 (demo: none), as geotrain run's",
+    )
+    p.add_argument(
         "--horizon",
         type=int,
         default=0,
@@ -738,6 +749,7 @@ def _cmd_bench(argv: list[str]) -> int:
             netem=not args.no_netem,
             smooth=args.smooth,
             lr_schedule=args.lr_schedule,
+            warmup=args.warmup,
             horizon=args.horizon,
             cell_budget_s=args.cell_budget,
         )

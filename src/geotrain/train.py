@@ -225,7 +225,8 @@ class TrainConfig:
         need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         need(self.lr_steps >= 0, f"--lr-steps must be >= 0 (0 = --steps), got {self.lr_steps}")
         if self.warmup == AUTO_WARMUP:  # resolved once: the saved config (a resume) keeps the number
-            self.warmup = warmup_for(self.lr_steps or self.steps)
+            wanted = self.algo not in ALGORITHMS or ALGORITHMS[self.algo][1].auto_warmup
+            self.warmup = warmup_for(self.lr_steps or self.steps) if wanted else 0
         need(self.lr_scale in LR_SCALES, f"--lr-scale takes {' or '.join(LR_SCALES)}, got {self.lr_scale!r}")
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
@@ -469,7 +470,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "signed steps use it, 2e-3)",
         "weight_decay": "decoupled weight decay (adamw) or L2 (sgd)",
         "warmup": "steps of linear learning-rate warm-up; auto: a tenth of the planned steps (--lr-steps "
-        "or --steps), at most 100; 0: none",
+        "or --steps), at most 100 (demo: none); 0: none",
         "lr_schedule": "learning rate after the warm-up: constant, or cosine (decays to --min-lr-ratio "
         "x --lr at the last of --steps); the same for every algorithm",
         "min_lr_ratio": "cosine: the last step's learning rate as a fraction of --lr",
@@ -589,7 +590,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             typ = norm_ratio_arg if f.name == "max_norm_ratio" else typ  # a number or "auto"
             typ = warmup_arg if f.name == "warmup" else typ  # a number or "auto"
-            parser.add_argument(flag, type=typ, default=f.default, help=helps.get(f.name), dest=f.name)
+            default = "auto" if f.name == "warmup" else f.default  # argparse runs it through typ
+            parser.add_argument(flag, type=typ, default=default, help=helps.get(f.name), dest=f.name)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -42,7 +42,7 @@ from geotrain.plan.gather import stands_for_bps
 from geotrain.plan.planner import PREDICTED, ChooseConfig, make_plan, predict_algo, retarget
 from geotrain.plan.schedule import schedule_from_json
 from geotrain.sync import ALGORITHMS, ConfigError, sync_config
-from geotrain.train import TrainConfig
+from geotrain.train import AUTO_WARMUP, TrainConfig, warmup_for
 
 
 def split_entry(entry: str) -> tuple[str, str]:
@@ -96,6 +96,7 @@ class BenchConfig:
     netem: bool = True
     smooth: int = 3  # evaluations in the centred moving mean every curve is read through
     lr_schedule: str = "constant"  # the same for every cell: constant or cosine (over the horizon)
+    warmup: int = AUTO_WARMUP  # every cell's warm-up (auto: geotrain run's, over the horizon with one)
     horizon: int = 0  # > 0: learning curves from runs of this many steps on loopback (composed)
     # A shaped cell predicted to take longer than this (seconds) is not run; the report gives its
     # predicted step time. 0: run every cell.
@@ -153,12 +154,19 @@ class BenchConfig:
             H=self.H,
             seed=self.seed,
             lr_schedule=self.lr_schedule,
+            warmup=self.warmup,
             # With a horizon the shaped runs follow the first part of the long runs' schedule, so
             # their curves can be checked against the composed ones step for step.
             lr_steps=self.horizon,
             progress=False,
             replan_threshold=0.0,
         )
+
+
+def _warmup_steps(cfg: dict[str, Any]) -> int:
+    """The warm-up a bench config gives its cells (auto resolved over its horizon or steps)."""
+    warmup = int(cfg.get("warmup", 0))
+    return warmup_for(cfg.get("horizon") or cfg["steps"]) if warmup == AUTO_WARMUP else warmup
 
 
 def group_dir(out: Path, workers: int, bandwidth: str) -> Path:
@@ -337,9 +345,17 @@ class Bench:
         if not path.exists():
             return
         old, new = json.loads(path.read_text()), asdict(self.cfg)
+        old.setdefault("warmup", 0)  # a bench made before the warm-up's default was none
         free = {"algos", "bandwidths", "workers", "smooth", "target_loss", "horizon", "cell_budget_s"}
-        if new["lr_schedule"] != "constant":
+        if new["lr_schedule"] != "constant" or _warmup_steps(old) != _warmup_steps(new):
             free.discard("horizon")  # the cells' schedule is planned over the horizon
+        free.add("warmup")  # compared as the steps it gives
+        if _warmup_steps(old) != _warmup_steps(new):
+            raise ConfigError(
+                f"{self.out} holds runs made with {_warmup_steps(old)} warm-up steps, not "
+                f"{_warmup_steps(new)}; they would not compare with these: use another --out (or "
+                f"--warmup {_warmup_steps(old)})"
+            )
         # A key an older bench did not record had its field's default then.
         defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
         old = {**{k: v for k, v in defaults.items() if k not in old}, **old}

@@ -36,6 +36,8 @@ class SyncConfig:
     # The (inner) optimizer's learning rate when --lr is not given: AdamW's, for the methods that
     # step with it. A ClassVar, not a field: it is the training loop's, not an option here.
     default_lr: ClassVar[float] = 1e-3
+    # Whether ``--warmup auto`` gives this algorithm a warm-up (``train.warmup_for``).
+    auto_warmup: ClassVar[bool] = True
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SyncConfig:
