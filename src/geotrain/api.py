@@ -41,6 +41,15 @@ LR_SCALES = ("sqrt", "1")
 LR_SCALE_DEFAULT = "1"
 
 
+def checked_lr_scale(lr_scale: str | int) -> str:
+    """``lr_scale`` as one of LR_SCALES (the number 1 as "1"), or a ConfigError saying which."""
+    if lr_scale == 1:
+        return "1"
+    if lr_scale not in LR_SCALES:
+        raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
+    return str(lr_scale)
+
+
 class Sync:
     """A wrapped model and optimizer: ``step``, ``zero_grad``, ``finish``, their state and the
     communication counters. Built by :func:`wrap`."""
@@ -48,11 +57,9 @@ class Sync:
     def __init__(
         self, algorithm: SyncAlgorithm, optimizer: torch.optim.Optimizer, lr_scale: str = LR_SCALE_DEFAULT
     ) -> None:
-        if lr_scale not in LR_SCALES:
-            raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
         self.algorithm = algorithm
         self.optimizer = optimizer
-        self.lr_scale = lr_scale
+        self.lr_scale = checked_lr_scale(lr_scale)
         self._finished = False
 
     def lr_factor(self) -> float:
@@ -217,10 +224,7 @@ def wrap(
         raise ConfigError(f"wrap takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if algo not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algo!r}; accepted: {', '.join(ALGORITHMS)}")
-    if lr_scale == 1:  # the number, as well as "1"
-        lr_scale = "1"
-    if lr_scale not in LR_SCALES:
-        raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
+    lr_scale = checked_lr_scale(lr_scale)  # before the algorithm puts its hooks on the model
     accepted = accepted_options(algo)
     unknown = sorted(set(options) - set(accepted))
     if unknown:

@@ -345,17 +345,26 @@ class Bench:
         if not path.exists():
             return
         old, new = json.loads(path.read_text()), asdict(self.cfg)
-        old.setdefault("warmup", 0)  # a bench made before the warm-up's default was none
-        free = {"algos", "bandwidths", "workers", "smooth", "target_loss", "horizon", "cell_budget_s"}
-        if new["lr_schedule"] != "constant" or _warmup_steps(old) != _warmup_steps(new):
-            free.discard("horizon")  # the cells' schedule is planned over the horizon
-        free.add("warmup")  # compared as the steps it gives
-        if _warmup_steps(old) != _warmup_steps(new):
+        # Compared as the steps it gives: auto's follow the horizon (a bench made before the
+        # warm-up's default was auto had none).
+        was, now = _warmup_steps({"warmup": 0, **old}), _warmup_steps(new)
+        if was != now:
             raise ConfigError(
-                f"{self.out} holds runs made with {_warmup_steps(old)} warm-up steps, not "
-                f"{_warmup_steps(new)}; they would not compare with these: use another --out (or "
-                f"--warmup {_warmup_steps(old)})"
+                f"{self.out} holds runs made with {was} warm-up steps, not {now}; they would not "
+                f"compare with these: use another --out (or --warmup {was})"
             )
+        free = {
+            "algos",
+            "bandwidths",
+            "workers",
+            "smooth",
+            "target_loss",
+            "horizon",
+            "cell_budget_s",
+            "warmup",
+        }
+        if new["lr_schedule"] != "constant":
+            free.discard("horizon")  # the cells' schedule is planned over the horizon
         # A key an older bench did not record had its field's default then.
         defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
         old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
