@@ -39,6 +39,9 @@ CASES = [
     ("diloco", "warm"),  # stops inside its warm start (7 synchronous steps), goes on periodic
     ("streaming", ""),  # 2 fragments, one every 2 steps: stops with one in flight (tau 1)
     ("co2", ""),  # stops with its outer all-reduce in flight (launched at step 4)
+    # --lr-scale auto at H=2: stops holding its sample of step 5 for the sync at 6, and the
+    # factor leaves 1 at step 7 (measured at 4 and 6)
+    ("localsgd", "lrauto"),
 ]
 
 
@@ -70,14 +73,15 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         plan = _plan(base.with_suffix(f".plan{rank}.json"), 4) if algo == "dreamddp" else ""
         common = dict(
             algo=algo,
-            compress="" if codec in ("overlap", "warm") else codec,
+            compress="" if codec in ("overlap", "warm", "lrauto") else codec,
+            lr_scale="auto" if codec == "lrauto" else "1",
             overlap=True if codec == "overlap" else None,
             warm_start=7 if codec == "warm" else 0,
             fragments=2 if algo == "streaming" else 0,
             model="tiny",
             batch_size=2,
             block_size=32,
-            H=4,
+            H=2 if codec == "lrauto" else 4,
             plan=plan,
             replan_threshold=0.0,
             threads=1,
@@ -92,7 +96,7 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         for run in ("whole", "split"):
             parts = decode(disk_path(base / run / "snapshots", rank, 2 * N).read_bytes())["parts"]
             states.append(
-                {p: tensor_digest(parts[p]) for p in ("model", "optimizer", "sync", "codec", "rng")}
+                {p: tensor_digest(parts[p]) for p in ("model", "optimizer", "sync", "codec", "own", "rng")}
             )
         out[f"{algo}+{codec}"] = {
             "states_equal": states[0] == states[1],
@@ -100,6 +104,7 @@ def _resume_cases(rank, world_size, tmp: str, cases):
             "digest": (whole["param_digest"], resumed["param_digest"]),
             "resumed": resumed["resumed_from"],
             "steps": resumed["steps"],
+            "lr_factor": resumed["local_lr_factor"],
         }
         dist.barrier()
     return out
@@ -115,6 +120,7 @@ def test_resume_is_bitwise_exact_for_every_algorithm_and_codec(tmp_path):
                 bad.append(f"{case} rank {rank}: differs in {r['differs'] or 'final digest'}")
             assert r["resumed"]["step"] == N and r["resumed"]["sources"] == ["disk", "disk"]
             assert r["steps"] == 2 * N
+            assert (r["lr_factor"] > 1.0) == (case == "localsgd+lrauto")
     assert not bad, "resume is not exact:\n" + "\n".join(bad)
     # Metrics append: one line per step and one final line, no repeats.
     lines = (tmp_path / "diloco-" / "split" / "metrics" / "rank0.jsonl").read_text().splitlines()

@@ -470,7 +470,7 @@ def test_lr_scale_sqrt_runs_a_local_methods_own_steps_at_sqrt_n_times_the_rate(a
     plain = _RecordingSGD(model.parameters(), lr=0.1)
     unscaled = Sync(build_sync(algo, model, plain, FakeCommunicator(world_size=4), options), plain)
     assert unscaled.lr_factor() == 1  # lr_scale "1", the default
-    with pytest.raises(ConfigError, match="lr_scale takes 'sqrt' or '1', got 'cube'"):
+    with pytest.raises(ConfigError, match="lr_scale takes 'auto' or 'sqrt' or '1', got 'cube'"):
         Sync(build_sync(algo, model, plain, FakeCommunicator(), options), plain, "cube")
 
 

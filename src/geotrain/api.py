@@ -32,12 +32,14 @@ import torch.nn as nn
 from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import AUTO_MIN_WORKERS, default_norm_ratio
 from geotrain.sync import ALGORITHMS, ConfigError, SyncAlgorithm, sync_config
+from geotrain.sync.noise import NoiseScale
 
 # Names a user passes that the configs spell otherwise.
 ALIASES = {"plan": "plan_path"}
 # lr_scale: "sqrt" runs a local method's own optimizer steps at sqrt(N) times the learning rate
-# (SyncAlgorithm.local_lr_factor), "1" leaves it as given.
-LR_SCALES = ("sqrt", "1")
+# (SyncAlgorithm.local_lr_factor), "auto" at the factor the measured gradient noise calls for,
+# between 1 and sqrt(N) (geotrain.sync.noise), "1" leaves it as given.
+LR_SCALES = ("auto", "sqrt", "1")
 LR_SCALE_DEFAULT = "1"
 
 
@@ -48,6 +50,17 @@ def checked_lr_scale(lr_scale: str | int) -> str:
     if lr_scale not in LR_SCALES:
         raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
     return str(lr_scale)
+
+
+def lr_factor(algorithm: SyncAlgorithm, lr_scale: str) -> float:
+    """The factor on the learning rate of ``algorithm``'s step under way: for a local method's
+    own steps sqrt(N) under ``lr_scale="sqrt"``, the measured noise's factor under ``"auto"``
+    (1 until it is measured, and for the methods that do not measure it); else 1."""
+    if lr_scale == "sqrt":
+        return algorithm.local_lr_factor()
+    if algorithm.noise is not None and algorithm.steps_locally():
+        return algorithm.noise.factor(algorithm.comm.world_size)
+    return 1.0
 
 
 class Sync:
@@ -61,11 +74,12 @@ class Sync:
         self.optimizer = optimizer
         self.lr_scale = checked_lr_scale(lr_scale)
         self._finished = False
+        if self.lr_scale == "auto" and algorithm.measures_noise:
+            algorithm.noise = NoiseScale(algorithm.parameters(), optimizer)
 
     def lr_factor(self) -> float:
-        """What the next optimizer step multiplies the optimizer's learning rate by: sqrt(N)
-        for a local method's own steps under ``lr_scale="sqrt"``, else 1."""
-        return self.algorithm.local_lr_factor() if self.lr_scale == "sqrt" else 1.0
+        """What the next optimizer step multiplies the optimizer's learning rate by."""
+        return lr_factor(self.algorithm, self.lr_scale)
 
     @property
     def model(self) -> nn.Module:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync
+from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync, lr_factor
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
 from geotrain.comm.guard import (
@@ -478,7 +478,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "follows the first part of a longer run's schedule)",
         "lr_scale": "sqrt: the optimizer steps each worker takes on its own gradient (localsgd, "
         "diloco, dreamddp, streaming, co2, sparseloco) run at sqrt(N) x the learning rate, so their "
-        "average moves as far as a synchronous step at --lr; 1: at --lr (see the README)",
+        "average moves as far as a synchronous step at --lr where gradient noise dominates; auto: at "
+        "the factor between 1 and sqrt(N) that the gradient noise measured at each sync calls for "
+        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr (see the README)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp); 0: the algorithm's default (10; sparseloco, "
         "streaming, co2 20)",
@@ -1073,6 +1075,11 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         }
         if not computes:
             record["computed"] = False  # skipped (--pace time)
+        if sync.noise is not None:  # --lr-scale auto: the factor of the next local step, and rho
+            record["lr_factor"] = round(stepper.lr_factor(), 4)
+            rho = sync.noise.signal_fraction()
+            if rho is not None:
+                record["signal_fraction"] = round(rho, 4)
         if membership is not None:
             record["workers"] = comm.world_size
         if cfg.eval_every and step % cfg.eval_every == 0 and no_eval_through < step < cfg.steps:
@@ -1308,9 +1315,11 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,
         "steps": cfg.steps,
-        # --lr-scale sqrt: the local steps' factor on the schedule's lr (in the last group)
+        # --lr-scale: the local steps' factor on the schedule's lr (in the last group, at the end)
         "lr_scale": cfg.lr_scale,
-        "local_lr_factor": sync.local_lr_factor() if cfg.lr_scale == "sqrt" else 1.0,
+        "local_lr_factor": round(lr_factor(sync, cfg.lr_scale), 4),
+        # --lr-scale auto: the gradients' signal fraction measured at the syncs (noise.py)
+        "signal_fraction": sync.noise and sync.noise.signal_fraction(),
         "lr_schedule": f"{cfg.lr_schedule} lr={cfg.lr:g} warmup={cfg.warmup}"
         + (
             f" min_lr_ratio={cfg.min_lr_ratio:g} over={cfg.lr_steps or cfg.steps}"

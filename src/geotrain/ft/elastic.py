@@ -220,6 +220,8 @@ def regroup(
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     sync.rebind()
+    if sync.noise is not None:  # --lr-scale auto: one measure everywhere, whatever a failure cut short
+        sync.noise.agree(comm)
     t_redo = time.perf_counter()
     if mine.local_done:
         # The failed averaging itself, on the new group: link time, not overhead. Members that

@@ -32,7 +32,7 @@ import torch
 MAGIC = b"GEOSNAP1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload
 HEADER_BYTES = _HEADER.size
-PARTS = ("model", "optimizer", "sync", "codec", "rng", "progress")
+PARTS = ("model", "optimizer", "sync", "codec", "own", "rng", "progress")
 HANDED_OVER = ("model", "optimizer", "sync")  # what a joiner may get: never codec residuals
 
 
@@ -174,12 +174,14 @@ def capture(
     serialises them at once (``encode_to_memfd``), which is then the only copy."""
     sync_state = sync.state_dict()
     codec_state = sync_state.pop("codec", None)
+    own_state = sync_state.pop("own", None)  # this worker's alone besides its codec's (noise.py)
     tree = clone_tree if copy else (lambda obj: obj)
     parts = {
         "model": tree(model.state_dict()),
         "optimizer": tree(optimizer.state_dict()),
         "sync": tree(sync_state),
         "codec": tree(codec_state),
+        "own": tree(own_state),
         "rng": {
             "torch": torch.get_rng_state(),
             **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
@@ -284,6 +286,8 @@ def restore(
     sync_state = dict(parts["sync"])
     if parts.get("codec") is not None:
         sync_state["codec"] = parts["codec"]
+    if parts.get("own") is not None:
+        sync_state["own"] = parts["own"]
     sync.load_state_dict(sync_state)
     if state.get("admitted"):
         sync.adopted_state()

@@ -18,7 +18,7 @@ import math
 import sys
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,9 @@ from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import Codec, ConfigError, make_codec
 from geotrain.sync.pace import PACES, TimePace
+
+if TYPE_CHECKING:
+    from geotrain.sync.noise import NoiseScale
 
 
 @dataclass
@@ -104,6 +107,10 @@ class SyncAlgorithm:
     # methods), not on the average of the gradients (ddp, ssgd) or on an update shared by all
     # (demo): ``geotrain.wrap``'s ``lr_scale="sqrt"`` scales those steps (``local_lr_factor``).
     local_steps: ClassVar[bool] = False
+    # Where ``lr_scale="auto"`` measures the gradient noise (sync/noise.py): the methods with a
+    # period whose first step starts from the replicas' common parameters (or, DreamDDP's, from
+    # parameters each averaged within the last period) and whose sync can carry the measure.
+    measures_noise: ClassVar[bool] = False
     # False where communication happens inside a library call that cannot be timed apart from
     # compute (PyTorch DDP waits for its all-reduces inside backward).
     measures_blocked_time: ClassVar[bool] = True
@@ -119,6 +126,8 @@ class SyncAlgorithm:
         self.codec = codec_from_config(config)
         self.step_count = 0
         self.syncs = 0
+        # --lr-scale auto: this worker's measure of its gradients' noise (set by geotrain.wrap's Sync)
+        self.noise: NoiseScale | None = None
         self.broadcast_parameters()
 
     @property
@@ -239,6 +248,11 @@ class SyncAlgorithm:
             "step": self.step_count,
             "syncs": self.syncs,
             **({"codec": self.codec.state_dict()} if self.codec else {}),
+            # --lr-scale auto: the measured noise, equal on every worker; and this worker's own
+            # sample of its gradient, held from a period's first step to its sync ("own": a
+            # snapshot keeps it with the codec's residuals, never handed to another worker)
+            **({"noise": self.noise.state_dict()} if self.noise else {}),
+            **({"own": {"noise_sample": self.noise.pending}} if self.noise else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -248,6 +262,11 @@ class SyncAlgorithm:
         self.syncs = int(state["syncs"])
         if self.codec and "codec" in state:
             self.codec.load_state_dict(state["codec"])
+        if self.noise is not None:
+            if "noise" in state:
+                self.noise.load_state_dict(state["noise"])
+            # A state handed over by another worker has none: its sample is not this worker's.
+            self.noise.pending = state.get("own", {}).get("noise_sample")
 
 
 class PeriodicSync(SyncAlgorithm):
@@ -266,6 +285,7 @@ class PeriodicSync(SyncAlgorithm):
     worker's contribution by ``sync_weight()``."""
 
     local_steps = True
+    measures_noise = True
 
     def steps_locally(self) -> bool:
         return super().steps_locally() and not self.in_warm_start()
@@ -317,7 +337,9 @@ class PeriodicSync(SyncAlgorithm):
         last = (self.step_count - 1) // self.site_H * self.site_H
         return last - start if last > start else 0
 
-    def _paced_sync(self) -> None:
+    def _paced_sync(self, retry: bool = False) -> None:
+        if self.noise is not None and not retry:  # first: a failure here has changed nothing
+            self.noise.exchange(self.comm)
         if self.pacer is None:
             self.synchronize()
         else:
@@ -363,6 +385,8 @@ class PeriodicSync(SyncAlgorithm):
         return self.step_count <= self.warm_start or self.step_count % self.config.H == 0
 
     def before_step(self) -> None:
+        if self.noise is not None and self.at_boundary():  # from the replicas' common parameters
+            self.noise.record()
         if self.in_warm_start():
             for p in self.parameters():
                 if p.grad is None:  # unused in this step's graph: contributes zero, as in DDP
@@ -432,7 +456,7 @@ class PeriodicSync(SyncAlgorithm):
         # too), and the methods with a message of their own send an empty one (``contributes``).
         with self.comm.leaving_out(adopters):
             if self.at_boundary():
-                self._paced_sync()
+                self._paced_sync(retry=True)  # on every member: none measures the noise again
             elif self._site_step():  # on the new group's sites (its first period runs unpaced)
                 self.average_in_site()
 

@@ -71,6 +71,9 @@ class DreamDDPConfig(SyncConfig):
 
 class DreamDDP(SyncAlgorithm):
     local_steps = True  # each layer is averaged once per period; the optimizers are each worker's
+    # --lr-scale auto: measured from a period's first step, where each layer was averaged within
+    # the last period (not all at once: the measure includes their small drift since), at its end
+    measures_noise = True
     name = "dreamddp"
 
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
@@ -215,6 +218,8 @@ class DreamDDP(SyncAlgorithm):
             return
         if self.schedule is None:
             raise RuntimeError("dreamddp has no schedule: call prepare() or give a plan")
+        if self.noise is not None and self.step_count % self.schedule.H == 0:  # a period's first
+            self.noise.record()
         for i in sorted(self._active - set(self._inflight)):  # layers whose gradient never came
             self._launch(i)
         with torch.no_grad():
@@ -261,6 +266,8 @@ class DreamDDP(SyncAlgorithm):
         return True
 
     def _end_period(self) -> None:
+        if self.noise is not None:
+            self.noise.exchange(self.comm)
         measured = self._period_s / self.schedule.H
         self.last_period_step_s = measured
         if self.config.replan_threshold and self.predicted_step_s and self._profile_fn is not None:
