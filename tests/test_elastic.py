@@ -449,19 +449,31 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
     from geotrain.comm.communicator import Communicator
     from geotrain.ft.elastic import regroup
     from geotrain.sync import build_sync
+    from geotrain.sync.noise import NoiseScale
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         rounds = []
-        for algo in ("ssgd", "localsgd", "drift", "meet", "ddp"):  # built by the first epoch's 3 workers
+        for algo in (
+            "ssgd",
+            "localsgd",
+            "drift",
+            "meet",
+            "meet-auto",
+            "ddp",
+        ):  # the first epoch's 3 build them
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
             comm = Communicator(membership=membership)
-            method = "localsgd" if algo in ("drift", "meet") else algo
-            rounds.append((algo, model, optimizer, build_sync(method, model, optimizer, comm, {"H": 4})))
+            method = "localsgd" if algo in ("drift", "meet", "meet-auto") else algo
+            sync = build_sync(method, model, optimizer, comm, {"H": 4})
+            if algo == "meet-auto":  # --lr-scale auto: each holds its sample for the failed sync
+                sync.noise = NoiseScale(sync.parameters(), optimizer, samples=16)
+                sync.noise.pending = torch.full((16,), float(host + 1))
+            rounds.append((algo, model, optimizer, sync))
         if host == 2:
             os._exit(0)  # lost
         results = {}
@@ -472,6 +484,7 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
                 "localsgd": StepStatus(3, True),
                 "drift": StepStatus(5 + host, False),
                 "meet": StepStatus(3, host == 0),  # host 1 had not applied step 4 yet
+                "meet-auto": StepStatus(3, host == 0),
             }.get(algo, StepStatus(2, False))
             with torch.no_grad():  # replicas that differ, as after a failure
                 for p in model.parameters():
@@ -481,7 +494,7 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
             sync.step_count = 4 if algo == "localsgd" or status.local_done else status.committed
             before = [p.detach().clone() for p in model.parameters()]
             event = regroup(membership, comm, sync, model, optimizer, status)
-            if algo == "meet" and not status.local_done:
+            if algo.startswith("meet") and not status.local_done:
                 sync.after_step()  # its step 4 done: its average meets host 0's redone one
             results[algo] = {
                 "event": event,
@@ -489,6 +502,7 @@ def _survivor(host: int, store_port: int, file_store: str, out: str) -> None:
                 "after": [p.detach().clone() for p in model.parameters()],
                 "step_count": sync.step_count,
                 "optimizer": optimizer.state_dict()["state"][0]["exp_avg"].clone(),
+                "noise": sync.noise.state_dict() if sync.noise is not None else None,
             }
             if algo == "ddp":  # the new wrapper averages over the new group
                 optimizer.zero_grad()
@@ -513,7 +527,8 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
     giving exactly their mean. localsgd between syncs (H=4), host 0 at step 5 and host 1 at 6:
     nothing moves, each goes on from its own step. localsgd, host 0's average after step 4 failed
     and host 1 had not finished step 4: host 0 redoes it in the regroup, host 1 meets it from its
-    own after_step, and both hold their mean. ddp: a new wrapper on the new group averages the two
+    own after_step, and both hold their mean (and so with --lr-scale auto, both exchanging their
+    noise samples first). ddp: a new wrapper on the new group averages the two
     gradients."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
@@ -545,15 +560,20 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
         assert all(torch.equal(a, b) for a, b in zip(r["after"], r["before"], strict=True))
     assert not torch.equal(h0["drift"]["after"][0], h1["drift"]["after"][0])
 
-    m0, m1 = h0["meet"], h1["meet"]
-    assert m0["event"]["behind"] == [] and m0["event"]["resume"] == StepStatus(3, True)
-    assert m1["event"]["resume"] == StepStatus(3, False) and m0["step_count"] == m1["step_count"] == 4
-    for a, b, x0, x1 in zip(m0["after"], m1["after"], m0["before"], m1["before"], strict=True):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
+    for case in ("meet", "meet-auto"):
+        m0, m1 = h0[case], h1[case]
+        assert m0["event"]["behind"] == [] and m0["event"]["resume"] == StepStatus(3, True)
+        assert m1["event"]["resume"] == StepStatus(3, False) and m0["step_count"] == m1["step_count"] == 4
+        for a, b, x0, x1 in zip(m0["after"], m1["after"], m0["before"], m1["before"], strict=True):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, (x0 + x1) / 2, rtol=0, atol=1e-6)
+    # --lr-scale auto: the redone sync and the one met from a member's own step exchange the
+    # noise sample alike (one measure from both samples), so their collectives match.
+    n0, n1 = h0["meet-auto"]["noise"], h1["meet-auto"]["noise"]
+    assert n0 == n1 and n0["measures"] == 1 and n0["noise"] > 0
 
     d0, d1 = h0["ddp"], h1["ddp"]
-    assert d0["event"]["epoch"] == 5 and d0["event"]["members"] == [0, 1]
+    assert d0["event"]["epoch"] == 6 and d0["event"]["members"] == [0, 1]
     for g0, g1 in zip(d0["grads"], d1["grads"], strict=True):
         assert torch.equal(g0, g1)
 

@@ -202,38 +202,50 @@ def test_every_worker_reaches_the_same_factor_on_gloo(algo, tmp_path):
 
 def test_a_regroup_leaves_every_member_the_same_measure():
     """An exchange a failure cut short may have landed on some members only: after the regroup
-    each takes the largest of each moving average (a max is exact, so all hold the same)."""
+    each takes, whole, the state of the member that measured most."""
 
-    class MaxComm:
-        def __init__(self, others: list[list[float]]) -> None:
+    class GatherComm:
+        def __init__(self, others: list[dict]) -> None:
             self.others = others
 
-        def max_scalars(self, values):
-            return [max(v, *(o[i] for o in self.others)) for i, v in enumerate(values)]
+        def all_gather_object(self, obj):
+            return [obj, *self.others]
 
     behind, ahead = _noise(), _noise()
     behind.g2, behind.noise, behind.measures = 1.0, 9.0, 3
     ahead.g2, ahead.noise, ahead.measures = 1.5, 8.0, 4
-    behind.agree(MaxComm([[1.5, 8.0, 4.0]]))
-    ahead.agree(MaxComm([[1.0, 9.0, 3.0]]))
-    assert behind.state_dict() == ahead.state_dict() == {"g2": 1.5, "noise": 9.0, "measures": 4}
+    behind.agree(GatherComm([ahead.state_dict()]))
+    ahead.agree(GatherComm([{"g2": 1.0, "noise": 9.0, "measures": 3}]))
+    assert behind.state_dict() == ahead.state_dict() == {"g2": 1.5, "noise": 8.0, "measures": 4}
 
 
 @pytest.mark.parametrize(
-    "algo, measured",
-    [("localsgd", True), ("diloco", True), ("co2", True), ("sparseloco", True), ("dreamddp", True)]
-    + [("ssgd", False), ("ddp", False), ("nosync", False), ("streaming", False), ("demo", False)],
+    "algo, options, measured",
+    [("localsgd", {}, True), ("diloco", {}, True), ("dreamddp", {}, True)]
+    + [("co2", {"eager": False}, True), ("sparseloco", {"overlap": False}, True)]
+    # eager co2 and overlapping sparseloco start a period from each worker's own point
+    + [("co2", {}, False), ("sparseloco", {}, False)]
+    + [("ssgd", {}, False), ("ddp", {}, False), ("nosync", {}, False), ("streaming", {}, False)]
+    + [("demo", {}, False)],
 )
-def test_auto_measures_where_a_period_starts_from_common_parameters(algo, measured):
+def test_auto_measures_where_a_period_starts_from_common_parameters(algo, options, measured):
     """The methods that measure (``measures_noise``) get a NoiseScale; the others step at 1."""
     from geotrain.api import Sync
-    from geotrain.sync import ALGORITHMS
 
-    assert ALGORITHMS[algo][0].measures_noise is measured
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     comm = Communicator()  # a group of one: nothing is exchanged, the factor is 1
-    stepper = Sync(build_sync(algo, model, opt, comm, {}), opt, "auto")
+    stepper = Sync(build_sync(algo, model, opt, comm, options), opt, "auto")
+    assert stepper.algorithm.measures_noise is measured
     assert (stepper.algorithm.noise is not None) is measured
     assert stepper.lr_factor() == 1.0
     stepper.algorithm.close()
+
+
+def test_the_sample_takes_distinct_coordinates_the_same_for_a_seed():
+    from geotrain.sync.noise import _sample
+
+    for total, k in ((10, 10), (5000, 1000), (10**9, 2048)):
+        a, b = _sample(total, k, 0), _sample(total, k, 0)
+        assert torch.equal(a, b) and a.numel() == min(k, total) == a.unique().numel()
+        assert int(a.min()) >= 0 and int(a.max()) < total and torch.equal(a, a.sort().values)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
@@ -436,3 +437,88 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
         _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, aggregate="median"
     )["sites"]["allreduce_s"]
     assert median["two_level"] == median["flat"] == pytest.approx(0.006 + 2 * 6e-7 * 2.4e6)
+
+
+def test_a_codecs_messages_are_priced_by_their_wire_bytes_and_collectives():
+    """The profile's line is a plain ring all-reduce: a layer through int4 costs what an
+    all-reduce putting its wire bytes on the link costs (w N / (2 (N - 1)) payload bytes), and
+    its two collectives in a row pay the latency twice; fp16 halves the bytes, one collective."""
+    from geotrain.compress.codec import make_codec
+    from geotrain.plan.cost import priced_for_codec
+
+    shapes = [[(64, 256)], [(256,), (256,)], [(1024, 64)]]
+    compute = _compute([0.01] * 3, [4 * 64 * 256, 4 * 512, 4 * 1024 * 64])
+    link = LinkModel(0.002, 1e-7)
+    int4 = make_codec("int4")
+    priced, line = priced_for_codec(compute, link, int4, shapes, 4)
+    assert priced.nbytes == tuple(round(int4.wire_bytes(s, 4) / 1.5) for s in shapes)
+    assert line == LinkModel(0.004, 1e-7) and priced.backward_s == compute.backward_s
+    assert all(7 * p < c for p, c in zip(priced.nbytes[::2], compute.nbytes[::2], strict=True))  # 4 bits + scales
+    half, one = priced_for_codec(compute, link, make_codec("fp16"), shapes, 4)
+    assert half.nbytes == tuple(n // 2 for n in compute.nbytes) and one == link
+    schedule = [[0], [1], [2]]
+    assert predict_schedule(priced, line, schedule) < predict_schedule(compute, link, schedule)
+    assert priced_for_codec(compute, link, int4, shapes, 1) == (compute, link)  # nothing to send
+
+
+def test_a_replan_refits_the_links_scale_from_the_measured_step():
+    """fit_link_scale gives back the k that made a measured step; a step the compute alone
+    exceeds (or no link could make) has none: the run profiles again."""
+    from geotrain.plan.cost import fit_link_scale
+
+    compute = _compute([0.01, 0.02, 0.03, 0.04], [2_000_000] * 4)
+    link = LinkModel(0.003, 2e-8)
+    schedule = [[0, 1], [2, 3]]
+    for k in (0.05, 1.0, 3.0, 40.0):
+        measured = predict_schedule(compute, LinkModel(0.003 * k, 2e-8 * k), schedule)
+        fitted = fit_link_scale(compute, link, schedule, measured)
+        assert fitted is not None
+        assert predict_schedule(compute, LinkModel(0.003 * fitted, 2e-8 * fitted), schedule) == pytest.approx(
+            measured, rel=1e-6
+        )
+    assert fit_link_scale(compute, link, schedule, 0.5 * compute.compute_s) is None
+    assert fit_link_scale(compute, link, schedule, 1e6) is None
+
+
+def test_dreamddp_refits_from_measured_steps_without_profiling_again():
+    """A persistent drift re-plans once, from the models the plan was searched on (no profile:
+    the loss function is never called), to a prediction of the measured step; a new group
+    (rebind) still profiles again."""
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "replan_threshold": 0.1})
+    xy = torch.randint(0, 256, (2, 17))
+    calls = []
+
+    def loss_fn():
+        calls.append(1)
+        return model(xy[:, :-1], xy[:, 1:])[1]
+
+    sync.prepare(loss_fn)
+    profiled = len(calls)
+    assert profiled > 0 and sync._models is not None and sync.reprofiles == 0
+    compute, _ = sync._models
+    sync._models = (compute, LinkModel(0.001, 1e-8))  # as if profiled on a link with some cost
+    sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations)
+    measured = 3 * sync.predicted_step_s  # the link is slower than it was
+    before = [list(it) for it in sync.schedule.iterations]
+    for _ in range(2):  # two periods running
+        sync._period_s = measured * 2
+        sync._end_period()
+    assert sync.replans == 1 and sync.reprofiles == 0 and len(calls) == profiled
+    # The refitted models predict the measured step for the schedule that made it; the schedule
+    # searched on them predicts no more (it may move layers where they now hide better).
+    assert predict_schedule(*sync._models, before) == pytest.approx(measured, rel=1e-4)
+    assert sync.predicted_step_s <= measured * (1 + 1e-6)
+    sync._period_s = measured * 2
+    sync._end_period()
+    assert sync.replans == 1  # the prediction holds now: no second re-plan
+    assert json.loads(json.dumps(sync._plan))["models"]["link"]["beta_s_per_byte"] > 1e-8
+    sync.close()

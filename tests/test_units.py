@@ -408,11 +408,12 @@ def test_a_run_saved_before_algorithm_defaults_resumes_with_them():
     and leaves a choice the user made (overlap off, another timeout) and newer configs alone."""
     from geotrain.cli import saved_train_config
 
+    # and a config saved before --lr-scale ran its local steps at the rate given: "1"
     old = {"algo": "demo", "overlap": True, "timeout_s": 600.0}
-    assert saved_train_config(old) == {"algo": "demo", "overlap": None, "timeout_s": 0.0}
-    chosen = {"algo": "sparseloco", "overlap": False, "timeout_s": 900.0}
+    assert saved_train_config(old) == {"algo": "demo", "overlap": None, "timeout_s": 0.0, "lr_scale": "1"}
+    chosen = {"algo": "sparseloco", "overlap": False, "timeout_s": 900.0, "lr_scale": "auto"}
     assert saved_train_config(chosen) == chosen
-    new = {"algo": "demo", "overlap": True, "timeout_s": 600.0, "link_rate": ""}
+    new = {"algo": "demo", "overlap": True, "timeout_s": 600.0, "link_rate": "", "lr_scale": "sqrt"}
     assert saved_train_config(new) == new
 
 

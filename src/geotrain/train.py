@@ -1344,6 +1344,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "wall_s": wall_s,
         "predicted_step_s": getattr(sync, "predicted_step_s", None),
         "replans": getattr(sync, "replans", None),
+        "reprofiles": getattr(sync, "reprofiles", None),  # of them, those that profiled again
         "codec_info": sync.info(),
     }
 

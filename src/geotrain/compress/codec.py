@@ -61,6 +61,9 @@ class Codec(ABC):
     name: ClassVar[str] = "base"
     # One line for `--help` and error messages.
     summary: ClassVar[str] = ""
+    # Collectives one ``reduce`` waits for in a row: each pays the link's latency once (the
+    # planner prices a codec's message with it, ``plan.cost.priced_for_codec``).
+    collectives: ClassVar[int] = 1
     # Messages per stream sent uncompressed first, as 1-bit Adam warms up before compressing.
     warmup: int = 0
 

@@ -126,6 +126,7 @@ class _LowRank(Codec):
 @dataclass
 class PowerSGD(_LowRank):
     name = "powersgd"
+    collectives = 2  # P, then Q
     summary = "rank-r factors P then Q (two all-reduces), warm start, error feedback"
 
     def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:

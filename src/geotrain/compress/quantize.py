@@ -65,6 +65,7 @@ class BF16(_Cast):
 
 @dataclass
 class _BlockQuantizer(Codec):
+    collectives = 2  # the quantised rows' all-to-all, then the mean's shards all-gathered
     """Per-block scaled quantiser over rows of equal length; the wire format is one uint8 row."""
 
     bits: ClassVar[int] = 8

@@ -20,8 +20,10 @@ than on an idle machine. On GPUs with their own NICs gamma is close to 0 and sig
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from geotrain.comm.guard import GATHERED
 
@@ -198,3 +200,46 @@ def predict_schedule(compute: ComputeModel, link: LinkModel, schedule: Sequence[
     """DreamDDP: mean over the period of compute plus each iteration's layer-sync overhead."""
     overhead = [iteration_overhead(compute, link, layers) for layers in schedule]
     return compute.compute_s + sum(overhead) / len(overhead)
+
+
+def priced_for_codec(
+    compute: ComputeModel,
+    link: LinkModel,
+    codec: Any,
+    shapes: Sequence[Sequence[tuple[int, ...]]],
+    workers: int,
+) -> tuple[ComputeModel, LinkModel]:
+    """The models of a profile taken with plain all-reduces, for layers averaged through ``codec``.
+
+    The profile's line prices an all-reduce of n bytes, whose ring puts 2 (N - 1) / N n on each
+    link: a layer whose codec message puts w bytes there (``codec.wire_bytes`` of its
+    ``shapes``) costs what an all-reduce of w N / (2 (N - 1)) bytes does, and each of the
+    codec's ``collectives`` in a row pays the latency. Encoding and decoding take the CPU; their
+    time is not in the profile: ``fit_link_scale`` takes it from the steps measured since."""
+    if workers < 2:
+        return compute, link
+    ring = 2 * (workers - 1) / workers
+    nbytes = tuple(max(1, round(codec.wire_bytes(list(s), workers) / ring)) for s in shapes)
+    # Interference is charged per byte sent during backward: the codec's bytes, not the layer's.
+    return replace(compute, nbytes=nbytes), LinkModel(link.alpha_s * codec.collectives, link.beta_s_per_byte)
+
+
+def fit_link_scale(
+    compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]], measured_s: float
+) -> float | None:
+    """The factor k on the link's times (latency and per byte) that makes ``predict_schedule``
+    equal ``measured_s``: what a re-plan takes from the steps already measured instead of a new
+    profile (a slower or faster link, a codec's encoding: time spent per message). None where no
+    k in [1/1000, 1000] can (the compute itself changed: profile again)."""
+    schedule = [list(layers) for layers in schedule]
+
+    def predicted(k: float) -> float:
+        return predict_schedule(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k), schedule)
+
+    lo, hi = 1e-3, 1e3
+    if not predicted(lo) <= measured_s <= predicted(hi):
+        return None
+    for _ in range(60):  # predicted(k) is non-decreasing in k: bisect on a log scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if predicted(mid) < measured_s else (lo, mid)
+    return math.sqrt(lo * hi)

@@ -10,7 +10,7 @@ only the H whose factor stays within ``budget`` (1.25: at most 25% more steps th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from geotrain.comm.guard import AUTO_MIN_WORKERS, GATHERED, default_norm_ratio
@@ -282,6 +282,8 @@ def make_plan(
             "effective_mbit_s": 8e-6 / link.beta_s_per_byte if link.beta_s_per_byte else None,
         },
         "schedule": schedule_to_json(schedule, list(compute.names)),
+        # what the schedule was searched on: a run's re-plan refits these (sync/dreamddp.py)
+        "models": {"compute": asdict(compute), "link": asdict(link)},
         "predicted_s": predictions(
             compute, link, H, schedule, int(workers or profile["workers"]), plain, options, auto
         ),

@@ -337,8 +337,11 @@ class PeriodicSync(SyncAlgorithm):
         last = (self.step_count - 1) // self.site_H * self.site_H
         return last - start if last > start else 0
 
-    def _paced_sync(self, retry: bool = False) -> None:
-        if self.noise is not None and not retry:  # first: a failure here has changed nothing
+    def _paced_sync(self) -> None:
+        # First: a failure here has changed nothing. Redone after a regroup too, on every member
+        # alike (one that meets the boundary from its own step exchanges there): a worker whose
+        # sample already went adds zeros that weigh nothing.
+        if self.noise is not None:
             self.noise.exchange(self.comm)
         if self.pacer is None:
             self.synchronize()
@@ -456,7 +459,7 @@ class PeriodicSync(SyncAlgorithm):
         # too), and the methods with a message of their own send an empty one (``contributes``).
         with self.comm.leaving_out(adopters):
             if self.at_boundary():
-                self._paced_sync(retry=True)  # on every member: none measures the noise again
+                self._paced_sync()
             elif self._site_step():  # on the new group's sites (its first period runs unpaced)
                 self.average_in_site()
 

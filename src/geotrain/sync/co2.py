@@ -157,10 +157,18 @@ class CO2(PeriodicSync):
     def adopted_state(self) -> None:
         self.in_flight.adopted()  # the message it loaded is the other worker's
 
+    @property
+    def measures_noise(self) -> bool:  # type: ignore[override]
+        # --lr-scale auto needs a period's first step taken from common parameters: not eager's
+        return not self.config.eager
+
     def replicated_parts(self) -> set[str]:
-        # Right after an outer step every worker starts from the anchor; the message in flight
-        # (in "sync") is each worker's own.
-        return {"model"} if self.at_boundary() and self.step_count > self.warm_start else set()
+        # Right after an outer step every worker starts from the anchor, but with ``eager``
+        # from the anchor moved by its own pseudo-gradient; the message in flight (in "sync") is
+        # each worker's own. (A snapshot that took an eager start for shared could not rebuild a
+        # lost host from its peers: tests/test_replicated_gloo.py.)
+        shared = self.at_boundary() and self.step_count > self.warm_start and not self.config.eager
+        return {"model"} if shared else set()
 
     def info(self) -> str:
         n = self._anchor.numel()

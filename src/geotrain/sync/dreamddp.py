@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,17 @@ import torch
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.compress.codec import ConfigError
-from geotrain.plan.cost import predict_schedule
+from geotrain.plan.cost import ComputeModel, LinkModel, fit_link_scale, predict_schedule, priced_for_codec
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import StepObserver, build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
+
+
+def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
+    """A ComputeModel's fields read back from JSON: its lists as the tuples it holds."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
 
 REPLAN_AFTER_PERIODS = 2  # periods in a row that must drift before a re-plan
 OBSERVED_STEPS = 3  # steps timed for the plan when no loss function is given (after a warm-up)
@@ -88,6 +94,8 @@ class DreamDDP(SyncAlgorithm):
         self.schedule: Schedule | None = None
         self.predicted_step_s: float | None = None
         self.replans = 0
+        self.reprofiles = 0  # re-plans that profiled again (a new group, or a drift no refit explains)
+        self._models: tuple[ComputeModel, LinkModel] | None = None  # what the plan was searched on
         self._drifted = 0  # consecutive periods off the prediction by more than replan_threshold
         self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
         self._active: set[int] = set()
@@ -130,6 +138,10 @@ class DreamDDP(SyncAlgorithm):
         self._plan = plan
         self.config.H = schedule.H
         self.predicted_step_s = plan.get("predicted_s", {}).get("dreamddp")
+        models = plan.get("models")
+        self._models = (
+            (ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])) if models else None
+        )
         self._begin_iteration()
 
     def prepare(self, loss_fn: Callable[[], torch.Tensor]) -> None:
@@ -158,6 +170,29 @@ class DreamDDP(SyncAlgorithm):
 
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
+        if self.codec is not None:  # the profile's all-reduces are plain: price the codec's messages
+            by_name = {layer.name: layer for layer in self.layers}
+            shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
+            compute, link = priced_for_codec(compute, link, self.codec, shapes, self.comm.world_size)
+        self._plan_with(compute, link)
+        self.profile = profile
+
+    def _refit(self, measured_s: float) -> None:
+        """A re-plan from the steps already measured (``measured_s``, the slowest worker's mean
+        over the drifting period, the same on every worker): the link's times scaled to what
+        they were (``fit_link_scale``), the schedule searched again on them. A new profile only
+        where no scale explains it (the compute changed) or no models are at hand."""
+        models = self._models
+        k = fit_link_scale(*models, self.schedule.iterations, measured_s) if models else None
+        if k is None or self._profile_fn is None:
+            if self._profile_fn is not None:
+                self.reprofiles += 1
+                self._replan()
+            return
+        compute, link = models
+        self._plan_with(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k))
+
+    def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
         H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(compute, link, H, fill_in=self.config.fill_in)
         # The search has a time budget, so workers could differ: everyone takes rank 0's schedule.
@@ -176,9 +211,10 @@ class DreamDDP(SyncAlgorithm):
                 "iterations": [[compute.names[i] for i in it] for it in schedule.iterations],
             },
             "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations)},
+            # what the schedule was searched on (a codec's messages priced): a re-plan refits these
+            "models": {"compute": asdict(compute), "link": asdict(link)},
         }
         self.set_plan(plan)
-        self.profile = profile
 
     # -- one iteration ------------------------------------------------------------------------
     def _begin_iteration(self) -> None:
@@ -272,15 +308,16 @@ class DreamDDP(SyncAlgorithm):
         self.last_period_step_s = measured
         if self.config.replan_threshold and self.predicted_step_s and self._profile_fn is not None:
             drift = abs(measured - self.predicted_step_s) / self.predicted_step_s
-            # All workers must agree to re-plan, or their collectives would diverge.
-            (drift,) = self.comm.max_scalars([drift])
+            # All workers must agree to re-plan, or their collectives would diverge; they refit
+            # to the slowest one's step, which paces them all.
+            drift, slowest = self.comm.max_scalars([drift, measured])
             # One period off is noise (a first step's allocations, a busy neighbour); a re-plan
             # profiles again and sends probes, so it waits for the drift to persist a second period.
             self._drifted = self._drifted + 1 if drift > self.config.replan_threshold else 0
             if self._drifted >= REPLAN_AFTER_PERIODS:
                 self._drifted = 0
                 self.replans += 1
-                self._replan()
+                self._refit(slowest)
         self._period_s = 0.0
 
     def finalize(self) -> None:
@@ -293,6 +330,7 @@ class DreamDDP(SyncAlgorithm):
         self._period_s = 0.0
         if self._profile_fn is not None and self.comm.world_size > 1:
             self.replans += 1
+            self.reprofiles += 1
             self._replan()
         if self.schedule is not None:
             self._begin_iteration()
@@ -313,6 +351,7 @@ class DreamDDP(SyncAlgorithm):
         state["iterations"] = self.schedule.iterations if self.schedule else None
         state["plan"] = self._plan if self.schedule else None
         state["replans"] = self.replans
+        state["reprofiles"] = self.reprofiles
         state["drifted"] = self._drifted
         if self.codec:
             state["ref"] = {name: list(ts) for name, ts in self._ref.items()}
@@ -322,6 +361,7 @@ class DreamDDP(SyncAlgorithm):
         """The plan and the position in its period come back with the step: no re-profiling."""
         super().load_state_dict(state)
         self.replans = int(state.get("replans", 0))
+        self.reprofiles = int(state.get("reprofiles", 0))
         self._drifted = int(state.get("drifted", 0))
         if state.get("plan") is not None:
             self.set_plan(state["plan"])  # also starts the iteration at step_count % H

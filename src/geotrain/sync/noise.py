@@ -35,9 +35,10 @@ replicas' small differences too, and leans towards sqrt(N). ``streaming`` (fragm
 steps), ``demo`` (one shared update) and the per-step methods keep the factor at 1.
 
 It costs one all-reduce of ``samples`` + 2 half-precision floats per sync (4 KB by default),
-counted in the step's bytes. After a regroup the members take the largest of each moving average (``agree``),
-so a measure that a failure cut short on some of them leaves no two different. Optimizers without a second moment (SGD) average their local steps linearly, as
-DDP does: their scale stays 1. A hostile worker could move the estimate, not further than the
+counted in the step's bytes. After a regroup the members take the largest of each moving
+average (``agree``), so a measure that a failure cut short on some of them leaves no two
+different. Optimizers without a second moment (SGD) average their local steps linearly, as DDP
+does: their scale stays 1. A hostile worker could move the estimate, not further than the
 bounds: the factor stays in [1, sqrt(N)], and a non-finite sum is ignored.
 """
 
@@ -51,6 +52,19 @@ import torch
 SAMPLES = 2048  # coordinates sampled from the whole model
 DECAY = 0.8  # the moving averages' decay, per sync: about the last 5 syncs
 MIN_MEASURES = 2  # syncs measured before the scale leaves 1
+
+
+def _sample(total: int, samples: int, seed: int) -> torch.Tensor:
+    """``samples`` distinct indices in [0, total), sorted, the same for a seed; without a
+    permutation of all ``total`` (8 bytes a parameter) where they are few among many."""
+    gen = torch.Generator().manual_seed(seed)
+    if total <= 4 * samples:
+        return torch.randperm(total, generator=gen)[:samples].sort().values
+    picked = torch.empty(0, dtype=torch.int64)
+    while picked.numel() < samples:  # collisions are rare: one or two draws
+        picked = torch.cat([picked, torch.randint(total, (2 * samples,), generator=gen)]).unique()
+    keep = torch.randperm(picked.numel(), generator=gen)[:samples]
+    return picked[keep].sort().values
 
 
 class NoiseScale:
@@ -75,8 +89,7 @@ class NoiseScale:
         self.decay = decay
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
-        gen = torch.Generator().manual_seed(seed)  # the same coordinates on every worker
-        picked = torch.randperm(total, generator=gen)[: min(samples, total)].sort().values
+        picked = _sample(total, samples, seed)  # the same coordinates on every worker
         self.samples = picked.numel()
         self.index: list[tuple[int, torch.Tensor]] = []  # (parameter, flat indices into it)
         start = 0
@@ -90,13 +103,17 @@ class NoiseScale:
         self.noise = 0.0  # moving average of S
         self.measures = 0  # syncs measured
 
-    def _second_moment(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, float] | None:
-        """Adam's v of ``p`` and its beta2, where the optimizer keeps them."""
-        v = self.optimizer.state.get(p, {}).get("exp_avg_sq")
+    def _second_moment(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, float, float] | None:
+        """Adam's v of ``p``, its beta2 and its bias correction 1 - beta2^t, where the optimizer
+        keeps them. The correction matters between workers: a joiner's fresh optimizer has a
+        young v, which uncorrected would make its samples up to 1 / sqrt(1 - beta2) larger."""
+        state = self.optimizer.state.get(p, {})
+        v = state.get("exp_avg_sq")
         if not isinstance(v, torch.Tensor) or v.shape != p.shape:
             return None
         group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
-        return v, float(group.get("betas", (0.9, 0.999))[1])
+        beta2 = float(group.get("betas", (0.9, 0.999))[1])
+        return v, beta2, 1.0 - beta2 ** float(state.get("step", 1))
 
     def record(self) -> None:
         """After the backward of a step taken from the replicas' common parameters (the first
@@ -109,12 +126,14 @@ class NoiseScale:
         for i, idx in self.index:
             p = self.params[i]
             moment = self._second_moment(p)
-            if p.grad is None or moment is None:  # no step taken yet (Adam's v is made at the first)
+            if moment is None:  # no step taken yet (Adam's v is made at the first)
                 self.pending = None
                 return
-            v, beta2 = moment
-            g = p.grad.detach().reshape(-1)[idx].float()
+            v, beta2, correction = moment
+            # A parameter this step did not use has no gradient: zeros, on every worker alike.
+            g = torch.zeros(idx.numel()) if p.grad is None else p.grad.detach().reshape(-1)[idx].float()
             v_now = v.detach().reshape(-1)[idx].float().mul(beta2).add_(g.square(), alpha=1 - beta2)
+            v_now.div_(correction + (1 - beta2) * (1 - correction))  # this step's 1 - beta2^(t+1)
             picked.append(torch.where(v_now > 0, g / v_now.sqrt(), torch.zeros_like(g)))
         self.pending = torch.cat(picked)
 
@@ -147,11 +166,11 @@ class NoiseScale:
         self.measures += 1
 
     def agree(self, comm: Any) -> None:
-        """After a regroup, on every member: the largest of each moving average, so that all hold
-        the same again (an exchange a failure cut short may have completed on some members only;
-        a joiner has the leader's)."""
-        self.g2, self.noise, measures = comm.max_scalars([self.g2, self.noise, float(self.measures)])
-        self.measures = int(measures)
+        """After a regroup, on every member: the state of the member that measured most (the
+        first of them), whole, so that all hold the same again (an exchange a failure cut short
+        may have landed on some members only; a joiner has the leader's)."""
+        states = comm.all_gather_object(self.state_dict())
+        self.load_state_dict(max(states, key=lambda s: s["measures"]))
 
     def signal_fraction(self) -> float | None:
         """rho = |G|^2 / (|G|^2 + S), in [0, 1]; None before MIN_MEASURES syncs were measured."""

@@ -188,6 +188,12 @@ class SparseLoCo(PeriodicSync):
         self._error.zero_()
         self.in_flight.adopted()
 
+    @property
+    def measures_noise(self) -> bool:  # type: ignore[override]
+        # --lr-scale auto needs a period's first step taken from common parameters: under
+        # overlap each worker starts from the anchor moved by its own message
+        return not self.config.overlap
+
     def replicated_parts(self) -> set[str]:
         # e is each worker's own, so "sync" never is; under overlap neither are the parameters.
         return {"model"} if self.at_boundary() and not self.config.overlap else set()
