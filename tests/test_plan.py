@@ -453,7 +453,8 @@ def test_a_codecs_messages_are_priced_by_their_wire_bytes_and_collectives():
     priced, line = priced_for_codec(compute, link, int4, shapes, 4)
     assert priced.nbytes == tuple(round(int4.wire_bytes(s, 4) / 1.5) for s in shapes)
     assert line == LinkModel(0.004, 1e-7) and priced.backward_s == compute.backward_s
-    assert all(7 * p < c for p, c in zip(priced.nbytes[::2], compute.nbytes[::2], strict=True))  # 4 bits + scales
+    # 4 bits a value, and the scales
+    assert all(7 * p < c for p, c in zip(priced.nbytes[::2], compute.nbytes[::2], strict=True))
     half, one = priced_for_codec(compute, link, make_codec("fp16"), shapes, 4)
     assert half.nbytes == tuple(n // 2 for n in compute.nbytes) and one == link
     schedule = [[0], [1], [2]]
