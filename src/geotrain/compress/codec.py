@@ -61,9 +61,6 @@ class Codec(ABC):
     name: ClassVar[str] = "base"
     # One line for `--help` and error messages.
     summary: ClassVar[str] = ""
-    # Collectives one ``reduce`` waits for in a row: each pays the link's latency once (the
-    # planner prices a codec's message with it, ``plan.cost.priced_for_codec``).
-    collectives: ClassVar[int] = 1
     # Messages per stream sent uncompressed first, as 1-bit Adam warms up before compressing.
     warmup: int = 0
 
@@ -113,6 +110,12 @@ class Codec(ABC):
     @abstractmethod
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         """Bytes this worker sends for one ``reduce`` of tensors of ``shapes``."""
+
+    def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
+        """``wire_bytes`` split in two: what the collective ``reduce`` launches sends, and what
+        the collectives that ``wait`` runs after it send (the planner prices the first under
+        backward and the second after it, one latency each: ``plan.cost.priced_for_codec``)."""
+        return self.wire_bytes(shapes, world_size), 0
 
     def info(self) -> str:
         """What the codec decided at run time (for the run summary); "" if nothing."""

@@ -126,7 +126,6 @@ class _LowRank(Codec):
 @dataclass
 class PowerSGD(_LowRank):
     name = "powersgd"
-    collectives = 2  # P, then Q
     summary = "rank-r factors P then Q (two all-reduces), warm start, error feedback"
 
     def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
@@ -149,6 +148,11 @@ class PowerSGD(_LowRank):
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return self._message_bytes(shapes, world_size, lambda n, m: n + m)
+
+    def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
+        """P (with the tensors sent as they are), then Q in ``wait``."""
+        first = self._message_bytes(shapes, world_size, lambda n, m: n)
+        return first, self.wire_bytes(shapes, world_size) - first
 
 
 @dataclass
@@ -188,3 +192,8 @@ class ACPSGD(_LowRank):
     def wire_bytes(self, shapes: Shapes, world_size: int, step: int = 0) -> int:
         """Bytes for the ``step``-th message of this stream (even: P, n r values; odd: Q, m r)."""
         return self._message_bytes(shapes, world_size, lambda n, m: n if step % 2 == 0 else m)
+
+    def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
+        """One all-reduce, P and Q in turn: their mean."""
+        both = self.wire_bytes(shapes, world_size, 0) + self.wire_bytes(shapes, world_size, 1)
+        return both // 2, 0

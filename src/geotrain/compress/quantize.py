@@ -65,7 +65,6 @@ class BF16(_Cast):
 
 @dataclass
 class _BlockQuantizer(Codec):
-    collectives = 2  # the quantised rows' all-to-all, then the mean's shards all-gathered
     """Per-block scaled quantiser over rows of equal length; the wire format is one uint8 row."""
 
     bits: ClassVar[int] = 8
@@ -182,6 +181,11 @@ class _BlockQuantizer(Codec):
             return 0
         block, chunk = self.layout(sum(numel(s) for s in shapes), world_size)
         return 2 * (world_size - 1) * self.row_bytes(chunk, block)
+
+    def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
+        """The quantised rows' all-to-all, then (in ``wait``) the mean's shards all-gathered."""
+        half = self.wire_bytes(shapes, world_size) // 2
+        return half, half
 
 
 @dataclass

@@ -78,6 +78,9 @@ class ComputeModel:
     optimizer_s: float
     interference_s_per_byte: float = 0.0
     comm_slowdown: float = 1.0
+    # Per layer, the bytes of what its average sends only after backward (a codec's second
+    # phase, run where the step waits for it: ``priced_for_codec``); () for none.
+    tail_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.comm_slowdown < 1:
@@ -149,10 +152,12 @@ def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[
 
 
 def iteration_overhead(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
-    """What averaging ``layers`` during backward adds to an iteration: exposure plus interference."""
+    """What averaging ``layers`` during backward adds to an iteration: exposure plus interference,
+    plus their second phases after backward, one after another (``tail_bytes``)."""
     chosen = list(layers)
     sent = sum(compute.nbytes[i] for i in chosen)
-    return exposed_for_layers(compute, link, chosen) + compute.interference_s_per_byte * sent
+    tails = sum(link.time(compute.tail_bytes[i]) for i in chosen) if compute.tail_bytes else 0.0
+    return exposed_for_layers(compute, link, chosen) + compute.interference_s_per_byte * sent + tails
 
 
 def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
@@ -204,24 +209,28 @@ def predict_schedule(compute: ComputeModel, link: LinkModel, schedule: Sequence[
 
 def priced_for_codec(
     compute: ComputeModel,
-    link: LinkModel,
     codec: Any,
     shapes: Sequence[Sequence[tuple[int, ...]]],
     workers: int,
-) -> tuple[ComputeModel, LinkModel]:
-    """The models of a profile taken with plain all-reduces, for layers averaged through ``codec``.
+) -> ComputeModel:
+    """The compute model of a profile taken with plain all-reduces, for layers averaged through
+    ``codec``: the link's line is the same, the messages are not.
 
     The profile's line prices an all-reduce of n bytes, whose ring puts 2 (N - 1) / N n on each
-    link: a layer whose codec message puts w bytes there (``codec.wire_bytes`` of its
-    ``shapes``) costs what an all-reduce of w N / (2 (N - 1)) bytes does, and each of the
-    codec's ``collectives`` in a row pays the latency. Encoding and decoding take the CPU; their
-    time is not in the profile: ``fit_link_scale`` takes it from the steps measured since."""
+    link: a message that puts w bytes there costs what an all-reduce of w N / (2 (N - 1)) bytes
+    does. A codec's first collective (``Codec.phase_bytes``) is launched when the layer's
+    gradient is ready and queued under backward like a plain all-reduce; its second (the
+    quantisers' all-gather, PowerSGD's Q) runs where the step waits, after backward, one layer
+    after another (``tail_bytes``), each paying the latency again. Encoding and decoding take
+    the CPU and are not in the profile: ``fit_link_scale`` takes them from the steps measured."""
     if workers < 2:
-        return compute, link
+        return compute
     ring = 2 * (workers - 1) / workers
-    nbytes = tuple(max(1, round(codec.wire_bytes(list(s), workers) / ring)) for s in shapes)
-    # Interference is charged per byte sent during backward: the codec's bytes, not the layer's.
-    return replace(compute, nbytes=nbytes), LinkModel(link.alpha_s * codec.collectives, link.beta_s_per_byte)
+    phases = [codec.phase_bytes(list(s), workers) for s in shapes]
+    nbytes = tuple(max(1, round(first / ring)) for first, _ in phases)
+    tail = tuple(round(second / ring) for _, second in phases)
+    # Interference is charged per byte sent during backward: the first phase's.
+    return replace(compute, nbytes=nbytes, tail_bytes=tail if any(tail) else ())
 
 
 def fit_link_scale(
@@ -230,7 +239,9 @@ def fit_link_scale(
     """The factor k on the link's times (latency and per byte) that makes ``predict_schedule``
     equal ``measured_s``: what a re-plan takes from the steps already measured instead of a new
     profile (a slower or faster link, a codec's encoding: time spent per message). None where no
-    k in [1/1000, 1000] can (the compute itself changed: profile again)."""
+    k in [1/1000, 1000] can: a measured step below the compute alone (the compute got faster:
+    profile again). A busier worker is read as a slower link here: the schedule then hides
+    less, until a change of members profiles again."""
     schedule = [list(layers) for layers in schedule]
 
     def predicted(k: float) -> float:

@@ -139,9 +139,16 @@ class DreamDDP(SyncAlgorithm):
         self.config.H = schedule.H
         self.predicted_step_s = plan.get("predicted_s", {}).get("dreamddp")
         models = plan.get("models")
-        self._models = (
-            (ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])) if models else None
-        )
+        self._models = None
+        if models:
+            compute, link = ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])
+            priced_for = models.get("codec", "")
+            if priced_for != self._codec_key() and not priced_for:  # `geotrain plan`'s: plain
+                compute = self._priced(compute)
+                self.predicted_step_s = predict_schedule(compute, link, schedule.iterations)
+                priced_for = self._codec_key()
+            # priced for another codec or group: a re-plan profiles again
+            self._models = (compute, link) if priced_for == self._codec_key() else None
         self._begin_iteration()
 
     def prepare(self, loss_fn: Callable[[], torch.Tensor]) -> None:
@@ -170,12 +177,20 @@ class DreamDDP(SyncAlgorithm):
 
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
-        if self.codec is not None:  # the profile's all-reduces are plain: price the codec's messages
-            by_name = {layer.name: layer for layer in self.layers}
-            shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
-            compute, link = priced_for_codec(compute, link, self.codec, shapes, self.comm.world_size)
-        self._plan_with(compute, link)
+        self._plan_with(self._priced(compute), link)
         self.profile = profile
+
+    def _codec_key(self) -> str:
+        """What the models a plan holds were priced for: this codec among this many workers."""
+        return f"{self.codec.spec()} x{self.comm.world_size}" if self.codec is not None else ""
+
+    def _priced(self, compute: ComputeModel) -> ComputeModel:
+        """A profile's compute model (plain all-reduces) with this run's codec messages priced."""
+        if self.codec is None:
+            return compute
+        by_name = {layer.name: layer for layer in self.layers}
+        shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
+        return priced_for_codec(compute, self.codec, shapes, self.comm.world_size)
 
     def _refit(self, measured_s: float) -> None:
         """A re-plan from the steps already measured (``measured_s``, the slowest worker's mean
@@ -212,7 +227,7 @@ class DreamDDP(SyncAlgorithm):
             },
             "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations)},
             # what the schedule was searched on (a codec's messages priced): a re-plan refits these
-            "models": {"compute": asdict(compute), "link": asdict(link)},
+            "models": {"compute": asdict(compute), "link": asdict(link), "codec": self._codec_key()},
         }
         self.set_plan(plan)
 
