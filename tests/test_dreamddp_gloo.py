@@ -204,3 +204,42 @@ def test_replanning_mid_training_agrees_across_workers_and_leaves_the_optimizer_
     assert a["replans"] == b["replans"] == 1
     assert a["iterations"] == b["iterations"]
     assert a["opt_steps"] == 4  # profiling timed a copy of the optimizer, not the real one
+
+
+def _codec_run(rank, world_size):
+    """DreamDDP with int4, profiled at start-up on loopback, 40 steps at the default threshold."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 4, "compress": "int4"})
+    profiles = []
+
+    def loss_fn():
+        profiles.append(1)
+        x, y = _batch(rank, 99)
+        return model(x, y)[1]
+
+    sync.prepare(loss_fn)
+    profiled = len(profiles)
+    for step in range(40):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    sync.close()
+    return {
+        "replans": sync.replans,
+        "reprofiles": sync.reprofiles,
+        "profiled_again": len(profiles) > profiled,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_run_with_a_codec_replans_at_most_once_and_never_profiles_again():
+    """The links do not change: the plan prices int4's messages, and whatever its prediction
+    missed (encoding, decoding) one refit from the measured steps takes in, without a profile."""
+    results = run_workers(_codec_run, 2, timeout=100)
+    for r in results:
+        assert r["replans"] <= 1 and r["reprofiles"] == 0 and not r["profiled_again"]
+    assert results[0]["replans"] == results[1]["replans"]

@@ -231,7 +231,10 @@ def wrap(
     (``geotrain.comm.guard``). ``lr_scale="sqrt"`` runs the optimizer steps each worker takes
     on its own gradient (the local methods': ``SyncAlgorithm.local_steps``) at sqrt(N) times the
     optimizer's learning rate, N the group's size, so that their average moves as far as a
-    synchronous step at the learning rate given; "1" leaves it as given."""
+    synchronous step at the learning rate given where gradient noise dominates; "auto" at the
+    factor between 1 and sqrt(N) that the noise measured across the workers at each sync calls
+    for (``geotrain.sync.noise``: localsgd, diloco, dreamddp, co2 without eager, sparseloco
+    without overlap; 1 for the others); "1" leaves it as given."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"wrap takes a torch.nn.Module as the model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
