@@ -14,7 +14,7 @@ ALGOS = [
     ("ddp", {}),
     ("localsgd", {"H": 2}),
     ("diloco", {"H": 2}),
-    ("diloco", {"H": 3, "warm_start": 2}),
+    ("diloco", {"H": 2, "warm_start": 1}),
     ("co2", {"H": 2}),  # eager by default: each worker starts a period from its own point
     ("co2", {"H": 2, "eager": False}),
     ("sparseloco", {"H": 2}),  # overlap by default
@@ -26,7 +26,7 @@ ALGOS = [
 
 
 def _claims(rank, world_size, algos):
-    """Each algorithm trained 6 steps on this worker's own batches: after every step, the
+    """Each algorithm trained 4 steps on this worker's own batches: after every step, the
     digest of each part this worker's algorithm says is replicated."""
     from geotrain.comm.communicator import Communicator
     from geotrain.ft.state import capture, tensor_digest
@@ -41,7 +41,7 @@ def _claims(rank, world_size, algos):
         sync = build_sync(algo, model, opt, Communicator(), dict(options))
         gen = torch.Generator().manual_seed(100 + rank)
         seen = []
-        for step in range(1, 7):
+        for step in range(1, 5):
             xy = torch.randint(0, 256, (2, 17), generator=gen)
             sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
             sync.before_step()
@@ -60,7 +60,7 @@ def _claims(rank, world_size, algos):
 
 @pytest.mark.timeout(240)
 def test_every_part_an_algorithm_calls_replicated_is_equal_on_every_worker():
-    results = run_workers(_claims, 3, ALGOS, timeout=220)
+    results = run_workers(_claims, 2, ALGOS, timeout=220)
     wrong = []
     for case, steps in results[0].items():
         for step, claimed in enumerate(steps, start=1):
