@@ -173,6 +173,17 @@ def test_start_up_profile_gives_every_worker_the_same_schedule():
         assert torch.equal(p, q.detach())
 
 
+def _train_steps(sync, opt, rank: int, steps: int) -> None:
+    """``steps`` steps of ``sync``'s model on this worker's batches."""
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+
+
 def _replan_after_training(rank, world_size):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -184,13 +195,7 @@ def _replan_after_training(rank, world_size):
 
     sync.prepare(loss_fn)
     sync.predicted_step_s = 1e-9  # the measured time will look like a drift
-    for step in range(4):
-        x, y = _batch(rank, step)
-        sync.model(x, y)[1].backward()
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    _train_steps(sync, opt, rank, 4)
     sync.close()
     return {
         "replans": sync.replans,
@@ -232,13 +237,7 @@ def _codec_run(rank, world_size):
     ticks = itertools.count()
     dreamddp.time = SimpleNamespace(perf_counter=lambda: next(ticks) * 2 * first)
     try:
-        for step in range(40):
-            x, y = _batch(rank, step)
-            sync.model(x, y)[1].backward()
-            sync.before_step()
-            opt.step()
-            opt.zero_grad()
-            sync.after_step()
+        _train_steps(sync, opt, rank, 40)
     finally:
         dreamddp.time = time
     sync.close()

@@ -388,7 +388,11 @@ class PeriodicSync(SyncAlgorithm):
         return self.step_count <= self.warm_start or self.step_count % self.config.H == 0
 
     def before_step(self) -> None:
-        if self.noise is not None and self.at_boundary():  # from the replicas' common parameters
+        # From the replicas' common parameters: after a sync, or the warm start's last step (not
+        # at each warm step: only the last sample before the first periodic sync is exchanged).
+        if self.noise is not None and (
+            self.step_count % self.config.H == 0 or self.step_count == self.warm_start
+        ):
             self.noise.record()
         if self.in_warm_start():
             for p in self.parameters():

@@ -143,10 +143,9 @@ class DreamDDP(SyncAlgorithm):
         if models:
             compute, link = ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])
             priced_for = models.get("codec", "")
-            if priced_for != self._codec_key() and not priced_for:  # `geotrain plan`'s: plain
-                compute = self._priced(compute)
+            if not priced_for and self.codec is not None:  # `geotrain plan`'s: plain all-reduces
+                compute, priced_for = self._priced(compute), self._codec_key()
                 self.predicted_step_s = predict_schedule(compute, link, schedule.iterations)
-                priced_for = self._codec_key()
             # priced for another codec or group: a re-plan profiles again
             self._models = (compute, link) if priced_for == self._codec_key() else None
         self._begin_iteration()
@@ -199,10 +198,9 @@ class DreamDDP(SyncAlgorithm):
         where no scale explains it (the compute changed) or no models are at hand."""
         models = self._models
         k = fit_link_scale(*models, self.schedule.iterations, measured_s) if models else None
-        if k is None or self._profile_fn is None:
-            if self._profile_fn is not None:
-                self.reprofiles += 1
-                self._replan()
+        if k is None:
+            self.reprofiles += 1
+            self._replan()
             return
         compute, link = models
         self._plan_with(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k))

@@ -86,6 +86,11 @@ class NoiseScale:
             raise ValueError(f"decay must be in (0, 1) (a moving average's decay), got {decay}")
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = optimizer
+        self._beta2 = {  # each parameter's group's, looked up once
+            id(q): float(group.get("betas", (0.9, 0.999))[1])
+            for group in optimizer.param_groups
+            for q in group["params"]
+        }
         self.decay = decay
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
@@ -111,8 +116,7 @@ class NoiseScale:
         v = state.get("exp_avg_sq")
         if not isinstance(v, torch.Tensor) or v.shape != p.shape:
             return None
-        group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
-        beta2 = float(group.get("betas", (0.9, 0.999))[1])
+        beta2 = self._beta2[id(p)]
         return v, beta2, 1.0 - beta2 ** float(state.get("step", 1))
 
     def record(self) -> None:
