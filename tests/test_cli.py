@@ -83,8 +83,12 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
 # ddp runs end to end in test_resume_cli (exit 0) and test_continue_cli (faults); nosync in
 # test_topology (a straggler); every algorithm's state and survival in test_resume_gloo and
 # test_continue_cli.
-@pytest.mark.parametrize("algo", ["localsgd"])
-def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
+@pytest.mark.parametrize(
+    "algo, extra, expected_syncs",
+    # --H-schedule 1x2 with H=3: every step to 3 (where 1 and 3 both sync), then at 6
+    [("localsgd", [], 2), ("localsgd", ["--H-schedule", "1x2"], 4)],
+)
+def test_every_algorithm_runs_from_the_cli(tmp_path, algo, extra, expected_syncs):
     run_dir = tmp_path / algo
     proc = _run(
         [
@@ -102,12 +106,12 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo):
             "3",
             "--run-dir",
             str(run_dir),
+            *extra,
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algo"] == algo and summary["network_mode"] == "loopback"
-    expected_syncs = {"ddp": 6, "localsgd": 2, "nosync": 0}[algo]
     assert summary["syncs"] == expected_syncs
     if algo == "nosync":
         assert summary["sent_bytes_per_step"] == 0
@@ -141,6 +145,8 @@ BAD_INPUTS = [
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--algo", "ssgd", "--compress", "int9"], "unknown codec 'int9'; accepted: fp16, bf16, int8"),
     (["--algo", "ssgd", "--compress", "acpsgd:rank=0"], "acpsgd: rank must be an integer >= 1, got 0"),
+    (["--algo", "localsgd", "--H-schedule", "2x"], "--H-schedule takes grow[:every=STEPS,start=P] or"),
+    (["--algo", "ssgd", "--H-schedule", "grow"], "ssgd does not take --H-schedule"),
     (["--algo", "nosync", "--compress", "int8"], "nosync does not take --compress; algorithms that do: ssgd"),
 ]
 

@@ -590,3 +590,59 @@ def test_a_plan_for_plain_all_reduces_is_priced_for_the_runs_codec():
     assert sync._models[0] == priced  # not priced twice
     sync.comm.world_size = 1
     sync.close()
+
+
+def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is():
+    """``geotrain plan --compress int4``: the schedule is searched on int4's messages, the methods
+    that take a codec are predicted with it and the others are not; a DreamDDP run with int4 in a
+    group of the plan's size keeps the plan's models and prediction (no pricing twice)."""
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.compress.codec import make_codec
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.plan.cost import priced_for_codec
+    from geotrain.plan.layers import layer_groups
+    from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    layers = list(reversed(layer_groups(model)))
+    profile = _profile() | {
+        "layers": [
+            {
+                "name": layer.name,
+                "bytes": layer.nbytes,
+                "backward_s": 0.004,
+                "shapes": [list(p.shape) for p in layer.params],
+            }
+            for layer in layers
+        ]  # fmt: skip
+    }
+    plain = make_plan(profile, H=2)
+    plan = make_plan(profile, H=2, compress="int4")
+    int4 = make_codec("int4")
+    assert plan["models"]["codec"] == f"{int4.spec()} x2" and plan["target"]["compress"] == "int4"
+    fields = plain["models"]["compute"].items()
+    compute = ComputeModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields})
+    shapes = [[tuple(p.shape) for p in layer.params] for layer in layers]
+    priced = priced_for_codec(compute, int4, shapes, 2)
+    assert tuple(plan["models"]["compute"]["nbytes"]) == priced.nbytes
+    assert tuple(plan["models"]["compute"]["tail_bytes"]) == priced.tail_bytes
+    for algo in ("ddp", "ssgd", "localsgd", "diloco", "dreamddp"):
+        assert plan["predicted_s"][algo] < plain["predicted_s"][algo], algo
+    for algo in ("nosync", "sparseloco", "demo", "streaming", "co2"):  # their own messages
+        assert plan["predicted_s"][algo] == plain["predicted_s"][algo], algo
+    assert "+ int4" in format_plan(plan).split("dreamddp")[1].splitlines()[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "compress": "int4"})
+    sync.comm.world_size = 2  # as in a pair (nothing is sent here)
+    sync.set_plan(json.loads(json.dumps(plan)))
+    assert sync._models[0].nbytes == priced.nbytes  # taken as it is, not priced twice
+    assert sync.predicted_step_s == plan["predicted_s"]["dreamddp"]
+    sync.comm.world_size = 1
+    sync.close()
+    # PowerSGD's factors need each matrix's shape, which older profiles lack
+    with pytest.raises(ValueError, match="no parameter shapes .* profile again"):
+        make_plan(_profile(), H=2, compress="powersgd:rank=2")
+    assert make_plan(_profile(), H=2, compress="int8")["models"]["codec"].endswith(" x2")

@@ -42,6 +42,8 @@ CASES = [
     # --lr-scale auto at H=2: stops holding its sample of step 5 for the sync at 6, and the
     # factor leaves 1 at step 7 (measured at 4 and 6)
     ("localsgd", "lrauto"),
+    # --H-schedule 1x3,2x2 with H=4: syncs at 1, 2, 3, 4, 6, 8; stops inside a period of 2
+    ("diloco", "grow"),
 ]
 
 
@@ -73,7 +75,8 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         plan = _plan(base.with_suffix(f".plan{rank}.json"), 4) if algo == "dreamddp" else ""
         common = dict(
             algo=algo,
-            compress="" if codec in ("overlap", "warm", "lrauto") else codec,
+            compress="" if codec in ("overlap", "warm", "lrauto", "grow") else codec,
+            H_schedule="1x3,2x2" if codec == "grow" else "",
             lr_scale="auto" if codec == "lrauto" else "1",
             overlap=True if codec == "overlap" else None,
             warm_start=7 if codec == "warm" else 0,

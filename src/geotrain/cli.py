@@ -569,6 +569,14 @@ def _cmd_plan(argv: list[str]) -> int:
         "default, the periodic methods' averages among 3+ workers, not the per-step all-reduces; "
         "default: as profiled)",
     )
+    p.add_argument(
+        "--compress",
+        default="",
+        help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ...): the DreamDDP "
+        "schedule is searched on its messages (a run with that codec and worker count takes the plan "
+        "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
+        "own messages. Its encoding time is not in the profile: a run refits it from its first steps",
+    )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
     args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth")))
@@ -602,7 +610,7 @@ def _cmd_plan(argv: list[str]) -> int:
         plan = make_plan(
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=checked, topology=topology,
-            speed=0.95 if args.speed is None else args.speed,
+            speed=0.95 if args.speed is None else args.speed, compress=args.compress,
         )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(
@@ -610,7 +618,7 @@ def _cmd_plan(argv: list[str]) -> int:
         ) from None
     Path(args.out).write_text(json.dumps(plan, indent=2) + "\n")
     if args.png:
-        from geotrain.plan.planner import plot_schedule, retarget
+        from geotrain.plan.planner import codec_priced, plot_schedule, retarget
 
         if topology is not None:  # the table's line: a flat ring through the slowest uplink
             workers, rates = topology.workers, [min(topology.wan_bps)] * topology.workers
@@ -618,6 +626,7 @@ def _cmd_plan(argv: list[str]) -> int:
             profile, workers if topology else args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=False if checked == "auto" else checked,
         )  # fmt: skip
+        compute = codec_priced(profile, compute, args.compress, workers or int(profile["workers"]))[0]
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))
     print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))

@@ -78,6 +78,7 @@ from geotrain.models import MODEL_SIZES, ModelError, ModelSpec, build_model, des
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.plan.network import collective_timeout_s
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
+from geotrain.sync.periods import resolve_every
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -128,6 +129,7 @@ class TrainConfig:
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
+    H_schedule: str = ""  # localsgd, diloco: shorter periods first (grow, or PxN,...), then H
     pace: str = "steps"  # localsgd, diloco: "time": a period lasts the fastest worker's H steps
     site_H: int = 0  # localsgd, diloco with --hierarchy: parameters averaged in each site every site_H
     bucket_mb: float = 0.0  # 0: the algorithm's default
@@ -227,6 +229,8 @@ class TrainConfig:
         if self.warmup == AUTO_WARMUP:  # resolved once: the saved config (a resume) keeps the number
             wanted = self.algo not in ALGORITHMS or ALGORITHMS[self.algo][1].auto_warmup
             self.warmup = warmup_for(self.lr_steps or self.steps) if wanted else 0
+        # resolved once, as --warmup auto is: the saved config (a resume) keeps the stages
+        self.H_schedule = resolve_every(self.H_schedule, self.lr_steps or self.steps)
         need(self.lr_scale in LR_SCALES, f"--lr-scale takes {' or '.join(LR_SCALES)}, got {self.lr_scale!r}")
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
@@ -411,6 +415,8 @@ class TrainConfig:
             opts["bucket_mb"] = self.bucket_mb
         if self.warm_start:
             opts["warm_start"] = self.warm_start
+        if self.H_schedule:
+            opts["H_schedule"] = self.H_schedule
         if self.pace != "steps":
             opts["pace"] = self.pace
         if self.site_H:
@@ -490,6 +496,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "co2's heavy-ball (-1: 0.5)",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
+        "H_schedule": "localsgd, diloco: shorter periods first, then H: grow (periods 2, 4, 8, ... below H, "
+        "each for a tenth of the planned steps; grow:every=STEPS,start=P to choose) or PERIODxSTEPS,... "
+        "(e.g. 2x50,5x100); each stage ends where both its period and the next divide the step count "
+        "(see the README); empty: H throughout",
         "site_H": "localsgd, diloco with --hierarchy sites or auto: the parameters are averaged inside "
         "each site (over its LAN) every site_H steps, and across sites every H; 0: off (the two levels "
         "then only split each all-reduce)",
@@ -1340,6 +1350,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "sent_bytes_per_step": sent_per_step,
         "link_mbit_s": sent_per_step * 8 / step_s / 1e6 if step_s else None,
         "syncs": sync.syncs,
+        # --H-schedule: the period at each stage ("H 2 from step 0, 5 from step 40, ...")
+        "periods": sync.periods.describe() if getattr(sync, "periods", None) else None,
         "startup_broadcast_bytes": getattr(sync, "startup_broadcast_bytes", 0),
         "wall_s": wall_s,
         "predicted_step_s": getattr(sync, "predicted_step_s", None),

@@ -75,13 +75,20 @@ def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
     return [r for r, s in enumerate(statuses) if s != best]
 
 
-def next_boundary(statuses: list[StepStatus], behind: list[int], period: int) -> int:
+def next_boundary(statuses: list[StepStatus], behind: list[int], period: int | list[int]) -> int:
     """The sync boundary every member heads for after a regroup, each from the step it goes on
     after (those ``behind`` from the leader's): where too few members pause together. One member
     that stopped exactly at a boundary while another is past it goes on to the next one too
-    (it waits there for the others' sync)."""
+    (it waits there for the others' sync). ``period``: one for all, or each rank's own (its
+    ``sync_period``: under ``--H-schedule`` it depends on the step), those behind taking the
+    leader's with its state."""
     best = max(statuses)
-    return max(sync_boundary((best if r in behind else s).done, period) for r, s in enumerate(statuses))
+    periods = period if isinstance(period, list) else [period] * len(statuses)
+    leader = periods[statuses.index(best)]
+    return max(
+        sync_boundary(best.done, leader) if r in behind else sync_boundary(s.done, periods[r])
+        for r, s in enumerate(statuses)
+    )
 
 
 def held_copies(leaders: list[int | None], statuses: list[StepStatus], members: list[int]) -> set[int]:
@@ -215,7 +222,10 @@ def regroup(
         if comm.rank in behind and best.local_done:
             membership.holds_copy = members[leader]  # until the average below completes
     mine = best if comm.rank in behind else status  # behind none: each at its own step
-    boundary = next_boundary(statuses, behind, sync_period)  # where joiners are admitted
+    # Where joiners are admitted: each member's next boundary, by its own period (which under
+    # --H-schedule depends on its step; the least of them would name a step that is none).
+    periods = [r[4] if r[0] >= 0 else sync_period for r in reports]
+    boundary = next_boundary(statuses, behind, periods)
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)

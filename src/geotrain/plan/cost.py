@@ -175,18 +175,36 @@ def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], lis
     return ready, sizes
 
 
+def _bucket_tails_s(compute: ComputeModel, link: LinkModel, sizes: list[int]) -> float:
+    """A codec's second phases (``tail_bytes``), one per bucket of the sizes ``_bucketed`` made
+    (the same layers in order), run one after another where the step waits for them."""
+    if not compute.tail_bytes:
+        return 0.0
+    total, i = 0.0, 0
+    for size in sizes:
+        tail, filled = 0, 0
+        while i < compute.n_layers and filled < size:
+            filled += compute.nbytes[i]
+            tail += compute.tail_bytes[i]
+            i += 1
+        total += link.time(tail)
+    return total
+
+
 def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
     ready, sizes = _bucketed(compute, bucket_mb * 2**20)
     exposed = simulate_backward(
         ready, [link.time(s) for s in sizes], compute.finish_times()[-1], compute.comm_slowdown
     )
-    return compute.compute_s + exposed + compute.interference_s_per_byte * sum(sizes)
+    tails = _bucket_tails_s(compute, link, sizes)
+    return compute.compute_s + exposed + tails + compute.interference_s_per_byte * sum(sizes)
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
-    """All buckets in flight back to back: what a periodic average costs, nothing hidden."""
+    """All buckets in flight back to back: what a periodic average costs, nothing hidden (a
+    codec's second phases after them)."""
     _, sizes = _bucketed(compute, bucket_mb * 2**20)
-    return sum(link.time(s) for s in sizes)
+    return sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, sizes)
 
 
 def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:

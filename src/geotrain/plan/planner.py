@@ -24,6 +24,7 @@ from geotrain.plan.cost import (
     predict_periodic,
     predict_schedule,
     predict_ssgd,
+    priced_for_codec,
     queue_spans,
     unguarded_link,
     whole_model_allreduce_s,
@@ -104,6 +105,7 @@ def predictions(
     plain: LinkModel | None = None,
     options: tuple[str, bool] = ("mean", False),
     auto_check: bool = False,
+    uncompressed: ComputeModel | None = None,
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
     the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
@@ -111,7 +113,9 @@ def predictions(
     streaming) judge the messages they hold with no communication, co2's weighted sum pays the
     check's round trip only, and the combinations a run refuses (trimmed or median with them)
     are left out. ``auto_check`` (``--max-norm-ratio auto``): each algorithm checked as a run
-    of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line."""
+    of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line.
+    ``uncompressed``: where ``compute`` prices a codec's messages, the model without it, for the
+    methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2)."""
     periods = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
     plain = plain or link
     aggregate, checked = options
@@ -127,8 +131,34 @@ def predictions(
             line = plain
         elif algo == "co2":
             line = guarded_link(plain, workers, "mean", on or aggregate != "mean")
-        out[algo] = predict_algo(algo, compute, line, periods[algo], workers, schedule)
+        model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
+        out[algo] = predict_algo(algo, model, line, periods[algo], workers, schedule)
     return out
+
+
+CODEC_ALGOS = ("ddp", "ssgd", "localsgd", "diloco", "dreamddp")  # those that take --compress
+
+
+def codec_priced(
+    profile: dict[str, Any], compute: ComputeModel, compress: str, workers: int
+) -> tuple[ComputeModel, str]:
+    """``compute`` with each layer's average sent through the codec ``compress`` ("": as it is),
+    and the key a run compares with its own codec (``DreamDDP._codec_key``): a plan priced for
+    the run's codec and group is taken as it is, and its re-plans refit it."""
+    if not compress:
+        return compute, ""
+    from geotrain.compress.codec import make_codec
+
+    codec = make_codec(compress)  # a bad spec: ConfigError, a ValueError
+    shapes = []
+    for layer in profile["layers"]:
+        if "shapes" not in layer and codec.name in ("powersgd", "acpsgd"):
+            raise ValueError(
+                f"--compress {compress} prices each matrix's factors, and this profile has no parameter "
+                "shapes (taken before they were recorded): profile again"
+            )
+        shapes.append([tuple(s) for s in layer.get("shapes", [[int(layer["bytes"]) // 4]])])
+    return priced_for_codec(compute, codec, shapes, workers), f"{codec.spec()} x{workers}"
 
 
 def profile_rates(profile: dict[str, Any]) -> list[int]:
@@ -219,18 +249,24 @@ def make_plan(
     checked: bool | str | None = None,
     topology: Topology | None = None,
     speed: float = 0.95,
+    compress: str = "",
 ) -> dict[str, Any]:
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
     ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
     ``sites`` prices the two levels and picks their periods (``plan/sites.py``). ``checked``
     "auto" prices the norm check where a run's ``--max-norm-ratio auto`` has it: not on the
-    schedule's per-step all-reduces, on the periodic methods' averages among 3 workers or more."""
+    schedule's per-step all-reduces, on the periodic methods' averages among 3 workers or more.
+    ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
+    the methods that take a codec are predicted with it."""
     auto = checked == "auto"
     if auto:
         checked = False  # DreamDDP's all-reduces, in backward: unchecked by default
     if topology is not None:
         workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
     compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
+    plain_compute = compute
+    group = int(workers or profile["workers"])
+    compute, codec_key = codec_priced(profile, compute, compress, group)
     options = trust_options(profile, aggregate, checked)
     plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
     table = []
@@ -275,6 +311,7 @@ def make_plan(
             # the trust options priced (comm/guard.py)
             "aggregate": options[0],
             "max_norm_check": "auto" if auto else options[1],
+            "compress": compress,  # the codec the schedule and the codec-taking methods are priced for
         },
         "link_model": {
             "alpha_s": link.alpha_s,
@@ -283,9 +320,9 @@ def make_plan(
         },
         "schedule": schedule_to_json(schedule, list(compute.names)),
         # what the schedule was searched on: a run's re-plan refits these (sync/dreamddp.py)
-        "models": {"compute": asdict(compute), "link": asdict(link)},
+        "models": {"compute": asdict(compute), "link": asdict(link), "codec": codec_key},
         "predicted_s": predictions(
-            compute, link, H, schedule, int(workers or profile["workers"]), plain, options, auto
+            compute, link, H, schedule, group, plain, options, auto, plain_compute if compress else None
         ),
         "choose": table,
         "sites": None if topology is None else plan_sites(profile, compute, topology, speed, site_options),
@@ -371,10 +408,12 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         "",
         f"{'algorithm':<10} {'H':>4} {'step s':>9} {'x nosync':>9}",
     ]
+    codec = target.get("compress", "")
     for algo, s in pred.items():
         h = str(plan["H"]) if algo in ("localsgd", "diloco", "dreamddp") else "-"
         h = str(SPARSELOCO_H) if algo in OWN_H else h
-        lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}")
+        with_codec = f"  + {codec}" if codec and algo in CODEC_ALGOS else ""
+        lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}{with_codec}")
     sched = plan["schedule"]
     n_fill = sum(len(it) for it in sched["iterations"]) - len(sched["layers"])
     lines += [

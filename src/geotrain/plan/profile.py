@@ -271,7 +271,13 @@ def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, met
         **(meta or {}),
         "workers": comm.world_size,
         "layers": [
-            {"name": name, "bytes": by_name[name].nbytes, "backward_s": averaged[i]}
+            {
+                "name": name,
+                "bytes": by_name[name].nbytes,
+                "backward_s": averaged[i],
+                # what a codec's messages are priced from (``geotrain plan --compress``)
+                "shapes": [list(p.shape) for p in by_name[name].params],
+            }
             for i, name in enumerate(order)
         ],
         "forward_s": averaged[n],

@@ -44,6 +44,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip"), "")
     why_not["pace"] = ""
     why_not["site_H"] = ""
+    why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
     for option, why in why_not.items():
         value = options.get(option)
         given = value is not None if option in ("tau", "clip", "mix") else bool(value)

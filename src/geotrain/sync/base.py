@@ -27,6 +27,7 @@ from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import Codec, ConfigError, make_codec
 from geotrain.sync.pace import PACES, TimePace
+from geotrain.sync.periods import periods_for
 
 if TYPE_CHECKING:
     from geotrain.sync.noise import NoiseScale
@@ -312,6 +313,14 @@ class PeriodicSync(SyncAlgorithm):
                 file=sys.stderr,
                 flush=True,
             )
+        schedule = getattr(config, "H_schedule", "")
+        require(
+            not (schedule and (paced or site_H)),
+            "--H-schedule changes the period as the run goes, and --pace time and --site-H are planned "
+            "on a fixed one: drop --H-schedule, or --pace time and --site-H",
+        )
+        # --H-schedule: the period in force at each step (one stage, H, without it)
+        self.periods = periods_for(schedule, config.H, getattr(config, "warm_start", 0))
         self.pacer = TimePace(config.H, comm) if paced else None
         self.last_sync = 0  # the step whose sync last completed here (step 0: the common start)
 
@@ -385,13 +394,13 @@ class PeriodicSync(SyncAlgorithm):
         return self.step_count < self.warm_start
 
     def at_boundary(self) -> bool:
-        return self.step_count <= self.warm_start or self.step_count % self.config.H == 0
+        return self.step_count <= self.warm_start or self.periods.is_boundary(self.step_count)
 
     def before_step(self) -> None:
         # From the replicas' common parameters: after a sync, or the warm start's last step (not
         # at each warm step: only the last sample before the first periodic sync is exchanged).
         if self.noise is not None and (
-            self.step_count % self.config.H == 0 or self.step_count == self.warm_start
+            self.step_count % self.periods.period(self.step_count) == 0 or self.step_count == self.warm_start
         ):
             self.noise.record()
         if self.in_warm_start():
@@ -476,10 +485,13 @@ class PeriodicSync(SyncAlgorithm):
     def sync_period(self) -> int:
         # In the warm start every step is a collective: the membership layer must treat the
         # members as lock-stepped (a survivor a step behind adopts the leader's state).
-        return 1 if self.in_warm_start() else self.config.H
+        return 1 if self.in_warm_start() else self.periods.period(self.step_count)
 
     def default_snapshot_every(self) -> int:
-        return self.config.H  # each sync boundary, where the replicas share the most
+        # Each sync boundary, where the replicas share the most; under --H-schedule a step that
+        # ends a period of every stage (where that is not far apart), else every H steps.
+        common = self.periods.common_multiple()
+        return common if common <= 4 * self.config.H else self.config.H
 
     def replicated_parts(self) -> set[str]:
         if self.step_count <= self.warm_start and self.comm.world_size > 1:
@@ -488,6 +500,8 @@ class PeriodicSync(SyncAlgorithm):
         return {"model", "sync"} if self.at_boundary() else {"sync"}
 
     def info(self) -> str:
+        if self.periods.grows:
+            return "; ".join(filter(None, [super().info(), f"period {self.periods.describe()}"]))
         if self.pacer is None:
             return super().info()
         paced = f"paced by time: steps computed per period of {self.config.H}, by rank: {self.pacer.quotas}"

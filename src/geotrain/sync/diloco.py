@@ -40,6 +40,7 @@ from geotrain.sync.base import (
     require_site_period,
     require_warm_start,
 )
+from geotrain.sync.periods import parse_stages
 
 # The outer step's multiple of a period's mean local progress, outer_lr / (1 - momentum): the
 # paper's 0.7 / 0.1 = 7 at H=500, and 1.4 at H=10 where it was measured best here.
@@ -64,6 +65,7 @@ class DiLoCoConfig(SyncConfig):
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
+    H_schedule: str = ""  # shorter periods first, then H (sync.periods); "": H throughout
     pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
     site_H: int = 0  # > 0: parameters averaged inside each site every site_H steps (--hierarchy)
 
@@ -75,6 +77,7 @@ class DiLoCoConfig(SyncConfig):
         require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
+        parse_stages(self.H_schedule, self.H)  # a bad spec fails here, before any worker starts
         require_pace(self.pace)
         require_site_period(self.site_H, self.H)
 

@@ -27,6 +27,7 @@ from geotrain.sync.base import (
     require_site_period,
     require_warm_start,
 )
+from geotrain.sync.periods import parse_stages
 
 
 @dataclass
@@ -35,6 +36,7 @@ class LocalSGDConfig(SyncConfig):
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
+    H_schedule: str = ""  # shorter periods first, then H (sync.periods); "": H throughout
     pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
     site_H: int = 0  # > 0: parameters averaged inside each site every site_H steps (--hierarchy)
 
@@ -45,6 +47,7 @@ class LocalSGDConfig(SyncConfig):
         )
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
+        parse_stages(self.H_schedule, self.H)  # a bad spec fails here, before any worker starts
         require_pace(self.pace)
         require_site_period(self.site_H, self.H)
 
