@@ -241,6 +241,10 @@ def test_a_cell_predicted_to_outlast_the_budget_is_not_run_and_is_reported_as_pr
     ]
     assert bench.predict_step(2, "350kbit", "sparseloco") == pytest.approx(0.071)
     assert not (group / "sparseloco").exists()
+    # a codec is priced where the algorithm takes one: int4 sends about an eighth of fp32's bytes
+    int4 = bench.predict_step(2, "350kbit", "ddp+int4")
+    assert 0.071 + (step - 0.071) / 9 < int4 < 0.071 + (step - 0.071) / 6
+    assert bench.predict_step(2, "350kbit", "sparseloco+int4") is None  # takes no codec
     # a profile taken on loopback (namespaces could not be made) predicts nothing: the cell runs
     profile["link"] = "loopback (unshaped)"
     (group / "profile.json").write_text(json.dumps(profile))

@@ -85,8 +85,9 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
 # test_continue_cli.
 @pytest.mark.parametrize(
     "algo, extra, expected_syncs",
-    # --H-schedule 1x2 with H=3: every step to 3 (where 1 and 3 both sync), then at 6
-    [("localsgd", [], 2), ("localsgd", ["--H-schedule", "1x2"], 4)],
+    # --H-schedule grow with H=4 over 8 steps: 2 for a tenth of them (at least 1 step, to 4,
+    # where 2 and 4 both sync), then 4: syncs at 2, 4, 8
+    [("localsgd", [], 2), ("localsgd", ["--H", "4", "--steps", "8", "--H-schedule", "grow"], 3)],
 )
 def test_every_algorithm_runs_from_the_cli(tmp_path, algo, extra, expected_syncs):
     run_dir = tmp_path / algo
@@ -113,6 +114,11 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo, extra, expected_syncs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algo"] == algo and summary["network_mode"] == "loopback"
     assert summary["syncs"] == expected_syncs
+    if extra:  # resumed for more steps with the flag as first given: grow was resolved and saved
+        assert summary["periods"] == "H 2 from step 0, 4 from step 4"
+        proc = _run(["run", "--resume", str(run_dir), "--steps", "10", "--H-schedule", "grow"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
     if algo == "nosync":
         assert summary["sent_bytes_per_step"] == 0
     if algo == "ddp":

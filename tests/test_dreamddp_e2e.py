@@ -25,6 +25,7 @@ def _profile_plan_run(tmp_path):
     assert "all-reduce:" in out.stdout and "profiling took" in out.stdout
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["workers"] == 2 and len(profile["layers"]) == 16
+    assert all(layer["shapes"] for layer in profile["layers"])  # what plan --compress prices from
     assert profile["profile_s"] < 30  # seconds, not minutes
 
     out = _geotrain(
@@ -123,6 +124,8 @@ PLAN_ERRORS = [
         "--speed is a fraction of nosync's step rate in (0, 1], got 1.5",
     ),
     (["--profile", "profile.json", "--H", "2", "--speed", "0.9"], "--speed chooses the periods on sites"),
+    (["--profile", "profile.json", "--H", "2", "--compress", "int9"], "unknown codec 'int9'"),
+    (["--profile", "profile.json", "--H", "2", "--compress", "powersgd:rank=2"], "no parameter shapes"),
 ]
 
 

@@ -44,9 +44,16 @@ def test_a_stage_ends_where_both_periods_divide_the_step_count():
         ("grow:every=0", "got 'every=0'"),
         ("grow:step=4", "got 'step=4'"),
         ("grow", "give grow:every=STEPS"),  # the training config resolves it; the API must give it
+        ("5x10,2x10", "the periods must rise, each below the next and below H=10 .got 5, 2, 10"),
+        ("20x5", "must rise, each below the next and below H=10"),
+        ("3x5", "a stage of 3 ends where both 3 and 10 sync, a multiple of 30"),  # fine: 30 <= 4 H
+        ("7x5", "a multiple of 70, over 4 H late"),
     ],
 )
 def test_a_bad_schedule_is_refused_in_one_line(spec, message):
+    if spec == "3x5":
+        assert sync_config("localsgd", {"H": 10, "H_schedule": spec}).H_schedule == "3x5"
+        return
     with pytest.raises(ConfigError, match=message):
         sync_config("localsgd", {"H": 10, "H_schedule": spec})
 
@@ -70,13 +77,13 @@ def test_grow_is_resolved_once_from_the_planned_steps():
         ({"algo": "dreamddp"}, "dreamddp does not take --H-schedule"),
         ({"algo": "sparseloco"}, "sparseloco does not take --H-schedule"),
         ({"algo": "localsgd", "pace": "time", "max_norm_ratio": 0.0}, "drop --H-schedule, or --pace time"),
+        ({"algo": "diloco", "site_H": 2, "hierarchy": "auto"}, "or --pace time and --site-H"),
     ],
 )
 def test_the_schedule_is_for_localsgd_and_diloco_with_a_fixed_pace(options, message):
+    """Refused by the training config, in the launcher: before any worker starts."""
     with pytest.raises(ConfigError, match=message):
-        cfg = TrainConfig(H_schedule="2x4", **options)
-        build_sync(cfg.algo, _tiny(), torch.optim.SGD(_tiny().parameters(), lr=0.1), FakeCommunicator(),
-                   cfg.sync_options())  # fmt: skip
+        TrainConfig(H_schedule="2x4", **options)
 
 
 def _tiny():
@@ -123,3 +130,25 @@ def test_after_a_regroup_each_heads_for_its_own_periods_next_boundary():
     assert next_boundary([S(9, False), S(13, False)], [0], [2, 5]) == 15
     # a joiner (step -1) reports its fresh period; it is behind and takes the leader's
     assert next_boundary([S(-1, False), S(21, False)], [0], [2, 10]) == 30
+
+
+def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
+    """At H=50 the momentum that follows H is 0.74; the stages of 2 and 10 before it are
+    stepped at their own (0.5). A momentum given stays as given."""
+    from geotrain.sync.diloco import outer_momentum_for
+
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("diloco", model, opt, FakeCommunicator(), {"H": 50, "H_schedule": "2x2,10x10"})
+    seen = []
+    for s in range(100):
+        if _step(sync, opt, s):
+            seen.append((s + 1, sync.outer_optimizer.param_groups[0]["momentum"]))
+    # 2 to step 10 (where 2 and 10 both sync), 10 to 50 (where 10 and 50 do), then 50
+    assert [step for step, _ in seen] == [2, 4, 6, 8, 10, 20, 30, 40, 50, 100]
+    assert seen[0][1] == outer_momentum_for(2) and seen[8][1] == outer_momentum_for(10) == 0.5
+    assert seen[-1][1] == outer_momentum_for(50) == 0.74
+    options = {"H": 50, "H_schedule": "2x2", "outer_momentum": 0.9}
+    fixed = build_sync("diloco", _tiny(), opt, FakeCommunicator(), options)
+    assert [_step(fixed, opt, s) for s in range(2)] == [False, True]
+    assert fixed.outer_optimizer.param_groups[0]["momentum"] == 0.9

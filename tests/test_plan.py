@@ -19,6 +19,7 @@ from geotrain.plan.cost import (
     predict_schedule,
     predict_ssgd,
     simulate_backward,
+    whole_model_allreduce_s,
 )
 from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
 from geotrain.plan.profile import fit_link
@@ -642,6 +643,23 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
     assert sync.predicted_step_s == plan["predicted_s"]["dreamddp"]
     sync.comm.world_size = 1
     sync.close()
+    # a run that sends fp32 (or another codec) prices the plan's schedule for what it sends
+    plain_run = build_sync("dreamddp", model, opt, Communicator(), {"H": 2})
+    plain_run.set_plan(json.loads(json.dumps(plan)))
+    assert plain_run._models[0].nbytes == compute.nbytes and not plain_run._models[0].tail_bytes
+    schedule = [[plan["schedule"]["layers"].index(n) for n in it] for it in plan["schedule"]["iterations"]]
+    link = LinkModel(**plan["models"]["link"])
+    assert plain_run.predicted_step_s == predict_schedule(compute, link, schedule)
+    plain_run.close()
+    assert plan["parameters"] == plain["parameters"] == sum(compute.nbytes) // 4
+    # the buckets are cut on the fp32 sizes, as a run cuts them: as many latencies as without
+    from geotrain.plan.cost import _bucketed
+
+    assert len(_bucketed(priced, 2**12)[1]) == len(_bucketed(compute, 2**12)[1]) > 1
+    # DDP's codec hook waits for each bucket in turn: nothing hides under backward
+    assert plan["predicted_s"]["ddp"] == pytest.approx(
+        compute.compute_s + whole_model_allreduce_s(priced, link, bucket_mb=25.0)
+    )
     # PowerSGD's factors need each matrix's shape, which older profiles lack
     with pytest.raises(ValueError, match="no parameter shapes .* profile again"):
         make_plan(_profile(), H=2, compress="powersgd:rank=2")

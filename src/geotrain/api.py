@@ -201,7 +201,7 @@ class Sync:
 
 def accepted_options(algo: str) -> list[str]:
     """The options ``wrap`` takes for ``algo``: its config's fields."""
-    names = [f.name for f in fields(ALGORITHMS[algo][1])]
+    names = [f.name for f in fields(ALGORITHMS[algo][1]) if f.init]
     return [next((k for k, v in ALIASES.items() if v == n), n) for n in names]
 
 

@@ -182,6 +182,7 @@ def _cmd_resume(argv: list[str]) -> int:
     from geotrain.ft.keeper import KeeperClient
     from geotrain.ft.snapshots import ResumeError, preflight
     from geotrain.launch.local import LaunchConfig, RunFailed, keeper_socket, run_local_cluster
+    from geotrain.sync.periods import resolve_every
     from geotrain.train import AUTO_WARMUP, TrainConfig
 
     parser = _run_parser()
@@ -210,6 +211,9 @@ def _cmd_resume(argv: list[str]) -> int:
     for name in sorted(given & names - RESUME_MAY_CHANGE):
         if name == "warmup" and args.warmup == AUTO_WARMUP:
             continue  # auto was resolved when the run was made, and saved as a number
+        planned = train_saved.get("lr_steps") or train_saved.get("steps", 0)
+        if name == "H_schedule" and resolve_every(args.H_schedule, planned) == train_saved.get(name):
+            continue  # grow's length of a stage was resolved when the run was made, and saved
         if getattr(args, name) != train_saved.get(name):
             raise UsageError(
                 f"--resume: the run was made with {name}={train_saved.get(name)!r}, not "

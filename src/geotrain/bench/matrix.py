@@ -39,7 +39,15 @@ from geotrain.metrics import read_metrics
 from geotrain.netem.cluster import netem_unavailable_reason
 from geotrain.netem.links import parse_bandwidths
 from geotrain.plan.gather import stands_for_bps
-from geotrain.plan.planner import PREDICTED, ChooseConfig, make_plan, predict_algo, retarget
+from geotrain.plan.planner import (
+    CODEC_ALGOS,
+    PREDICTED,
+    ChooseConfig,
+    codec_priced,
+    make_plan,
+    predict_algo,
+    retarget,
+)
 from geotrain.plan.schedule import schedule_from_json
 from geotrain.sync import ALGORITHMS, ConfigError, sync_config
 from geotrain.train import AUTO_WARMUP, TrainConfig, warmup_for
@@ -257,17 +265,24 @@ class Bench:
         """The planner's step time for a cell, from the profile taken on its link at ``profiled_at``
         workers (default: the cell's own), compute scaled by the workers' share of the cores; None
         for an algorithm the planner does not price (a codec, ddp_powersgd) or a dreamddp cell
-        whose plan is not made yet."""
+        whose plan is not made yet. A codec is priced where the algorithm takes one (``codec_priced``:
+        its wire bytes and phases; its encoding time is not in the profile)."""
         algo, codec = split_entry(entry)
-        if codec or algo not in PREDICTED:
+        if algo not in PREDICTED or (codec and algo not in CODEC_ALGOS):
             return None
         base = profiled_at or w
+        profile = self.profile(base, bw)
         compute, link = retarget(
-            self.profile(base, bw),
+            profile,
             w,
             parse_bandwidths(bw, w),
             compute_scale=compute_share(w) / compute_share(base),
         )
+        if codec:
+            try:
+                compute = codec_priced(profile, compute, codec, w)[0]
+            except ValueError:  # a low-rank codec on a profile without shapes
+                return None
         schedule = None
         if algo == "dreamddp":
             plan_path = group_dir(self.out, w, bw) / "plan.json"

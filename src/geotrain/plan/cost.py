@@ -81,6 +81,9 @@ class ComputeModel:
     # Per layer, the bytes of what its average sends only after backward (a codec's second
     # phase, run where the step waits for it: ``priced_for_codec``); () for none.
     tail_bytes: tuple[int, ...] = ()
+    # Per layer, its fp32 bytes where ``nbytes`` prices a codec's messages: a run's buckets are
+    # cut on these (``comm.buckets``), each bucket one message of the codec; () where the same.
+    raw_nbytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.comm_slowdown < 1:
@@ -160,35 +163,35 @@ def iteration_overhead(compute: ComputeModel, link: LinkModel, layers: Iterable[
     return exposed_for_layers(compute, link, chosen) + compute.interference_s_per_byte * sent + tails
 
 
-def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
-    """Bucket ready times and sizes for gradient buckets of ``cap_bytes`` in backward order."""
-    finish = compute.finish_times()
-    ready, sizes, size = [], [], 0
-    for i, nbytes in enumerate(compute.nbytes):
+def _buckets(compute: ComputeModel, cap_bytes: float) -> list[list[int]]:
+    """The layers of each bucket of ``cap_bytes`` in backward order, cut on the layers' fp32
+    sizes as a run cuts them (``raw_nbytes`` where a codec is priced)."""
+    raw = compute.raw_nbytes or compute.nbytes
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(raw):
         if size and size + nbytes > cap_bytes:
-            ready.append(finish[i - 1])
-            sizes.append(size)
+            buckets.append([])
             size = 0
+        buckets[-1].append(i)
         size += nbytes
-    ready.append(finish[-1])
-    sizes.append(size)
-    return ready, sizes
+    return buckets
 
 
-def _bucket_tails_s(compute: ComputeModel, link: LinkModel, sizes: list[int]) -> float:
-    """A codec's second phases (``tail_bytes``), one per bucket of the sizes ``_bucketed`` made
-    (the same layers in order), run one after another where the step waits for them."""
+def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
+    """Bucket ready times and (priced) sizes for gradient buckets of ``cap_bytes``."""
+    finish = compute.finish_times()
+    buckets = _buckets(compute, cap_bytes)
+    return [finish[b[-1]] for b in buckets], [sum(compute.nbytes[i] for i in b) for b in buckets]
+
+
+def _bucket_tails_s(compute: ComputeModel, link: LinkModel, bucket_mb: float) -> float:
+    """A codec's second phases (``tail_bytes``), one per bucket, run one after another where
+    the step waits for them."""
     if not compute.tail_bytes:
         return 0.0
-    total, i = 0.0, 0
-    for size in sizes:
-        tail, filled = 0, 0
-        while i < compute.n_layers and filled < size:
-            filled += compute.nbytes[i]
-            tail += compute.tail_bytes[i]
-            i += 1
-        total += link.time(tail)
-    return total
+    buckets = _buckets(compute, bucket_mb * 2**20)
+    return sum(link.time(sum(compute.tail_bytes[i] for i in b)) for b in buckets)
 
 
 def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
@@ -196,7 +199,7 @@ def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0)
     exposed = simulate_backward(
         ready, [link.time(s) for s in sizes], compute.finish_times()[-1], compute.comm_slowdown
     )
-    tails = _bucket_tails_s(compute, link, sizes)
+    tails = _bucket_tails_s(compute, link, bucket_mb)
     return compute.compute_s + exposed + tails + compute.interference_s_per_byte * sum(sizes)
 
 
@@ -204,7 +207,7 @@ def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: f
     """All buckets in flight back to back: what a periodic average costs, nothing hidden (a
     codec's second phases after them)."""
     _, sizes = _bucketed(compute, bucket_mb * 2**20)
-    return sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, sizes)
+    return sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, bucket_mb)
 
 
 def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:
@@ -248,7 +251,15 @@ def priced_for_codec(
     nbytes = tuple(max(1, round(first / ring)) for first, _ in phases)
     tail = tuple(round(second / ring) for _, second in phases)
     # Interference is charged per byte sent during backward: the first phase's.
-    return replace(compute, nbytes=nbytes, tail_bytes=tail if any(tail) else ())
+    raw = compute.raw_nbytes or compute.nbytes
+    return replace(compute, nbytes=nbytes, tail_bytes=tail if any(tail) else (), raw_nbytes=raw)
+
+
+def unpriced(compute: ComputeModel) -> ComputeModel:
+    """The compute model of plain all-reduces back from one ``priced_for_codec`` made."""
+    if not compute.raw_nbytes:
+        return compute
+    return replace(compute, nbytes=compute.raw_nbytes, tail_bytes=(), raw_nbytes=())
 
 
 def fit_link_scale(

@@ -76,9 +76,11 @@ def predict_algo(
 ) -> float:
     """The predicted mean step of ``algo`` (one of ``PREDICTED``) with its defaults; ``H`` is the
     period of localsgd, diloco and sparseloco, ``schedule`` dreamddp's plan."""
-    n_params = sum(compute.nbytes) // 4
+    n_params = sum(compute.raw_nbytes or compute.nbytes) // 4
     if algo == "nosync":
         return compute.compute_s
+    if algo == "ddp" and compute.raw_nbytes:  # a codec's hook waits for each bucket in turn
+        return compute.compute_s + whole_model_allreduce_s(compute, link, bucket_mb=25.0)
     if algo in ("ddp", "ssgd"):  # their default buckets: DDP's 25 MB, geotrain's 4 MB
         return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0)
     if algo in ("localsgd", "diloco"):
@@ -301,7 +303,7 @@ def make_plan(
         slowest = None
     return {
         "H": H,
-        "parameters": sum(compute.nbytes) // 4,
+        "parameters": sum(plain_compute.nbytes) // 4,
         "profile": {k: profile.get(k) for k in ("model", "workers", "link", "network_mode", "batch_size")},
         "target": {
             "workers": workers or profile.get("workers"),
@@ -325,7 +327,10 @@ def make_plan(
             compute, link, H, schedule, group, plain, options, auto, plain_compute if compress else None
         ),
         "choose": table,
-        "sites": None if topology is None else plan_sites(profile, compute, topology, speed, site_options),
+        # the site averages send fp32 parameters, whatever codec the table prices
+        "sites": None
+        if topology is None
+        else plan_sites(profile, plain_compute, topology, speed, site_options),
     }
 
 

@@ -46,7 +46,7 @@ class SyncConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SyncConfig:
         """Build from generic options, ignoring those that belong to other algorithms."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls) if f.init}
         return cls(**{k: v for k, v in options.items() if k in names and v is not None})
 
     def as_dict(self) -> dict[str, Any]:
@@ -313,13 +313,8 @@ class PeriodicSync(SyncAlgorithm):
                 file=sys.stderr,
                 flush=True,
             )
+        # --H-schedule (checked by the config): the period in force at each step (H without it)
         schedule = getattr(config, "H_schedule", "")
-        require(
-            not (schedule and (paced or site_H)),
-            "--H-schedule changes the period as the run goes, and --pace time and --site-H are planned "
-            "on a fixed one: drop --H-schedule, or --pace time and --site-H",
-        )
-        # --H-schedule: the period in force at each step (one stage, H, without it)
         self.periods = periods_for(schedule, config.H, getattr(config, "warm_start", 0))
         self.pacer = TimePace(config.H, comm) if paced else None
         self.last_sync = 0  # the step whose sync last completed here (step 0: the common start)
@@ -399,8 +394,9 @@ class PeriodicSync(SyncAlgorithm):
     def before_step(self) -> None:
         # From the replicas' common parameters: after a sync, or the warm start's last step (not
         # at each warm step: only the last sample before the first periodic sync is exchanged).
+        step = self.step_count
         if self.noise is not None and (
-            self.step_count % self.periods.period(self.step_count) == 0 or self.step_count == self.warm_start
+            step == self.warm_start or (step > self.warm_start and step % self.periods.period(step) == 0)
         ):
             self.noise.record()
         if self.in_warm_start():

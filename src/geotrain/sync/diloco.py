@@ -25,7 +25,7 @@ Memory: one extra copy of the parameters (theta_outer) plus the outer momentum b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from geotrain.sync.base import (
     require_site_period,
     require_warm_start,
 )
-from geotrain.sync.periods import parse_stages
+from geotrain.sync.periods import check_schedule
 
 # The outer step's multiple of a period's mean local progress, outer_lr / (1 - momentum): the
 # paper's 0.7 / 0.1 = 7 at H=500, and 1.4 at H=10 where it was measured best here.
@@ -61,6 +61,8 @@ class DiLoCoConfig(SyncConfig):
     H: int = 10
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (outer_momentum_for)
+    # set where outer_momentum was None: under --H-schedule it follows the period in force
+    momentum_follows_H: bool = field(default=False, init=False, repr=False)
     nesterov: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
@@ -73,13 +75,14 @@ class DiLoCoConfig(SyncConfig):
         require_period(self.H)
         require(self.outer_lr > 0, f"outer_lr must be > 0, got {self.outer_lr}")
         if self.outer_momentum is None:
+            self.momentum_follows_H = True
             self.outer_momentum = outer_momentum_for(self.H, self.outer_lr)
         require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
-        parse_stages(self.H_schedule, self.H)  # a bad spec fails here, before any worker starts
         require_pace(self.pace)
         require_site_period(self.site_H, self.H)
+        check_schedule(self.H_schedule, self.H, self.pace, self.site_H)  # before any worker starts
 
 
 class DiLoCo(PeriodicSync):
@@ -105,6 +108,9 @@ class DiLoCo(PeriodicSync):
         reduce_tensors(self.comm, deltas, self.config.bucket_mb, codec=self.codec, key="outer")
         for outer, delta in zip(self._outer, deltas, strict=True):
             outer.grad = delta
+        if self.config.momentum_follows_H and self.periods.grows:  # the period that just ended
+            momentum = outer_momentum_for(self.periods.period(self.step_count - 1), self.config.outer_lr)
+            self.outer_optimizer.param_groups[0]["momentum"] = momentum
         self.outer_optimizer.step()
         with torch.no_grad():
             for outer, p in zip(self._outer, params, strict=True):

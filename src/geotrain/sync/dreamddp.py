@@ -24,6 +24,7 @@ got slower, a worker got busier) in two periods running, the workers profile aga
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,7 +35,14 @@ import torch
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.compress.codec import ConfigError
-from geotrain.plan.cost import ComputeModel, LinkModel, fit_link_scale, predict_schedule, priced_for_codec
+from geotrain.plan.cost import (
+    ComputeModel,
+    LinkModel,
+    fit_link_scale,
+    predict_schedule,
+    priced_for_codec,
+    unpriced,
+)
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import StepObserver, build_profile, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
@@ -142,12 +150,22 @@ class DreamDDP(SyncAlgorithm):
         self._models = None
         if models:
             compute, link = ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])
-            priced_for = models.get("codec", "")
+            priced_for, mine = models.get("codec", ""), self._codec_key()
+            if priced_for != mine and compute.raw_nbytes:  # another codec's or group's: unpriced
+                if self.comm.rank == 0:
+                    print(
+                        f"geotrain: the plan was priced for {priced_for}, this run sends "
+                        f"{mine or 'fp32 all-reduces'}: its schedule is kept, its messages priced again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                compute, priced_for = unpriced(compute), ""
             if not priced_for and self.codec is not None:  # `geotrain plan`'s: plain all-reduces
-                compute, priced_for = self._priced(compute), self._codec_key()
+                compute, priced_for = self._priced(compute), mine
+            if priced_for != models.get("codec", ""):
                 self.predicted_step_s = predict_schedule(compute, link, schedule.iterations)
-            # priced for another codec or group: a re-plan profiles again
-            self._models = (compute, link) if priced_for == self._codec_key() else None
+            # priced for what cannot be undone (a plan older than raw sizes): a re-plan profiles again
+            self._models = (compute, link) if priced_for == mine else None
         self._begin_iteration()
 
     def prepare(self, loss_fn: Callable[[], torch.Tensor]) -> None:

@@ -27,7 +27,7 @@ from geotrain.sync.base import (
     require_site_period,
     require_warm_start,
 )
-from geotrain.sync.periods import parse_stages
+from geotrain.sync.periods import check_schedule
 
 
 @dataclass
@@ -47,9 +47,9 @@ class LocalSGDConfig(SyncConfig):
         )
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
-        parse_stages(self.H_schedule, self.H)  # a bad spec fails here, before any worker starts
         require_pace(self.pace)
         require_site_period(self.site_H, self.H)
+        check_schedule(self.H_schedule, self.H, self.pace, self.site_H)  # before any worker starts
 
 
 class LocalSGD(PeriodicSync):

@@ -130,6 +130,34 @@ def parse_stages(spec: str, H: int) -> list[Stage]:
     return stages
 
 
+def check_schedule(spec: str, H: int, pace: str = "steps", site_H: int = 0) -> None:
+    """A config's ``H_schedule`` (``LocalSGDConfig``, ``DiLoCoConfig``): parsed, its periods
+    rising below H, no stage stretched far by the rounding of its end, and not combined with
+    the options planned on a fixed period. Raises ConfigError with what to change."""
+    stages = parse_stages(spec, H)
+    if not stages:
+        return
+    if pace == "time" or site_H:
+        raise ConfigError(
+            "--H-schedule changes the period as the run goes, and --pace time and --site-H are planned "
+            "on a fixed one: drop --H-schedule, or --pace time and --site-H"
+        )
+    periods = [stage.period for stage in stages] + [H]
+    # Rising: a member whose sync failed at a stage's end reports the next period, and the
+    # membership layer takes the least period among members as the window they share.
+    if any(a >= b for a, b in zip(periods, periods[1:], strict=False)):
+        raise ConfigError(
+            f"--H-schedule {spec!r}: the periods must rise, each below the next and below H={H} "
+            f"(got {', '.join(map(str, periods))})"
+        )
+    for a, b in zip(periods, periods[1:], strict=False):
+        if math.lcm(a, b) > 4 * H:
+            raise ConfigError(
+                f"--H-schedule {spec!r}: a stage of {a} ends where both {a} and {b} sync, a multiple of "
+                f"{math.lcm(a, b)}, over 4 H late: choose periods that divide H (or each other)"
+            )
+
+
 def _grow_options(spec: str) -> dict[str, int]:
     _, _, rest = spec.partition(":")
     out: dict[str, int] = {}
