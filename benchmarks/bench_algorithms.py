@@ -47,8 +47,10 @@ def plan_dreamddp(args: argparse.Namespace, out: Path) -> Path:
     return plan
 
 
-def run_one(algo: str, args: argparse.Namespace, out: Path, extra: list[str] | None = None) -> dict:
-    run_dir = out / algo
+def run_one(
+    algo: str, args: argparse.Namespace, out: Path, extra: list[str] | None = None, name: str = ""
+) -> dict:
+    run_dir = out / (name or algo)
     if (run_dir / "summary.json").exists():  # finished in an earlier, interrupted invocation
         return json.loads((run_dir / "summary.json").read_text())
     if run_dir.exists():

@@ -125,6 +125,7 @@ PLAN_ERRORS = [
     ),
     (["--profile", "profile.json", "--H", "2", "--speed", "0.9"], "--speed chooses the periods on sites"),
     (["--profile", "profile.json", "--H", "2", "--compress", "int9"], "unknown codec 'int9'"),
+    (["--profile", "profile.json", "--H", "2", "--H-schedule", "3x5"], "the periods must rise"),
     (["--profile", "profile.json", "--H", "2", "--compress", "powersgd:rank=2"], "no parameter shapes"),
 ]
 

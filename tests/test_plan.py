@@ -21,7 +21,7 @@ from geotrain.plan.cost import (
     simulate_backward,
     whole_model_allreduce_s,
 )
-from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
+from geotrain.plan.planner import ChooseConfig, format_plan, make_plan, retarget
 from geotrain.plan.profile import fit_link
 from geotrain.plan.schedule import Schedule, schedule_from_json, schedule_to_json, search_schedule
 
@@ -664,3 +664,24 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
     with pytest.raises(ValueError, match="no parameter shapes .* profile again"):
         make_plan(_profile(), H=2, compress="powersgd:rank=2")
     assert make_plan(_profile(), H=2, compress="int8")["models"]["codec"].endswith(" x2")
+
+
+def test_the_planner_prices_an_H_schedule_at_its_mean_steps_per_sync():
+    """--H-schedule 2x10 at H=4 over 100 steps: 2 until 12 (where 2 and 4 both sync: 6 syncs),
+    then 4 (22 more): localsgd and diloco at 100 / 28 steps per sync; the rest as without."""
+    plan = make_plan(_profile(), H=4, H_schedule="2x10", steps=100)
+    fixed = make_plan(_profile(), H=4)
+    target = plan["target"]
+    assert target["syncs"] == 28 and target["mean_period"] == pytest.approx(100 / 28)
+    assert target["periods"] == "H 2 from step 0, 4 from step 12"
+    compute, link = retarget(_profile())
+    for algo in ("localsgd", "diloco"):
+        assert plan["predicted_s"][algo] == pytest.approx(predict_periodic(compute, link, 100 / 28))
+        assert plan["predicted_s"][algo] > fixed["predicted_s"][algo]
+    assert {a: s for a, s in plan["predicted_s"].items() if a not in ("localsgd", "diloco")} == {
+        a: s for a, s in fixed["predicted_s"].items() if a not in ("localsgd", "diloco")
+    }
+    assert "~3.6" in format_plan(plan)
+    assert make_plan(_profile(), H=4, H_schedule="grow", steps=400)["target"]["H_schedule"] == "grow:every=40"
+    with pytest.raises(ValueError, match="the periods must rise"):
+        make_plan(_profile(), H=4, H_schedule="8x10", steps=100)

@@ -581,9 +581,17 @@ def _cmd_plan(argv: list[str]) -> int:
         "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
         "own messages. Its encoding time is not in the profile: a run refits it from its first steps",
     )
+    p.add_argument(
+        "--H-schedule",
+        dest="H_schedule",
+        default="",
+        help="price localsgd and diloco under a run's --H-schedule (grow, or PERIODxSTEPS,...), at "
+        "their mean steps per sync over --steps",
+    )
+    p.add_argument("--steps", type=int, default=1000, help="the steps an --H-schedule is planned over")
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
-    args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth")))
+    args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth", "--steps")))
     try:
         profile = json.loads(Path(args.profile).read_text())
     except FileNotFoundError:
@@ -615,6 +623,7 @@ def _cmd_plan(argv: list[str]) -> int:
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=checked, topology=topology,
             speed=0.95 if args.speed is None else args.speed, compress=args.compress,
+            H_schedule=args.H_schedule, steps=args.steps,
         )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(

@@ -41,6 +41,7 @@ from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
 from geotrain.plan.sites import choose_periods, format_sites, site_links
+from geotrain.sync.periods import check_schedule, periods_for, resolve_every
 
 CANDIDATE_H = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 50, 64, 80, 100)
 
@@ -108,6 +109,7 @@ def predictions(
     options: tuple[str, bool] = ("mean", False),
     auto_check: bool = False,
     uncompressed: ComputeModel | None = None,
+    mean_period: float | None = None,
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
     the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
@@ -117,8 +119,11 @@ def predictions(
     are left out. ``auto_check`` (``--max-norm-ratio auto``): each algorithm checked as a run
     of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line.
     ``uncompressed``: where ``compute`` prices a codec's messages, the model without it, for the
-    methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2)."""
-    periods = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
+    methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2).
+    ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``."""
+    periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
+    if mean_period is not None:
+        periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
     aggregate, checked = options
     out = {}
@@ -139,6 +144,27 @@ def predictions(
 
 
 CODEC_ALGOS = ("ddp", "ssgd", "localsgd", "diloco", "dreamddp")  # those that take --compress
+
+
+def scheduled_periods(spec: str, H: int, steps: int) -> dict[str, Any] | None:
+    """localsgd's and diloco's periods under ``--H-schedule spec`` over ``steps`` planned steps
+    (``sync/periods.py``; grow's stages resolved from them as a run resolves them): the stages,
+    the syncs, and the mean steps per sync the table prices them at. None for no schedule."""
+    if not spec:
+        return None
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1 (the steps the schedule is planned over), got {steps}")
+    spec = resolve_every(spec, steps)
+    check_schedule(spec, H)
+    periods = periods_for(spec, H)
+    syncs = len(periods.boundaries(0, steps))
+    return {
+        "H_schedule": spec,
+        "steps": steps,
+        "periods": periods.describe(),
+        "syncs": syncs,
+        "mean_period": steps / max(1, syncs),
+    }
 
 
 def codec_priced(
@@ -252,6 +278,8 @@ def make_plan(
     topology: Topology | None = None,
     speed: float = 0.95,
     compress: str = "",
+    H_schedule: str = "",
+    steps: int = 1000,
 ) -> dict[str, Any]:
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
     ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
@@ -259,7 +287,8 @@ def make_plan(
     "auto" prices the norm check where a run's ``--max-norm-ratio auto`` has it: not on the
     schedule's per-step all-reduces, on the periodic methods' averages among 3 workers or more.
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
-    the methods that take a codec are predicted with it."""
+    the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
+    ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
     auto = checked == "auto"
     if auto:
         checked = False  # DreamDDP's all-reduces, in backward: unchecked by default
@@ -295,6 +324,7 @@ def make_plan(
         raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
     schedule = search_schedule(compute, link, H)
     schedule.validate(compute.n_layers)
+    periodic = scheduled_periods(H_schedule, H, steps)
     # localsgd's and diloco's averages across sites: checked by auto among 3 workers or more
     site_options = (options[0], options[1] or (auto and (workers or 0) >= AUTO_MIN_WORKERS))
     try:
@@ -314,6 +344,7 @@ def make_plan(
             "aggregate": options[0],
             "max_norm_check": "auto" if auto else options[1],
             "compress": compress,  # the codec the schedule and the codec-taking methods are priced for
+            **(periodic or {}),  # --H-schedule: localsgd's and diloco's stages and mean period
         },
         "link_model": {
             "alpha_s": link.alpha_s,
@@ -324,8 +355,17 @@ def make_plan(
         # what the schedule was searched on: a run's re-plan refits these (sync/dreamddp.py)
         "models": {"compute": asdict(compute), "link": asdict(link), "codec": codec_key},
         "predicted_s": predictions(
-            compute, link, H, schedule, group, plain, options, auto, plain_compute if compress else None
-        ),
+            compute,
+            link,
+            H,
+            schedule,
+            group,
+            plain,
+            options,
+            auto,
+            plain_compute if compress else None,
+            periodic["mean_period"] if periodic else None,
+        ),  # fmt: skip
         "choose": table,
         # the site averages send fp32 parameters, whatever codec the table prices
         "sites": None
@@ -416,6 +456,8 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
     codec = target.get("compress", "")
     for algo, s in pred.items():
         h = str(plan["H"]) if algo in ("localsgd", "diloco", "dreamddp") else "-"
+        if algo in ("localsgd", "diloco") and target.get("mean_period"):
+            h = f"~{target['mean_period']:.1f}"  # its steps per sync under --H-schedule
         h = str(SPARSELOCO_H) if algo in OWN_H else h
         with_codec = f"  + {codec}" if codec and algo in CODEC_ALGOS else ""
         lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}{with_codec}")

@@ -1,0 +1,82 @@
+"""The planner's error: predicted against measured step time, per algorithm and codec, in one session.
+
+    python benchmarks/bench_planner.py --model mini --workers 4 --bandwidth 100mbit --steps 20 \\
+        --algos nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4
+
+One profile on the cluster (``geotrain profile``), then for each entry the plan that prices it
+(``geotrain plan --H H [--compress CODEC]``: dreamddp runs that plan, searched on its codec's
+messages, with re-planning off so the plan measured is the plan predicted), and the run
+(``geotrain run``, the same job for every entry, one after another). The table gives each
+entry's predicted and measured mean step and the error (predicted - measured) / measured.
+A codec's encoding time is not in the profile: its error is what that costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_algorithms import job_args, run_one
+
+
+def geotrain(cmd: list[str]) -> str:
+    proc = subprocess.run([sys.executable, "-m", "geotrain", *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"geotrain {cmd[0]} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="mini")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--bandwidth", default="100mbit")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--H", type=int, default=10, help="the period of localsgd, diloco and dreamddp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--algos",
+        default="nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4",
+        help="entries ALGO or ALGO+CODEC",
+    )
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    out = Path(args.out or f"runs/planner-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    profile = out / "profile.json"
+    if not profile.exists():
+        print("profiling ...", file=sys.stderr, flush=True)
+        geotrain(["profile", *job_args(args), "--out", str(profile), "--run-dir", str(out / "profile-run")])
+    rows = []
+    for entry in args.algos.split(","):
+        algo, _, codec = entry.partition("+")
+        plan = out / f"plan-{codec or 'fp32'}.json"
+        if not plan.exists():
+            compress = ["--compress", codec] if codec else []
+            geotrain(["plan", "--profile", str(profile), "--H", str(args.H), "--out", str(plan), *compress])
+        predicted = json.loads(plan.read_text())["predicted_s"][algo]
+        extra = ["--compress", codec] if codec else []
+        if algo == "dreamddp":
+            extra += ["--plan", str(plan), "--replan-threshold", "0"]
+        print(f"running {entry} ...", file=sys.stderr, flush=True)
+        summary = run_one(algo, args, out, extra, name=entry.replace(":", "_"))
+        measured = summary["step_s_mean"]
+        rows.append({"entry": entry, "predicted_s": predicted, "measured_s": measured,
+                     "error": (predicted - measured) / measured})  # fmt: skip
+    (out / "planner.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+    print(f"\n{args.model}, {args.workers} workers x {args.bandwidth}, {args.steps} steps, H={args.H}\n")
+    print("| entry | predicted s | measured s | error |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['entry']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.1%} |")
+    mean_abs = sum(abs(r["error"]) for r in rows) / len(rows)
+    print(f"\nmean absolute error {mean_abs:.1%}; results: {out / 'planner.json'}")
+
+
+if __name__ == "__main__":
+    main()
