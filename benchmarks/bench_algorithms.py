@@ -98,22 +98,23 @@ def print_table(results: dict, args: argparse.Namespace, predicted: dict) -> Non
         )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_job_arguments(p: argparse.ArgumentParser, steps: int, H_help: str) -> None:
+    """The job flags every benchmark here shares (``job_args`` passes them on)."""
     p.add_argument("--model", default="mini")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--bandwidth", default="100mbit")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument(
-        "--H",
-        type=int,
-        default=10,
-        help="period of localsgd/diloco/dreamddp; 0: dreamddp's planner "
-        "chooses it and the others use the same",
+    p.add_argument("--H", type=int, default=10, help=H_help)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_job_arguments(
+        p, 30, "period of localsgd/diloco/dreamddp; 0: dreamddp's planner chooses it, the others use the same"
     )
     p.add_argument("--max-H", dest="max_H", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--algos", default=",".join(ALGOS))
     p.add_argument("--out", default="")
     args = p.parse_args()

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_algorithms import job_args, run_one
+from bench_algorithms import add_job_arguments, job_args, run_one
 
 
 def geotrain(cmd: list[str]) -> str:
@@ -32,13 +32,7 @@ def geotrain(cmd: list[str]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="mini")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--bandwidth", default="100mbit")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--H", type=int, default=10, help="the period of localsgd, diloco and dreamddp")
-    p.add_argument("--seed", type=int, default=0)
+    add_job_arguments(p, 20, "the period of localsgd, diloco and dreamddp")
     p.add_argument(
         "--algos",
         default="nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4",

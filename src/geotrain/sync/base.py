@@ -394,10 +394,7 @@ class PeriodicSync(SyncAlgorithm):
     def before_step(self) -> None:
         # From the replicas' common parameters: after a sync, or the warm start's last step (not
         # at each warm step: only the last sample before the first periodic sync is exchanged).
-        step = self.step_count
-        if self.noise is not None and (
-            step == self.warm_start or (step > self.warm_start and step % self.periods.period(step) == 0)
-        ):
+        if self.noise is not None and self.step_count >= self.warm_start and self.at_boundary():
             self.noise.record()
         if self.in_warm_start():
             for p in self.parameters():

@@ -26,6 +26,7 @@ schedule's first stage begins at step W.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from geotrain.compress.codec import ConfigError
@@ -65,10 +66,7 @@ class Periods:
 
     def period(self, step: int) -> int:
         """The period of the step under way when ``step`` steps are done."""
-        k = 0
-        while k + 1 < len(self.starts) and self.starts[k + 1] <= step:
-            k += 1
-        return self.periods[k]
+        return self.periods[max(0, bisect_right(self.starts, step) - 1)]
 
     def is_boundary(self, done: int) -> bool:
         """``done`` steps are done and the last of them ends a period (a sync)."""
