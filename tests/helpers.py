@@ -37,9 +37,17 @@ def _entry(fn, rank: int, world_size: int, store: str, out: str, args: tuple) ->
         raise
 
 
+# Workers fork from a server that imported torch, its compiler (which the first optimizer built
+# imports) and geotrain once per session: a spawned worker spent about 5 s of CPU importing
+# them, most of a small group's time on 2 cores. The server has run nothing (no threads to
+# fork), and each worker is a fresh fork of it.
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "geotrain.train", "helpers"])
+
+
 def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = CONTEXT
     with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
@@ -157,6 +165,68 @@ def transfers(cluster, pairs, nbytes: int) -> list[float]:
         for rx in rxs:
             rx.kill()
             rx.wait()
+
+
+def geotrain(
+    args: list[str], timeout: float = 300.0, env: dict | None = None, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
+    """``geotrain ARGS`` as a user runs it, returned as ``subprocess.run`` returns it, but with
+    the launcher in this process: a new interpreter spent about 3 s of CPU importing torch
+    before it started anything, alone on the machine (the hosts, the coordinator and the
+    keepers are processes of their own all the same). ``env`` is the whole environment, as
+    ``subprocess.run``'s; past ``timeout`` the run gets a Ctrl-C (the launcher stops its hosts)
+    and ``TimeoutExpired`` is raised. A run's exit at interpreter exit is tested in
+    test_resume_cli.py with a real process."""
+    import io
+    import signal
+    import threading
+
+    from geotrain.cli import main
+
+    out, err = io.BytesIO(), io.BytesIO()
+    streams = sys.stdout, sys.stderr
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(timeout, interrupt)
+    wrappers = [io.TextIOWrapper(b, write_through=True) for b in (out, err)]
+    sys.stdout, sys.stderr = wrappers
+    code = 1
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        timer.start()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:
+            code = 130
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    finally:
+        timer.cancel()
+        sys.stdout, sys.stderr = streams
+        for w in wrappers:  # a pump thread still writing finds a wrapper, not a closed file
+            w.flush()
+        os.chdir(saved_cwd)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(saved_env)
+    said = [b.getvalue().decode(errors="replace") for b in (out, err)]
+    wrappers.clear()  # kept alive until read: a collected wrapper closes its buffer
+    result = subprocess.CompletedProcess(["geotrain", *args], code, *said)
+    if fired.is_set():
+        raise subprocess.TimeoutExpired(result.args, timeout, result.stdout, result.stderr)
+    return result
 
 
 def refused(args: list[str], capsys) -> str:

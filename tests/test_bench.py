@@ -27,6 +27,7 @@ from geotrain.bench.report import markdown_table, write_report
 from geotrain.plan.cost import LinkModel
 from geotrain.plan.network import NetworkModel
 from geotrain.sync import ConfigError
+from helpers import geotrain
 
 
 def test_time_to_target_interpolates_the_first_crossing():
@@ -258,7 +259,7 @@ def test_a_cell_predicted_to_outlast_the_budget_is_not_run_and_is_reported_as_pr
 
 
 @pytest.mark.usefixtures("no_leftovers")
-@pytest.mark.long  # 50 s: `pytest -m long` (the horizon test below runs the bench end to end in CI)
+@pytest.mark.long  # 50 s: `pytest -m long`
 def test_quick_bench_end_to_end_and_resume(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "geotrain", "bench", "--quick", "--out", str(out)]
@@ -305,14 +306,15 @@ def test_quick_bench_end_to_end_and_resume(tmp_path):
 
 
 @pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.long  # 29 s; CI has the composition and the crossings on given curves above
 def test_a_bench_over_a_horizon_composes_long_loopback_curves_with_shaped_step_times(tmp_path):
     """One run of 40 steps on loopback per algorithm gives each curve; the shaped runs of 30
     steps follow the first part of its cosine schedule, and check it step for step."""
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "geotrain", "bench", "--workers", "2", "--bandwidths", "100mbit"]
+    cmd = ["bench", "--workers", "2", "--bandwidths", "100mbit"]
     cmd += ["--algos", "localsgd", "--steps", "30", "--eval-every", "10", "--batch-size", "16"]
     cmd += ["--lr-schedule", "cosine", "--horizon", "40", "--cell-budget", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = geotrain(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(out.glob("curves/2x40steps/*/summary.json"))) == 1
     group = json.loads((out / "bench.json").read_text())["groups"][0]

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from geotrain.launch.coordinator import read_jsonl
+from helpers import geotrain
 
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
 TINY_FLAGS = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--threads", "1"]
@@ -107,12 +108,13 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
     ],
 )
 def test_bad_broker_options_are_refused_with_one_line(args, message):
-    proc = subprocess.run([*GEOTRAIN, *args, *FLAGS], capture_output=True, text=True, timeout=60)
+    proc = geotrain([*args, *FLAGS], timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.long  # 19 s; CI has spares in test_spares.py, a token refused in test_admission.py
 def test_a_broker_runs_spare_replaces_a_lost_machine(tmp_path):
     """On "real machines": `geotrain join --spare` waits before anything fails; machine 1 is
     killed, found silent by the broker, and the spare takes its place; all exit 0. The run has

@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from geotrain.netem.cluster import netem_unavailable_reason
+from helpers import geotrain
 
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
 BASE = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4"]
 JOB = [*BASE, "--no-netem"]
+LONG = pytest.mark.long  # left out of `make test` (15 minutes): `pytest -m long`
 NETNS = netem_unavailable_reason() is None
 
 
 def _run(args, timeout=300):
-    return subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout)
+    return geotrain(args, timeout=timeout)
 
 
 def _summary(run_dir: Path) -> dict:
@@ -88,14 +87,17 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
     [
         ("diloco", ["--compress", "int4", "--redundancy", "ring"], "kill:step=6,rank=2"),
         ("dreamddp", [], "kill:step=5,rank=1"),
-        ("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1"),
+        # (`-m long` from here to co2: the warm start's redone step is ssgd's path; streaming's and
+        # co2's averages in flight are sparseloco's, which stays in CI)
+        pytest.param("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1", marks=LONG),
         # Step 8's gather is in flight (overlap) when the loss is found: gathered again by two.
         ("sparseloco", [], "kill:step=6,rank=2"),
         # step 7's gather fails and is redone by two (`-m long`: the per-step redo is ssgd's too)
         pytest.param("demo", [], "kill:step=6,rank=2", marks=pytest.mark.long),
         # A fragment lands every 2 steps, each sent a step before (tau 1): lock-stepped members.
-        ("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2"),
-        ("co2", ["--H", "4"], "kill:step=6,rank=2"),  # step 4's mean in flight, landed at 8 by two
+        pytest.param("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2", marks=LONG),
+        # step 4's mean in flight, landed at 8 by two
+        pytest.param("co2", ["--H", "4"], "kill:step=6,rank=2", marks=LONG),
         # --site-H 2 in sites 0,0,1: host 0's site average at step 6 fails with its site-mate;
         # host 2 (a site of one) runs on to step 8, whose sync fails: host 0, a collective behind,
         # adopts its state (theta_outer included: its sync failed) and the two redo step 8's.
@@ -161,7 +163,8 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
         ("ddp", "kill:step=4,rank=0,restart=0.5", 1),
         # In a warm start (synchronous to the end here) a joiner is admitted at the next step,
         # and takes the optimizer too: every replica ends bitwise the same.
-        ("diloco", "kill:step=4,rank=2,restart=0.5", 1),
+        # (`-m long`: the admission is ddp's above, the state adopted is checked in test_elastic.py)
+        pytest.param("diloco", "kill:step=4,rank=2,restart=0.5", 1, marks=pytest.mark.long),
     ],
 )
 @pytest.mark.usefixtures("no_leftovers")
@@ -270,6 +273,7 @@ def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_br
 
 
 @pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.long  # 21 s: the pause is the test above's, the admission test_a_replacement_is_admitted...'s
 def test_below_min_workers_the_survivors_wait_at_the_boundary_for_the_replacement(tmp_path, cleanup_keepers):
     """The same loss with a replacement on its way (half a second, then its start-up): the
     survivors stop after step 8 until it is admitted there, and all three train on. Without the

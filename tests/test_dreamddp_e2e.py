@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import refused
+from helpers import geotrain, refused
 
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
 JOB = ["--workers", "2", "--bandwidth", "20mbit", "--model", "tiny", "--batch-size", "16"]
 
 
 def _geotrain(args, cwd, timeout=300):
-    proc = subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    proc = geotrain(args, timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -153,12 +150,10 @@ def test_plan_bad_input(tmp_path, monkeypatch, capsys, args, message):
 
 
 def test_dreamddp_rejects_a_missing_plan(tmp_path):
-    proc = subprocess.run(
-        GEOTRAIN + ["run", "--algo", "dreamddp", "--plan", "nope.json", "--model", "tiny", "--run-dir", "r"],
-        capture_output=True,
-        text=True,
+    proc = geotrain(
+        ["run", "--algo", "dreamddp", "--plan", "nope.json", "--model", "tiny", "--run-dir", "r"],
+        60,
         cwd=tmp_path,
-        timeout=60,
     )
     assert proc.returncode == 2 and "plan 'nope.json' does not exist" in proc.stderr
     assert not (tmp_path / "r").exists()

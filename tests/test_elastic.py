@@ -9,7 +9,6 @@ the survivors with its closed-form result.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from geotrain.data.corpus import BatchSampler, TokenCorpus
 from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
+from helpers import CONTEXT
 
 
 def test_the_shards_of_lost_hosts_are_dealt_to_the_survivors_each_exactly_once():
@@ -425,7 +425,7 @@ def test_a_member_that_waits_to_admit_a_joiner_regroups_for_a_lost_member_instea
 def _hosts(fn, store, n: int, kept: tuple[int, ...]) -> list[dict]:
     """``fn(host, store port, file store, out)`` on ``n`` spawned hosts; the results of ``kept``
     (each host saved {"ok": ...} or {"error": traceback})."""
-    ctx = mp.get_context("spawn")
+    ctx = CONTEXT  # forked from a server that imported torch once
     with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
         outs = [os.path.join(tmp, f"host{h}.pt") for h in range(n)]
         procs = [

@@ -388,3 +388,34 @@ def test_a_resume_at_a_step_drops_the_newer_snapshots_of_its_worker(keeper, tmp_
         "step00000004.members",
         "step00000004.snap",
     ]
+
+
+class _Chunks:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    def read1(self, n: int) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+@pytest.mark.parametrize(
+    "chunks, shown",
+    [
+        # torchrun's report of a dead trainer, split across two reads: none of it shows
+        ([b"a\nE1 x/elastic/multiprocessing/api.py:836] Trace", b"back\nb\n"], b"a\nb\n"),
+        ([b"x\nE1 elastic/multipro", b"cessing/api.py:1] y\nz"], b"x\nz"),
+        ([b"abc", b"def\n"], b"abcdef\n"),
+        ([b"\rbar 1", b"\rbar 2", b"\n"], b"\rbar 1\rbar 2\n"),  # a progress bar's updates
+    ],
+)
+def test_the_launcher_echoes_a_hosts_output_without_its_quiet_lines_even_split(monkeypatch, chunks, shown):
+    import io
+    import sys
+
+    from geotrain.launch import local
+
+    terminal, log = io.BytesIO(), io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", type("Err", (), {"buffer": terminal}))
+    local._pump(_Chunks(chunks), log, echo=True)
+    assert terminal.getvalue() == shown
+    assert log.getvalue() == b"".join(chunks)  # the host's log keeps everything

@@ -14,7 +14,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import judge, parse_aggregate, robust_mean
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
-from helpers import Cases, refused
+from helpers import Cases, geotrain, refused
 
 
 def test_the_verdict_leaves_out_what_is_not_finite_or_far_above_the_others_median():
@@ -353,17 +353,15 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     epoch without it, and they finish the run together. (60 steps: the coordinator looks every
     0.2 s, and a shorter run of tiny steps could end before the drop lands.)"""
     import json
-    import subprocess
-    import sys
 
     from geotrain.launch.coordinator import read_jsonl
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "geotrain.cli", "run", "--workers", "3", "--no-netem", "--model", "tiny"]
+    cmd = ["run", "--workers", "3", "--no-netem", "--model", "tiny"]
     cmd += ["--algo", "localsgd", "--H", "1", "--steps", "60", "--batch-size", "4", "--no-progress"]
     # The norm check is on by default among 3 workers (--max-norm-ratio auto: 10 for localsgd)
     cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=nan"]
-    proc = subprocess.run([*cmd, "--run-dir", str(run)], capture_output=True, text=True, timeout=240)
+    proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
     epochs = read_jsonl(run / "control" / "epochs.jsonl")

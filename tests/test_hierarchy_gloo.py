@@ -102,13 +102,13 @@ def test_the_regroups_agreement_gives_up_when_an_epoch_that_lost_a_member_is_pub
     lost members is published (here 1 s in; the collective timeout would be minutes), so a
     member frozen during a regroup does not hold the others (one killed fails them at once). It
     still gathers every worker's object, of any size, in rank order."""
-    import multiprocessing as mp
     import os
     import tempfile
 
+    from helpers import CONTEXT as ctx  # forked from a server that imported torch once
+
     with tempfile.TemporaryDirectory(prefix="geotrain-test-") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
-        ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(target=_an_agreement_with_a_lost_member, args=(r, os.path.join(tmp, "s"), outs[r]))
             for r in range(2)

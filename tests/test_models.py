@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +16,10 @@ import torch
 
 from geotrain.models import ModelError, ModelSpec, build_model, model_context
 from geotrain.plan.layers import layer_groups
+from helpers import geotrain
 
 HF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("peft") is not None
 needs_hf = pytest.mark.skipif(not HF, reason="needs the hf extra: pip install -e '.[hf]'")
-GEOTRAIN = [sys.executable, "-m", "geotrain.cli"]
 LLAMA = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=2,num_key_value_heads=2"
 
 
@@ -94,7 +92,7 @@ def test_a_saved_model_trains_in_train_mode_and_must_cover_the_datas_tokens(tmp_
 
 
 def _run(args: list[str], cwd: Path) -> None:
-    proc = subprocess.run(GEOTRAIN + args, capture_output=True, text=True, timeout=240, cwd=cwd)
+    proc = geotrain(args, timeout=240, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -9,8 +9,6 @@ real straggler (``--slow``).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,9 +17,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.sync.pace import TimePace
-from helpers import Cases, refused
-
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
+from helpers import Cases, geotrain, refused
 
 
 class FakeComm:
@@ -210,10 +206,10 @@ def test_a_time_paced_run_lets_the_straggler_skip_steps_and_counts_only_computed
     """--slow 1:4 on 2 workers, localsgd H=5: after the first period host 1 computes about a
     quarter of each period's steps and host 0 all of them; tokens count computed steps only."""
     run = tmp_path / "run"
-    cmd = [*GEOTRAIN, "run", "--workers", "2", "--no-netem", "--model", "tiny", "--batch-size", "4"]
+    cmd = ["run", "--workers", "2", "--no-netem", "--model", "tiny", "--batch-size", "4"]
     cmd += ["--steps", "15", "--H", "5", "--algo", "localsgd", "--pace", "time", "--slow", "1:4"]
     cmd += ["--no-progress", "--threads", "1", "--eval-every", "0", "--run-dir", str(run)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    proc = geotrain(cmd, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     skipped = summary["skipped_steps"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -22,8 +20,8 @@ import torch.distributed as dist
 
 from geotrain.ft.membership import RunFinished, wait_for_vacancy
 from geotrain.launch.coordinator import Pool, read_jsonl
+from helpers import geotrain
 
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
 TINY = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--threads", "1"]
 
 
@@ -187,10 +185,7 @@ def test_a_spare_takes_a_killed_hosts_place_at_the_next_boundary(tmp_path, clean
     cleanup_keepers.append((run_dir, 3))
     job = ["run", "--workers", "3", "--spares", "2", "--algo", "localsgd", "--H", "4", "--steps", "16"]
     job += [*TINY, "--no-netem", "--fault-timeout", "3", "--min-workers", "3", "--join-timeout", "60"]
-    proc = subprocess.run(
-        [*GEOTRAIN, *job, "--run-dir", str(run_dir), "--chaos", "kill:step=5,rank=1,restart=1"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", "kill:step=5,rank=1,restart=1"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "one of 2 spare(s) takes its place" in proc.stderr
     taken = re.search(r"spare host (\d) takes host 1's place", proc.stderr)
@@ -216,9 +211,6 @@ def test_a_spare_takes_a_killed_hosts_place_at_the_next_boundary(tmp_path, clean
     ],
 )
 def test_bad_spares_are_refused_with_one_line(extra, message):
-    proc = subprocess.run(
-        [*GEOTRAIN, "run", "--workers", "2", "--no-netem", *TINY, "--steps", "2", *extra],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = geotrain(["run", "--workers", "2", "--no-netem", *TINY, "--steps", "2", *extra], timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

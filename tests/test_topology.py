@@ -16,9 +16,7 @@ from geotrain.netem import cluster as netem
 from geotrain.netem.cluster import EmulatedCluster, geotrain_namespaces, sweep_stale
 from geotrain.netem.links import LinkSpecError
 from geotrain.netem.topology import Topology, parse_topology
-from helpers import refused, transfers
-
-GEOTRAIN = [sys.executable, "-m", "geotrain"]
+from helpers import geotrain, refused, transfers
 
 
 def test_a_topology_spec_gives_sites_lan_and_wan_rates():
@@ -160,9 +158,9 @@ def test_the_sweep_removes_a_dead_launchers_sites_bridges_and_uplinks(state):
 
 def _run_across_sites(tmp_path, name, *extra):
     run = tmp_path / name
-    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--algo", "diloco", "--H", "4"]
+    cmd = ["run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--algo", "diloco", "--H", "4"]
     cmd += ["--model", "tiny", "--batch-size", "4", "--steps", "8", "--no-progress", "--threads", "1"]
-    proc = subprocess.run([*cmd, *extra, "--run-dir", str(run)], capture_output=True, text=True, timeout=300)
+    proc = geotrain([*cmd, *extra, "--run-dir", str(run)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     logs = sorted((run / "metrics").glob("rank*.jsonl"))
@@ -173,10 +171,12 @@ def _run_across_sites(tmp_path, name, *extra):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
-def test_a_run_across_two_sites_reports_its_lan_and_wan_bytes_and_two_levels_send_less_across(tmp_path):
-    """diloco over 2 sites of 2 hosts: its averages cross the WAN, and the summary says how much;
-    with --hierarchy sites each average crosses as two stripes of half the model, one per member,
-    instead of a ring's 1.5 model through each crossing."""
+def test_a_run_across_two_sites_reports_its_lan_and_wan_bytes(tmp_path):
+    """diloco over 2 sites of 2 hosts: its averages cross the WAN, and the summary says how much."""
+    _flat_across_sites(tmp_path)
+
+
+def _flat_across_sites(tmp_path) -> dict:
     flat, summary = _run_across_sites(tmp_path, "flat")
     assert summary["workers"] == 4 and summary["link"] == "2 sites (2+2), LAN 1gbit, WAN 50mbit"
     # A ring of 4 across 2 sites crosses twice (hops 1->2 and 3->0), each hop carrying what one
@@ -189,7 +189,15 @@ def test_a_run_across_two_sites_reports_its_lan_and_wan_bytes_and_two_levels_sen
     saved = json.loads((tmp_path / "flat" / "config.json").read_text())
     assert saved["topology"] == "2x2,lan=1gbit,wan=50mbit" and saved["workers"] == 4
     assert saved["train"]["sites"] == "0,0,1,1"
+    return summary
 
+
+@pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
+@pytest.mark.long  # 37 s; CI has the bytes of the two levels across sites in test_hierarchy_gloo.py
+def test_across_two_sites_two_levels_send_less_across(tmp_path):
+    """With --hierarchy sites each average crosses as two stripes of half the model, one per
+    member, instead of a ring's 1.5 model through each crossing."""
+    summary = _flat_across_sites(tmp_path)
     _, two = _run_across_sites(tmp_path, "two-level", "--hierarchy", "sites")
     assert two["sites"] == [0, 0, 1, 1] and summary["sites"] is None
     # On the wire (headers, heartbeats and all): the model crosses as 1 x instead of 1.5 x
@@ -207,10 +215,10 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
     the end as one model."""
     run = tmp_path / "run"
     cleanup_keepers.append((run, 4))
-    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--hierarchy", "auto"]
+    cmd = ["run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--hierarchy", "auto"]
     cmd += ["--algo", "ddp", "--model", "tiny", "--batch-size", "4", "--steps", "10", "--no-progress"]
     cmd += ["--threads", "1", "--fault-timeout", "3", "--chaos", "kill:step=4,rank=3", "--run-dir", str(run)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = geotrain(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["workers_start"], summary["workers"]) == (4, 3)
@@ -224,7 +232,8 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
-@pytest.mark.parametrize("hierarchy", ["sites", "auto"])
+# `-m long` for auto: the sites it measures are in CI in the test above
+@pytest.mark.parametrize("hierarchy", ["sites", pytest.param("auto", marks=pytest.mark.long)])
 def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site(
     tmp_path, cleanup_keepers, hierarchy
 ):
@@ -236,12 +245,12 @@ def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site
     joiner's links. (The same-site preference is pinned in test_spares.py.)"""
     run = tmp_path / "run"
     cleanup_keepers.append((run, 4))
-    cmd = [*GEOTRAIN, "run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "1", "--algo", "localsgd"]
+    cmd = ["run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--spares", "1", "--algo", "localsgd"]
     cmd += ["--H", "4", "--steps", "12", "--model", "tiny", "--batch-size", "4", "--no-progress"]
     cmd += ["--threads", "1", "--hierarchy", hierarchy, "--site-H", "2"]
     cmd += ["--fault-timeout", "3", "--min-workers", "4", "--join-timeout", "60"]
     cmd += ["--chaos", "kill:step=5,rank=3", "--run-dir", str(run)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = geotrain(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "spare host 4 takes host 3's place" in proc.stderr, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -267,11 +276,11 @@ def _median_step(run, host):
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_straggler_computes_factor_times_slower(tmp_path):
     """--slow 1:3 on 2 workers: without communication host 1's steps take about 3x host 0's."""
-    base = [*GEOTRAIN, "run", "--workers", "2", "--no-netem", "--model", "tiny", "--batch-size", "8"]
+    base = ["run", "--workers", "2", "--no-netem", "--model", "tiny", "--batch-size", "8"]
     base += ["--steps", "10", "--no-progress", "--threads", "1", "--slow", "1:3"]
     run = tmp_path / "run"
     cmd = [*base, "--algo", "nosync", "--run-dir", str(run)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    proc = geotrain(cmd, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Steps also hold work that is not compute (the next batch, metrics), which is not slowed.
     fast, slow = _median_step(run, 0), _median_step(run, 1)

@@ -12,7 +12,7 @@ from geotrain.comm.buckets import make_buckets, reduce_tensors
 from geotrain.comm.communicator import Communicator, Handle
 from geotrain.data.corpus import BatchSampler, DataError, TokenCorpus, load_corpus
 from geotrain.metrics import summary_table
-from geotrain.models.gpt import GPT, gpt_config
+from geotrain.models.gpt import GPT, GPTConfig, gpt_config
 from geotrain.netem.links import (
     LinkSpecError,
     describe_links,
@@ -256,6 +256,16 @@ def test_model_sizes():
     assert (small.n_layer, small.n_embd, small.block_size) == (12, 768, 1024)
     with pytest.raises(ValueError, match="accepted: tiny, mini, small"):
         gpt_config("huge")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [gpt_config("tiny"), gpt_config("mini"), gpt_config("tiny", vocab_size=300, block_size=17),
+     GPTConfig(n_layer=3, n_head=3, n_embd=48, block_size=40, vocab_size=1000)],
+)  # fmt: skip
+def test_a_gpts_parameter_count_from_its_config_is_the_models(cfg):
+    """What the launcher's timeout and the planner read without building the model."""
+    assert cfg.num_parameters() == GPT(cfg).num_parameters()
 
 
 def test_stdlib_corpus_shards_are_disjoint_and_deterministic():

@@ -143,20 +143,36 @@ _QUIET = (  # written to the host's log, not echoed: the launcher reports the fa
     b"failed to shutdown the rendezvous",
     AGENT_LOG_ONLY.encode(),
     b"failed (exitcode: ",  # torchrun's log line for a trainer that died
+    b"elastic/multiprocessing/api.py:",  # and any traceback it logs of that death
     b"death signal, shutting down workers",  # torchrun's agent, stopped by the launcher
     b"closing signal SIGTERM",  # and its trainer, stopped with it
 )
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
+    # A line that arrives in two reads is held until it ends, so that a quiet one is known as
+    # such whole; not a progress bar's update (after a \r), which must show at once.
+    held, at_line_start = b"", True
     for chunk in iter(lambda: stream.read1(4096), b""):
         log.write(chunk)
         log.flush()
-        if echo:
-            if any(q in chunk for q in _QUIET):
-                chunk = b"".join(ln for ln in chunk.splitlines(True) if not any(q in ln for q in _QUIET))
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
+        if not echo:
+            continue
+        lines = (held + chunk).splitlines(True)
+        fresh = (bool(held) or at_line_start) if len(lines) == 1 else lines[-2].endswith(b"\n")
+        held = lines.pop() if not lines[-1].endswith((b"\n", b"\r")) and fresh else b""
+        if not held:
+            at_line_start = lines[-1].endswith(b"\n")
+        _echo(lines)
+    if echo and held:
+        _echo([held])
+
+
+def _echo(lines: list[bytes]) -> None:
+    out = b"".join(ln for ln in lines if not any(q in ln for q in _QUIET))
+    if out:
+        sys.stderr.buffer.write(out)
+        sys.stderr.buffer.flush()
 
 
 def _torchrun_command(n: int, host: int, master_addr: str, port: int) -> list[str]:

@@ -122,7 +122,10 @@ def check_lora(spec: ModelSpec, vocab_size: int = 256, tokens: int | None = None
 
 
 def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:
-    """Parameters of the model (all of them, trainable or not), counted on the meta device."""
+    """Parameters of the model (all of them, trainable or not): a GPT's from its config, a
+    Hugging Face model's counted on the meta device."""
+    if not is_hf(spec.model):
+        return spec.gpt_config(vocab_size, None).num_parameters()
     return sum(p.numel() for p in _meta_model(spec, vocab_size).parameters())
 
 

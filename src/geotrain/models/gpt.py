@@ -33,6 +33,14 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def num_parameters(self) -> int:
+        """``GPT(self).num_parameters()`` from the shapes alone. Building the model on the meta
+        device runs each layer's init there, which imports torch's compiler: 2.6 s of CPU in a
+        process that builds no optimizer (a spare waiting for a place)."""
+        e = self.n_embd
+        per_block = 2 * (2 * e) + (3 * e * e + 3 * e) + (e * e + e) + (4 * e * e + 4 * e) + (4 * e * e + e)
+        return (2 * self.vocab_size + self.block_size) * e + self.n_layer * per_block + 2 * e
+
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
