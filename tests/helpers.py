@@ -40,7 +40,9 @@ def _entry(fn, rank: int, world_size: int, store: str, out: str, args: tuple) ->
 # Workers fork from a server that imported torch, its compiler (which the first optimizer built
 # imports) and geotrain once per session: a spawned worker spent about 5 s of CPU importing
 # them, most of a small group's time on 2 cores. The server has run nothing (no threads to
-# fork), and each worker is a fresh fork of it.
+# fork), and each worker is a fresh fork of it. A fork ends with os._exit, not an interpreter's
+# shutdown: a crash there (gloo's abort when a group is freed at exit) shows only in the CLI
+# tests' trainers, which torchrun starts as interpreters of their own.
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "geotrain.train", "helpers"])
 
@@ -74,7 +76,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> list:
             got = torch.load(out, weights_only=False)
             if "error" in got:
                 raise RuntimeError(f"rank {r} failed:\n{got['error']}")
-            if procs[r].exitcode != 0:  # a crash at interpreter exit fails users and CI alike
+            if procs[r].exitcode != 0:  # a crash after the result (see CONTEXT) fails users and CI alike
                 raise RuntimeError(f"rank {r} returned its result, then exited with code {procs[r].exitcode}")
             results.append(got["ok"])
         return results
@@ -175,8 +177,9 @@ def geotrain(
     before it started anything, alone on the machine (the hosts, the coordinator and the
     keepers are processes of their own all the same). ``env`` is the whole environment, as
     ``subprocess.run``'s; past ``timeout`` the run gets a Ctrl-C (the launcher stops its hosts)
-    and ``TimeoutExpired`` is raised. A run's exit at interpreter exit is tested in
-    test_resume_cli.py with a real process."""
+    and ``TimeoutExpired`` is raised; a Ctrl-C of the user's, or pytest's own timeout, goes
+    through. A run's exit at interpreter exit is tested in test_resume_cli.py with a real
+    process."""
     import io
     import signal
     import threading
@@ -186,12 +189,19 @@ def geotrain(
     out, err = io.BytesIO(), io.BytesIO()
     streams = sys.stdout, sys.stderr
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    fired = threading.Event()
+    fired, over, lock = threading.Event(), threading.Event(), threading.Lock()
 
     def interrupt() -> None:
-        fired.set()
-        os.kill(os.getpid(), signal.SIGINT)
+        with lock:  # never once the run is over: a late Ctrl-C would land in pytest
+            if not over.is_set():
+                fired.set()
+                os.kill(os.getpid(), signal.SIGINT)
 
+    def on_sigint(signum, frame) -> None:  # outside the launcher's own handler
+        if not (fired.is_set() and over.is_set()):
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     timer = threading.Timer(timeout, interrupt)
     wrappers = [io.TextIOWrapper(b, write_through=True) for b in (out, err)]
     sys.stdout, sys.stderr = wrappers
@@ -208,12 +218,17 @@ def geotrain(
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except KeyboardInterrupt:
+            if not fired.is_set():
+                raise
             code = 130
-        except BaseException:
+        except Exception:
             traceback.print_exc()
             code = 1
     finally:
+        with lock:
+            over.set()
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
         sys.stdout, sys.stderr = streams
         for w in wrappers:  # a pump thread still writing finds a wrapper, not a closed file
             w.flush()
@@ -222,7 +237,8 @@ def geotrain(
             os.environ.clear()
             os.environ.update(saved_env)
     said = [b.getvalue().decode(errors="replace") for b in (out, err)]
-    wrappers.clear()  # kept alive until read: a collected wrapper closes its buffer
+    for w in wrappers:  # a collected wrapper would close its buffer under a late writer
+        w.detach()
     result = subprocess.CompletedProcess(["geotrain", *args], code, *said)
     if fired.is_set():
         raise subprocess.TimeoutExpired(result.args, timeout, result.stdout, result.stderr)

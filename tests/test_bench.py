@@ -259,7 +259,7 @@ def test_a_cell_predicted_to_outlast_the_budget_is_not_run_and_is_reported_as_pr
 
 
 @pytest.mark.usefixtures("no_leftovers")
-@pytest.mark.long  # 50 s: `pytest -m long`
+@pytest.mark.long  # 50 s: `pytest -m long` (the horizon test below runs the bench end to end in CI)
 def test_quick_bench_end_to_end_and_resume(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "geotrain", "bench", "--quick", "--out", str(out)]
@@ -306,7 +306,6 @@ def test_quick_bench_end_to_end_and_resume(tmp_path):
 
 
 @pytest.mark.usefixtures("no_leftovers")
-@pytest.mark.long  # 29 s; CI has the composition and the crossings on given curves above
 def test_a_bench_over_a_horizon_composes_long_loopback_curves_with_shaped_step_times(tmp_path):
     """One run of 40 steps on loopback per algorithm gives each curve; the shaped runs of 30
     steps follow the first part of its cosine schedule, and check it step for step."""

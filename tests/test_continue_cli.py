@@ -87,16 +87,15 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
     [
         ("diloco", ["--compress", "int4", "--redundancy", "ring"], "kill:step=6,rank=2"),
         ("dreamddp", [], "kill:step=5,rank=1"),
-        # (`-m long` from here to co2: the warm start's redone step is ssgd's path; streaming's and
-        # co2's averages in flight are sparseloco's, which stays in CI)
+        # (`-m long`: the warm start's redone step is ssgd's path)
         pytest.param("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1", marks=LONG),
         # Step 8's gather is in flight (overlap) when the loss is found: gathered again by two.
         ("sparseloco", [], "kill:step=6,rank=2"),
         # step 7's gather fails and is redone by two (`-m long`: the per-step redo is ssgd's too)
         pytest.param("demo", [], "kill:step=6,rank=2", marks=pytest.mark.long),
         # A fragment lands every 2 steps, each sent a step before (tau 1): lock-stepped members.
-        pytest.param("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2", marks=LONG),
-        # step 4's mean in flight, landed at 8 by two
+        ("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2"),
+        # step 4's mean in flight, landed at 8 by two (`-m long`: test_elastic.py regroups co2)
         pytest.param("co2", ["--H", "4"], "kill:step=6,rank=2", marks=LONG),
         # --site-H 2 in sites 0,0,1: host 0's site average at step 6 fails with its site-mate;
         # host 2 (a site of one) runs on to step 8, whose sync fails: host 0, a collective behind,

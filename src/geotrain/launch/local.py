@@ -1029,29 +1029,31 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         interrupted = True
         raise
     finally:
-        if interrupted and cluster is not None:
-            # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
-            cluster.down()
-        if hosts is not None:
-            _stop(hosts.procs + list(pool.values()), grace_s=2.0 if interrupted else 5.0)
-            hosts.close()
-        if coordinator is not None:
-            (control / "stop").touch()
-            _stop([coordinator], grace_s=2.0)
-        if cluster is not None:
-            with contextlib.suppress(OSError):  # a cluster already taken down has no counters
-                traffic = cluster.traffic()
-            cluster.down()
-        if sockets and succeeded:
-            stop_keepers(run_dir, launch.workers)
-        elif sockets:
-            print(
-                f"geotrain: the keepers hold this run's last snapshots in memory for "
-                f"{KEEPER_LINGER_S / 60:.0f} min: geotrain run --resume {run_dir}",
-                file=sys.stderr,
-            )
-        for sig, handler in previous_handlers.items():
-            signal.signal(sig, handler)
+        try:
+            if interrupted and cluster is not None:
+                # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
+                cluster.down()
+            if hosts is not None:
+                _stop(hosts.procs + list(pool.values()), grace_s=2.0 if interrupted else 5.0)
+                hosts.close()
+            if coordinator is not None:
+                (control / "stop").touch()
+                _stop([coordinator], grace_s=2.0)
+            if cluster is not None:
+                with contextlib.suppress(OSError):  # a cluster already taken down has no counters
+                    traffic = cluster.traffic()
+                cluster.down()
+            if sockets and succeeded:
+                stop_keepers(run_dir, launch.workers)
+            elif sockets:
+                print(
+                    f"geotrain: the keepers hold this run's last snapshots in memory for "
+                    f"{KEEPER_LINGER_S / 60:.0f} min: geotrain run --resume {run_dir}",
+                    file=sys.stderr,
+                )
+        finally:  # a caller that goes on (geotrain bench, a test) gets its own handlers back
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
     if cfg.profile_out:
         if not Path(cfg.profile_out).exists():
             raise RunFailed(f"the hosts finished but wrote no profile; see {run_dir}/logs")
