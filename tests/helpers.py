@@ -245,18 +245,13 @@ def geotrain(
     return result
 
 
-def refused(args: list[str], capsys) -> str:
-    """``geotrain ARGS`` run in this process, as the CLI's refusals happen before anything starts:
-    asserts exit 2 with one line on stderr and returns that line (a subprocess per refusal spent
-    most of its time importing torch)."""
-    from geotrain.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+def refused(args: list[str]) -> str:
+    """``geotrain ARGS`` refused, as the CLI's refusals happen before anything starts: asserts
+    exit 2 with one line on stderr and returns that line."""
+    proc = geotrain(args, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, (
+        proc.returncode,
+        proc.stderr,
+    )
     return lines[0]

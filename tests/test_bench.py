@@ -374,13 +374,13 @@ def test_a_rerun_with_another_model_is_refused_even_by_a_bench_that_did_not_reco
         ).check_reuse()
 
 
-def test_soak_refuses_a_bad_model_option_and_passes_a_good_one_to_both_runs(capsys):
+def test_soak_refuses_a_bad_model_option_and_passes_a_good_one_to_both_runs():
     from pathlib import Path
 
     from geotrain.bench.soak import SoakJob
     from helpers import refused
 
-    err = refused(["soak", "--model", "tiny", "--model-config", "n_lyer=2", "--out", "/nonexistent"], capsys)
+    err = refused(["soak", "--model", "tiny", "--model-config", "n_lyer=2", "--out", "/nonexistent"])
     assert "--model-config n_lyer: tiny takes dropout, n_embd" in err
     job = SoakJob(model="tiny", extra=("--model-config", "n_layer=1", "--lora", "r=2,alpha=4,targets=c_attn"))
     argv = job.argv(Path("/tmp/x"))

@@ -19,10 +19,6 @@ from helpers import geotrain, refused
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
 
 
-def _run(args, timeout=240, **kw):
-    return geotrain(args, timeout=timeout, **kw)
-
-
 def _stray_processes(marker: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if "pgrep" not in ln]
@@ -31,7 +27,7 @@ def _stray_processes(marker: str) -> list[str]:
 @pytest.mark.usefixtures("no_leftovers")
 def test_run_two_workers_trains_and_writes_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run(
+    proc = geotrain(
         [
             "run",
             "--workers",
@@ -91,7 +87,7 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
 )
 def test_every_algorithm_runs_from_the_cli(tmp_path, algo, extra, expected_syncs):
     run_dir = tmp_path / algo
-    proc = _run(
+    proc = geotrain(
         [
             "run",
             "--workers",
@@ -116,7 +112,7 @@ def test_every_algorithm_runs_from_the_cli(tmp_path, algo, extra, expected_syncs
     assert summary["syncs"] == expected_syncs
     if extra:  # resumed for more steps with the flag as first given: grow was resolved and saved
         assert summary["periods"] == "H 2 from step 0, 4 from step 4"
-        proc = _run(["run", "--resume", str(run_dir), "--steps", "10", "--H-schedule", "grow"])
+        proc = geotrain(["run", "--resume", str(run_dir), "--steps", "10", "--H-schedule", "grow"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
     if algo == "nosync":
@@ -159,9 +155,9 @@ BAD_INPUTS = [
 
 @pytest.mark.usefixtures("no_leftovers")
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, capsys, args, message):
+def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, args, message):
     run_dir = tmp_path / "never"
-    line = refused(["run", "--model", "tiny", "--run-dir", str(run_dir), *args], capsys)
+    line = refused(["run", "--model", "tiny", "--run-dir", str(run_dir), *args])
     assert message in line and line.startswith("geotrain run: error:")
     assert not run_dir.exists()
     assert not _stray_processes(str(run_dir))
@@ -171,7 +167,7 @@ def test_bad_input_gets_one_clear_line_and_exit_2(tmp_path, capsys, args, messag
 def test_empty_corpus_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
-    proc = _run(
+    proc = geotrain(
         ["run", "--model", "tiny", "--data", str(tmp_path / "empty"), "--run-dir", str(tmp_path / "r")]
     )
     assert proc.returncode == 2 and "no text found" in proc.stderr
@@ -179,7 +175,7 @@ def test_empty_corpus_is_refused(tmp_path):
 
 
 def test_unknown_command():
-    proc = _run(["fly"])
+    proc = geotrain(["fly"])
     assert (
         proc.returncode == 2
         and "unknown command 'fly'; accepted: train, run, profile, plan, bench, soak, sweep" in proc.stderr
@@ -291,7 +287,7 @@ def test_a_collective_past_its_timeout_ends_the_run_in_one_line_not_tracebacks(t
     cleanup_keepers.append((run_dir, 2))  # a failed run's keepers linger for a resume
     job = ["run", "--workers", "2", "--no-netem", "--model", "tiny", "--steps", "10", "--algo", "ddp"]
     job += ["--no-progress", "--on-failure", "stop", "--timeout-s", "2", "--fault-timeout", "3"]
-    proc = _run([*job, "--run-dir", str(run_dir), "--chaos", "stop:step=3,rank=1"], timeout=120)
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", "stop:step=3,rank=1"], timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     said = [ln for ln in proc.stderr.splitlines() if "waited longer than the collective timeout" in ln]
     assert said[0].startswith("geotrain train: error: host 0: a collective outside geotrain's Communicator")

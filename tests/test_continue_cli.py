@@ -22,10 +22,6 @@ LONG = pytest.mark.long  # left out of `make test` (15 minutes): `pytest -m long
 NETNS = netem_unavailable_reason() is None
 
 
-def _run(args, timeout=300):
-    return geotrain(args, timeout=timeout)
-
-
 def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -51,7 +47,7 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
     t0 = time.monotonic()
     net = ["--bandwidth", "100mbit"] if NETNS else ["--no-netem"]
     job = ["run", "--workers", "4", "--algo", "ddp", "--steps", "12", *BASE, *net, "--fault-timeout", "3"]
-    proc = _run([*job, "--run-dir", str(run_dir), "--chaos", chaos])
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", chaos])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 120
     summary = _summary(run_dir)
@@ -116,7 +112,7 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
     run_dir = tmp_path / algo
     cleanup_keepers.append((run_dir, 3))
     job = ["run", "--workers", "3", "--algo", algo, "--steps", "10", *JOB, *extra]
-    proc = _run([*job, "--run-dir", str(run_dir), "--chaos", chaos])
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", chaos])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)
     (fault,) = summary["faults"]
@@ -184,7 +180,7 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     job = ["run", "--workers", "3", "--algo", algo, "--steps", str(steps), *BASE, *net]
     if algo == "diloco":
         job += ["--warm-start", str(steps)]
-    proc = _run([*job, "--run-dir", str(run_dir), "--chaos", chaos])
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", chaos])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)
     (fault,) = summary["faults"]
@@ -242,7 +238,7 @@ def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_br
     cleanup_keepers.append((run_dir, 3))
     job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
     t0 = time.monotonic()
-    proc = _run([*job, "--min-workers", "3", "--join-timeout", "2", "--chaos", "kill:step=5,rank=2"])
+    proc = geotrain([*job, "--min-workers", "3", "--join-timeout", "2", "--chaos", "kill:step=5,rank=2"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 90
     assert "paused after step 8, waiting up to 2 s for a replacement" in proc.stderr
@@ -254,7 +250,7 @@ def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_br
         assert [r["step"] for r in _records(run_dir, host)] == list(range(1, 9))
         members = run_dir / "snapshots" / f"rank{host}" / "step00000008.members"
         assert json.loads(members.read_text()) == [0, 1]  # on disk too, beside the keepers' copy
-    proc = _run(["run", "--resume", str(run_dir)])
+    proc = geotrain(["run", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)
     assert summary["resumed_from"]["step"] == 8
@@ -280,7 +276,7 @@ def test_below_min_workers_the_survivors_wait_at_the_boundary_for_the_replacemen
     run_dir = tmp_path / "run"
     cleanup_keepers.append((run_dir, 3))
     job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
-    proc = _run(
+    proc = geotrain(
         [*job, "--min-workers", "3", "--join-timeout", "60", "--chaos", "kill:step=5,rank=2,restart=0.5"]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -128,7 +128,7 @@ PLAN_ERRORS = [
 
 
 @pytest.mark.parametrize("args,message", PLAN_ERRORS, ids=[" ".join(a) for a, _ in PLAN_ERRORS])
-def test_plan_bad_input(tmp_path, monkeypatch, capsys, args, message):
+def test_plan_bad_input(tmp_path, monkeypatch, args, message):
     profile = {
         "version": 1,
         "model": "tiny",
@@ -145,7 +145,7 @@ def test_plan_bad_input(tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     (tmp_path / "bad.json").write_text("{")
     monkeypatch.chdir(tmp_path)
-    assert message in refused(["plan", *args], capsys)
+    assert message in refused(["plan", *args])
     assert not (tmp_path / "plan.json").exists()
 
 

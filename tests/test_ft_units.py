@@ -402,8 +402,8 @@ class _Chunks:
     "chunks, shown",
     [
         # torchrun's report of a dead trainer, split across two reads: none of it shows
-        ([b"a\nE1 x/elastic/multiprocessing/api.py:836] Trace", b"back\nb\n"], b"a\nb\n"),
-        ([b"x\nE1 elastic/multipro", b"cessing/api.py:1] y\nz"], b"x\nz"),
+        ([b"a\nE1 api.py:836] failed (exitcode: -9) local_rank: 0", b" (pid: 7)\nb\n"], b"a\nb\n"),
+        ([b"x\nE1 api.py:836] failed (exit", b"code: -9) y\nz"], b"x\nz"),
         ([b"abc", b"def\n"], b"abcdef\n"),
         ([b"\rbar 1", b"\rbar 2", b"\n"], b"\rbar 1\rbar 2\n"),  # a progress bar's updates
     ],

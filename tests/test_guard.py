@@ -265,33 +265,27 @@ def test_a_bad_contribution_is_left_out_and_the_mean_is_the_honest_workers(kind)
     torch.testing.assert_close(ranks[0]["co2"], start - 0.015, atol=1e-6, rtol=0)
 
 
-def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate(capsys):
-    err = refused(["run", "--workers", "2", "--no-netem", "--max-norm-ratio", "0.5"], capsys)
+def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate():
+    err = refused(["run", "--workers", "2", "--no-netem", "--max-norm-ratio", "0.5"])
     assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), 0 for off, or auto" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"], capsys)
+    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"])
     assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--max-rejections", "2"], capsys)  # auto: off at 2
+    err = refused(["run", "--workers", "2", "--no-netem", "--max-rejections", "2"])  # auto: off at 2
     assert "the norm check is off among 2 workers (--max-norm-ratio auto needs 3 or more)" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"], capsys)
+    err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"])
     assert "give trimmed:f=F, F >= 1 values cut at each end" in err
     job = ["run", "--workers", "2", "--no-netem", "--algo", "nosync", "--chaos", "corrupt:step=2,rank=1"]
-    err = refused(job, capsys)
+    err = refused(job)
     assert "--chaos corrupt spoils what the norm check covers" in err and "not --algo nosync" in err
-    err = refused([*job[:5], "ddp", *job[6:]], capsys)  # PyTorch DDP's all-reduce: only when checked
+    err = refused([*job[:5], "ddp", *job[6:]])  # PyTorch DDP's all-reduce: only when checked
     assert "ddp's with --max-norm-ratio or an --aggregate" in err
-    err = refused(
-        ["run", "--workers", "2", "--no-netem", "--algo", "ddp_powersgd", "--max-norm-ratio", "10"], capsys
-    )
+    err = refused(["run", "--workers", "2", "--no-netem", "--algo", "ddp_powersgd", "--max-norm-ratio", "10"])
     assert (
         "--max-norm-ratio and --aggregate check the averages of" in err and "not --algo ddp_powersgd" in err
     )
-    err = refused(
-        ["run", "--workers", "3", "--no-netem", "--algo", "sparseloco", "--aggregate", "median"], capsys
-    )
+    err = refused(["run", "--workers", "3", "--no-netem", "--algo", "sparseloco", "--aggregate", "median"])
     assert "sparse messages (sparseloco) leave most coordinates zero" in err
-    err = refused(
-        ["run", "--workers", "3", "--no-netem", "--algo", "co2", "--aggregate", "trimmed:f=1"], capsys
-    )
+    err = refused(["run", "--workers", "3", "--no-netem", "--algo", "co2", "--aggregate", "trimmed:f=1"])
     assert "--aggregate trimmed:f=1 is not offered with co2" in err
 
 

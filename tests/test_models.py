@@ -225,8 +225,8 @@ def test_hf_llama_with_lora_fa_under_dreamddp_runs_and_exports(tmp_path):
         torch.testing.assert_close(theirs(input_ids=x).logits, ours(x)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_export_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+def test_export_refuses_a_directory_without_a_checkpoint(tmp_path):
     from helpers import refused
 
-    line = refused(["export", str(tmp_path), "--to", str(tmp_path / "out")], capsys)
+    line = refused(["export", str(tmp_path), "--to", str(tmp_path / "out")])
     assert "no checkpoint.pt" in line

@@ -332,5 +332,5 @@ def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
         (["--algo", "co2", "--gap-penalty", "0.5"], "--gap-penalty"),
     ],
 )
-def test_the_cli_refuses_bad_streaming_and_co2_options_in_one_line(args, needle, capsys):
-    assert needle in refused(["run", "--workers", "2", "--no-netem", *args], capsys)
+def test_the_cli_refuses_bad_streaming_and_co2_options_in_one_line(args, needle):
+    assert needle in refused(["run", "--workers", "2", "--no-netem", *args])

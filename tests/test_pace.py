@@ -81,7 +81,7 @@ def test_equal_workers_keep_every_step_and_a_weight_of_exactly_one():
 
 
 @pytest.mark.parametrize("algo", ["localsgd", "diloco"])
-def test_pace_is_validated_and_refused_by_algorithms_without_periods(algo, capsys):
+def test_pace_is_validated_and_refused_by_algorithms_without_periods(algo):
     with pytest.raises(ConfigError, match="--pace must be one of steps, time, got 'wall'"):
         sync_config(algo, {"pace": "wall"})
     with pytest.raises(
@@ -89,7 +89,7 @@ def test_pace_is_validated_and_refused_by_algorithms_without_periods(algo, capsy
     ):
         sync_config("dreamddp", {"pace": "time"})
     assert "--pace must be one of steps, time" in refused(
-        ["run", "--workers", "2", "--no-netem", "--algo", algo, "--pace", "fast"], capsys
+        ["run", "--workers", "2", "--no-netem", "--algo", algo, "--pace", "fast"]
     )
 
 
@@ -256,6 +256,5 @@ def test_site_h_and_pace_refuse_what_they_cannot_honour(monkeypatch, capsys):
             "time",
             "--max-norm-ratio",
             "5",
-        ],
-        capsys,
+        ]
     )

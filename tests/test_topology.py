@@ -302,9 +302,9 @@ CLI_ERRORS = [
 
 
 @pytest.mark.parametrize("args,message", CLI_ERRORS, ids=[" ".join(a[2:]) or a[1] for a, _ in CLI_ERRORS])
-def test_the_cli_refuses_topologies_it_cannot_honour_in_one_line(tmp_path, capsys, args, message):
+def test_the_cli_refuses_topologies_it_cannot_honour_in_one_line(tmp_path, args, message):
     cmd = ["run", *args, "--model", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "r")]
-    assert message in refused(cmd, capsys)
+    assert message in refused(cmd)
     assert not (tmp_path / "r").exists()
 
 
@@ -334,6 +334,6 @@ PROFILE_REFUSES = [["--hierarchy", "auto"], ["--slow", "1:2"], ["--topology", "2
 
 
 @pytest.mark.parametrize("flag", PROFILE_REFUSES)
-def test_geotrain_profile_refuses_what_it_would_not_measure(tmp_path, capsys, flag):
-    line = refused(["profile", *flag, "--model", "tiny", "--out", str(tmp_path / "p.json")], capsys)
+def test_geotrain_profile_refuses_what_it_would_not_measure(tmp_path, flag):
+    line = refused(["profile", *flag, "--model", "tiny", "--out", str(tmp_path / "p.json")])
     assert line.startswith("geotrain profile: error:") and not (tmp_path / "p.json").exists()

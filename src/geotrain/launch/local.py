@@ -143,7 +143,6 @@ _QUIET = (  # written to the host's log, not echoed: the launcher reports the fa
     b"failed to shutdown the rendezvous",
     AGENT_LOG_ONLY.encode(),
     b"failed (exitcode: ",  # torchrun's log line for a trainer that died
-    b"elastic/multiprocessing/api.py:",  # and any traceback it logs of that death
     b"death signal, shutting down workers",  # torchrun's agent, stopped by the launcher
     b"closing signal SIGTERM",  # and its trainer, stopped with it
 )
