@@ -77,6 +77,9 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     if kind.startswith("algo"):  # sparseloco's and demo's all-gathers
         _, algo, how = kind.split("/")
         return _frontier_case(rank, algo, how)
+    if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
+        _, algo, how = kind.split("/", 2)
+        return _in_band_case(rank, algo, how)
     gen = torch.Generator().manual_seed(rank)
     honest = torch.randn(50, generator=gen)
     mine = _corrupt(kind, honest) if rank == 2 else honest
@@ -109,6 +112,53 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     return out
 
 
+def _in_band_case(rank: int, algo: str, how: str) -> dict:
+    """Two steps of ssgd (or DDP, or ssgd with a codec: ``algo`` "ssgd+powersgd:rank=2") over
+    several buckets of a tiny GPT, worker 2's gradients spoiled in the first (every bucket) and
+    honest in the second, with no round trip before any all-reduce (``Communicator._screen``
+    raises if called). Each worker also takes its honest gradients from a model of its own, for
+    the expected means."""
+    from geotrain.comm import communicator
+
+    def no_round_trip(self, tensor):
+        raise AssertionError("a checked mean waited for its verdict before the all-reduce")
+
+    original, communicator.Communicator._screen = communicator.Communicator._screen, no_round_trip
+    try:
+        return _two_steps(rank, algo, how)
+    finally:  # the same worker goes on to the other cases
+        communicator.Communicator._screen = original
+
+
+def _two_steps(rank: int, algo: str, how: str) -> dict:
+    comm = Communicator(max_norm_ratio=10.0)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    reference = GPT(gpt_config("tiny", 256, 16))
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the parameters stay put: same grads twice
+    algo, _, codec = algo.partition("+")
+    sync = build_sync(algo, model, opt, comm, {"bucket_mb": 0.05, **({"compress": codec} if codec else {})})
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    _, loss = reference(x, x)
+    loss.backward()
+    honest = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    out = {"honest": honest, "buckets": len(getattr(sync, "_buckets", [])), "means": []}
+    calls = comm.control_calls  # after the start-up's digest comparison
+    for step in range(2):
+        _, loss = sync.model(x, x)  # DDP's wrapper, where it has one
+        if rank == 2 and step == 0:
+            loss = loss * (float("nan") if how == "nan" else 1e6)
+        loss.backward()
+        sync.before_step()
+        out["means"].append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        opt.step()
+        sync.after_step()
+        opt.zero_grad()
+    out["rejected"], out["control_calls"] = dict(comm.rejected_by_rank), comm.control_calls - calls
+    return out
+
+
 def _codec_case(rank: int, spec: str, how: str) -> dict:
     from geotrain.compress.codec import make_codec
 
@@ -133,11 +183,16 @@ def _frontier_case(rank: int, algo: str, how: str) -> dict:
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     comm = Communicator(max_norm_ratio=10.0)
-    options = {"sparseloco": {"H": 1, "overlap": False}, "streaming": {"H": 4, "fragments": 2}}
+    options = {
+        "sparseloco": {"H": 1, "overlap": False},
+        "streaming": {"H": 4, "fragments": 2},
+        "ddp_powersgd": {"start_iter": 2, "min_compression_rate": 1.0},
+    }
     sync = build_sync(algo, model, opt, comm, options.get(algo, {}))
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    spoiled_at = 4 if algo == "ddp_powersgd" else 0  # PowerSGD's own steps, after its warm-up
     for step in range(6):
-        if rank == 2 and step == 0:
+        if rank == 2 and step == spoiled_at:
             comm.corrupt_next = how
         _, loss = sync.model(x, x)  # DDP's wrapper, where it has one
         loss.backward()
@@ -153,6 +208,7 @@ CODECS = ["int8", "int4", "sign", "topk:ratio=0.05", "chunktopk:chunk=256,k=16,b
 FRONTIER = [
     *("algo/sparseloco/nan", "algo/sparseloco/scale=1e6", "algo/demo/nan", "algo/demo/scale=1e6"),
     *("algo/streaming/nan", "algo/streaming/scale=1e6", "algo/ddp/nan", "algo/ddp/scale=1e6"),
+    *("algo/ddp_powersgd/nan", "algo/ddp_powersgd/scale=1e6"),
 ]
 SHARDS = [
     ("int8", "shard:scale=1e6"),
@@ -166,6 +222,8 @@ RUNS = Cases(
     3,
     [
         ("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST),
+        *((f"inband/{a}/{how}",) for a in ("ssgd", "ddp") for how in ("nan", "scale")),
+        ("inband/ssgd+powersgd:rank=2/nan",), ("inband/ssgd+fp16/scale",),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
         *((f"codec/{c}/{how}",) for c, how in SHARDS),
         *((k,) for k in FRONTIER),
@@ -242,7 +300,9 @@ def test_a_spoiled_shard_of_the_mean_is_left_out_in_the_second_phase(spec, how):
 def test_the_gathering_methods_and_ddp_leave_a_bad_message_out(case):
     """SparseLoCo's outer step, DeMo's signed step and Streaming DiLoCo's fragment landing judge
     every worker's gathered message on their own (one verdict per worker and sync); PyTorch DDP
-    sends its buckets through the checked all-reduce. The replicas stay finite and equal."""
+    sends its buckets through the checked all-reduce (the mean taken again on the training
+    thread); PyTorch's PowerSGD hook gets its bucket judged first. The replicas stay finite and
+    equal."""
     ranks = RUNS.get(case)
     for r in ranks:
         assert torch.isfinite(r["params"]).all()
@@ -265,13 +325,81 @@ def test_a_bad_contribution_is_left_out_and_the_mean_is_the_honest_workers(kind)
     torch.testing.assert_close(ranks[0]["co2"], start - 0.015, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("algo", ["ssgd", "ddp"])
+@pytest.mark.parametrize("how", ["nan", "scale"])
+def test_per_step_buckets_are_checked_with_no_round_trip_before_them(algo, how):
+    """ssgd's buckets, launched from backward, and DDP's, through its comm hook, learn their
+    verdict beside the sum: no worker waits for it before an all-reduce. When worker 2's
+    gradients are spoiled, every bucket's mean is taken again without them (DDP's on the
+    training thread, into each parameter's gradient): bitwise the honest pair's mean; the next
+    step, all honest, is the mean of all three."""
+    ranks = RUNS.get(f"inband/{algo}/{how}")
+    pair = (ranks[0]["honest"] + ranks[1]["honest"]) / 2
+    trio = (ranks[0]["honest"] + ranks[1]["honest"] + ranks[2]["honest"]) / 3
+    for r in ranks:
+        assert torch.equal(r["means"][0], pair)
+        torch.testing.assert_close(r["means"][1], trio, rtol=1e-5, atol=1e-7)
+        assert torch.equal(r["means"][1], ranks[0]["means"][1])
+    # every bucket taken again, one table each (DDP puts the tiny model in one at first)
+    buckets = ranks[0]["buckets"] if algo == "ssgd" else ranks[0]["rejected"][2]
+    assert buckets >= (3 if algo == "ssgd" else 1)
+    for r in ranks:
+        assert r["rejected"] == {2: buckets}
+        assert r["control_calls"] == 2 * buckets if algo == "ssgd" else r["control_calls"] >= 2 * buckets
+
+
+@pytest.mark.parametrize("case", ["ssgd+powersgd:rank=2/nan", "ssgd+fp16/scale"])
+def test_a_codec_whose_collectives_are_means_checks_them_in_band(case):
+    """PowerSGD's P and Q (Q's all-reduce issued inside P's wait) and fp16's halves: worker 2's
+    spoiled step is left out of every collective with no round trip before any; the replicas'
+    gradients stay finite and equal, and the next step's too."""
+    ranks = RUNS.get(f"inband/{case}")
+    for r in ranks:
+        for step in (0, 1):
+            assert torch.isfinite(r["means"][step]).all()
+            assert torch.equal(r["means"][step], ranks[0]["means"][step])
+        assert set(r["rejected"]) == {2} and r["rejected"][2] >= 3
+
+
+def _pair_case(rank: int, world_size: int, how: str) -> dict:
+    """Two workers under auto (the ratio applies from 3): what is not finite is left out, a
+    1e6-scaled contribution is not (of two that disagree, neither can be told wrong)."""
+    comm = Communicator(max_norm_ratio=10.0, auto_min_workers=3)
+    honest = torch.randn(50, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        comm.corrupt_next = how
+    return {
+        "honest": honest,
+        "mean": comm.all_reduce(honest.clone(), op="mean"),
+        "rejected": comm.rejected_by_rank,
+    }
+
+
+PAIRS = Cases(_pair_case, 2, [("nan",), ("scale=1e6",)])
+
+
+def test_between_two_workers_auto_leaves_out_only_what_is_not_finite():
+    nan, scaled = PAIRS.get("nan"), PAIRS.get("scale=1e6")
+    for r in nan:
+        assert torch.equal(r["mean"], nan[0]["honest"]) and r["rejected"] == {1: 1}  # worker 0's own
+    for r in scaled:
+        expected = (scaled[0]["honest"] + scaled[1]["honest"] * 1e6) / 2
+        torch.testing.assert_close(r["mean"], expected)
+        assert r["rejected"] == {}
+
+
 def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate():
     err = refused(["run", "--workers", "2", "--no-netem", "--max-norm-ratio", "0.5"])
     assert "--max-norm-ratio must be >= 1 (a multiple of the median norm), 0 for off, or auto" in err
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "mode"])
     assert "unknown --aggregate 'mode'; accepted: mean, clip, trimmed:f=F, median" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--max-rejections", "2"])  # auto: off at 2
-    assert "the norm check is off among 2 workers (--max-norm-ratio auto needs 3 or more)" in err
+    err = refused(["run", "--workers", "2", "--no-netem", "--algo", "ddp", "--max-rejections", "2"])
+    assert "the check is off here (--max-norm-ratio auto leaves it off for this --algo" in err
+    err = refused(["run", "--workers", "3", "--no-netem", "--max-norm-ratio", "0", "--max-rejections", "2"])
+    assert (
+        "--max-rejections counts what the checks reject, and the check is off here (--max-norm-ratio 0)"
+        in err
+    )
     err = refused(["run", "--workers", "2", "--no-netem", "--aggregate", "trimmed:f=0"])
     assert "give trimmed:f=F, F >= 1 values cut at each end" in err
     job = ["run", "--workers", "2", "--no-netem", "--algo", "nosync", "--chaos", "corrupt:step=2,rank=1"]
@@ -279,10 +407,8 @@ def test_the_cli_refuses_a_ratio_below_one_and_an_unknown_aggregate():
     assert "--chaos corrupt spoils what the norm check covers" in err and "not --algo nosync" in err
     err = refused([*job[:5], "ddp", *job[6:]])  # PyTorch DDP's all-reduce: only when checked
     assert "ddp's with --max-norm-ratio or an --aggregate" in err
-    err = refused(["run", "--workers", "2", "--no-netem", "--algo", "ddp_powersgd", "--max-norm-ratio", "10"])
-    assert (
-        "--max-norm-ratio and --aggregate check the averages of" in err and "not --algo ddp_powersgd" in err
-    )
+    err = refused(["run", "--workers", "3", "--no-netem", "--algo", "ddp_powersgd", "--aggregate", "median"])
+    assert "--aggregate median is not offered with ddp_powersgd" in err
     err = refused(["run", "--workers", "3", "--no-netem", "--algo", "sparseloco", "--aggregate", "median"])
     assert "sparse messages (sparseloco) leave most coordinates zero" in err
     err = refused(["run", "--workers", "3", "--no-netem", "--algo", "co2", "--aggregate", "trimmed:f=1"])
@@ -387,7 +513,7 @@ def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_
     assert norms[0] == pytest.approx(float(sent.norm()), rel=1e-5) and norms[1] == 0.0  # 6 digits
 
 
-def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_nothing():
+def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_nothing_at_all():
     import geotrain
     from geotrain.comm.guard import AUTO, default_norm_ratio
     from geotrain.sync import ConfigError
@@ -395,13 +521,16 @@ def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_noth
 
     for algo in ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo"):
         assert default_norm_ratio(algo) == 10.0 and TrainConfig(algo=algo).norm_ratio() == 10.0
-    for algo in ("ssgd", "ddp", "dreamddp", "nosync", "ddp_powersgd"):
-        assert default_norm_ratio(algo) == 0.0  # a round trip before every bucket, or nothing to check
+    for algo in ("ddp", "nosync", "ddp_powersgd"):
+        assert default_norm_ratio(algo) == 0.0  # the reference's all-reduce, a round trip, or nothing
     assert (
         default_norm_ratio("diloco", "int4") == 10.0 and default_norm_ratio("diloco", "chunktopk:k=8") == 10.0
     )
     assert default_norm_ratio("diloco", pace="time") == 0.0
-    assert default_norm_ratio("localsgd", warm_start=20) == 0.0
+    # Every step, off: a ratio rejects honest gradients there (given, inf checks finiteness only)
+    for algo, options in (("ssgd", {}), ("dreamddp", {}), ("localsgd", {"warm_start": 20})):
+        assert default_norm_ratio(algo, **options) == 0.0
+    assert TrainConfig(algo="ssgd", max_norm_ratio=float("inf")).norm_ratio() == float("inf")
     # Under auto the communicator keeps it on only in groups of 3 or more (decided at each rebind)
     assert Communicator(max_norm_ratio=10, auto_min_workers=3).max_norm_ratio == 0.0  # a world of one
     assert Communicator(max_norm_ratio=10, auto_min_workers=1).max_norm_ratio == 10.0

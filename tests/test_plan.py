@@ -339,17 +339,20 @@ def test_communication_under_backward_runs_slower_then_full_speed_after():
 
 
 def test_the_planner_prices_the_trust_options_on_a_plain_profile():
-    """The norm check adds a round trip (a control all-reduce) before each all-reduce; trimmed
-    and median gather every contribution, N/2 times a ring all-reduce's bytes (2x on 4)."""
+    """A checked mean costs what a plain one does (its verdict travels beside it); where the
+    verdict must come first (a round trip: the quantised codecs, co2) it adds a control
+    all-reduce's latency; trimmed and median gather every contribution, N/2 times a ring
+    all-reduce's bytes (2x on 4), after the verdict."""
     from geotrain.plan.planner import retarget
 
     profile = _profile()
     _, plain = retarget(profile, 4, [20_000_000] * 4)
     _, checked = retarget(profile, 4, [20_000_000] * 4, checked=True)
+    _, first = retarget(profile, 4, [20_000_000] * 4, checked=True, round_trip=True)
     _, median = retarget(profile, 4, [20_000_000] * 4, aggregate="median")
+    assert checked == plain
     assert (
-        checked.alpha_s == pytest.approx(2 * plain.alpha_s)
-        and checked.beta_s_per_byte == plain.beta_s_per_byte
+        first.alpha_s == pytest.approx(2 * plain.alpha_s) and first.beta_s_per_byte == plain.beta_s_per_byte
     )
     assert median.alpha_s == pytest.approx(2 * plain.alpha_s)
     assert median.beta_s_per_byte == pytest.approx(2 * plain.beta_s_per_byte)
@@ -365,7 +368,8 @@ def test_the_planner_prices_the_trust_options_on_a_plain_profile():
     assert {"sparseloco", "demo", "streaming", "co2"}.isdisjoint(plan["predicted_s"])
     checked = make_plan(profile, H=4, workers=4, rates_bps=rates, checked=True)
     assert checked["predicted_s"]["demo"] == plain_plan["predicted_s"]["demo"]
-    assert checked["predicted_s"]["localsgd"] > plain_plan["predicted_s"]["localsgd"]
+    assert checked["predicted_s"]["localsgd"] == plain_plan["predicted_s"]["localsgd"]
+    assert checked["predicted_s"]["co2"] > plain_plan["predicted_s"]["co2"]
     # A profile measured with the options has their cost in its fit: taken out before pricing,
     # so it prices any options at any worker count, and the same ones as it was measured with.
     measured = {**profile, "allreduce": {**profile["allreduce"], "aggregate": "median", "checked": True}}
@@ -377,32 +381,48 @@ def test_the_planner_prices_the_trust_options_on_a_plain_profile():
 
 
 def test_the_planner_prices_the_norm_check_where_auto_turns_it_on():
-    """--max-norm-ratio auto, as a run has it by default: the per-step all-reduces (ddp, ssgd,
-    DreamDDP's schedule) unchecked, the periodic averages checked among 3 workers or more, and
-    across sites too; among 2 none is."""
+    """--max-norm-ratio auto, as a run has it by default: a checked mean learns its verdict beside
+    the sum, so it costs what an unchecked one does; co2's checked weighted sum and the quantised
+    codecs' reduce-scatter wait for the verdict, one more latency each. Auto leaves the per-step
+    averages unchecked; across sites the check is free too; among 2 workers auto judges only
+    finiteness, with the same collectives."""
     from geotrain.netem.topology import parse_topology
 
     profile, rates = _profile(), [20_000_000] * 4
 
     def plan(checked, **where):
-        return make_plan(profile, H=4, checked=checked, **(where or {"workers": 4, "rates_bps": rates}))
+        where = where or {"workers": 4, "rates_bps": rates}
+        return make_plan(profile, H=4, checked=checked, **where)
 
     plain, checked, auto = plan(False), plan(True), plan("auto")
     assert auto["target"]["max_norm_check"] == "auto"
-    assert "(norm check auto: on the periodic averages among 3+ workers)" in format_plan(auto)
+    assert "(norm check auto: on the periodic averages and the gathers)" in format_plan(auto)
     assert "with the norm check" in format_plan(checked) and "norm check" not in format_plan(plain)
     assert auto["schedule"]["iterations"] == plain["schedule"]["iterations"]
-    for algo in ("ddp", "ssgd", "dreamddp"):
-        assert auto["predicted_s"][algo] == plain["predicted_s"][algo] < checked["predicted_s"][algo]
-    for algo in ("localsgd", "diloco", "co2"):
-        assert auto["predicted_s"][algo] == checked["predicted_s"][algo] > plain["predicted_s"][algo]
+    for algo in ("ddp", "ssgd", "dreamddp", "localsgd", "diloco"):
+        assert auto["predicted_s"][algo] == plain["predicted_s"][algo] == checked["predicted_s"][algo]
+    assert auto["predicted_s"]["co2"] == checked["predicted_s"]["co2"] > plain["predicted_s"]["co2"]
+    # int4: its check is a round trip before each reduce-scatter, on where auto has it
+    q_plain, q_checked, q_auto = (
+        plan(c, workers=4, rates_bps=rates, compress="int4") for c in (False, True, "auto")
+    )
+    for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):
+        assert q_checked["predicted_s"][algo] > q_plain["predicted_s"][algo]
+    for algo in ("ssgd", "dreamddp"):  # per step: auto leaves it off
+        assert q_auto["predicted_s"][algo] == q_plain["predicted_s"][algo]
+    for algo in ("localsgd", "diloco"):  # once a period: on
+        assert q_auto["predicted_s"][algo] == q_checked["predicted_s"][algo]
     two = {"workers": 2, "rates_bps": rates[:2]}
-    assert plan("auto", **two)["predicted_s"] == plan(False, **two)["predicted_s"]
+    assert plan("auto", **two)["predicted_s"] == plan(True, **two)["predicted_s"]  # finiteness, as dear
     sites = {
         c: plan(c, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"))["sites"]
         for c in (False, True, "auto")
     }
-    assert sites["auto"] == sites[True] != sites[False]
+    assert sites["auto"] == sites[True] == sites[False]
+    clipped = make_plan(
+        profile, H=4, checked=True, aggregate="clip", topology=parse_topology("2x2,lan=1gbit,wan=20mbit")
+    )
+    assert clipped["sites"] != sites[False]  # clip's verdict comes before the sum
 
 
 def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
@@ -429,11 +449,16 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
     # A faster WAN for one site does not help: the slower uplink carries as many bytes.
     uneven = make_plan(_profile(), H=4, topology=parse_topology("2x2,wan=20mbit+1gbit"), speed=0.5)["sites"]
     assert uneven["allreduce_s"] == pytest.approx(sites["allreduce_s"])
-    # The norm check's round trip weighs on the averages across sites, not on a site's own.
+    # The norm check's verdict travels beside the averages: no more latency. Clip's comes first,
+    # a round trip on the averages across sites, not on a site's own.
     checked = make_plan(
         _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, checked=True
     )["sites"]["allreduce_s"]
-    assert checked == pytest.approx({"flat": 1.446, "two_level": 1.0044, "site": 0.0202})
+    assert checked == pytest.approx(sites["allreduce_s"])
+    clipped = make_plan(
+        _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, aggregate="clip"
+    )["sites"]["allreduce_s"]
+    assert clipped == pytest.approx({"flat": 1.446, "two_level": 1.0044, "site": 0.0202})
     # A median gathers every contribution over the flat group: the two levels do not apply.
     median = make_plan(
         _profile(), H=4, topology=parse_topology("2x2,lan=1gbit,wan=20mbit"), speed=0.5, aggregate="median"

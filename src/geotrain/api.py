@@ -225,9 +225,11 @@ def wrap(
     training loss on a batch, called a few times here to profile the model and the link; with
     neither it times the loop's first steps (synchronous ones) and plans from them.
     ``max_norm_ratio`` R > 0 leaves out of every average a worker's contribution that is not
-    finite or whose norm is more than R times the others' median (0: off; "auto", the default:
-    10 for the periodic methods and the gathers, off for the per-step all-reduces and under
-    ``pace="time"``), and ``aggregate="clip"`` scales each one down to the median norm
+    finite or whose norm is more than R times the others' median (inf: only what is not
+    finite; 0: off; "auto", the default: 10 for the periodic methods and the gathers, inf
+    among 2 workers; off for the per-step averages of ssgd, ddp, dreamddp and a warm start and
+    for ``pace="time"``), and ``aggregate="clip"``
+    scales each one down to the median norm
     (``geotrain.comm.guard``). ``lr_scale="sqrt"`` runs the optimizer steps each worker takes
     on its own gradient (the local methods': ``SyncAlgorithm.local_steps``) at sqrt(N) times the
     optimizer's learning rate, N the group's size, so that their average moves as far as a

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geotrain.comm.guard import AUTO, AUTO_MIN_WORKERS, norm_ratio_arg, parse_aggregate
+from geotrain.comm.guard import AUTO, norm_ratio_arg, parse_aggregate
 from geotrain.data.corpus import DataError, load_corpus
 from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.models import ModelError, model_context
@@ -361,12 +361,6 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         beyond = sorted(h for h in cfg.slow_factors() if h >= args.workers)
         if beyond:
             raise UsageError(f"--slow names host {beyond[0]}; the run's hosts are 0 to {args.workers - 1}")
-        if cfg.max_rejections and not _checks_from_start(cfg, args.workers):
-            raise UsageError(
-                f"--max-rejections counts what the checks reject, and the norm check is off among "
-                f"{args.workers} workers (--max-norm-ratio auto needs {AUTO_MIN_WORKERS} or more): give "
-                "--max-norm-ratio 10 to check anyway"
-            )
         chaos = parse_chaos(cfg.chaos, args.workers)
         if args.no_netem and any(f.kind == "cut" for f in chaos):
             raise UsageError("--chaos cut: needs emulated links (a cut of loopback would cut every host)")
@@ -374,14 +368,6 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         raise UsageError(str(e)) from None
 
     return args, cfg, rates
-
-
-def _checks_from_start(cfg, workers: int) -> bool:
-    """Whether a run of ``workers`` checks contributions from its start (``--max-norm-ratio``, or
-    an aggregate; auto: only from AUTO_MIN_WORKERS workers)."""
-    if cfg.aggregate != "mean" or cfg.max_norm_ratio not in (0, AUTO):
-        return True
-    return cfg.norm_ratio() > 0 and (cfg.max_norm_ratio != AUTO or workers >= AUTO_MIN_WORKERS)
 
 
 def _launch_config(args, rates, label: str):
@@ -569,9 +555,9 @@ def _cmd_plan(argv: list[str]) -> int:
         dest="max_norm_ratio",
         type=norm_ratio_arg,
         default=None,
-        help="price the norm check (> 0: one more round trip per all-reduce; 0: none; auto: as a run's "
-        "default, the periodic methods' averages among 3+ workers, not the per-step all-reduces; "
-        "default: as profiled)",
+        help="price the norm check (> 0: a round trip before co2's sum and the quantised codecs' "
+        "collectives, none before a mean, whose verdict travels with it; 0: none; auto: as a run's "
+        "default: the periodic averages and the gathers; default: as profiled)",
     )
     p.add_argument(
         "--compress",

@@ -260,7 +260,13 @@ class TrainConfig:
         )
         need(
             not self.max_rejections or self.norm_ratio() > 0 or self.aggregate != "mean",
-            "--max-rejections counts what the checks reject: give --max-norm-ratio R (or an --aggregate)",
+            "--max-rejections counts what the checks reject, and the check is off here (--max-norm-ratio "
+            + (
+                "auto leaves it off for this --algo, --compress or --pace"
+                if self.max_norm_ratio == AUTO
+                else "0"
+            )
+            + "): give --max-norm-ratio R (or an --aggregate)",
         )
         need(self.resume_step >= 0, f"--resume-step must be >= 0 (0 = the newest), got {self.resume_step}")
         need(
@@ -319,9 +325,10 @@ class TrainConfig:
         )
         robust = parse_aggregate(self.aggregate)[0] in GATHERED
         need(
-            not (robust and self.algo in ("streaming", "co2")),
+            not (robust and self.algo in ("streaming", "co2", "ddp_powersgd")),
             f"--aggregate {self.aggregate} is not offered with {self.algo} (its fragments' gather, "
-            "co2's weighted sum in flight): use --max-norm-ratio R with --aggregate mean or clip",
+            "co2's weighted sum in flight, PyTorch's PowerSGD hook): use --max-norm-ratio R with "
+            "--aggregate mean or clip",
         )
         sparse = self.algo in ("sparseloco", "demo") or codec in ("topk", "adatopk", "chunktopk")
         need(
@@ -360,8 +367,10 @@ class TrainConfig:
 
     def norm_ratio(self) -> float:
         """``--max-norm-ratio`` as it applies: the number given, or under ``auto`` (the default)
-        10 for the methods whose check costs a round trip per sync or nothing, else 0 (off);
-        the communicator also turns auto's off in groups of fewer than 3 (``AUTO_MIN_WORKERS``).
+        ``guard.default_norm_ratio``'s: 10 for the methods whose check costs a round trip per
+        sync or nothing, else 0 (off);
+        in groups of fewer than 3 (``AUTO_MIN_WORKERS``) the communicator leaves out under auto
+        only what is not finite.
         A profile measures the link unchecked."""
         if self.max_norm_ratio != AUTO:
             return self.max_norm_ratio
@@ -558,9 +567,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "rejected this many times in a row is dropped from the run (0: never; use with 3 or more workers)",
         "max_norm_ratio": "leave out of every average (gradients, pseudo-gradients, parameters) a worker's "
         "contribution that is not finite or whose norm is more than R times the others' median; "
-        "0: off; auto (the default): 10 for localsgd, diloco, co2, streaming, sparseloco and demo "
-        "(a round trip per sync, or none), off for the per-step all-reduces and under --pace time "
-        "(see the README: what it covers)",
+        "inf: only what is not finite; 0: off; auto (the default): 10 for localsgd, diloco, co2, "
+        "streaming, sparseloco and demo (a round trip per sync, or none), inf among 2 workers; off "
+        "for the per-step averages (ssgd, ddp, dreamddp, a --warm-start: one step's gradients vary "
+        "too much for a ratio) and --pace time (see the README: what it covers)",
         "aggregate": "mean; clip: every contribution to an average is also scaled down to the "
         "median norm where above it (no extra communication); trimmed:f=F: the coordinate-wise mean "
         "without each coordinate's F largest and F smallest values; median: the coordinate-wise "
@@ -727,12 +737,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         auto_min_workers=AUTO_MIN_WORKERS if cfg.max_norm_ratio == AUTO else 0,
         aggregate=cfg.aggregate,
     )
-    if cfg.max_rejections and not comm.checking and comm.world_size > 1:
-        raise ConfigError(
-            f"--max-rejections counts what the checks reject, and the norm check is off among "
-            f"{comm.world_size} workers (--max-norm-ratio auto needs {AUTO_MIN_WORKERS} or more): give "
-            "--max-norm-ratio 10 to check anyway"
-        )
     # Profiling batches come from their own sampler so that the training data stream is the same
     # for every algorithm.
     profile_sampler = BatchSampler(
@@ -1319,7 +1323,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
-        "max_norm_ratio": cfg.norm_ratio(),  # auto resolved (0: off); applied from these workers on:
+        # auto resolved (0: off; "inf": only what is not finite); applied from these workers on:
+        "max_norm_ratio": cfg.norm_ratio() if math.isfinite(cfg.norm_ratio()) else "inf",
         "norm_check_min_workers": comm.auto_min_workers or None,
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host
         "latency_ms": cfg.latency_ms,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import pickle
 import re
 import sys
@@ -221,6 +222,12 @@ class Handle:
         self._launched = launched
         self._done = False
         self._interrupt = comm.interrupt_after_now()
+        # A checked mean whose verdict left a contribution out takes the mean again. Where the
+        # wait runs on a thread of its own (DDP's buckets), a collective issued there could
+        # cross the backward's next launches in another order on another worker: with
+        # ``defer_redo`` the mean is left in ``redo``, for the training thread to call.
+        self.defer_redo = False
+        self.redo: Callable[[], torch.Tensor] | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -272,7 +279,8 @@ class Communicator:
     # "clip": also scale each contribution down to the median norm (comm/guard.py)
     aggregate: str = "mean"
     # > 0 (--max-norm-ratio auto): max_norm_ratio applies only while the group has this many
-    # workers or more, decided again at every rebind (all members alike); 0 off below
+    # workers or more, decided again at every rebind (all members alike); below, only what is
+    # not finite is left out (a ratio of inf). 0: the ratio everywhere
     auto_min_workers: int = 0
 
     def __post_init__(self) -> None:
@@ -293,6 +301,7 @@ class Communicator:
         # worker (``leaving_out``: an average redone after a regroup, where they hold copies of
         # the leader's state): they send zeros and the mean is over the others.
         self.left_out: frozenset[int] = frozenset()
+        self._judging = threading.Lock()
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
         self.rebind(self.group)
@@ -305,7 +314,10 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         if self.auto_min_workers:
-            self.max_norm_ratio = self._wanted_ratio if self.world_size >= self.auto_min_workers else 0.0
+            # Below the minimum a ratio cannot say which of two is wrong, but what is not finite
+            # is wrong wherever it comes from: a ratio of inf leaves out only that.
+            few = math.inf if self._wanted_ratio > 0 and self.world_size > 1 else 0.0
+            self.max_norm_ratio = self._wanted_ratio if self.world_size >= self.auto_min_workers else few
         # Never freed, like an epoch's default group: a subgroup's destructor joins its threads,
         # and one may wait on a lost peer for data of an abandoned collective.
         retire(self.two_level)
@@ -447,6 +459,9 @@ class Communicator:
             self.corrupt_next = ""
         robust = self._aggregate in GATHERED and op == "mean"
         checked = self.max_norm_ratio > 0 or self._aggregate != "mean"
+        if guarded and checked and self._in_band(op):
+            handle = self._checked_mean(tensor, nbytes)
+            return handle if async_op else handle.wait()
         if guarded and self.left_out and not checked and self.world_size > 1:
             if self.rank in self.left_out:
                 tensor.zero_()  # a weighted sum's weight too: it weighs nothing
@@ -461,6 +476,16 @@ class Communicator:
             if robust:
                 handle = self._robust_mean(tensor, verdict.kept, launched)
                 return handle if async_op else handle.wait()
+        if self.world_size > 1:
+            work = self._launch_sum(tensor, nbytes)
+        handle = Handle(self, work, tensor, divide_by, launched, "all-reduce", nbytes)
+        if async_op:
+            return handle
+        return handle.wait()
+
+    def _launch_sum(self, tensor: torch.Tensor, nbytes: int):
+        """Launch the sum of ``tensor`` over the group in place, counted: in two levels where
+        there are sites (on the chain, in launch order), else one all-reduce. Returns its work."""
         if self.two_level is not None and self._chain is not None and tensor.is_contiguous():
             lan, wan = self.two_level.wire_bytes(tensor.numel(), tensor.element_size())
             self.stats.calls += 1
@@ -469,14 +494,9 @@ class Communicator:
             self.stats.recv_bytes += lan + wan
             self.stats.wan_sent_bytes += wan
             flat, groups = tensor.view(-1), self.two_level
-            work = self._chain.submit(lambda: two_level_sum_(flat, groups))
-        elif self.world_size > 1:
-            self._account(nbytes)
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        handle = Handle(self, work, tensor, divide_by, launched, "all-reduce", nbytes)
-        if async_op:
-            return handle
-        return handle.wait()
+            return self._chain.submit(lambda: two_level_sum_(flat, groups))
+        self._account(nbytes)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def site_mean(self, tensor: torch.Tensor) -> None:
         """Average the contiguous ``tensor`` in place over this rank's site only (its LAN group:
@@ -499,6 +519,104 @@ class Communicator:
         work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
         Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()
 
+    def _in_band(self, op: str) -> bool:
+        """Whether a checked mean learns the verdict alongside the average (``_checked_mean``)
+        rather than before it (``_screen``): a plain mean over one flat group. Clipping scales a
+        contribution before it is sent, and a robust mean gathers instead of summing."""
+        return op == "mean" and self._aggregate == "mean" and self.world_size > 1
+
+    def _norm_table(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This worker's row of the check's table: its contribution's norm and whether it is
+        finite (float64, on the tensor's device: NCCL reduces only there). A NaN or an inf
+        anywhere makes the norm one, so the norm alone says the tensor is finite: the scan for
+        them (12x the norm's time on a CPU) runs only where it does not, to tell a norm that
+        overflowed float32 (values above 1e19) from a tensor that is not finite."""
+        values = tensor.detach()
+        norm = float(torch.linalg.vector_norm(values, dtype=torch.float32))
+        finite = math.isfinite(norm)
+        if not finite and bool(torch.isfinite(values).all()):
+            norm, finite = float(torch.linalg.vector_norm(values, dtype=torch.float64)), True
+        table = torch.zeros(self.world_size, 2, dtype=torch.float64, device=tensor.device)
+        table[self.rank, 0] = norm if finite else 0.0
+        table[self.rank, 1] = 1.0 if finite else 0.0
+        return table
+
+    def _checked_mean(self, tensor: torch.Tensor, nbytes: int) -> Handle:
+        """A checked mean with no round trip before it: the table of norms (``_norm_table``)
+        travels with the contributions, so a mean waited for inside backward (ssgd's and
+        DreamDDP's buckets, a warm start's steps) costs no more latency than an unchecked one.
+        A float32 or float64 message carries it in the same all-reduce, its 2 N last values
+        (each worker writes its own row, the others are zeros: the sum is the table); a message
+        in 16 bits, whose range a norm would overflow, sends it in a float64 all-reduce of its
+        own, beside. When the verdict keeps every contribution, as it does but for a broken or
+        hostile worker, the sum is the mean's. When it leaves one out, the sum is spoiled (a NaN
+        cannot be subtracted, nor a 1e6-scaled vector without losing bits), so the mean is taken
+        again from this worker's contribution (the message itself, left as it was while its copy
+        travelled; or a copy kept for it), the rejected ones zeroed: bitwise what ``_screen``'s
+        path gives. Every worker reaches the same verdict, so every one takes it again, in the
+        order it waits (``Handle.redo`` where that wait is on another thread: DDP's buckets)."""
+        out, w, n = self.left_out, self.world_size, tensor.numel()  # ``out``: as sent
+        sent = tensor.detach()
+        row = self._norm_table(sent if self.rank not in out else sent.new_zeros(1))
+        together = tensor.dtype in (torch.float32, torch.float64)
+        launched = time.perf_counter()
+        self.control_calls += 1
+        own: list[torch.Tensor] = []
+        if together:
+            buf = torch.empty(n + 2 * w, dtype=tensor.dtype, device=tensor.device)
+            data, table = buf[:n], buf[n:].view(w, 2)
+            if self.rank in out:
+                data.zero_()  # a copy of the leader's state (``leaving_out``): it weighs nothing
+            else:
+                data.copy_(sent.reshape(-1))
+            table.copy_(row)
+            works = [self._launch_sum(buf, nbytes)]
+        else:
+            own.append(sent.clone())  # what the mean is taken again from, if it must be
+            if self.rank in out:
+                tensor.zero_()
+            data, table = sent, row
+            works = [dist.all_reduce(row, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
+            works.append(self._launch_sum(tensor, nbytes))
+        handle = Handle(self, works, tensor, 1, launched, "all-reduce", nbytes)
+
+        def finish() -> None:
+            rows = table.tolist()
+            verdict = self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows], out)
+            if verdict.count == w - len(out):
+                if together:
+                    tensor.copy_(data.view_as(tensor))
+                tensor.div_(verdict.count)
+                own.clear()
+                return
+            if verdict.count == 0:  # nothing to average: every worker keeps its own (as it was)
+                if not together:
+                    tensor.copy_(own.pop())
+                return
+            mine = data if together else own.pop()
+            if not verdict.kept[self.rank]:
+                mine.zero_()
+            elif together:
+                mine.copy_(sent.reshape(-1))
+
+            def redo() -> torch.Tensor:
+                start = time.perf_counter()
+                self._wait(self._launch_sum(mine, nbytes), "all-reduce", nbytes)
+                remaining = start + self.min_collective_s - time.perf_counter()
+                if remaining > 0:  # a round trip on links with software latency
+                    time.sleep(remaining)
+                self.stats.blocked_s += time.perf_counter() - start
+                return tensor.copy_(mine.view_as(tensor)).div_(verdict.count)
+
+            if handle.defer_redo:
+                tensor.zero_()  # not the spoiled sum, until ``handle.redo()`` writes the mean
+                handle.redo = redo
+            else:
+                redo()
+
+        handle._finish = finish
+        return handle
+
     def _robust_mean(self, tensor: torch.Tensor, kept_ranks: list[bool], launched: float) -> Handle:
         """``--aggregate trimmed|median``: every contribution gathered, the same coordinate-wise
         statistic computed over the kept ones on every worker, written into ``tensor``."""
@@ -516,10 +634,7 @@ class Communicator:
         """Before a mean all-reduce (``max_norm_ratio``): every worker's norm and finiteness,
         the same verdict everywhere (``comm.guard.judge``); a contribution left out is zeroed
         in place here. Returns the verdict (its count: the mean's divisor)."""
-        finite = bool(torch.isfinite(tensor).all())
-        table = torch.zeros(self.world_size, 2, dtype=torch.float64)
-        table[self.rank, 0] = float(tensor.detach().float().norm()) if finite else 0.0
-        table[self.rank, 1] = 1.0 if finite else 0.0
+        table = self._norm_table(tensor)
         self.control_calls += 1
         start = time.perf_counter()  # waiting for the verdict is communication not hidden
         work = dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -528,22 +643,29 @@ class Communicator:
         if remaining > 0:  # a round trip on links with software latency
             time.sleep(remaining)
         self.stats.blocked_s += time.perf_counter() - start
-        verdict = self._judge(table[:, 0].tolist(), [f > 0.5 for f in table[:, 1].tolist()])
+        rows = table.tolist()
+        verdict = self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows])
         if verdict.count == 0:
             return verdict
         if self._aggregate == "clip" and verdict.kept[self.rank]:
-            limit, norm = clip_norm(table[:, 0].tolist(), verdict.kept), float(table[self.rank, 0])
+            limit, norm = clip_norm([r[0] for r in rows], verdict.kept), rows[self.rank][0]
             if norm > limit:
                 tensor.mul_(limit / norm)
         if not verdict.kept[self.rank]:
             tensor.zero_()
         return verdict
 
-    def _judge(self, norms: list[float], finite: list[bool]) -> Verdict:
+    def _judge(self, norms: list[float], finite: list[bool], out: frozenset[int] | None = None) -> Verdict:
         """``comm.guard.judge`` on the group's contributions (rank order), counted by host, and
-        this worker told where its own is left out. The ``left_out`` ranks are left out as
-        they are, neither judged (nor in the others' median) nor counted as rejected."""
-        out = self.left_out if len(norms) == self.world_size else frozenset()
+        this worker told where its own is left out. The ``left_out`` ranks (``out``: as they
+        were when the contributions were sent) are left out as they are, neither judged (nor in
+        the others' median) nor counted as rejected. Under a lock: DDP's buckets are judged on
+        threads of their own, and the counts feed ``--max-rejections``."""
+        with self._judging:
+            return self._judge_locked(norms, finite, self.left_out if out is None else out)
+
+    def _judge_locked(self, norms: list[float], finite: list[bool], out: frozenset[int]) -> Verdict:
+        out = out if len(norms) == self.world_size else frozenset()
         norms = [0.0 if r in out else n for r, n in enumerate(norms)]  # 0: not in any median
         finite = [True if r in out else f for r, f in enumerate(finite)]
         verdict = judge(norms, finite, self.max_norm_ratio)

@@ -43,26 +43,34 @@ class LinkModel:
         return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
 
 
-def guard_factors(workers: int, aggregate: str = "mean", checked: bool = False) -> tuple[float, float]:
+def guard_factors(
+    workers: int, aggregate: str = "mean", checked: bool = False, round_trip: bool = False
+) -> tuple[float, float]:
     """What the trust options (``comm/guard.py``) multiply an all-reduce's latency and per-byte
-    time by. The norm check (``checked``, or any aggregate but the mean) precedes each all-reduce
-    with a control all-reduce of 2 N floats: one more latency. ``trimmed`` and ``median`` gather
-    every contribution: each worker sends N - 1 copies of its message where a ring all-reduce
-    sends 2 (N - 1) / N, so N / 2 times the bytes."""
-    latency = 2.0 if checked or aggregate != "mean" else 1.0
+    time by. A checked mean learns its verdict from 2 N floats carried in its own all-reduce
+    (``Communicator._checked_mean``): no more latency. Where the verdict must come
+    first, one more latency: any aggregate but the mean (clip scales a contribution before it
+    is sent), and ``round_trip`` (a checked weighted sum, co2's; the quantised codecs' check
+    before their reduce-scatter). ``trimmed`` and ``median`` gather every contribution: each
+    worker sends N - 1 copies of its message where a ring all-reduce sends 2 (N - 1) / N, so
+    N / 2 times the bytes."""
+    latency = 2.0 if aggregate != "mean" or (checked and round_trip) else 1.0
     return latency, max(1.0, workers / 2) if aggregate in GATHERED else 1.0
 
 
-def guarded_link(link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False) -> LinkModel:
+def guarded_link(
+    link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False, round_trip: bool = False
+) -> LinkModel:
     """The all-reduce line under the trust options, from one measured without them."""
-    latency, per_byte = guard_factors(workers, aggregate, checked)
+    latency, per_byte = guard_factors(workers, aggregate, checked, round_trip)
     return LinkModel(link.alpha_s * latency, link.beta_s_per_byte * per_byte)
 
 
 def unguarded_link(
     link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False
 ) -> LinkModel:
-    """The plain all-reduce line from one measured on ``workers`` hosts with the trust options."""
+    """The plain all-reduce line from one measured on ``workers`` hosts with the trust options
+    (a profile's plain all-reduces: a checked one learned its verdict with it)."""
     latency, per_byte = guard_factors(workers, aggregate, checked)
     return LinkModel(link.alpha_s / latency, link.beta_s_per_byte / per_byte)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from geotrain.comm.guard import AUTO_MIN_WORKERS, GATHERED, default_norm_ratio
+from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.cost import (
@@ -110,6 +110,7 @@ def predictions(
     auto_check: bool = False,
     uncompressed: ComputeModel | None = None,
     mean_period: float | None = None,
+    compress: str = "",
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
     the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
@@ -120,24 +121,28 @@ def predictions(
     of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line.
     ``uncompressed``: where ``compute`` prices a codec's messages, the model without it, for the
     methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2).
-    ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``."""
+    ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``.
+    ``compress``: the codec ``compute`` is priced for; the quantised ones judge before their
+    collective, a round trip when checked (``cost.guard_factors``)."""
     periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
     aggregate, checked = options
+    round_trip = compress.partition(":")[0] in QUANTISED_CODECS
     out = {}
     for algo in PREDICTED:
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
             continue  # refused by the run: a coordinate-wise statistic of these is not offered
         on = checked
         if auto_check:
-            on = default_norm_ratio(algo) > 0 and workers >= AUTO_MIN_WORKERS
-        line = link if on == checked else guarded_link(plain, workers, aggregate, on)
+            codec = compress if algo in CODEC_ALGOS else ""
+            on = default_norm_ratio(algo, codec) > 0  # below 3 workers: finiteness, as dear
+        line = link if on == checked else guarded_link(plain, workers, aggregate, on, round_trip)
         if algo in ("sparseloco", "demo", "streaming"):
             line = plain
-        elif algo == "co2":
-            line = guarded_link(plain, workers, "mean", on or aggregate != "mean")
+        elif algo == "co2":  # its checked weighted sum waits for the verdict
+            line = guarded_link(plain, workers, "mean", on or aggregate != "mean", round_trip=True)
         model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
         out[algo] = predict_algo(algo, model, line, periods[algo], workers, schedule)
     return out
@@ -209,6 +214,7 @@ def retarget(
     algorithm: str = "best",
     aggregate: str | None = None,
     checked: bool | None = None,
+    round_trip: bool = False,
 ) -> tuple[ComputeModel, LinkModel]:
     """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
 
@@ -217,7 +223,8 @@ def retarget(
     ``aggregate`` and ``checked`` (``--aggregate``, ``--max-norm-ratio``; None: as profiled) price
     the trust options (``cost.guarded_link``): the options the profile was measured with are taken
     out of its line first, so any profile prices any options, at any worker count.
-    The line returned is the all-reduce's under the options; ``trust_options`` says which.
+    The line returned is the all-reduce's under the options; ``trust_options`` says which;
+    ``round_trip``: the check's verdict comes before each all-reduce (``cost.guard_factors``).
     """
     compute, link = models_from_profile(profile)
     wanted = trust_options(profile, aggregate, checked)
@@ -232,7 +239,7 @@ def retarget(
         workers = workers or int(profile["workers"])
         rates = rates_bps or [min(measured_rates)] * workers
         moved = net.link_model(workers, rates, algorithm)
-    return compute, guarded_link(moved, workers, *wanted)
+    return compute, guarded_link(moved, workers, *wanted, round_trip)
 
 
 def scaled(compute: ComputeModel, compute_scale: float) -> ComputeModel:
@@ -284,17 +291,23 @@ def make_plan(
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
     ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
     ``sites`` prices the two levels and picks their periods (``plan/sites.py``). ``checked``
-    "auto" prices the norm check where a run's ``--max-norm-ratio auto`` has it: not on the
-    schedule's per-step all-reduces, on the periodic methods' averages among 3 workers or more.
+    "auto" prices the norm check where a run's ``--max-norm-ratio auto`` has it: on the
+    periodic averages and the gathers, not on the per-step averages (a checked mean's verdict
+    travels with it and costs nothing; co2's waits for it). Below 3 workers auto judges only
+    finiteness, with the same collectives.
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
     auto = checked == "auto"
-    if auto:
-        checked = False  # DreamDDP's all-reduces, in backward: unchecked by default
+    if auto:  # the schedule's line: unchecked (auto checks DreamDDP's means at no cost, and
+        checked = False  # leaves its quantised codecs unchecked)
     if topology is not None:
         workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
-    compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
+    # The quantised codecs judge before their reduce-scatter: a round trip when checked.
+    quantised = compress.partition(":")[0] in QUANTISED_CODECS if compress else False
+    compute, link = retarget(
+        profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked, round_trip=quantised
+    )
     plain_compute = compute
     group = int(workers or profile["workers"])
     compute, codec_key = codec_priced(profile, compute, compress, group)
@@ -325,8 +338,8 @@ def make_plan(
     schedule = search_schedule(compute, link, H)
     schedule.validate(compute.n_layers)
     periodic = scheduled_periods(H_schedule, H, steps)
-    # localsgd's and diloco's averages across sites: checked by auto among 3 workers or more
-    site_options = (options[0], options[1] or (auto and (workers or 0) >= AUTO_MIN_WORKERS))
+    # localsgd's and diloco's averages across sites: checked by auto
+    site_options = (options[0], options[1] or auto)
     try:
         slowest = min(rates_bps or profile_rates(profile))
     except ValueError:  # a loopback profile predicted for its own loopback: no rate to speak of
@@ -365,6 +378,7 @@ def make_plan(
             auto,
             plain_compute if compress else None,
             periodic["mean_period"] if periodic else None,
+            compress,
         ),  # fmt: skip
         "choose": table,
         # the site averages send fp32 parameters, whatever codec the table prices
@@ -385,11 +399,11 @@ def plan_sites(
     trust options (``options``) weigh on the averages across sites; a site's own average is
     not checked (``Communicator.site_mean``)."""
     links = site_links(profile_network(profile), topology)
-    n, (aggregate, checked) = topology.workers, options
+    n, aggregate = topology.workers, options[0]
     flat = guarded_link(links.flat, n, *options)
     if aggregate in GATHERED:  # a coordinate-wise statistic gathers over the flat group: no two levels
         two_level = flat
-    elif checked or aggregate != "mean":  # the check's verdict is a flat all-reduce of 2 N floats
+    elif aggregate != "mean":  # clip's verdict comes first: a flat all-reduce of 2 N floats
         two_level = replace(links.two_level, alpha_s=links.two_level.alpha_s + links.flat.alpha_s)
     else:
         two_level = links.two_level
@@ -430,7 +444,7 @@ def _trust_note(target: dict[str, Any]) -> str:
         priced.append(f"--aggregate {target['aggregate']}")
     notes = [f"with {' and '.join(priced)}"] if priced else []
     if target.get("max_norm_check") == "auto":  # the line is unchecked; the periodic averages are
-        notes.append("norm check auto: on the periodic averages among 3+ workers")
+        notes.append("norm check auto: on the periodic averages and the gathers")
     return f" ({'; '.join(notes)})" if notes else ""
 
 

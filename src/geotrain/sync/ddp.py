@@ -62,8 +62,9 @@ class DDP(SyncAlgorithm):
                 **NO_INIT_SYNC,
             )
         self._grad_tensors = [p for p in self.parameters()]
+        self._handles: dict = {}  # this step's buckets through the Communicator, by index
         # Through the Communicator also with sites: its all-reduce goes in two levels.
-        # And with the norm check, which judges every bucket before it is averaged.
+        # And with the norm check, which judges every bucket as it is averaged.
         through_comm = comm.membership is not None or comm.two_level is not None or comm.checking
         self._interruptible = self._ddp is not None and self.codec is None and through_comm
         if self.codec is not None and self._ddp is not None:
@@ -87,6 +88,14 @@ class DDP(SyncAlgorithm):
     def _interruptible_hook(self, _state, bucket):  # no annotation: DDP checks its runtime type
         buffer = bucket.buffer()
         handle = self.comm.all_reduce(buffer, op="mean", async_op=True)
+        # A mean the norm check must take again is taken by ``before_step`` on the training
+        # thread, in bucket order: from these threads it could cross later buckets' launches.
+        handle.defer_redo = True
+        # Where each gradient lies in the buffer (DDP lays a view out with its parameter's
+        # strides), for the mean taken again; a later backward's bucket replaces an earlier one's.
+        start = buffer.storage_offset()
+        places = [(g.size(), g.stride(), g.storage_offset() - start) for g in bucket.gradients()]
+        self._handles[bucket.index()] = (handle, bucket.parameters(), places)
         future: torch.futures.Future = torch.futures.Future()
 
         def finish() -> None:
@@ -118,6 +127,14 @@ class DDP(SyncAlgorithm):
             if self.codec is None and not self._interruptible:  # else counted by the communicator
                 self.comm.account_external(self._grad_tensors)
             self.syncs += 1
+        handles, self._handles = self._handles, {}
+        for index in sorted(handles):  # the same order on every worker
+            handle, params, places = handles[index]
+            if handle.redo is not None:  # the check left a contribution out: the mean again
+                mean = handle.redo()
+                with torch.no_grad():
+                    for p, (size, stride, offset) in zip(params, places, strict=True):
+                        p.grad.copy_(mean.as_strided(size, stride, mean.storage_offset() + offset))
 
     def after_step(self) -> bool:
         super().after_step()
@@ -156,6 +173,9 @@ class DDPPowerSGD(DDP):
     One bucket for the whole model: PyTorch's PowerSGD hook fails on gloo with several buckets
     (a collective size mismatch). Bytes are counted exactly as the hook sends them: P and Q,
     (n + m) * rank values, for each matrix worth compressing, plain all-reduce for the rest.
+    With ``--max-norm-ratio`` the bucket is judged before the hook forms its factors (a round
+    trip per step); a worker left out sends zeros, so its P and Q add nothing, and the mean is
+    rescaled to the workers kept (``_hook_leaving_out``: the error feedback with it).
     """
 
     name = "ddp_powersgd"
@@ -187,10 +207,49 @@ class DDPPowerSGD(DDP):
 
     def _counting_hook(self, hook):
         def counted(state, bucket):
-            self.comm.account_external_bytes(self._bucket_bytes(state, bucket))
-            return hook(state, bucket)
+            comm = self.comm
+            comm.account_external_bytes(self._bucket_bytes(state, bucket))
+            buffer = bucket.buffer()
+            spoiled = comm.spoiled(buffer)  # --chaos corrupt
+            if spoiled is not None:
+                buffer.copy_(spoiled)
+            # The norm check, before the factors are formed from the gradients: a round trip (one
+            # bucket, so one per step), a contribution left out zeroed (its P and Q are then 0).
+            verdict = comm.screen(buffer)
+            if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
+                kept: torch.futures.Future = torch.futures.Future()
+                kept.set_result(buffer)
+                return kept
+            if verdict is None or verdict.count == comm.world_size:
+                return hook(state, bucket)
+            return self._hook_leaving_out(hook, state, bucket, verdict)
 
         return counted
+
+    def _hook_leaving_out(self, hook, state, bucket, verdict):
+        """PyTorch's hook on a bucket whose contributions the check did not all keep: the mean
+        rescaled from the group's size to the workers kept, and the error feedback kept right.
+        The hook's memory is what this worker sent less the mean it got; with the mean rescaled
+        afterwards, each kept worker's memory is corrected by the same difference. A worker left
+        out takes no part: its memory is set aside for the hook (it would send it unchecked)
+        and comes back as it was, as a codec's does for a worker left out."""
+        comm, index = self.comm, bucket.index()
+        scale = comm.world_size / verdict.count
+        compressing = state.iter >= state.start_powerSGD_iter  # else no error feedback this step
+        left_out = not verdict.kept[comm.rank] and compressing and state.use_error_feedback
+        held = state.error_dict.pop(index, None) if left_out else None
+
+        def finish(done):
+            mean = done.value()
+            if left_out:
+                state.error_dict.pop(index, None)
+                if held is not None:
+                    state.error_dict[index] = held
+            elif compressing and state.use_error_feedback and index in state.error_dict:
+                state.error_dict[index].sub_(mean, alpha=scale - 1)
+            return mean.mul_(scale)
+
+        return hook(state, bucket).then(finish)
 
     def _bucket_bytes(self, state, bucket) -> int:
         if state.iter < state.start_powerSGD_iter:
