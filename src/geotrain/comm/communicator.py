@@ -198,6 +198,11 @@ def corrupt_(tensor: torch.Tensor, how: str) -> None:
             raise ValueError(f"unknown corruption {how!r}; accepted: nan, inf, signflip, scale=X")
 
 
+# Verdicts update the counts --max-rejections reads; DDP's buckets are judged on threads of their
+# own. One lock for the process: a communicator is copied with its state (no lock to pickle).
+_JUDGING = threading.Lock()
+
+
 class Handle:
     """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
 
@@ -301,7 +306,6 @@ class Communicator:
         # worker (``leaving_out``: an average redone after a regroup, where they hold copies of
         # the leader's state): they send zeros and the mean is over the others.
         self.left_out: frozenset[int] = frozenset()
-        self._judging = threading.Lock()
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
         self.rebind(self.group)
@@ -661,7 +665,7 @@ class Communicator:
         were when the contributions were sent) are left out as they are, neither judged (nor in
         the others' median) nor counted as rejected. Under a lock: DDP's buckets are judged on
         threads of their own, and the counts feed ``--max-rejections``."""
-        with self._judging:
+        with _JUDGING:
             return self._judge_locked(norms, finite, self.left_out if out is None else out)
 
     def _judge_locked(self, norms: list[float], finite: list[bool], out: frozenset[int]) -> Verdict:
