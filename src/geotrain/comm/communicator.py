@@ -585,8 +585,7 @@ class Communicator:
         handle = Handle(self, works, tensor, 1, launched, "all-reduce", nbytes)
 
         def finish() -> None:
-            rows = table.tolist()
-            verdict = self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows], out)
+            verdict = self._judge_table(table.tolist(), out)
             if verdict.count == w - len(out):
                 if together:
                     tensor.copy_(data.view_as(tensor))
@@ -604,12 +603,7 @@ class Communicator:
                 mine.copy_(sent.reshape(-1))
 
             def redo() -> torch.Tensor:
-                start = time.perf_counter()
-                self._wait(self._launch_sum(mine, nbytes), "all-reduce", nbytes)
-                remaining = start + self.min_collective_s - time.perf_counter()
-                if remaining > 0:  # a round trip on links with software latency
-                    time.sleep(remaining)
-                self.stats.blocked_s += time.perf_counter() - start
+                self._wait_blocked(self._launch_sum(mine, nbytes), time.perf_counter(), nbytes)
                 return tensor.copy_(mine.view_as(tensor)).div_(verdict.count)
 
             if handle.defer_redo:
@@ -642,13 +636,9 @@ class Communicator:
         self.control_calls += 1
         start = time.perf_counter()  # waiting for the verdict is communication not hidden
         work = dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._wait(work, "all-reduce", table.numel() * 8)
-        remaining = start + self.min_collective_s - time.perf_counter()
-        if remaining > 0:  # a round trip on links with software latency
-            time.sleep(remaining)
-        self.stats.blocked_s += time.perf_counter() - start
+        self._wait_blocked(work, start, table.numel() * 8)
         rows = table.tolist()
-        verdict = self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows])
+        verdict = self._judge_table(rows, self.left_out)
         if verdict.count == 0:
             return verdict
         if self._aggregate == "clip" and verdict.kept[self.rank]:
@@ -658,6 +648,19 @@ class Communicator:
         if not verdict.kept[self.rank]:
             tensor.zero_()
         return verdict
+
+    def _wait_blocked(self, work, start: float, nbytes: int) -> None:
+        """Wait for an all-reduce launched at ``start``, at least a round trip on links with
+        software latency, and count the wait as blocked communication."""
+        self._wait(work, "all-reduce", nbytes)
+        remaining = start + self.min_collective_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self.stats.blocked_s += time.perf_counter() - start
+
+    def _judge_table(self, rows: list[list[float]], out: frozenset[int]) -> Verdict:
+        """``_judge`` on the check's summed table: a (norm, finite) row per rank."""
+        return self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows], out)
 
     def _judge(self, norms: list[float], finite: list[bool], out: frozenset[int] | None = None) -> Verdict:
         """``comm.guard.judge`` on the group's contributions (rank order), counted by host, and

@@ -82,12 +82,9 @@ GUARDED_CODECS = (
 )
 # Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
 CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
-# Averages every step (and a warm start's steps): unchecked by default (default_norm_ratio).
-PER_STEP = ("ssgd", "dreamddp")
 # Their check is a round trip before each reduce-scatter, where a mean's travels with it.
 QUANTISED_CODECS = ("int8", "int4", "sign")
 DEFAULT_NORM_RATIO = 10.0
-FINITE_ONLY = math.inf  # a ratio that leaves out only what is not finite (``--max-norm-ratio inf``)
 SHARD_SLACK = 10.0  # a re-quantised shard of the mean may be this many times what the kept allow
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides
 AUTO_MIN_WORKERS = 3  # under auto, the check is on only in groups of this many workers or more
@@ -95,11 +92,11 @@ AUTO_MIN_WORKERS = 3  # under auto, the check is on only in groups of this many 
 
 def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_start: int = 0) -> float:
     """``--max-norm-ratio auto``: 10 where the check is (nearly) free, else 0 (off). Off for the
-    averages taken every step (``PER_STEP``, a run with a warm start): a ratio rejects honest
+    averages taken every step (ssgd, ddp, dreamddp, a run with a warm start): a ratio rejects honest
     gradients there (one step's gradient on a small batch is heavy-tailed: on W1 an honest
     bucket's norm was 38 to 450 times the others' median, several times in 20 steps, where a
     period's pseudo-gradients and parameters never came near 10), and finiteness alone
-    (``FINITE_ONLY``, ``--max-norm-ratio inf``), though its verdict travels with the mean, measured
+    (``--max-norm-ratio inf``), though its verdict travels with the mean, measured
     4.7% more step time on W1, for a cause not found (its arithmetic is about 1 ms a step). The
     communicator keeps the ratio on only while the group has AUTO_MIN_WORKERS or more
     (``Communicator.auto_min_workers``), and below judges only finiteness: of two workers that
@@ -107,11 +104,8 @@ def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_
     often as not (against a joiner's first short delta, say). Off for ``ddp``, the reference:
     checked, its buckets leave PyTorch's all-reduce for a hook."""
     codec = compress.partition(":")[0]
-    if algo not in CHECKED_BY_DEFAULT or codec not in GUARDED_CODECS or pace == "time":
-        return 0.0
-    if algo in PER_STEP or warm_start:
-        return 0.0  # give ``--max-norm-ratio inf`` (FINITE_ONLY) to check them
-    return DEFAULT_NORM_RATIO
+    free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time" and not warm_start
+    return DEFAULT_NORM_RATIO if free else 0.0
 
 
 def norm_ratio_arg(text: str) -> float:
