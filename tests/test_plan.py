@@ -167,6 +167,59 @@ def _profile(n=12):
     }
 
 
+def test_the_plan_prices_a_whole_step_measured_with_every_worker_computing():
+    """A profile's parts timed one by one add up to less than a training loop's step where
+    workers share cores; its ``step_s`` (whole steps, every worker at once) scales every part,
+    so ``nosync`` is predicted at ``step_s`` and each layer keeps its share of backward."""
+    from geotrain.plan.profile import contention_scale, models_from_profile
+
+    plain = make_plan(_profile(), H=4)
+    assert plain["predicted_s"]["nosync"] == pytest.approx(0.071)
+    assert contention_scale(_profile()) == 1.0  # an older profile, without step_s: as it was
+    loaded = _profile() | {"step_s": 0.0852}  # 1.2x the parts
+    assert contention_scale(loaded) == pytest.approx(1.2)
+    plan = make_plan(loaded, H=4)
+    assert plan["predicted_s"]["nosync"] == pytest.approx(0.0852)
+    compute, link = models_from_profile(loaded)
+    assert compute.backward_s == pytest.approx([0.0048] * 12)
+    assert (compute.forward_s, compute.optimizer_s) == pytest.approx((0.024, 0.0036))
+    assert link == models_from_profile(_profile())[1]  # the link is measured apart: not scaled
+    for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):  # more compute, never less time
+        assert plan["predicted_s"][algo] > plain["predicted_s"][algo], algo
+
+
+def test_the_profiler_times_whole_steps_and_leaves_the_training_state_as_it_was():
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.plan.layers import layer_groups
+    from geotrain.plan.profile import build_profile
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (4, 16))
+
+    def loss_fn():
+        return model(x, x)[1]
+
+    loss_fn().backward()
+    opt.step()  # optimizer state to keep
+    model.zero_grad(set_to_none=True)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    profile = build_profile(model, layer_groups(model), loss_fn, opt, Communicator())
+    parts = profile["forward_s"] + profile["backward_total_s"] + profile["optimizer_s"]
+    # a whole step does what the parts do, and a little more (zero_grad, the loss): not 0, and
+    # within a factor of the parts on one process with nothing to contend with
+    assert 0.5 * parts < profile["step_s"] < 3 * parts
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    now = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert len(now) == len(state) and all(torch.equal(a, b) for a, b in zip(state, now, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_gather_is_priced_as_the_all_reduce_that_sends_as_many_bytes_and_hides_under_h_steps():
     from geotrain.plan.cost import LinkModel
     from geotrain.plan.gather import (
