@@ -102,7 +102,7 @@ class Snapshotter:
     redundancy in another.
 
     With a keeper, the training thread serialises the state straight into an anonymous memory file
-    (``memfd``): that is the snapshot's only copy. The store thread seals it (length and sha256)
+    (``memfd``): that is the snapshot's only copy. The store thread seals it (length and CRC32)
     and passes the descriptor to the keeper over its socket, so the keeper holds those very pages
     and no byte crosses the socket. Without a keeper only disk snapshots are taken (a CPU copy,
     then framed and written by the store thread).
