@@ -194,7 +194,7 @@ def test_the_profiler_times_whole_steps_and_leaves_the_training_state_as_it_was(
     from geotrain.comm.communicator import Communicator
     from geotrain.models.gpt import GPT, gpt_config
     from geotrain.plan.layers import layer_groups
-    from geotrain.plan.profile import build_profile
+    from geotrain.plan.profile import build_profile, profile_compute
 
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
@@ -218,6 +218,15 @@ def test_the_profiler_times_whole_steps_and_leaves_the_training_state_as_it_was(
     now = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     assert len(now) == len(state) and all(torch.equal(a, b) for a, b in zip(state, now, strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+    def lost() -> None:  # a member lost at the barrier: nothing of the profile stays behind
+        raise RuntimeError("barrier timed out")
+
+    with pytest.raises(RuntimeError, match="barrier"):
+        profile_compute(model, layer_groups(model), loss_fn, opt, barrier=lost)
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    with pytest.raises(ValueError, match="at least one timed step"):
+        profile_compute(model, layer_groups(model), loss_fn, opt, reps=0)
 
 
 def test_a_gather_is_priced_as_the_all_reduce_that_sends_as_many_bytes_and_hides_under_h_steps():

@@ -468,8 +468,9 @@ def _cmd_profile(argv: list[str]) -> int:
     print(
         f"{len(profile['layers'])} layers; forward {profile['forward_s'] * 1e3:.1f} ms, backward "
         f"{profile['backward_total_s'] * 1e3:.1f} ms (cv {profile['spread']['backward_cv']:.1%}), optimizer "
-        f"{profile['optimizer_s'] * 1e3:.1f} ms; a whole step with every host computing "
-        f"{profile['step_s'] * 1e3:.1f} ms ({contention_scale(profile):.2f}x the parts: the plans price that)"
+        f"{profile['optimizer_s'] * 1e3:.1f} ms, timed inside whole steps with every host computing: "
+        f"{profile['step_s'] * 1e3:.1f} ms each ({contention_scale(profile):.2f}x the parts; the plans price "
+        "the whole step)"
     )
     print(
         f"all-reduce: {link['alpha_s'] * 1e3:.2f} ms + bytes at {mbit:.1f} Mbit/s (fit residual up to "

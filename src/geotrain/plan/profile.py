@@ -37,8 +37,10 @@ def profile_compute(
     """Time whole steps as a training loop runs them (zero_grad, forward, backward, an optimizer
     step), 1 warm-up and ``reps`` timed, every worker at once after ``barrier``; and within them
     forward, each layer's backward and the optimizer step. The optimizer steps a copy of itself
-    over clones of the parameters, so the training state is untouched; gradients are left
-    cleared.
+    over clones of the parameters, so the parameters and the optimizer's state are untouched
+    (the forwards draw random numbers and update running statistics, as any forward does);
+    gradients are left cleared. The copy and its state (for AdamW, three times the parameters)
+    live through the steps: on an accelerator near its memory limit, profile with room for it.
 
     Where workers share cores (more processes than cores, or cores that are hyperthreads of one)
     a step is slower than its parts timed apart: on W1 (``mini``, 4 workers on 2 cores) the parts
@@ -50,13 +52,16 @@ def profile_compute(
     def on_grad(p: torch.Tensor) -> None:
         done[owner[id(p)]] = time.perf_counter()  # the last parameter of a layer sets its time
 
+    if reps < 1:
+        raise ValueError(f"the profile needs at least one timed step (reps >= 1), got {reps}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     copy_opt, clones = _optimizer_copy(optimizer)
-    hooks = [p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params]
+    hooks: list[Any] = []
     forward, per_layer, totals, updates, steps = [], [[] for _ in layers], [], [], []
-    if barrier is not None:
-        barrier()
     try:
+        hooks += [p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params]
+        if barrier is not None:
+            barrier()
         for rep in range(reps + 1):
             t0 = time.perf_counter()
             model.zero_grad(set_to_none=True)
@@ -459,9 +464,10 @@ def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkMode
 
 
 def contention_scale(profile: dict[str, Any]) -> float:
-    """A whole step over its parts timed one by one (``step_s`` over forward + backward +
-    optimizer): what every part takes longer when all workers compute at once. 1 for a profile
-    without ``step_s`` (an older one, or one observed in a user's loop)."""
+    """A whole step over its parts (``step_s`` over forward + backward + optimizer), so that
+    the plan prices the whole step. Parts timed inside whole steps (``profile_compute``) leave
+    out only zero_grad and the loop between them: about 1. 1 for a profile without ``step_s``
+    (one from before whole steps were timed, or one observed in a user's loop)."""
     step_s = float(profile.get("step_s", 0.0))
     parts = float(profile["forward_s"]) + float(profile["backward_total_s"]) + float(profile["optimizer_s"])
     return step_s / parts if step_s > 0 and parts > 0 else 1.0
