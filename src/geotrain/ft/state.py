@@ -37,6 +37,8 @@ MAGIC = b"GEOSNAP1"  # the checksum is the payload's sha256
 MAGIC_CRC = b"GEOSNAP2"  # the checksum is the payload's CRC32 (little-endian, zero-padded)
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, checksum of the payload
 HEADER_BYTES = _HEADER.size
+PARTS = ("model", "optimizer", "sync", "codec", "own", "rng", "progress")
+HANDED_OVER = ("model", "optimizer", "sync")  # what a joiner may get: never codec residuals
 
 
 def _checksum(magic: bytes, payload: memoryview) -> bytes:
@@ -44,10 +46,6 @@ def _checksum(magic: bytes, payload: memoryview) -> bytes:
     if magic == MAGIC_CRC:
         return zlib.crc32(payload).to_bytes(4, "little") + bytes(28)
     return hashlib.sha256(payload).digest()
-
-
-PARTS = ("model", "optimizer", "sync", "codec", "own", "rng", "progress")
-HANDED_OVER = ("model", "optimizer", "sync")  # what a joiner may get: never codec residuals
 
 
 def handed_over(shared_optimizer: bool) -> list[str]:

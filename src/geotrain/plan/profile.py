@@ -54,7 +54,6 @@ def profile_compute(
 
     if reps < 1:
         raise ValueError(f"the profile needs at least one timed step (reps >= 1), got {reps}")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     copy_opt, clones = _optimizer_copy(optimizer)
     hooks: list[Any] = []
     forward, per_layer, totals, updates, steps = [], [[] for _ in layers], [], [], []
@@ -71,8 +70,8 @@ def profile_compute(
             t2 = time.perf_counter()
             loss.backward()
             t3 = time.perf_counter()
-            for p in params:
-                clones[id(p)].grad = p.grad
+            for p, clone in clones:
+                clone.grad = p.grad
             copy_opt.step()
             t4 = time.perf_counter()
             if rep == 0:
@@ -142,13 +141,13 @@ def measure_interference(
 
 def _optimizer_copy(
     optimizer: torch.optim.Optimizer,
-) -> tuple[torch.optim.Optimizer, dict[int, torch.Tensor]]:
-    """A copy of ``optimizer`` over clones of its parameters (by the originals' ids), so that
-    timing its steps leaves the real ones put. Only the optimizer is copied: the model may carry
-    hooks of a sync algorithm (and its in-flight collectives), which must not be."""
+) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A copy of ``optimizer`` over clones of its parameters, and (parameter, clone) pairs, so
+    that timing its steps leaves the real ones put. Only the optimizer is copied: the model may
+    carry hooks of a sync algorithm (and its in-flight collectives), which must not be."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     memo = {id(p): p.detach().clone().requires_grad_(p.requires_grad) for p in params}
-    return copy.deepcopy(optimizer, memo), memo
+    return copy.deepcopy(optimizer, memo), [(p, memo[id(p)]) for p in params]
 
 
 def probe_sizes(layers: list[Layer]) -> list[int]:
