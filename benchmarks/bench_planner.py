@@ -3,12 +3,13 @@
     python benchmarks/bench_planner.py --model mini --workers 4 --bandwidth 100mbit --steps 20 \\
         --algos nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4
 
-One profile on the cluster (``geotrain profile``), then for each entry the plan that prices it
+A profile on the cluster per codec (``geotrain profile``), then for each entry the plan that prices it
 (``geotrain plan --H H [--compress CODEC]``: dreamddp runs that plan, searched on its codec's
 messages, with re-planning off so the plan measured is the plan predicted), and the run
 (``geotrain run``, the same job for every entry, one after another). The table gives each
 entry's predicted and measured mean step and the error (predicted - measured) / measured.
-A codec's encoding time is not in the profile: its error is what that costs.
+Each codec's entries are planned from a profile taken with it (``geotrain profile --compress``),
+which times its encoding and decoding per layer; the plan prices them as compute.
 
 A plan predicts the steady step. So each run is ``--steps`` + 3 steps long, and the measured
 mean is over ``--steps`` of them (whole periods when ``--steps`` is a multiple of H): the first
@@ -60,16 +61,19 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out or f"runs/planner-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    profile = out / "profile.json"
-    if not profile.exists():
-        print("profiling ...", file=sys.stderr, flush=True)
-        geotrain(["profile", *job_args(args), "--out", str(profile), "--run-dir", str(out / "profile-run")])
     rows = []
     for entry in args.algos.split(","):
         algo, _, codec = entry.partition("+")
-        plan = out / f"plan-{codec or 'fp32'}.json"
+        compress = ["--compress", codec] if codec else []
+        tag = (codec or "fp32").replace(":", "_")
+        # a profile per codec: each times its codec's encoding (and the same steps and link)
+        profile = out / f"profile-{tag}.json"
+        if not profile.exists():
+            print(f"profiling ({codec or 'no codec'}) ...", file=sys.stderr, flush=True)
+            run_dir = ["--run-dir", str(out / f"profile-run-{tag}")]
+            geotrain(["profile", *job_args(args), *compress, "--out", str(profile), *run_dir])
+        plan = out / f"plan-{tag}.json"
         if not plan.exists():
-            compress = ["--compress", codec] if codec else []
             geotrain(["plan", "--profile", str(profile), "--H", str(args.H), "--out", str(plan), *compress])
         predicted = json.loads(plan.read_text())["predicted_s"][algo]
         extra = ["--compress", codec] if codec else []

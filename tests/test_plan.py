@@ -772,3 +772,134 @@ def test_the_planner_prices_an_H_schedule_at_its_mean_steps_per_sync():
     assert make_plan(_profile(), H=4, H_schedule="grow", steps=400)["target"]["H_schedule"] == "grow:every=40"
     with pytest.raises(ValueError, match="the periods must rise"):
         make_plan(_profile(), H=4, H_schedule="8x10", steps=100)
+
+
+@pytest.mark.parametrize(
+    "spec", ["fp16", "int8", "int4", "sign", "topk:ratio=0.25", "adatopk:ratio=0.25", "powersgd:rank=2"]
+)
+def test_a_codec_through_the_echo_of_identical_replicas_gives_back_what_it_was_sent(spec):
+    """The echo's collectives return what identical replicas would have sent: every codec's mean
+    of equal contributions is the contribution, up to the codec's own rounding, and its first
+    message's error feedback holds what it left out. So what ``time_codec`` times is the work a
+    worker of a real group does, encode, decode and mean."""
+    import torch
+
+    from geotrain.compress.codec import make_codec
+    from geotrain.plan.codec_time import EchoCommunicator
+
+    codec = make_codec(spec)
+    comm = EchoCommunicator(4)
+    torch.manual_seed(0)
+    sent = [torch.randn(64, 32), torch.randn(32)]
+    got = [t.clone() for t in sent]
+    codec.reduce(comm, "k", got).wait()
+    flat_got, flat_sent = (torch.cat([t.flatten() for t in ts]) for ts in (got, sent))
+    if spec in ("int8", "int4"):  # rank 0's shard of the mean (the echo gathers it everywhere)
+        flat_got, flat_sent = flat_got[:520], flat_sent[:520]
+    error = (flat_got - flat_sent).abs().max().item()
+    scale = flat_sent.abs().max().item()
+    if spec == "fp16":
+        assert error < 1e-3 * scale
+    elif spec in ("int8", "int4"):  # the block's largest magnitude over 127 or 7, rounded twice
+        assert 0 < error < (0.01 if spec == "int8" else 0.15) * scale
+    else:  # sign, a quarter of the values, a rank-2 sketch: lossy, and the rest is fed back
+        residual = sum(v.abs().sum().item() for v in codec.state("k").values() if v.is_floating_point())
+        assert error > 0 and residual > 0
+    assert comm.stats.sent_bytes == 0  # nothing counted as sent
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        EchoCommunicator(0)
+
+
+def test_time_codec_times_each_layer_and_the_profile_records_it_for_the_plan():
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.compress.codec import ConfigError
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.plan.codec_time import codec_key, time_codec
+    from geotrain.plan.layers import layer_groups
+    from geotrain.plan.profile import build_profile, codec_times, models_from_profile
+
+    shapes = [[(256, 256)], [(64,)], [(1024, 256), (1024,)]]
+    calls = []
+    times = time_codec("int8", shapes, 4, reps=2, barrier=lambda: calls.append(1))
+    assert calls == [1] and len(times) == 3 and all(t > 0 for t in times)
+    assert times[2] > times[1]  # 262,000 values take longer than 64
+    with pytest.raises(ValueError, match="reps >= 1"):
+        time_codec("int8", shapes, 4, reps=0)
+    with pytest.raises(ConfigError, match="unknown codec"):
+        time_codec("int3", shapes, 4)
+    assert codec_key("int4") == codec_key("int4:block=256") == "int4:warmup=0,block=256"
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, 256, (2, 16))
+    layers = layer_groups(model)
+    profile = build_profile(
+        model, layers, lambda: model(x, x)[1], opt, Communicator(), codecs=["int4", "int4"]
+    )
+    timed = profile["codecs"]["int4:warmup=0,block=256"]
+    assert timed["workers"] == 1 and set(timed["layers"]) == {layer.name for layer in layers}
+    compute = models_from_profile(profile)[0]
+    assert codec_times(profile, compute, "int4:warmup=0,block=256") == pytest.approx(
+        [timed["layers"][n] for n in compute.names]
+    )
+    assert codec_times(profile, compute, "int8:warmup=0,block=256") == ()  # not timed
+    # --compute-scale 2: the codec's compute runs on the same hardware, twice as slow too
+    from geotrain.plan.planner import scaled
+
+    doubled = codec_times(profile, scaled(compute, 2.0), "int4:warmup=0,block=256")
+    assert doubled == pytest.approx([2 * timed["layers"][n] for n in compute.names])
+
+
+def test_a_codecs_compute_is_priced_on_every_message_it_encodes():
+    """``codec_s`` is compute on the step wherever the message goes: every step for ssgd (and
+    DDP's hook), once per H steps for the periodic averages, per iteration for the layers
+    DreamDDP averages in it; a fill-in layer pays its encoding, so none is free any more."""
+    from geotrain.plan.cost import iteration_overhead, predict_co2
+
+    compute = _compute([0.01] * 4, [4_000_000] * 4)
+    link = LinkModel(0.002, 1e-8)
+    coded = replace(compute, codec_s=(0.1, 0.2, 0.3, 0.4))
+    assert coded.codec_total_s() == pytest.approx(1.0) and coded.codec_total_s([1, 3]) == pytest.approx(0.6)
+    assert predict_ssgd(coded, link) == pytest.approx(predict_ssgd(compute, link) + 1.0)
+    assert predict_periodic(coded, link, 5) == pytest.approx(predict_periodic(compute, link, 5) + 0.2)
+    assert whole_model_allreduce_s(coded, link) == pytest.approx(whole_model_allreduce_s(compute, link) + 1.0)
+    assert predict_co2(coded, link, 2) >= predict_co2(compute, link, 2)
+    schedule = [[0, 1], [2], [3]]
+    assert predict_schedule(coded, link, schedule) == pytest.approx(
+        predict_schedule(compute, link, schedule) + 1.0 / 3
+    )
+    assert iteration_overhead(coded, link, [2]) == pytest.approx(iteration_overhead(compute, link, [2]) + 0.3)
+    fills = search_schedule(compute, link, 2, fill_in=True)
+    paid = search_schedule(coded, link, 2, fill_in=True)
+    assert sum(map(len, paid.iterations)) <= sum(map(len, fills.iterations))
+    assert sum(map(len, paid.iterations)) == 4  # each layer once: a fill-in costs its encoding now
+    with pytest.raises(ValueError, match="one per layer"):
+        replace(compute, codec_s=(0.1,))
+    with pytest.raises(ValueError, match="each >= 0"):
+        replace(compute, codec_s=(0.1, 0.1, -0.1, 0.1))
+
+
+def test_a_plan_prices_the_codec_a_profile_timed_and_says_where_none_was():
+    from geotrain.plan.profile import models_from_profile
+
+    profile = _profile() | {"codecs": {}}
+    untimed = make_plan(profile, H=4, compress="int8")
+    assert untimed["target"]["codec_s"] is None
+    assert "the encoding of int8 is not priced" in format_plan(untimed)
+    names = models_from_profile(profile)[0].names
+    timed = profile | {
+        "codecs": {"int8:warmup=0,block=256": {"workers": 2, "layers": dict.fromkeys(names, 0.01)}}
+    }
+    plan = make_plan(timed, H=4, compress="int8")
+    assert plan["target"]["codec_s"] == pytest.approx(0.12)
+    assert "120 ms to encode and decode" in format_plan(plan)
+    pred, before = plan["predicted_s"], untimed["predicted_s"]
+    assert pred["ssgd"] == pytest.approx(before["ssgd"] + 0.12)
+    assert pred["localsgd"] == pytest.approx(before["localsgd"] + 0.12 / 4)
+    assert pred["nosync"] == before["nosync"] and pred["sparseloco"] == before["sparseloco"]
+    wrong = profile | {"codecs": {"int8:warmup=0,block=256": {"workers": 2, "layers": {"x": 0.01}}}}
+    with pytest.raises(ValueError, match="other layers"):
+        make_plan(wrong, H=4, compress="int8")

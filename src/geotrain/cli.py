@@ -483,6 +483,11 @@ def _cmd_profile(argv: list[str]) -> int:
         )
     else:
         print("contention between communication and backward: not measured (assumed none)")
+    for spec, timed in profile.get("codecs", {}).items():
+        total = sum(timed["layers"].values())
+        print(
+            f"{spec}: {total * 1e3:.1f} ms to encode and decode the whole model (priced by `geotrain plan`)"
+        )
     print(f"profile: {out}")
     return 0
 
@@ -568,7 +573,8 @@ def _cmd_plan(argv: list[str]) -> int:
         help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ...): the DreamDDP "
         "schedule is searched on its messages (a run with that codec and worker count takes the plan "
         "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
-        "own messages. Its encoding time is not in the profile: a run refits it from its first steps",
+        "own messages. Its encoding and decoding are priced where the profile timed them (`geotrain "
+        "profile --compress` the same codec); otherwise a run refits them from its first steps",
     )
     p.add_argument(
         "--H-schedule",

@@ -1282,7 +1282,9 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
         "network_mode": cfg.network_mode,
         "optimizer": cfg.optimizer,
     }
-    profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta)
+    # --compress: the codec's encoding is timed too, for the plans that price it
+    codecs = [cfg.compress] if cfg.compress else []
+    profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta, codecs=codecs)
     if ctx.is_main:
         Path(cfg.profile_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.profile_out).write_text(json.dumps(profile, indent=2) + "\n")

@@ -92,6 +92,9 @@ class ComputeModel:
     # Per layer, its fp32 bytes where ``nbytes`` prices a codec's messages: a run's buckets are
     # cut on these (``comm.buckets``), each bucket one message of the codec; () where the same.
     raw_nbytes: tuple[int, ...] = ()
+    # Per layer, the seconds a codec's encoding and decoding of its message take
+    # (``plan.codec_time``): compute on the step, wherever the message is sent; () for none.
+    codec_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.comm_slowdown < 1:
@@ -101,6 +104,11 @@ class ComputeModel:
         if not (len(self.names) == len(self.backward_s) == len(self.nbytes)) or not self.names:
             raise ValueError(
                 "a compute model needs one backward time and one size per layer, at least one layer"
+            )
+        if self.codec_s and (len(self.codec_s) != len(self.names) or min(self.codec_s) < 0):
+            raise ValueError(
+                f"a codec's times must be one per layer ({len(self.names)}), each >= 0; "
+                f"got {len(self.codec_s)}"
             )
 
     @property
@@ -114,6 +122,12 @@ class ComputeModel:
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_total_s + self.optimizer_s
+
+    def codec_total_s(self, layers: Iterable[int] | None = None) -> float:
+        """The codec's compute for averaging ``layers`` (None: every layer) once."""
+        if not self.codec_s:
+            return 0.0
+        return sum(self.codec_s) if layers is None else sum(self.codec_s[i] for i in layers)
 
     def finish_times(self) -> list[float]:
         t, out = 0.0, []
@@ -164,11 +178,17 @@ def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[
 
 def iteration_overhead(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
     """What averaging ``layers`` during backward adds to an iteration: exposure plus interference,
-    plus their second phases after backward, one after another (``tail_bytes``)."""
+    plus their second phases after backward, one after another (``tail_bytes``), plus the
+    codec's compute (``codec_s``)."""
     chosen = list(layers)
     sent = sum(compute.nbytes[i] for i in chosen)
     tails = sum(link.time(compute.tail_bytes[i]) for i in chosen) if compute.tail_bytes else 0.0
-    return exposed_for_layers(compute, link, chosen) + compute.interference_s_per_byte * sent + tails
+    return (
+        exposed_for_layers(compute, link, chosen)
+        + compute.interference_s_per_byte * sent
+        + tails
+        + compute.codec_total_s(chosen)
+    )
 
 
 def _buckets(compute: ComputeModel, cap_bytes: float) -> list[list[int]]:
@@ -208,14 +228,16 @@ def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0)
         ready, [link.time(s) for s in sizes], compute.finish_times()[-1], compute.comm_slowdown
     )
     tails = _bucket_tails_s(compute, link, bucket_mb)
-    return compute.compute_s + exposed + tails + compute.interference_s_per_byte * sum(sizes)
+    interference = compute.interference_s_per_byte * sum(sizes)
+    return compute.compute_s + exposed + tails + interference + compute.codec_total_s()
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
     """All buckets in flight back to back: what a periodic average costs, nothing hidden (a
-    codec's second phases after them)."""
+    codec's second phases after them, and its compute)."""
     _, sizes = _bucketed(compute, bucket_mb * 2**20)
-    return sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, bucket_mb)
+    links = sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, bucket_mb)
+    return links + compute.codec_total_s()
 
 
 def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:
@@ -241,6 +263,7 @@ def priced_for_codec(
     codec: Any,
     shapes: Sequence[Sequence[tuple[int, ...]]],
     workers: int,
+    codec_s: Sequence[float] = (),
 ) -> ComputeModel:
     """The compute model of a profile taken with plain all-reduces, for layers averaged through
     ``codec``: the link's line is the same, the messages are not.
@@ -251,7 +274,8 @@ def priced_for_codec(
     gradient is ready and queued under backward like a plain all-reduce; its second (the
     quantisers' all-gather, PowerSGD's Q) runs where the step waits, after backward, one layer
     after another (``tail_bytes``), each paying the latency again. Encoding and decoding take
-    the CPU and are not in the profile: ``fit_link_scale`` takes them from the steps measured."""
+    ``codec_s`` per layer (``plan.codec_time``, timed by a profile taken with the codec); without
+    them a run's re-plan takes them from the steps measured (``fit_link_scale``)."""
     if workers < 2:
         return compute
     ring = 2 * (workers - 1) / workers
@@ -260,14 +284,16 @@ def priced_for_codec(
     tail = tuple(round(second / ring) for _, second in phases)
     # Interference is charged per byte sent during backward: the first phase's.
     raw = compute.raw_nbytes or compute.nbytes
-    return replace(compute, nbytes=nbytes, tail_bytes=tail if any(tail) else (), raw_nbytes=raw)
+    return replace(
+        compute, nbytes=nbytes, tail_bytes=tail if any(tail) else (), raw_nbytes=raw, codec_s=tuple(codec_s)
+    )
 
 
 def unpriced(compute: ComputeModel) -> ComputeModel:
     """The compute model of plain all-reduces back from one ``priced_for_codec`` made."""
     if not compute.raw_nbytes:
         return compute
-    return replace(compute, nbytes=compute.raw_nbytes, tail_bytes=(), raw_nbytes=())
+    return replace(compute, nbytes=compute.raw_nbytes, tail_bytes=(), raw_nbytes=(), codec_s=())
 
 
 def fit_link_scale(

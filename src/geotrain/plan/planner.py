@@ -38,7 +38,7 @@ from geotrain.plan.gather import (
     stands_for_bps,
 )
 from geotrain.plan.network import NetworkModel
-from geotrain.plan.profile import models_from_profile
+from geotrain.plan.profile import codec_times, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
 from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
@@ -191,7 +191,16 @@ def codec_priced(
                 "shapes (taken before they were recorded): profile again"
             )
         shapes.append([tuple(s) for s in layer.get("shapes", [[int(layer["bytes"]) // 4]])])
-    return priced_for_codec(compute, codec, shapes, workers), f"{codec.spec()} x{workers}"
+    return priced_for_codec(compute, codec, shapes, workers, codec_times(profile, compute, codec.spec())), (
+        f"{codec.spec()} x{workers}"
+    )
+
+
+def codec_timed(profile: dict[str, Any], compress: str) -> bool:
+    """Whether the profile timed the codec ``compress`` (its encoding is then priced)."""
+    from geotrain.compress.codec import make_codec
+
+    return bool(compress) and make_codec(compress).spec() in profile.get("codecs", {})
 
 
 def profile_rates(profile: dict[str, Any]) -> list[int]:
@@ -357,6 +366,8 @@ def make_plan(
             "aggregate": options[0],
             "max_norm_check": "auto" if auto else options[1],
             "compress": compress,  # the codec the schedule and the codec-taking methods are priced for
+            # its encoding and decoding per step, where the profile timed them (--compress)
+            "codec_s": compute.codec_total_s() if compress and compute.codec_s else None,
             **(periodic or {}),  # --H-schedule: localsgd's and diloco's stages and mean period
         },
         "link_model": {
@@ -475,6 +486,13 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         h = str(SPARSELOCO_H) if algo in OWN_H else h
         with_codec = f"  + {codec}" if codec and algo in CODEC_ALGOS else ""
         lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}{with_codec}")
+    if codec and target.get("codec_s") is None:
+        lines.append(
+            f"(the encoding of {codec} is not priced: its profile did not time it; "
+            f"profile with --compress {codec})"
+        )
+    elif codec:
+        lines.append(f"({codec}: {target['codec_s'] * 1e3:.0f} ms to encode and decode the whole model)")
     sched = plan["schedule"]
     n_fill = sum(len(it) for it in sched["iterations"]) - len(sched["layers"])
     lines += [

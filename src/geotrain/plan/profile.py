@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from geotrain.comm.communicator import Communicator
+from geotrain.plan.codec_time import codec_key, time_codec
 from geotrain.plan.cost import ComputeModel, LinkModel
 from geotrain.plan.layers import Layer
 
@@ -238,11 +239,18 @@ def build_profile(
     meta: dict[str, Any] | None = None,
     reps: int = 3,
     contention: bool = False,
+    codecs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The whole profile, identical on every worker (times averaged over workers)."""
+    """The whole profile, identical on every worker (times averaged over workers). ``codecs``:
+    specs whose encoding and decoding are timed per layer too (``codecs`` in the profile)."""
     started = time.perf_counter()
     barrier = comm.barrier if comm.world_size > 1 else None
     local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
+    shapes = [[tuple(p.shape) for p in layer.params] for layer in layers]
+    timed_codecs = {
+        codec_key(spec): time_codec(spec, shapes, comm.world_size, 1, _device(layers), barrier)
+        for spec in dict.fromkeys(codecs)
+    }
     order, averaged, link = _shared(local, layers, comm)
     n = len(order)
     interference, slowdown, extra = 0.0, 1.0, 0.0
@@ -272,12 +280,30 @@ def build_profile(
         # below the run-to-run noise it is no measurement: charge nothing
         interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
     profile = _profile(order, averaged, link, layers, comm, meta)
+    if timed_codecs:
+        profile["codecs"] = {
+            key: {"workers": comm.world_size, "layers": dict(zip(names, times, strict=True))}
+            for key, (names, times) in _codec_means(timed_codecs, layers, comm).items()
+        }
     profile["interference_s_per_byte"] = interference
     profile["comm_slowdown_in_backward"] = slowdown
     profile["contention_measured"] = bool(contention and comm.world_size > 1)
     profile["spread"]["interference_extra_backward_s"] = extra
     profile["profile_s"] = time.perf_counter() - started
     return profile
+
+
+def _device(layers: list[Layer]) -> torch.device:
+    return next((p.device for layer in layers for p in layer.params), torch.device("cpu"))
+
+
+def _codec_means(
+    timed: dict[str, list[float]], layers: list[Layer], comm: Communicator
+) -> dict[str, tuple[list[str], list[float]]]:
+    """Each codec's per-layer times averaged over workers, by layer name."""
+    names = [layer.name for layer in layers]
+    flat = comm.mean_scalars([t for times in timed.values() for t in times])
+    return {key: (names, flat[i * len(names) : (i + 1) * len(names)]) for i, key in enumerate(timed)}
 
 
 def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, meta) -> dict[str, Any]:
@@ -470,3 +496,18 @@ def contention_scale(profile: dict[str, Any]) -> float:
     step_s = float(profile.get("step_s", 0.0))
     parts = float(profile["forward_s"]) + float(profile["backward_total_s"]) + float(profile["optimizer_s"])
     return step_s / parts if step_s > 0 and parts > 0 else 1.0
+
+
+def codec_times(profile: dict[str, Any], compute: ComputeModel, spec: str) -> tuple[float, ...]:
+    """The codec ``spec``'s seconds per layer in ``compute``'s order, as the profile timed them
+    (``geotrain profile --compress``, ``plan.codec_time``), scaled as ``compute``'s times were
+    (``--compute-scale``); () where the profile did not time it."""
+    timed = profile.get("codecs", {}).get(spec)
+    if not timed:
+        return ()
+    by_name = timed["layers"]
+    if set(by_name) != set(compute.names):
+        raise ValueError(f"the profile's times of {spec} are for other layers than its own; profile again")
+    profiled = sum(float(layer["backward_s"]) for layer in profile["layers"]) * contention_scale(profile)
+    scale = compute.backward_total_s / profiled if profiled > 0 else 1.0
+    return tuple(scale * float(by_name[name]) for name in compute.names)

@@ -44,7 +44,7 @@ from geotrain.plan.cost import (
     unpriced,
 )
 from geotrain.plan.layers import layer_groups, order_layers
-from geotrain.plan.profile import StepObserver, build_profile, models_from_profile
+from geotrain.plan.profile import StepObserver, build_profile, codec_times, models_from_profile
 from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
 
@@ -187,27 +187,32 @@ class DreamDDP(SyncAlgorithm):
         assert self._profile_fn is not None
         self._profiling = True
         try:
-            profile = build_profile(self.module, self.layers, self._profile_fn, self.optimizer, self.comm)
+            codecs = [self.codec.spec()] if self.codec is not None else []
+            profile = build_profile(
+                self.module, self.layers, self._profile_fn, self.optimizer, self.comm, codecs=codecs
+            )
         finally:
             self._profiling = False
         self._plan_from(profile)
 
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
-        self._plan_with(self._priced(compute), link)
+        self._plan_with(self._priced(compute, profile), link)
         self.profile = profile
 
     def _codec_key(self) -> str:
         """What the models a plan holds were priced for: this codec among this many workers."""
         return f"{self.codec.spec()} x{self.comm.world_size}" if self.codec is not None else ""
 
-    def _priced(self, compute: ComputeModel) -> ComputeModel:
-        """A profile's compute model (plain all-reduces) with this run's codec messages priced."""
+    def _priced(self, compute: ComputeModel, profile: dict[str, Any] | None = None) -> ComputeModel:
+        """A profile's compute model (plain all-reduces) with this run's codec messages priced,
+        and its encoding where ``profile`` timed it."""
         if self.codec is None:
             return compute
         by_name = {layer.name: layer for layer in self.layers}
         shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
-        return priced_for_codec(compute, self.codec, shapes, self.comm.world_size)
+        timed = codec_times(profile, compute, self.codec.spec()) if profile is not None else ()
+        return priced_for_codec(compute, self.codec, shapes, self.comm.world_size, timed)
 
     def _refit(self, measured_s: float) -> None:
         """A re-plan from the steps already measured (``measured_s``, the slowest worker's mean
