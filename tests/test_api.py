@@ -173,7 +173,7 @@ def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them():
     "algo, extra",
     [
         ("diloco", ["--pace", "time", "--slow", "1"]),  # rank 1 skips steps; rank 0 none
-        ("dreamddp", []),  # plans from its first steps
+        # (dreamddp planning from its first steps in a wrapped loop: test_dreamddp_without_a_plan...)
     ],
 )
 def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo, extra):

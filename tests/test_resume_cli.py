@@ -49,6 +49,8 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     chaos = ["--chaos", "kill:step=10,rank=1", "--on-failure", "stop"]
     proc = geotrain([*job, "--run-dir", str(killed), *chaos])
     assert proc.returncode == 1
+    # as a machine that dies: the launcher names the host and how its trainer ended
+    assert "run failed: host" in proc.stderr and "exited with code" in proc.stderr
     assert "geotrain run --resume" in proc.stderr
     assert _keepers_alive(killed, 2) == [True, True], "keepers outlive the trainers"
     assert not list((killed / "snapshots").rglob("*.snap")), "nothing was on disk yet"
@@ -63,10 +65,16 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
 
 
 def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):
+    """Also local SGD from the CLI under --H-schedule grow with H=4 over 8 steps: 2 for a tenth
+    of them (at least 1 step, to 4, where 2 and 4 both sync), then 4: syncs at 2, 4, 8; resumed
+    for more steps with the flag as first given (grow was resolved and saved)."""
     run_dir = tmp_path / "run"
-    job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "8", *JOB, "--no-netem"]
-    proc = geotrain([*job, "--run-dir", str(run_dir), "--checkpoint-every", "4"])
+    job = ["run", "--workers", "2", "--algo", "localsgd", "--H-schedule", "grow", "--steps", "8", *JOB]
+    proc = geotrain([*job, "--no-netem", "--run-dir", str(run_dir), "--checkpoint-every", "4"])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = _summary(run_dir)
+    assert summary["algo"] == "localsgd" and summary["network_mode"] == "loopback"
+    assert summary["syncs"] == 3 and summary["periods"] == "H 2 from step 0, 4 from step 4"
     assert [p.name for p in sorted((run_dir / "snapshots" / "rank0").iterdir())] == [
         "step00000004.snap",
         "step00000008.snap",
@@ -81,7 +89,7 @@ def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):
         (["run", "--resume", str(tmp_path / "nope")], "not a geotrain run directory"),
         (["run", "--resume", str(run_dir), "--model", "mini"], "made with model='tiny', not 'mini'"),
         (["run", "--resume", str(run_dir), "--workers", "3"], "the run has 2 workers, not 3"),
-        (["run", "--resume", str(run_dir), "--algo", "diloco"], "algo='ssgd'"),
+        (["run", "--resume", str(run_dir), "--algo", "diloco"], "algo='localsgd'"),
         (["run", "--resume", str(run_dir)], "fails its checksum; the previous good snapshot is step 4"),
         (
             ["run", "--resume", str(run_dir), "--resume-step", "4", "--steps", "3"],
@@ -92,9 +100,11 @@ def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):
         assert message in refused(args), args
     assert _tree_digest(run_dir) == before
     # The named step resumes.
-    proc = geotrain(["run", "--resume", str(run_dir), "--resume-step", "4", "--steps", "10"])
+    resume = ["run", "--resume", str(run_dir), "--resume-step", "4", "--steps", "10", "--H-schedule", "grow"]
+    proc = geotrain(resume)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _summary(run_dir)["resumed_from"]["step"] == 4 and _summary(run_dir)["steps"] == 10
+    assert _summary(run_dir)["periods"] == "H 2 from step 0, 4 from step 4"
 
 
 @pytest.mark.usefixtures("no_leftovers")
