@@ -17,8 +17,10 @@ demo: $(STAMP)
 	$(VENV)/bin/geotrain run --workers 4 --bandwidth 100mbit --model mini --algo diloco --H 10 \
 		--steps 60 --batch-size 8 --eval-every 20
 
+# Two halves at once: the tests that launch clusters one after another, the rest beside them
+# (tests/suite.py says why). `$(PY) -m pytest` runs the same tests one after another.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) tests/suite.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -27,10 +27,13 @@ def _geotrain_processes() -> set[int]:
         if not pid.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"geotrain.train" in cmd or b"geotrain.launch.coordinator" in cmd:
+        # `python -m MODULE`: not a forkserver whose preload list names geotrain.train (the
+        # gloo tests' workers, which tests/suite.py runs beside these)
+        modules = {after for before, after in zip(args, args[1:], strict=False) if before == b"-m"}
+        if modules & {b"geotrain.train", b"geotrain.launch.coordinator"}:
             found.add(int(pid))
     return found
 

@@ -26,7 +26,7 @@ FLAGS = ["--algo", "localsgd", "--H", "4", "--model", "tiny", "--batch-size", "4
 FLAGS += ["--threads", "1", "--steps", "400"]
 # The survivors wait at their boundary for the replacement: it is admitted however slowly it
 # starts on a loaded machine (the run's 400 tiny steps last only some seconds).
-FLAGS += ["--min-workers", "3", "--join-timeout", "60"]
+FLAGS += ["--min-workers", "2", "--join-timeout", "60"]
 
 
 def _free_port() -> int:
@@ -53,10 +53,10 @@ def _broker(tmp_path, hosts: int, port: int, env: dict | None = None) -> subproc
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
     port = _free_port()
-    broker = _broker(tmp_path, 3, port)
+    broker = _broker(tmp_path, 2, port)
     procs = []
     try:
-        for host in range(3):
+        for host in range(2):
             chaos = ["--chaos", "kill:step=5,rank=0"] if host == 0 else []
             cmd = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", str(host)]
             cmd += ["--run-dir", str(tmp_path / f"machine{host}"), *FLAGS, *chaos]
@@ -68,9 +68,9 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
             time.sleep(0.2)
         # A second trainer for a host once the run is under way is refused in one line (checked
         # first: a `geotrain train` waits for a broker that is not up yet, or gone with the run).
-        again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "2", *FLAGS]
+        again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "1", *FLAGS]
         refused = subprocess.run(again, capture_output=True, text=True, timeout=60)
-        assert refused.returncode == 2 and "host 2 is already training" in refused.stderr, refused.stderr
+        assert refused.returncode == 2 and "host 1 is already training" in refused.stderr, refused.stderr
         cmd = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "0"]
         joiner = subprocess.Popen(
             [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS], stderr=subprocess.PIPE, text=True
@@ -86,17 +86,18 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         errs = [p.communicate(timeout=120)[1] for p in procs]
         assert procs[0].returncode == -9  # the chaos kill
-        assert [p.returncode for p in procs[1:]] == [0, 0, 0], [e[-2000:] for e in errs]
+        assert [p.returncode for p in procs[1:]] == [0, 0], [e[-2000:] for e in errs]
         assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
     finally:
         _kill_all([*procs, broker])
     epochs = [json.loads(x) for x in (tmp_path / "broker" / "epochs.jsonl").read_text().splitlines()]
-    assert [(e["members"], e["why"]) for e in epochs] == [([1, 2], "silent"), ([1, 2, 0], "requested")]
+    assert [(e["members"], e["why"]) for e in epochs] == [([1], "silent"), ([1, 0], "requested")]
     summary = json.loads((tmp_path / "machine1" / "summary.json").read_text())  # rank 0 at the end
-    assert (summary["workers_start"], summary["workers"]) == (3, 3)
+    assert (summary["workers_start"], summary["workers"]) == (2, 2)
     admitted = summary["membership"][1]
-    assert admitted["joined"] == [0] and admitted["stripes"]["model"] == 2
-    assert "host 0 was admitted after step" in errs[3]
+    # one member hands its state over (in two stripes from two: test_continue_cli's replacement)
+    assert admitted["joined"] == [0] and admitted["stripes"]["model"] == 1
+    assert "host 0 was admitted after step" in errs[2]
 
 
 @pytest.mark.parametrize(

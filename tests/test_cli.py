@@ -234,15 +234,5 @@ def test_a_collective_past_its_timeout_ends_the_run_in_one_line_not_tracebacks(t
     assert "Traceback" not in proc.stderr
 
 
-def test_without_root_it_says_so_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
-    import geotrain.launch.local as local
-    from geotrain.train import TrainConfig
-
-    monkeypatch.setattr(local, "netem_unavailable_reason", lambda: "not running as root")
-    launch = local.LaunchConfig(2, [10**8, 10**8], tmp_path / "run", echo=False, timeout_s=120)
-    summary = local.run_local_cluster(launch, TrainConfig(algo="ssgd", model="tiny", steps=3, progress=False))
-    err = capsys.readouterr().err
-    assert "cannot emulate links (not running as root); running on loopback, UNSHAPED" in err
-    assert summary["network_mode"] == "loopback" and summary["link"] == "loopback (unshaped)"
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["fallback_reason"] == "not running as root"
+# Without root the launcher says so and runs on loopback: test_rollback_cli's
+# test_past_max_faults_a_fault_ends_the_run (one run carries both).

@@ -105,15 +105,23 @@ def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cle
 
 
 @pytest.mark.usefixtures("no_leftovers")
-def test_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers):
-    job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "6", *JOB, "--no-netem"]
-    for extra, message in ((["--max-faults", "0"], "--max-faults 0"),):
-        run_dir = tmp_path / extra[0].strip("-")
-        cleanup_keepers.append((run_dir, 2))
-        proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", "kill:step=3,rank=1", *extra])
-        assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
-        (fault,) = json.loads((run_dir / "faults.json").read_text())
-        assert fault["rank"] == 1 and fault["at_step"] >= 3
+def test_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers, monkeypatch):
+    """Also: without root (links asked for, none to be had) the launcher says so in one line
+    and runs on loopback, and the run directory records why."""
+    import geotrain.launch.local as local
+
+    monkeypatch.setattr(local, "netem_unavailable_reason", lambda: "not running as root")
+    job = ["run", "--workers", "2", "--algo", "ssgd", "--steps", "6", *JOB, "--bandwidth", "100mbit"]
+    run_dir = tmp_path / "max-faults"
+    cleanup_keepers.append((run_dir, 2))
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", "kill:step=3,rank=1", "--max-faults", "0"])
+    assert proc.returncode == 1 and "--max-faults 0" in proc.stderr, proc.stderr[-2000:]
+    (fault,) = json.loads((run_dir / "faults.json").read_text())
+    assert fault["rank"] == 1 and fault["at_step"] >= 3
+    assert "cannot emulate links (not running as root); running on loopback, UNSHAPED" in proc.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["fallback_reason"] == "not running as root" and config["network_mode"] == "loopback"
+    assert config["train"]["link"] == "loopback (unshaped)"
 
 
 @pytest.mark.usefixtures("no_leftovers")
