@@ -544,3 +544,31 @@ def test_the_check_is_on_by_default_where_it_costs_a_round_trip_per_sync_or_noth
             torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
             max_norm_ratio="on",
         )
+
+
+def test_a_messages_norm_is_its_float64_norm_to_6_digits_and_anything_not_finite_is_said():
+    """``message_norm`` sums in float64 without a float64 copy: the same figure as the copy's
+    norm, rounded alike on every host; inf or NaN anywhere is "not finite", a float64 overflow
+    of finite values is a finite message of infinite norm (left out by any ratio)."""
+    import math
+
+    import torch
+
+    from geotrain.comm.guard import message_norm
+
+    g = torch.Generator().manual_seed(0)
+    for values in (
+        torch.randn(100_003, generator=g),
+        torch.randn(4096, generator=g).to(torch.bfloat16),
+        torch.randint(-5, 5, (999,), generator=g),
+        torch.zeros(0),
+    ):
+        expected = float(f"{float(values.double().norm()):.6g}")
+        assert message_norm(values) == (expected, True)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        values = torch.randn(1000, generator=g)
+        values[517] = bad
+        assert message_norm(values) == (0.0, False)
+    norm, finite = message_norm(torch.full((4,), 1e200, dtype=torch.float64))
+    assert math.isinf(norm) and finite
+    assert message_norm(torch.ones(3), valid=False) == (0.0, False)
