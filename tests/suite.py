@@ -5,47 +5,84 @@ as they must: each checks that it left no trainer, coordinator or namespace behi
 cluster of another test beside it would look like its leftovers. The rest (pure logic, gloo
 groups of 2-4 processes) mostly waits on its groups' timeouts and barriers (416 tests in 165 s
 with 40 s of CPU), so it runs beside them, in a process of its own, and its report is printed
-when it is done. The cluster modules run in the order below: the fault scenarios first (their
-deadlines are generous), while the other half still runs, and the ones that compare two timings
-(the straggler, the horizon bench) last, alone.
+when it is done. The fault scenarios (generous deadlines) run while it does; the modules that
+compare timings run after it has finished, alone.
 
-    python tests/suite.py [PYTEST ARGS]   # both halves; the exit code is 0 only if both pass
+    python tests/suite.py [PYTEST ARGS]   # both halves; exit 0 only if both pass
+
+A Ctrl-C (or SIGTERM) is passed to both halves, which stop their clusters as a run does.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+# Modules whose tests launch clusters, in the order they run: first beside the other half...
 CLUSTER_MODULES = [
     "test_continue_cli", "test_broker_cli", "test_rollback_cli", "test_resume_cli", "test_spares",
     "test_cli", "test_admission", "test_guard", "test_api", "test_models", "test_dreamddp_e2e",
-    "test_netem", "test_pace", "test_topology", "test_bench",
 ]  # fmt: skip
+# ...then, once it is done, those that compare measured times (a straggler, shaped links)
+TIMED_MODULES = ["test_netem", "test_pace", "test_topology", "test_bench"]
 
 HERE = Path(__file__).resolve().parent
-SELECT = "not timing and not long"  # pyproject's addopts, which -m replaces
+NO_TESTS = 5  # pytest's exit code when a selection (-k) leaves a half nothing to run
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(cmd, **kwargs)
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt  # a SIGTERM stops the halves as a Ctrl-C does
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ctrl-C to each half still running, and time for it to stop its clusters."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-    clusters = [str(HERE / f"{m}.py") for m in CLUSTER_MODULES]
-    rest = [str(p) for p in sorted(HERE.glob("test_*.py")) if p.stem not in CLUSTER_MODULES]
+    ours = {*CLUSTER_MODULES, *TIMED_MODULES}
+    rest = [str(p) for p in sorted(HERE.glob("test_*.py")) if p.stem not in ours]
     started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as log:
-        beside = subprocess.Popen([*pytest, "-m", SELECT, *rest], stdout=log, stderr=subprocess.STDOUT)
+    running: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupted)
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
         try:
-            code = subprocess.call([*pytest, "-m", SELECT, *clusters])
+            beside = _run([*pytest, *rest], stdout=log, stderr=subprocess.STDOUT)
+            running.append(beside)
+            first = _run([*pytest, *(str(HERE / f"{m}.py") for m in CLUSTER_MODULES)])
+            running.append(first)
+            codes = [first.wait(), beside.wait()]
+            timed = _run([*pytest, *(str(HERE / f"{m}.py") for m in TIMED_MODULES)])
+            running.append(timed)
+            codes.append(timed.wait())
+        except KeyboardInterrupt:
+            _stop(running)
+            print("\ngeotrain tests: interrupted; every half stopped", file=sys.stderr)
+            return 130
         finally:
-            other = beside.wait()
             log.seek(0)
-            print(f"\n--- the other half ({len(rest)} modules, run beside the clusters) ---")
+            print(f"\n--- beside the clusters: {len(rest)} modules ---")
             print(log.read(), end="")
-    print(f"--- both halves: {time.monotonic() - started:.0f} s ---")
-    return code or other
+    print(f"--- all halves: {time.monotonic() - started:.0f} s ---")
+    ran = [c for c in codes if c != NO_TESTS]
+    return max(ran) if ran else NO_TESTS
 
 
 if __name__ == "__main__":

@@ -228,43 +228,43 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
 def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_brings_the_lost_host_back(
     tmp_path, cleanup_keepers
 ):
-    """Local SGD on 2 workers with --min-workers 2 loses host 1 after step 5. Host 0 goes on to
-    its next sync boundary (step 8), snapshots there (naming who was training), waits
-    --join-timeout for a replacement, and stops with a line that says how to go on. The resume
-    starts from step 8, not from step 4 before the fault: host 0 from its keeper, host 1 as a
-    joiner is admitted (a member's model and algorithm state, its own optimizer and data stream
-    fresh); both train to the end. (Several survivors pausing together: test_spares.py and the
-    broker's test.)"""
+    """Local SGD on 3 workers with --min-workers 3 loses host 2 after step 5. Hosts 0 and 1 go
+    on to their next sync boundary (step 8), snapshot there (naming who was training), wait
+    --join-timeout for a replacement, and stop with a line that says how to go on. The resume
+    starts from step 8, not from step 4 before the fault: hosts 0 and 1 from their keepers, host
+    2 as a joiner is admitted (a member's model and algorithm state, its own optimizer and data
+    stream fresh); all three train to the end."""
     run_dir = tmp_path / "run"
-    cleanup_keepers.append((run_dir, 2))
-    job = ["run", "--workers", "2", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
+    cleanup_keepers.append((run_dir, 3))
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "16", *JOB, "--run-dir", str(run_dir)]
     t0 = time.monotonic()
-    proc = geotrain([*job, "--min-workers", "2", "--join-timeout", "2", "--chaos", "kill:step=5,rank=1"])
+    proc = geotrain([*job, "--min-workers", "3", "--join-timeout", "2", "--chaos", "kill:step=5,rank=2"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 90
     assert "paused after step 8, waiting up to 2 s for a replacement" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert (
-        "fewer than --min-workers 2" in proc.stderr and f"geotrain run --resume {run_dir}" in proc.stderr
+        "fewer than --min-workers 3" in proc.stderr and f"geotrain run --resume {run_dir}" in proc.stderr
     ), last
-    assert [r["step"] for r in _records(run_dir, 0)] == list(range(1, 9))
-    members = run_dir / "snapshots" / "rank0" / "step00000008.members"
-    assert json.loads(members.read_text()) == [0]  # on disk too, beside the keeper's copy
+    for host in (0, 1):
+        assert [r["step"] for r in _records(run_dir, host)] == list(range(1, 9))
+        members = run_dir / "snapshots" / f"rank{host}" / "step00000008.members"
+        assert json.loads(members.read_text()) == [0, 1]  # on disk too, beside the keepers' copy
     proc = geotrain(["run", "--resume", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _summary(run_dir)
     assert summary["resumed_from"]["step"] == 8
-    assert summary["resumed_from"]["sources"] == ["keeper", "member"]
-    assert (summary["workers_start"], summary["workers"]) == (2, 2)
-    for host in range(2):
+    assert summary["resumed_from"]["sources"] == ["keeper", "keeper", "member"]
+    assert (summary["workers_start"], summary["workers"]) == (3, 3)
+    for host in range(3):
         assert [r["step"] for r in _records(run_dir, host)][-8:] == list(range(9, 17))
-    assert [r["step"] for r in _records(run_dir, 1)][:6] == [1, 2, 3, 4, 5, 9]  # lost after 5, back at 9
-    # Tokens go on from the survivor's count at step 8 (not 8 steps of 2), then 8 steps of 2.
+    assert [r["step"] for r in _records(run_dir, 2)][:6] == [1, 2, 3, 4, 5, 9]  # lost after 5, back at 9
+    # Tokens go on from the survivors' count at step 8 (not 8 steps of 3), then 8 steps of 3.
     records = _records(run_dir, 0)
-    per_worker_step = records[0]["tokens"] // 2
+    per_worker_step = records[0]["tokens"] // 3
     at_8 = records[7]["tokens"]
-    assert at_8 < 8 * 2 * per_worker_step
-    assert summary["tokens"] == at_8 + 8 * 2 * per_worker_step
+    assert at_8 < 8 * 3 * per_worker_step
+    assert summary["tokens"] == at_8 + 8 * 3 * per_worker_step
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -86,6 +86,7 @@ def time_codec(
     if reps < 1:
         raise ValueError(f"timing a codec needs at least one timed message (reps >= 1), got {reps}")
     codec = make_codec(spec)  # a bad spec: ConfigError, which says what is accepted
+    codec.warmup = 0  # its uncompressed first messages are not what a run sends for long
     comm = EchoCommunicator(world_size)
     cuda = torch.device(device).type == "cuda"
     generator = torch.Generator(device=device).manual_seed(0)

@@ -191,16 +191,8 @@ def codec_priced(
                 "shapes (taken before they were recorded): profile again"
             )
         shapes.append([tuple(s) for s in layer.get("shapes", [[int(layer["bytes"]) // 4]])])
-    return priced_for_codec(compute, codec, shapes, workers, codec_times(profile, compute, codec.spec())), (
-        f"{codec.spec()} x{workers}"
-    )
-
-
-def codec_timed(profile: dict[str, Any], compress: str) -> bool:
-    """Whether the profile timed the codec ``compress`` (its encoding is then priced)."""
-    from geotrain.compress.codec import make_codec
-
-    return bool(compress) and make_codec(compress).spec() in profile.get("codecs", {})
+    timed = codec_times(profile, compute, codec.spec(), workers)
+    return priced_for_codec(compute, codec, shapes, workers, timed), f"{codec.spec()} x{workers}"
 
 
 def profile_rates(profile: dict[str, Any]) -> list[int]:

@@ -248,8 +248,8 @@ def build_profile(
     local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
     shapes = [[tuple(p.shape) for p in layer.params] for layer in layers]
     timed_codecs = {
-        codec_key(spec): time_codec(spec, shapes, comm.world_size, 1, _device(layers), barrier)
-        for spec in dict.fromkeys(codecs)
+        key: time_codec(spec, shapes, comm.world_size, 1, _device(layers), barrier)
+        for key, spec in {codec_key(spec): spec for spec in codecs}.items()  # each codec once
     }
     order, averaged, link = _shared(local, layers, comm)
     n = len(order)
@@ -498,16 +498,26 @@ def contention_scale(profile: dict[str, Any]) -> float:
     return step_s / parts if step_s > 0 and parts > 0 else 1.0
 
 
-def codec_times(profile: dict[str, Any], compute: ComputeModel, spec: str) -> tuple[float, ...]:
+GATHERING_CODECS = ("topk", "adatopk", "chunktopk")  # decode one message per worker
+
+
+def codec_times(
+    profile: dict[str, Any], compute: ComputeModel, spec: str, workers: int | None = None
+) -> tuple[float, ...]:
     """The codec ``spec``'s seconds per layer in ``compute``'s order, as the profile timed them
     (``geotrain profile --compress``, ``plan.codec_time``), scaled as ``compute``'s times were
-    (``--compute-scale``); () where the profile did not time it."""
+    (``--compute-scale``); () where the profile did not time it. For ``workers`` other than
+    the profile's, a gathering codec's times are scaled by the ratio (it decodes and adds one
+    message per worker); the others' work does not grow with the group (a quantiser decodes N
+    rows of 1/N of the model)."""
     timed = profile.get("codecs", {}).get(spec)
     if not timed:
         return ()
+    grows = spec.partition(":")[0] in GATHERING_CODECS and workers is not None
+    per_worker = workers / max(1, int(timed.get("workers", workers))) if grows else 1.0
     by_name = timed["layers"]
     if set(by_name) != set(compute.names):
         raise ValueError(f"the profile's times of {spec} are for other layers than its own; profile again")
     profiled = sum(float(layer["backward_s"]) for layer in profile["layers"]) * contention_scale(profile)
-    scale = compute.backward_total_s / profiled if profiled > 0 else 1.0
+    scale = per_worker * (compute.backward_total_s / profiled if profiled > 0 else 1.0)
     return tuple(scale * float(by_name[name]) for name in compute.names)

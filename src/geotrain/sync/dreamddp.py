@@ -211,7 +211,8 @@ class DreamDDP(SyncAlgorithm):
             return compute
         by_name = {layer.name: layer for layer in self.layers}
         shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
-        timed = codec_times(profile, compute, self.codec.spec()) if profile is not None else ()
+        workers = self.comm.world_size
+        timed = codec_times(profile, compute, self.codec.spec(), workers) if profile is not None else ()
         return priced_for_codec(compute, self.codec, shapes, self.comm.world_size, timed)
 
     def _refit(self, measured_s: float) -> None:
