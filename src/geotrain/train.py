@@ -37,6 +37,7 @@ from geotrain.comm.guard import (
     GATHERED,
     GUARDED_ALGOS,
     GUARDED_CODECS,
+    SPARSE_CODECS,
     default_norm_ratio,
     norm_ratio_arg,
     parse_aggregate,
@@ -330,7 +331,7 @@ class TrainConfig:
             "co2's weighted sum in flight, PyTorch's PowerSGD hook): use --max-norm-ratio R with "
             "--aggregate mean or clip",
         )
-        sparse = self.algo in ("sparseloco", "demo") or codec in ("topk", "adatopk", "chunktopk")
+        sparse = self.algo in ("sparseloco", "demo") or codec in SPARSE_CODECS
         need(
             not (sparse and robust),
             f"--aggregate {self.aggregate} takes a statistic of each coordinate over the workers, "

@@ -77,9 +77,9 @@ GUARDED_ALGOS = (
         "demo",
     ),
 )
-GUARDED_CODECS = (
-    *("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", "topk", "adatopk", "chunktopk"),
-)
+# Their messages are gathered, one per worker, and decoded and added by every worker.
+SPARSE_CODECS = ("topk", "adatopk", "chunktopk")
+GUARDED_CODECS = (*("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", *SPARSE_CODECS),)
 # Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
 CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
 # Their check is a round trip before each reduce-scatter, where a mean's travels with it.

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.communicator import Communicator
+from geotrain.comm.guard import SPARSE_CODECS
 from geotrain.plan.codec_time import codec_key, time_codec
 from geotrain.plan.cost import ComputeModel, LinkModel
 from geotrain.plan.layers import Layer
@@ -281,9 +282,10 @@ def build_profile(
         interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
     profile = _profile(order, averaged, link, layers, comm, meta)
     if timed_codecs:
+        names = [layer.name for layer in layers]
         profile["codecs"] = {
             key: {"workers": comm.world_size, "layers": dict(zip(names, times, strict=True))}
-            for key, (names, times) in _codec_means(timed_codecs, layers, comm).items()
+            for key, times in _codec_means(timed_codecs, comm).items()
         }
     profile["interference_s_per_byte"] = interference
     profile["comm_slowdown_in_backward"] = slowdown
@@ -297,13 +299,10 @@ def _device(layers: list[Layer]) -> torch.device:
     return next((p.device for layer in layers for p in layer.params), torch.device("cpu"))
 
 
-def _codec_means(
-    timed: dict[str, list[float]], layers: list[Layer], comm: Communicator
-) -> dict[str, tuple[list[str], list[float]]]:
-    """Each codec's per-layer times averaged over workers, by layer name."""
-    names = [layer.name for layer in layers]
-    flat = comm.mean_scalars([t for times in timed.values() for t in times])
-    return {key: (names, flat[i * len(names) : (i + 1) * len(names)]) for i, key in enumerate(timed)}
+def _codec_means(timed: dict[str, list[float]], comm: Communicator) -> dict[str, list[float]]:
+    """Each codec's per-layer times averaged over workers (one exchange for all of them)."""
+    flat = iter(comm.mean_scalars([t for times in timed.values() for t in times]))
+    return {key: [next(flat) for _ in times] for key, times in timed.items()}
 
 
 def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, meta) -> dict[str, Any]:
@@ -498,9 +497,6 @@ def contention_scale(profile: dict[str, Any]) -> float:
     return step_s / parts if step_s > 0 and parts > 0 else 1.0
 
 
-GATHERING_CODECS = ("topk", "adatopk", "chunktopk")  # decode one message per worker
-
-
 def codec_times(
     profile: dict[str, Any], compute: ComputeModel, spec: str, workers: int | None = None
 ) -> tuple[float, ...]:
@@ -513,7 +509,7 @@ def codec_times(
     timed = profile.get("codecs", {}).get(spec)
     if not timed:
         return ()
-    grows = spec.partition(":")[0] in GATHERING_CODECS and workers is not None
+    grows = spec.partition(":")[0] in SPARSE_CODECS and workers is not None  # one message a worker
     per_worker = workers / max(1, int(timed.get("workers", workers))) if grows else 1.0
     by_name = timed["layers"]
     if set(by_name) != set(compute.names):

@@ -213,7 +213,7 @@ class DreamDDP(SyncAlgorithm):
         shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
         workers = self.comm.world_size
         timed = codec_times(profile, compute, self.codec.spec(), workers) if profile is not None else ()
-        return priced_for_codec(compute, self.codec, shapes, self.comm.world_size, timed)
+        return priced_for_codec(compute, self.codec, shapes, workers, timed)
 
     def _refit(self, measured_s: float) -> None:
         """A re-plan from the steps already measured (``measured_s``, the slowest worker's mean
