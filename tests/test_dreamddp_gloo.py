@@ -42,12 +42,13 @@ def _plan(model, H):
     }
 
 
-def _dreamddp_steps(rank, world_size, H, steps):
+def _dreamddp_steps(rank, world_size, H, steps, lag=0):
     """Per step: params after the all-reduces (before the step), local grads, params after the step,
     and a reference gradient computed by a plain backward on a copy of the pre-step model."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": H, "replan_threshold": 0.0})
+    options = {"H": H, "replan_threshold": 0.0, "lag": lag}
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
     sync.set_plan(_plan(model, H))
     out = []
     for step in range(steps):
@@ -61,6 +62,7 @@ def _dreamddp_steps(rank, world_size, H, steps):
             all(p.grad is not None for p in sync.layers[i].params) for i in sync._inflight
         )
         sync.before_step()
+        in_flight = sorted(sync.layers[i].name for i in sync._late)
         averaged = {sync.layers[i].name: [p.detach().clone() for p in sync.layers[i].params] for i in active}
         grads = [p.grad.clone() for p in model.parameters()]
         ref_grads = [p.grad.clone() for p in reference.parameters()]
@@ -75,6 +77,8 @@ def _dreamddp_steps(rank, world_size, H, steps):
                 "params": [p.detach().clone() for p in model.parameters()],
                 "complete": launched_with_complete_grads,
                 "n_active": len(active),
+                "loss": loss.item(),
+                "in_flight": in_flight,
             }
         )
     sync.close()
@@ -134,6 +138,59 @@ def test_averaged_then_own_step_exactly(world_size):
                     avg = rec["averaged"][layer][idx.index(id(p))]
                     # computed as SGD does (one fused add), so the comparison can be exact
                     assert torch.equal(params[name], avg.add(grads[name], alpha=-LR))
+
+
+def test_lag_1_lands_each_average_at_the_layers_next_forward_where_lag_0_takes_its_gradient():
+    """lag 1 keeps an iteration's averages in flight through the update, and lands each at its
+    layer's next forward as x + (mean - sent): the point lag 0 reaches (mean - lr g). So every
+    forward sees lag 0's parameters (to rounding) and a period ends with them; only the period's
+    last iteration lands at once."""
+    H, steps = 3, 7
+    late = run_workers(_dreamddp_steps, 2, H, steps, 1)
+    now = run_workers(_dreamddp_steps, 2, H, steps, 0)
+    layers = {layer.name for layer in layer_groups(_model())}
+    for step in range(steps):
+        for r in range(2):
+            a, b = late[r][step], now[r][step]
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), f"step {step}"
+            assert not b["in_flight"]
+            if step % H == H - 1:  # the period ends with nothing in flight, on lag 0's parameters
+                assert not a["in_flight"]
+                for p, q in zip(a["params"], b["params"], strict=True):
+                    torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+            else:  # the iteration's scheduled layers are still on the link through the update
+                assert a["in_flight"] and set(a["in_flight"]) <= layers
+                assert set(a["in_flight"]) == set(b["averaged"]), f"step {step}"
+    assert not torch.equal(late[0][1]["params"][0], now[0][1]["params"][0]) or late[0][1]["in_flight"]
+
+
+def _late_state(rank, world_size):
+    """Two steps at lag 1, then a snapshot's state_dict inside the period: it lands what flies."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 3, "replan_threshold": 0.0, "lag": 1})
+    sync.set_plan(_plan(model, 3))
+    for step in range(2):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    flying = len(sync._late)
+    sync.state_dict()
+    landed = [p.detach().clone() for p in model.parameters()]
+    sync.close()
+    return flying, len(sync._late), landed
+
+
+def test_a_snapshot_inside_a_lag_1_period_lands_the_averages_in_flight_first():
+    results = run_workers(_late_state, 2)
+    now = run_workers(_dreamddp_steps, 2, 3, 2, 0)
+    for r, (flying, left, landed) in enumerate(results):
+        assert flying > 0 and left == 0
+        for p, q in zip(landed, now[r][1]["params"], strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
 def test_every_layer_averaged_once_per_period():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from geotrain.plan.cost import (
     ComputeModel,
     LinkModel,
+    deadlines,
     exposed_for_layers,
     predict_periodic,
     predict_schedule,
@@ -100,6 +101,52 @@ def test_hides_what_fits_and_spreads_what_does_not():
     assert sorted(schedule.assignment) == [0, 1, 2, 3]  # one layer per iteration
     # layers 0 and 1 (ready at 1 and 2, end 4) hide; layer 2 exposes 0.5 s, layer 3 1.5 s
     assert sum(schedule.exposed_s) == pytest.approx(2.0)
+
+
+def test_a_late_landing_is_due_at_the_layers_next_forward():
+    # 4 layers of 1 s backward (ready at 1, 2, 3, 4), forward 2 s, the update 0.5 s
+    compute = _compute([1.0] * 4, [100] * 4, forward=2.0, optimizer=0.5)
+    assert deadlines(compute, late=False) == [4.0] * 4
+    # T_L + O + F (T_L - T_l) / T_L: layer 0, ready first in backward, is the last in forward
+    assert deadlines(compute, late=True) == pytest.approx([6.0, 5.5, 5.0, 4.5])
+    link = LinkModel(0.0, 1.5 / 100)  # 1.5 s per layer
+    assert exposed_for_layers(compute, link, [3]) == pytest.approx(1.5)  # 5.5 against T_L = 4
+    assert exposed_for_layers(compute, link, [3], late=True) == pytest.approx(1.0)  # against 4.5
+    # queued, they land at 2.5, 4.0, 5.5 and 7.0: lag 0 waits for the last (3.0 past T_L); lag 1's
+    # forward waits for the most overdue (layer 3, 2.5 past its 4.5), later ones shifted with it
+    assert exposed_for_layers(compute, link, range(4)) == pytest.approx(3.0)
+    assert exposed_for_layers(compute, link, range(4), late=True) == pytest.approx(2.5)
+
+
+def test_at_lag_1_the_search_hides_under_the_next_forward_and_keeps_the_last_iteration_at_T_L():
+    compute = _compute([1.0] * 4, [100] * 4, forward=2.0, optimizer=0.5)
+    link = LinkModel(0.0, 1.5 / 100)
+    paper = search_schedule(compute, link, 4, fill_in=False)
+    late = search_schedule(compute, link, 4, fill_in=False, lag=1)
+    assert sum(paper.exposed_s) == pytest.approx(2.0)  # layers 2 and 3 show: 0.5 + 1.5
+    # alone, layers 0-2 land before their forward; layer 3 (ready at 4, due at 4.5) shows 1.0; the
+    # period's last iteration lands at T_L = 4, where only layer 0 or 1 (ready at 1 or 2) hides
+    assert late.assignment.index(3) in (0, 1) and sum(late.exposed_s) == pytest.approx(1.0)
+    assert late.lag == 1 and schedule_from_json(schedule_to_json(late, list(compute.names)))[0].lag == 1
+    predicted = predict_schedule(compute, link, late.iterations, lag=1)
+    assert predicted == pytest.approx(compute.compute_s + 1.0 / 4)
+    assert predict_schedule(compute, link, late.iterations) > predict_schedule(
+        compute, link, late.iterations, lag=1
+    )
+
+
+def test_headroom_places_layers_as_on_a_slower_link_and_reports_the_measured_one():
+    compute = _compute([0.01] * 12, [400_000 + 50_000 * i for i in range(12)], forward=0.06)
+    link = LinkModel(1e-3, 2e-8)
+    roomy = search_schedule(compute, link, 4, lag=1, headroom=0.5, node_budget=5000, time_budget_s=60)
+    slower = LinkModel(1.5e-3, 3e-8)
+    same = search_schedule(compute, slower, 4, lag=1, node_budget=5000, time_budget_s=60)
+    assert roomy.iterations == same.iterations
+    late = [True, True, True, False]
+    pairs = zip(roomy.iterations, late, strict=True)
+    assert roomy.exposed_s == [exposed_for_layers(compute, link, it, lt) for it, lt in pairs]
+    with pytest.raises(ValueError, match="headroom"):
+        search_schedule(compute, link, 4, headroom=-0.1)
 
 
 @pytest.mark.parametrize("H", [10, 50])
@@ -609,7 +656,7 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     assert profiled > 0 and sync._models is not None and sync.reprofiles == 0
     compute, _ = sync._models
     sync._models = (compute, LinkModel(0.001, 1e-8))  # as if profiled on a link with some cost
-    sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations)
+    sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations, sync.config.lag)
     measured = 3 * sync.predicted_step_s  # the link is slower than it was
     before = [list(it) for it in sync.schedule.iterations]
     for _ in range(2):  # two periods running
@@ -618,7 +665,7 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     assert sync.replans == 1 and sync.reprofiles == 0 and len(calls) == profiled
     # The refitted models predict the measured step for the schedule that made it; the schedule
     # is searched again on them (it may move layers where they now hide better).
-    assert predict_schedule(*sync._models, before) == pytest.approx(measured, rel=1e-4)
+    assert predict_schedule(*sync._models, before, sync.config.lag) == pytest.approx(measured, rel=1e-4)
     sync.schedule.validate(len(sync.layers))
     for _ in range(2):  # steps as the new plan predicts: no drift, no second re-plan
         sync._period_s = sync.predicted_step_s * 2
@@ -736,7 +783,7 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
     assert plain_run._models[0].nbytes == compute.nbytes and not plain_run._models[0].tail_bytes
     schedule = [[plan["schedule"]["layers"].index(n) for n in it] for it in plan["schedule"]["iterations"]]
     link = LinkModel(**plan["models"]["link"])
-    assert plain_run.predicted_step_s == predict_schedule(compute, link, schedule)
+    assert plain_run.predicted_step_s == predict_schedule(compute, link, schedule, plain_run.config.lag)
     plain_run.close()
     assert plan["parameters"] == plain["parameters"] == sum(compute.nbytes) // 4
     # the buckets are cut on the fp32 sizes, as a run cuts them: as many latencies as without

@@ -495,6 +495,7 @@ def _cmd_profile(argv: list[str]) -> int:
 def _cmd_plan(argv: list[str]) -> int:
     import json
 
+    from geotrain.plan.cost import DEFAULT_LAG
     from geotrain.plan.gather import Accelerator
     from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
 
@@ -584,6 +585,21 @@ def _cmd_plan(argv: list[str]) -> int:
         "their mean steps per sync over --steps",
     )
     p.add_argument("--steps", type=int, default=1000, help="the steps an --H-schedule is planned over")
+    p.add_argument(
+        "--lag",
+        type=int,
+        choices=(0, 1),
+        default=DEFAULT_LAG,
+        help="DreamDDP's schedule for a run's --lag: 1 (its default) lands a layer's average at its "
+        "next forward, 0 before the update (the paper's)",
+    )
+    p.add_argument(
+        "--fill-in",
+        dest="fill_in",
+        action="store_true",
+        help="DreamDDP's schedule for a run's --fill-in: each iteration also averages the layers "
+        "that fit in its idle link time",
+    )
     p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
     p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
     args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth", "--steps")))
@@ -618,7 +634,7 @@ def _cmd_plan(argv: list[str]) -> int:
             profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=checked, topology=topology,
             speed=0.95 if args.speed is None else args.speed, compress=args.compress,
-            H_schedule=args.H_schedule, steps=args.steps,
+            H_schedule=args.H_schedule, steps=args.steps, lag=args.lag, fill_in=args.fill_in,
         )  # fmt: skip
     except (ValueError, KeyError, LinkSpecError) as e:
         raise UsageError(

@@ -164,27 +164,51 @@ def simulate_backward(
     return max(0.0, spans[-1][1] - end_s) if spans else 0.0
 
 
-def exposed_for_layers(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
-    """Exposed communication of one iteration that averages ``layers``, each launched when ready."""
+def deadlines(compute: ComputeModel, late: bool) -> list[float]:
+    """When each layer's average must have landed, from its iteration's backward start: at the
+    end of backward (T_L, the paper's: before the update), or ``late`` (DreamDDP's ``lag`` 1)
+    when the layer's next forward begins: T_L + O + F_l, with F_l the forward of the layers
+    before it (forward time shared out as backward's is: the profile times forward whole)."""
+    finish = compute.finish_times()
+    end = finish[-1]
+    if not late:
+        return [end] * len(finish)
+    share = compute.forward_s / end if end > 0 else 0.0
+    return [end + compute.optimizer_s + share * (end - t) for t in finish]
+
+
+def exposed_for_layers(
+    compute: ComputeModel, link: LinkModel, layers: Iterable[int], late: bool = False
+) -> float:
+    """Exposed communication of one iteration that averages ``layers``, each launched when ready:
+    how far the last of them lands after the end of backward, or ``late`` (see ``deadlines``)
+    how far the most overdue one makes the next forward wait (a wait there shifts the later
+    layers' deadlines with it, so the largest lateness is the wait)."""
     finish = compute.finish_times()
     chosen = sorted(layers)
-    return simulate_backward(
+    spans = queue_spans(
         [finish[i] for i in chosen],
         [link.time(compute.nbytes[i]) for i in chosen],
         finish[-1],
         compute.comm_slowdown,
     )
+    if not spans:
+        return 0.0
+    due = deadlines(compute, late)
+    return max(0.0, max(end - due[i] for (_, end), i in zip(spans, chosen, strict=True)))
 
 
-def iteration_overhead(compute: ComputeModel, link: LinkModel, layers: Iterable[int]) -> float:
+def iteration_overhead(
+    compute: ComputeModel, link: LinkModel, layers: Iterable[int], late: bool = False
+) -> float:
     """What averaging ``layers`` during backward adds to an iteration: exposure plus interference,
     plus their second phases after backward, one after another (``tail_bytes``), plus the
-    codec's compute (``codec_s``)."""
+    codec's compute (``codec_s``). ``late``: the averages land at the layers' next forward."""
     chosen = list(layers)
     sent = sum(compute.nbytes[i] for i in chosen)
     tails = sum(link.time(compute.tail_bytes[i]) for i in chosen) if compute.tail_bytes else 0.0
     return (
-        exposed_for_layers(compute, link, chosen)
+        exposed_for_layers(compute, link, chosen, late)
         + compute.interference_s_per_byte * sent
         + tails
         + compute.codec_total_s(chosen)
@@ -252,9 +276,26 @@ def predict_co2(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float
     return compute.compute_s + max(0.0, exposed) / H
 
 
-def predict_schedule(compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]]) -> float:
+# DreamDDP's schedules are searched on a link this much slower than measured (slack)
+PLAN_HEADROOM = 0.25
+# DreamDDP's default lag (``DreamDDPConfig.lag``): its averages land at the layers' next forward
+DEFAULT_LAG = 1
+
+
+def lands_late(lag: int, h: int, H: int) -> bool:
+    """Whether iteration h of a period's averages land at the next forward: with ``lag`` 1, all
+    but the period's last, which lands its own at once so that a period ends with none in flight."""
+    return bool(lag) and h < H - 1
+
+
+def predict_schedule(
+    compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]], lag: int = 0
+) -> float:
     """DreamDDP: mean over the period of compute plus each iteration's layer-sync overhead."""
-    overhead = [iteration_overhead(compute, link, layers) for layers in schedule]
+    H = len(schedule)
+    overhead = [
+        iteration_overhead(compute, link, layers, lands_late(lag, h, H)) for h, layers in enumerate(schedule)
+    ]
     return compute.compute_s + sum(overhead) / len(overhead)
 
 
@@ -297,7 +338,11 @@ def unpriced(compute: ComputeModel) -> ComputeModel:
 
 
 def fit_link_scale(
-    compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]], measured_s: float
+    compute: ComputeModel,
+    link: LinkModel,
+    schedule: Sequence[Iterable[int]],
+    measured_s: float,
+    lag: int = 0,
 ) -> float | None:
     """The factor k on the link's times (latency and per byte) that makes ``predict_schedule``
     equal ``measured_s``: what a re-plan takes from the steps already measured instead of a new
@@ -308,7 +353,7 @@ def fit_link_scale(
     schedule = [list(layers) for layers in schedule]
 
     def predicted(k: float) -> float:
-        return predict_schedule(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k), schedule)
+        return predict_schedule(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k), schedule, lag)
 
     lo, hi = 1e-3, 1e3
     if not predicted(lo) <= measured_s <= predicted(hi):

@@ -17,9 +17,13 @@ from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.cost import (
+    DEFAULT_LAG,
+    PLAN_HEADROOM,
     ComputeModel,
     LinkModel,
+    exposed_for_layers,
     guarded_link,
+    lands_late,
     predict_co2,
     predict_periodic,
     predict_schedule,
@@ -95,7 +99,7 @@ def predict_algo(
     if algo == "co2":
         return predict_co2(compute, link, H)
     if algo == "dreamddp" and schedule is not None:
-        return predict_schedule(compute, link, schedule.iterations)
+        return predict_schedule(compute, link, schedule.iterations, schedule.lag)
     raise ValueError(f"no prediction for {algo!r} (predicted: {', '.join(PREDICTED)}; dreamddp needs a plan)")
 
 
@@ -288,6 +292,8 @@ def make_plan(
     compress: str = "",
     H_schedule: str = "",
     steps: int = 1000,
+    lag: int = DEFAULT_LAG,
+    fill_in: bool = False,
 ) -> dict[str, Any]:
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
     ``topology`` of sites: then the table is for a flat ring through the slowest uplink, and
@@ -299,6 +305,8 @@ def make_plan(
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
+    # searched as a run searches its own (DreamDDPConfig's defaults: lag, fill-in, the headroom)
+    searched = {"lag": lag, "fill_in": fill_in, "headroom": PLAN_HEADROOM}
     auto = checked == "auto"
     if auto:  # the schedule's line: unchecked (auto checks DreamDDP's means at no cost, and
         checked = False  # leaves its quantised codecs unchecked)
@@ -319,8 +327,8 @@ def make_plan(
         for h in CANDIDATE_H:
             if h > min(choose.max_H, compute.n_layers) or choose.steps_factor(h) > choose.budget:
                 continue
-            sched = search_schedule(compute, link, h, time_budget_s=0.1)
-            step = predict_schedule(compute, link, sched.iterations)
+            sched = search_schedule(compute, link, h, **searched, time_budget_s=0.1)
+            step = predict_schedule(compute, link, sched.iterations, lag)
             table.append(
                 {
                     "H": h,
@@ -336,7 +344,7 @@ def make_plan(
         raise ValueError("give --H or --choose")
     if not 1 <= H <= compute.n_layers:
         raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
-    schedule = search_schedule(compute, link, H)
+    schedule = search_schedule(compute, link, H, **searched)
     schedule.validate(compute.n_layers)
     periodic = scheduled_periods(H_schedule, H, steps)
     # localsgd's and diloco's averages across sites: checked by auto
@@ -489,7 +497,8 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
     n_fill = sum(len(it) for it in sched["iterations"]) - len(sched["layers"])
     lines += [
         "",
-        f"dreamddp schedule, H={sched['H']}: {len(sched['layers'])} layers, {n_fill} fill-in syncs "
+        f"dreamddp schedule, H={sched['H']}: {len(sched['layers'])} layers, {n_fill} fill-in syncs, "
+        f"{'averages landing at the next forward (lag 1)' if sched.get('lag') else 'lag 0'} "
         f"(search: {sched['search']['nodes']} nodes, {sched['search']['seconds'] * 1e3:.0f} ms"
         f"{'' if sched['search']['complete'] else ', budget reached'})",
     ]
@@ -525,8 +534,15 @@ def plot_schedule(plan: dict[str, Any], compute: ComputeModel, link: LinkModel, 
     end = finish[-1]
     H = sched["H"]
     fig, ax = plt.subplots(figsize=(10, 0.45 * H + 1.5))
+    lag = int(sched.get("lag", 0))
     for h, names in enumerate(sched["iterations"]):
         ax.barh(h, end, height=0.8, color="#dddddd", label="backward" if h == 0 else None)
+        late = lands_late(lag, h, H)
+        if late:  # the averages land at the next forward: the link runs on under it
+            ax.barh(
+                h, compute.optimizer_s + compute.forward_s, left=end, height=0.8, color="#f2f2f2",
+                label="next update and forward" if h == 0 else None,
+            )  # fmt: skip
         layers = sorted(compute.names.index(n) for n in names)
         comm = [link.time(compute.nbytes[i]) for i in layers]
         spans = queue_spans([finish[i] for i in layers], comm, end, compute.comm_slowdown)
@@ -542,11 +558,12 @@ def plot_schedule(plan: dict[str, Any], compute: ComputeModel, link: LinkModel, 
                 linewidth=0.5,
                 color="#1f77b4" if primary else "#9ecae1",
             )
-        if queue > end:
+        exposed = exposed_for_layers(compute, link, layers, late)
+        if exposed > 0:
             ax.barh(
                 h,
-                queue - end,
-                left=end,
+                exposed,
+                left=queue - exposed,
                 height=0.8,
                 color="none",
                 edgecolor="#d62728",

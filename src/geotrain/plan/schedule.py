@@ -18,14 +18,28 @@ interchangeable), memoises visited states, prunes with a lower bound (each remai
 exposes at least what it would alone), and stops at a node or time budget. Then the fill-in:
 each iteration also averages every other layer whose all-reduce still fits in its bubbles without
 adding exposure, which only ever adds averaging.
+
+Beyond the paper, ``lag`` 1 (``DreamDDPConfig.lag``): an iteration's averages land when each
+layer's next forward begins, not at the end of backward, so a layer's deadline moves from T_L to
+T_L + O + F_l (``cost.deadlines``: the optimizer step and the forward of the layers before it).
+An iteration's exposure is then its most overdue landing. The period's last iteration keeps
+T_L, so that a period ends with nothing in flight.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
-from geotrain.plan.cost import ComputeModel, LinkModel, exposed_for_layers, iteration_overhead
+from geotrain.plan.cost import (
+    ComputeModel,
+    LinkModel,
+    deadlines,
+    exposed_for_layers,
+    iteration_overhead,
+    lands_late,
+)
 
 
 @dataclass
@@ -40,6 +54,7 @@ class Schedule:
     search_nodes: int = 0
     search_s: float = 0.0
     complete: bool = True  # False when the budget stopped the search before it proved optimality
+    lag: int = 0  # 1: all iterations but the last land their averages at the layers' next forward
 
     def validate(self, n_layers: int) -> None:
         if len(self.assignment) != n_layers or len(self.iterations) != self.H:
@@ -63,19 +78,31 @@ def search_schedule(
     H: int,
     *,
     fill_in: bool = True,
+    lag: int = 0,
+    headroom: float = 0.0,
     branch: int = 2,
     node_budget: int = 50_000,
     time_budget_s: float = 0.5,
 ) -> Schedule:
+    """``lag`` 1: every iteration but the period's last lands its averages at the layers' next
+    forward (``cost.deadlines``), so a layer may still be on the link after backward ends."""
     L = compute.n_layers
     if not 1 <= H <= L:
         raise ValueError(f"H must be 1 to the number of layers ({L}) so each iteration averages one; got {H}")
     started = time.perf_counter()
+    if not 0 <= headroom <= 10:
+        raise ValueError(f"headroom (the link's margin in the plan) must be in [0, 10], got {headroom}")
+    nominal = link
+    # placed as if the link were 1 + headroom times slower: slack against noise and model error
+    link = LinkModel(link.alpha_s * (1 + headroom), link.beta_s_per_byte * (1 + headroom))
     finish = compute.finish_times()
-    end = finish[-1]
     comm = [link.time(n) for n in compute.nbytes]
+    now_due = deadlines(compute, late=False)
+    late_due = deadlines(compute, late=True)
+    due = [late_due if lands_late(lag, h, H) else now_due for h in range(H)]
     # Each remaining layer exposes at least what it would alone in an idle iteration.
-    alone = [max(0.0, finish[i] + comm[i] - end) for i in range(L)]
+    loosest = late_due if lands_late(lag, 0, H) else now_due
+    alone = [max(0.0, finish[i] + comm[i] - loosest[i]) for i in range(L)]
     suffix = [0.0] * (L + 1)
     for i in range(L - 1, -1, -1):
         suffix[i] = suffix[i + 1] + alone[i]
@@ -85,12 +112,12 @@ def search_schedule(
     assignment = [0] * L
     queue = [0.0] * H
     count = [0] * H
+    # the most overdue landing in each iteration so far (its exposure where positive; where
+    # negative, the slack it leaves)
+    overdue = [-math.inf] * H
     seen: dict[tuple, float] = {}
     nodes = 0
     stopped = False
-
-    def exposed(q: float) -> float:
-        return q - end if q > end else 0.0
 
     def dfs(layer: int, cost: float) -> None:
         nonlocal best_cost, best, nodes, stopped
@@ -102,60 +129,65 @@ def search_schedule(
         if layer == L:
             best_cost, best = cost, assignment.copy()
             return
-        key = (layer, tuple(sorted(zip(queue, (c > 0 for c in count), strict=True))))
+        states = zip(queue, (c > 0 for c in count), overdue, (d is late_due for d in due), strict=True)
+        key = (layer, tuple(sorted(states)))
         if seen.get(key, float("inf")) <= cost + 1e-12:
             return
         seen[key] = cost
         empty = sum(1 for c in count if c == 0)
         remaining = L - layer
-        options: dict[tuple, tuple[float, float, int]] = {}  # state -> (added exposure, new end, h)
+        options: dict[tuple, tuple[float, float, float, int]] = {}  # state -> (added, end, overdue, h)
         for h in range(H):
             if remaining == empty and count[h]:
                 continue  # property 3: the rest must fill the empty iterations
-            state = (queue[h], count[h] > 0)
+            state = (queue[h], count[h] > 0, overdue[h], due[h] is late_due)
             if state in options:
                 continue  # interchangeable with an iteration already considered
             new_end = max(queue[h], finish[layer]) + comm[layer]
-            options[state] = (exposed(new_end) - exposed(queue[h]), new_end, h)
+            new_overdue = max(overdue[h], new_end - due[h][layer])
+            added = max(0.0, new_overdue) - max(0.0, overdue[h])
+            options[state] = (added, new_end, new_overdue, h)
         hidden = [o for o in options.values() if o[0] <= 1e-12]
-        if hidden:  # property 1: hide it; best fit first (the fullest queue it fits in)
+        if hidden:  # property 1: hide it; where it leaves the most slack first
             ranked = sorted(hidden, key=lambda o: -o[1])
         else:  # property 2: delay it where it costs least
             ranked = sorted(options.values(), key=lambda o: (o[0], o[1]))
-        for added, new_end, h in ranked[:branch]:
-            old = queue[h]
-            queue[h], assignment[layer] = new_end, h
+        for added, new_end, new_overdue, h in ranked[:branch]:
+            old = queue[h], overdue[h]
+            queue[h], overdue[h], assignment[layer] = new_end, new_overdue, h
             count[h] += 1
             dfs(layer + 1, cost + added)
             count[h] -= 1
-            queue[h] = old
+            queue[h], overdue[h] = old
             if stopped and best:
                 return
 
     dfs(0, 0.0)
     iterations = [[i for i in range(L) if best[i] == h] for h in range(H)]
+    late = [lands_late(lag, h, H) for h in range(H)]
     if fill_in:
-        iterations = [_fill(compute, link, layers) for layers in iterations]
+        iterations = [_fill(compute, link, it, late[h]) for h, it in enumerate(iterations)]
     return Schedule(
         H=H,
         assignment=best,
         iterations=iterations,
-        exposed_s=[exposed_for_layers(compute, link, it) for it in iterations],
+        exposed_s=[exposed_for_layers(compute, nominal, it, late[h]) for h, it in enumerate(iterations)],
         search_nodes=nodes,
         search_s=time.perf_counter() - started,
         complete=not stopped,
+        lag=lag,
     )
 
 
-def _fill(compute: ComputeModel, link: LinkModel, layers: list[int]) -> list[int]:
+def _fill(compute: ComputeModel, link: LinkModel, layers: list[int], late: bool = False) -> list[int]:
     """Add every layer whose all-reduce fits in this iteration's bubbles without adding time."""
     chosen = set(layers)
-    base = iteration_overhead(compute, link, chosen)
+    base = iteration_overhead(compute, link, chosen, late)
     for i in range(compute.n_layers):
         if i in chosen:
             continue
         chosen.add(i)
-        if iteration_overhead(compute, link, chosen) > base + 1e-12:
+        if iteration_overhead(compute, link, chosen, late) > base + 1e-12:
             chosen.discard(i)
     return sorted(chosen)
 
@@ -167,6 +199,7 @@ def schedule_to_json(schedule: Schedule, names: list[str]) -> dict:
         "assignment": schedule.assignment,
         "iterations": [[names[i] for i in it] for it in schedule.iterations],
         "exposed_s": schedule.exposed_s,
+        "lag": schedule.lag,
         "search": {
             "nodes": schedule.search_nodes,
             "seconds": schedule.search_s,
@@ -184,6 +217,7 @@ def schedule_from_json(data: dict) -> tuple[Schedule, list[str]]:
         assignment=list(data["assignment"]),
         iterations=iterations,
         exposed_s=list(data.get("exposed_s", [])),
+        lag=int(data.get("lag", 0)),
     )
     schedule.validate(len(names))
     return schedule, names
