@@ -161,15 +161,14 @@ def test_lag_1_lands_each_average_at_the_layers_next_forward_where_lag_0_takes_i
             else:  # the iteration's scheduled layers are still on the link through the update
                 assert a["in_flight"] and set(a["in_flight"]) <= layers
                 assert set(a["in_flight"]) == set(b["averaged"]), f"step {step}"
-    assert not torch.equal(late[0][1]["params"][0], now[0][1]["params"][0]) or late[0][1]["in_flight"]
 
 
 def _late_state(rank, world_size):
     """Two steps at lag 1, then a snapshot's state_dict inside the period: it lands what flies."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 3, "replan_threshold": 0.0, "lag": 1})
-    sync.set_plan(_plan(model, 3))
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 4, "replan_threshold": 0.0, "lag": 1})
+    sync.set_plan(_plan(model, 4))
     for step in range(2):
         x, y = _batch(rank, step)
         sync.model(x, y)[1].backward()
@@ -178,17 +177,31 @@ def _late_state(rank, world_size):
         opt.zero_grad()
         sync.after_step()
     flying = len(sync._late)
-    sync.state_dict()
+    state = sync.state_dict()
     landed = [p.detach().clone() for p in model.parameters()]
+    left = len(sync._late)
+    # one more step in flight: a restore drops it (a mean taken before must not land after), and
+    # close leaves no work pending on the group
+    x, y = _batch(rank, 2)
+    sync.model(x, y)[1].backward()
+    sync.before_step()
+    in_flight_again = len(sync._late)
+    sync.load_state_dict(state)
+    restored_clean = not sync._late and not sync._sent
+    opt.zero_grad()
+    x, y = _batch(rank, 3)
+    sync.model(x, y)[1].backward()
+    sync.before_step()
     sync.close()
-    return flying, len(sync._late), landed
+    return flying, left, landed, in_flight_again, restored_clean, len(sync._late)
 
 
-def test_a_snapshot_inside_a_lag_1_period_lands_the_averages_in_flight_first():
+def test_lag_1_in_flight_lands_at_a_snapshot_and_is_dropped_by_a_restore_or_close():
     results = run_workers(_late_state, 2)
-    now = run_workers(_dreamddp_steps, 2, 3, 2, 0)
-    for r, (flying, left, landed) in enumerate(results):
+    now = run_workers(_dreamddp_steps, 2, 4, 2, 0)
+    for r, (flying, left, landed, again, restored_clean, after_close) in enumerate(results):
         assert flying > 0 and left == 0
+        assert again > 0 and restored_clean and after_close == 0
         for p, q in zip(landed, now[r][1]["params"], strict=True):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 

@@ -175,10 +175,11 @@ class Sync:
         workers continues where it was (``torch.save`` it; the CLI snapshots the same parts).
         Not in it: random generators (dropout, your data order: yours to save) and, under
         ``ddp_powersgd``, PyTorch's PowerSGD state (its error feedback restarts)."""
+        sync = self.algorithm.state_dict()  # first: DreamDDP lands the averages in flight
         return {
+            "sync": sync,
             "model": self.algorithm.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "sync": self.algorithm.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -49,7 +49,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
     for option, why in why_not.items():
         value = options.get(option)
-        given = value is not None if option in ("tau", "clip", "mix", "fill_in") else bool(value)
+        given = value is not None if option in ("tau", "clip", "mix", "fill_in", "lag") else bool(value)
         given = value not in (None, "steps") if option == "pace" else given
         if given and option not in config_cls.__dataclass_fields__:
             takers = [a for a, (_, c) in ALGORITHMS.items() if option in c.__dataclass_fields__]

@@ -38,6 +38,7 @@ got slower, a worker got busier) in two periods running, the workers profile aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -151,8 +152,8 @@ class DreamDDP(SyncAlgorithm):
         self._inflight: dict[int, Any] = {}
         # lag 1: the averages launched last iteration, landing in this one's before_step, each
         # with what this worker sent (the mean's change from it is what lands)
-        self._late: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        self._sent: dict[int, list[torch.Tensor]] = {}  # lag 1: this iteration's, as sent
+        self._late: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._sent: dict[int, torch.Tensor] = {}  # lag 1: this iteration's messages, as sent
         self._profiling = False
         self._profile_fn: Callable[[], torch.Tensor] | None = None
         self._observer: StepObserver | None = None  # timing the first steps (observe())
@@ -180,6 +181,13 @@ class DreamDDP(SyncAlgorithm):
                     f"plan {self.config.plan_path!r} does not fit this model ({type(e).__name__}: {e}); "
                     "make one with `geotrain plan` for it"
                 ) from None
+
+    @property
+    def lag(self) -> int:
+        """The lag this run lands at: ``config.lag``, or 0 with a codec, whose second phase (the
+        quantisers' all-gather, PowerSGD's Q) is a collective its landing would issue inside
+        forward hooks (and int4 measured no gain from lag 1 on W1: 1.975 against 1.929 s)."""
+        return self.config.lag if self.codec is None else 0
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
@@ -212,8 +220,8 @@ class DreamDDP(SyncAlgorithm):
                 compute, priced_for = unpriced(compute), ""
             if not priced_for and self.codec is not None:  # `geotrain plan`'s: plain all-reduces
                 compute, priced_for = self._priced(compute), mine
-            if priced_for != models.get("codec", "") or schedule.lag != self.config.lag:
-                self.predicted_step_s = predict_schedule(compute, link, schedule.iterations, self.config.lag)
+            if priced_for != models.get("codec", "") or schedule.lag != self.lag:
+                self.predicted_step_s = predict_schedule(compute, link, schedule.iterations, self.lag)
             # priced for what cannot be undone (a plan older than raw sizes): a re-plan profiles again
             self._models = (compute, link) if priced_for == mine else None
         self._begin_iteration()
@@ -271,7 +279,7 @@ class DreamDDP(SyncAlgorithm):
         they were (``fit_link_scale``), the schedule searched again on them. A new profile only
         where no scale explains it (the compute changed) or no models are at hand."""
         models = self._models
-        k = fit_link_scale(*models, self.schedule.iterations, measured_s, self.config.lag) if models else None
+        k = fit_link_scale(*models, self.schedule.iterations, measured_s, self.lag) if models else None
         if k is None:
             self.reprofiles += 1
             self._replan()
@@ -282,7 +290,7 @@ class DreamDDP(SyncAlgorithm):
     def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
         H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(
-            compute, link, H, fill_in=self.config.fill_in, lag=self.config.lag, headroom=PLAN_HEADROOM
+            compute, link, H, fill_in=self.config.fill_in, lag=self.lag, headroom=PLAN_HEADROOM
         )
         # The search has a time budget, so workers could differ: everyone takes rank 0's schedule.
         matrix = torch.zeros(H, compute.n_layers, dtype=torch.uint8)
@@ -295,14 +303,12 @@ class DreamDDP(SyncAlgorithm):
         plan = {
             "schedule": {
                 "H": H,
-                "lag": self.config.lag,
+                "lag": self.lag,
                 "layers": list(compute.names),
                 "assignment": schedule.assignment,
                 "iterations": [[compute.names[i] for i in it] for it in schedule.iterations],
             },
-            "predicted_s": {
-                "dreamddp": predict_schedule(compute, link, schedule.iterations, self.config.lag)
-            },
+            "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations, self.lag)},
             # what the schedule was searched on (a codec's messages priced): a re-plan refits these
             "models": {"compute": asdict(compute), "link": asdict(link), "codec": self._codec_key()},
         }
@@ -346,22 +352,20 @@ class DreamDDP(SyncAlgorithm):
         if self.codec is not None:
             name = self.layers[i].name
             deltas = [p - ref for p, ref in zip(params, self._ref[name], strict=True)]
-            if self.config.lag:  # what this worker sent, before a codec writes the mean over it
-                self._sent[i] = [d.clone() for d in deltas]
             self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), deltas)
             return
         message = flatten(params)
-        if self.config.lag:
+        if self.lag:
             if message.data_ptr() == params[0].data_ptr():  # one tensor flattens to a view of it,
                 message = message.clone()  # which the update would write while the mean lands
-            self._sent[i] = [message.clone()]
+            self._sent[i] = message.clone()
         self._inflight[i] = self.comm.all_reduce(message, op="mean", async_op=True)
 
     def _lands_now(self) -> bool:
         """Whether this iteration's averages land in its own before_step: always at lag 0, and
         at lag 1 in a period's last iteration, so that a period ends with nothing in flight
         (snapshots, re-plans and regroups happen at boundaries)."""
-        return self.config.lag == 0 or self.step_count % self.schedule.H == self.schedule.H - 1
+        return self.lag == 0 or self.step_count % self.schedule.H == self.schedule.H - 1
 
     def _keep_late(self, i: int, handle: Any) -> None:
         """Hold layer i's average in flight until the next iteration, with what was sent."""
@@ -373,17 +377,15 @@ class DreamDDP(SyncAlgorithm):
         the step u gives)."""
         handle, sent = self._late.pop(i)
         params = [p.data for p in self.layers[i].params]
+        try:
+            mean = handle.wait()
+        except Exception:
+            # the group failed: every average in flight on it is lost with it (as in rebind), so
+            # a hand-over's snapshot after this finds none to wait for
+            self._late, self._sent = {}, {}
+            raise
         with torch.no_grad():
-            if self.codec is not None:
-                message, means = handle
-                if message is not None:
-                    message.wait()
-                ref = self._ref[self.layers[i].name]
-                for p, r, mean, own in zip(params, ref, means, sent, strict=True):
-                    p.add_(mean - own)
-                    r.add_(mean)
-                return
-            change = handle.wait().sub_(sent[0])  # mean - sent, flat
+            change = mean.sub_(sent)  # mean - sent, flat
             offset = 0
             for p in params:
                 p.add_(change[offset : offset + p.numel()].view_as(p))
@@ -491,7 +493,18 @@ class DreamDDP(SyncAlgorithm):
         if self.schedule is not None:
             self._begin_iteration()
 
+    def _drop_in_flight(self) -> None:
+        """Wait for the averages in flight (every member issued them) and forget them: no work
+        is left pending on the group at exit, and none lands on a state restored over it."""
+        for handle in [h for h, _ in self._late.values()] + list(self._inflight.values()):
+            if isinstance(handle, tuple):  # a codec's: finishing it would issue its second phase
+                continue
+            with contextlib.suppress(Exception):  # a failed group: nothing left to wait for
+                handle.wait()
+        self._late, self._sent, self._inflight = {}, {}, {}
+
     def close(self) -> None:
+        self._drop_in_flight()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -516,6 +529,7 @@ class DreamDDP(SyncAlgorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The plan and the position in its period come back with the step: no re-profiling."""
+        self._drop_in_flight()  # a mean taken before the restore must not land on it
         super().load_state_dict(state)
         self.replans = int(state.get("replans", 0))
         self.reprofiles = int(state.get("reprofiles", 0))
