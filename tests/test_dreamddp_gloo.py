@@ -169,13 +169,7 @@ def _late_state(rank, world_size):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 4, "replan_threshold": 0.0, "lag": 1})
     sync.set_plan(_plan(model, 4))
-    for step in range(2):
-        x, y = _batch(rank, step)
-        sync.model(x, y)[1].backward()
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    _train_steps(sync, opt, rank, 2)
     flying = len(sync._late)
     state = sync.state_dict()
     landed = [p.detach().clone() for p in model.parameters()]

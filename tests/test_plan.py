@@ -336,6 +336,12 @@ def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
     assert all(row["steps_factor"] <= 1.05 for row in chosen["choose"])
     assert chosen["H"] == min(chosen["choose"], key=lambda r: r["time_to_loss_factor"])["H"]
     assert chosen["H"] <= 6
+    # with a codec a run lands at once: the chosen H's row is priced at lag 0, as its schedule is
+    slow_link = _profile() | {"allreduce": {"alpha_s": 0.001, "beta_s_per_byte": 4e-5}}
+    coded = make_plan(slow_link, None, ChooseConfig(budget=1.05, penalty=0.01), compress="int8")
+    row = next(r for r in coded["choose"] if r["H"] == coded["H"])
+    assert coded["schedule"]["lag"] == 0
+    assert row["predicted_step_s"] == pytest.approx(coded["predicted_s"]["dreamddp"], rel=1e-6)
     with pytest.raises(ValueError, match="number of layers"):
         make_plan(_profile(), H=13)
 

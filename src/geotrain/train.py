@@ -547,9 +547,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "fill_in": "dreamddp (off by default: no loss gained, 5-10%% of the step lost on W1): each "
         "iteration also averages the layers whose all-reduce fits in the link's idle time, beyond "
         "the period's schedule",
-        "lag": "dreamddp: iterations after its launch that a layer's average lands: 0 (the paper's: "
-        "before this step's update) or 1 (before the next one's, its all-reduce under a whole "
-        "iteration; a period's last iteration lands its own at once; 0 with --compress)",
+        "lag": "dreamddp: where a layer's average lands: 0 (the paper's: before this step's update) "
+        "or 1 (the default: at the layer's next forward, its all-reduce running on under the update "
+        "and the forward below it; a period's last iteration lands at once; 0 with --compress)",
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",

@@ -42,6 +42,10 @@ class LinkModel:
     def time(self, nbytes: float) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes if nbytes > 0 else 0.0
 
+    def scaled(self, k: float) -> LinkModel:
+        """The same link k times slower (latency and per byte alike)."""
+        return LinkModel(self.alpha_s * k, self.beta_s_per_byte * k)
+
 
 def guard_factors(
     workers: int, aggregate: str = "mean", checked: bool = False, round_trip: bool = False
@@ -353,7 +357,7 @@ def fit_link_scale(
     schedule = [list(layers) for layers in schedule]
 
     def predicted(k: float) -> float:
-        return predict_schedule(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k), schedule, lag)
+        return predict_schedule(compute, link.scaled(k), schedule, lag)
 
     lo, hi = 1e-3, 1e3
     if not predicted(lo) <= measured_s <= predicted(hi):

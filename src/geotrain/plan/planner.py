@@ -329,7 +329,7 @@ def make_plan(
             if h > min(choose.max_H, compute.n_layers) or choose.steps_factor(h) > choose.budget:
                 continue
             sched = search_schedule(compute, link, h, **searched, time_budget_s=0.1)
-            step = predict_schedule(compute, link, sched.iterations, lag)
+            step = predict_schedule(compute, link, sched.iterations, sched.lag)
             table.append(
                 {
                     "H": h,

@@ -94,7 +94,7 @@ def search_schedule(
         raise ValueError(f"headroom (the link's margin in the plan) must be in [0, 10], got {headroom}")
     nominal = link
     # placed as if the link were 1 + headroom times slower: slack against noise and model error
-    link = LinkModel(link.alpha_s * (1 + headroom), link.beta_s_per_byte * (1 + headroom))
+    link = link.scaled(1 + headroom)
     finish = compute.finish_times()
     comm = [link.time(n) for n in compute.nbytes]
     now_due = deadlines(compute, late=False)
@@ -148,7 +148,7 @@ def search_schedule(
             added = max(0.0, new_overdue) - max(0.0, overdue[h])
             options[state] = (added, new_end, new_overdue, h)
         hidden = [o for o in options.values() if o[0] <= 1e-12]
-        if hidden:  # property 1: hide it; where it leaves the most slack first
+        if hidden:  # property 1: hide it; best fit first (the fullest queue it fits in)
             ranked = sorted(hidden, key=lambda o: -o[1])
         else:  # property 2: delay it where it costs least
             ranked = sorted(options.values(), key=lambda o: (o[0], o[1]))

@@ -153,7 +153,7 @@ class DreamDDP(SyncAlgorithm):
         # lag 1: the averages launched last iteration, landing in this one's before_step, each
         # with what this worker sent (the mean's change from it is what lands)
         self._late: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._sent: dict[int, torch.Tensor] = {}  # lag 1: this iteration's messages, as sent
+        self._sent: dict[int, torch.Tensor] = {}  # this iteration's messages as sent, where late
         self._profiling = False
         self._profile_fn: Callable[[], torch.Tensor] | None = None
         self._observer: StepObserver | None = None  # timing the first steps (observe())
@@ -169,10 +169,9 @@ class DreamDDP(SyncAlgorithm):
         ]
         self._hooks.append(model.register_forward_pre_hook(_ModuleHook(self._on_forward)))
         # lag 1: a layer's average lands when its module's next forward begins
-        self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         for layer in self.layers:
             module = model if layer.name == "<root>" else model.get_submodule(layer.name)
-            self._hooks.append(module.register_forward_pre_hook(_ModuleHook(self._lander(layer.name))))
+            self._hooks.append(module.register_forward_pre_hook(_ModuleHook(self._lander(layer.params[0]))))
         if self.config.plan_path:
             try:
                 self.set_plan(json.loads(Path(self.config.plan_path).read_text()))
@@ -198,7 +197,6 @@ class DreamDDP(SyncAlgorithm):
             self._observer = None
         self.layers = order_layers(self.layers, names)
         self._owner = {id(p): i for i, layer in enumerate(self.layers) for p in layer.params}
-        self._index = {layer.name: i for i, layer in enumerate(self.layers)}
         self._ready = [0] * len(self.layers)
         self.schedule = schedule
         self._plan = plan
@@ -285,7 +283,7 @@ class DreamDDP(SyncAlgorithm):
             self._replan()
             return
         compute, link = models
-        self._plan_with(compute, LinkModel(link.alpha_s * k, link.beta_s_per_byte * k))
+        self._plan_with(compute, link.scaled(k))
 
     def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
         H = min(self.config.H, compute.n_layers)
@@ -325,9 +323,9 @@ class DreamDDP(SyncAlgorithm):
         if module.training and not self._profiling:
             self._iteration_start = time.perf_counter()
 
-    def _lander(self, name: str) -> Callable[..., None]:
+    def _lander(self, param: torch.Tensor) -> Callable[..., None]:
         def land(module, args) -> None:
-            i = self._index[name]
+            i = self._owner[id(param)]  # by a parameter of the layer: a re-plan reorders them
             if i in self._late:
                 self._land_late(i)
 
@@ -355,7 +353,7 @@ class DreamDDP(SyncAlgorithm):
             self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), deltas)
             return
         message = flatten(params)
-        if self.lag:
+        if not self._lands_now():
             if message.data_ptr() == params[0].data_ptr():  # one tensor flattens to a view of it,
                 message = message.clone()  # which the update would write while the mean lands
             self._sent[i] = message.clone()
@@ -366,10 +364,6 @@ class DreamDDP(SyncAlgorithm):
         at lag 1 in a period's last iteration, so that a period ends with nothing in flight
         (snapshots, re-plans and regroups happen at boundaries)."""
         return self.lag == 0 or self.step_count % self.schedule.H == self.schedule.H - 1
-
-    def _keep_late(self, i: int, handle: Any) -> None:
-        """Hold layer i's average in flight until the next iteration, with what was sent."""
-        self._late[i] = (handle, self._sent.pop(i))
 
     def _land_late(self, i: int) -> None:
         """x <- x + (mean - sent): the average lands with the local steps taken since it was
@@ -402,12 +396,10 @@ class DreamDDP(SyncAlgorithm):
         for i in sorted(self._active - set(self._inflight)):  # layers whose gradient never came
             self._launch(i)
         self._land_all_late()  # last iteration's that no forward landed (a module not called)
-        if not self._lands_now():
-            for i, handle in self._inflight.items():
-                self._keep_late(i, handle)
-            self._inflight = {}
+        if not self._lands_now():  # held until the next iteration, with what was sent
+            self._late = {i: (handle, self._sent[i]) for i, handle in self._inflight.items()}
+            self._inflight, self._sent = {}, {}
             return
-        self._sent = {}
         with torch.no_grad():
             for i, handle in self._inflight.items():
                 if self.codec is not None:
