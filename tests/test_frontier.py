@@ -131,7 +131,7 @@ def test_chunks_are_cut_per_tensor_and_no_chunk_spans_two():
         ({"bits": 3}, "--bits (per value sent) must be one of 2, 4, 8"),
         ({"beta": 1.0}, "--beta (error-feedback decay) must be in [0, 1)"),
         ({"H": 0}, "H (inner steps between outer steps) must be an integer >= 1"),
-        ({"alpha": 0}, "--alpha (outer learning rate) must be > 0"),
+        ({"alpha": -1}, "--alpha (outer learning rate) must be > 0"),
     ],
 )
 def test_bad_options_say_what_to_change(options, needle):
@@ -341,7 +341,11 @@ def test_an_outer_step_is_the_closed_form_and_leaves_identical_replicas():
         for rec in recs:
             e = rec["error"] * 0.9 + (rec["anchor"] - rec["local"])
             sents.append(codec.decode(codec.encode(e)[0], e.numel()))
-        expected = recs[0]["anchor"] - 1.5 * torch.stack(sents).mean(dim=0)
+        # Without overlap each entry is the mean over the workers that sent it (mean_over auto):
+        # a picked entry decodes to +-scale or +-scale/3, never 0 here, so nonzero marks a sender.
+        stacked = torch.stack(sents)
+        per_sender = stacked.sum(dim=0) / (stacked != 0).sum(dim=0).clamp(min=1)
+        expected = recs[0]["anchor"] - 1.5 * per_sender
         for rec in recs:
             torch.testing.assert_close(rec["params"], expected, atol=1e-6, rtol=1e-6)
             assert torch.equal(rec["params"], recs[0]["params"])  # bitwise, on every replica
@@ -446,6 +450,36 @@ def test_demo_takes_a_one_value_tensor():
     )
     (bias_codec,) = [c for c, p in zip(wide_sync._codecs, wide_sync._params, strict=True) if p.dim() == 1]
     assert (bias_codec.chunk, bias_codec.k) == (2, 2)
+
+
+def test_the_mean_over_senders_divides_each_entry_by_the_workers_that_sent_it():
+    """Two workers, chunks of 8, k=2: worker 0 sends entries 1 and 3, worker 1 entries 3 and 6.
+    Over every worker (``workers``) an entry one of them sent is halved; over its senders (the
+    SparseLoCo reference's scatter_reduce mean) it moves by the value sent. A clipped worker's
+    weight stays on its values and it still counts as one sender."""
+    codec = ChunkTopK(chunk=8, k=2, bits=8)
+    a = torch.tensor([0.0, 4.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    b = torch.tensor([0.0, 0.0, 0.0, 6.0, 0.0, 0.0, -8.0, 0.0])
+    (pa, da), (pb, db) = codec.encode(a), codec.encode(b)
+    gathered = torch.stack([pa, pb])
+    torch.testing.assert_close(codec.mean_of(gathered, 8), (da + db) / 2)
+    want = da + db
+    want[3] = (da[3] + db[3]) / 2  # the one entry both sent
+    torch.testing.assert_close(codec.mean_of(gathered, 8, per_sender=True), want)
+    clipped = codec.mean_of(gathered, 8, weights=[1.0, 0.5], per_sender=True)
+    torch.testing.assert_close(clipped[6], 0.5 * db[6])  # one sender, scaled, not divided
+    torch.testing.assert_close(clipped[3], (da[3] + 0.5 * db[3]) / 2)
+    dropped = codec.mean_of(gathered, 8, weights=[0.0, 1.0], per_sender=True)
+    torch.testing.assert_close(dropped, db)  # a worker left out counts nowhere
+    # --mean-over auto: the reference's mean without overlap, every worker's with it
+    assert sync_config("sparseloco", {"overlap": False}).per_sender
+    assert not sync_config("sparseloco", {"overlap": True}).per_sender
+    assert sync_config("sparseloco", {"overlap": True, "mean_over": "senders"}).per_sender
+    assert not sync_config("sparseloco", {"overlap": False, "mean_over": "workers"}).per_sender
+    # and the outer learning rate measured best with each (unless given)
+    assert sync_config("sparseloco", {"overlap": False}).alpha == 1.5
+    assert sync_config("sparseloco", {"overlap": True}).alpha == 2.0
+    assert sync_config("sparseloco", {"overlap": False, "alpha": 1.0}).alpha == 1.0
 
 
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():

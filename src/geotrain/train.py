@@ -151,6 +151,7 @@ class TrainConfig:
     eager: bool | None = None
     # sparseloco, demo: the update lands late, its gather under compute (None: the algorithm's default)
     overlap: bool | None = None
+    mean_over: str = ""  # sparseloco: senders, workers or auto ("": the algorithm's default)
     plan: str = ""  # dreamddp: a plan from `geotrain plan` ("": profile and plan at start-up)
     replan_threshold: float = 0.25  # dreamddp: re-plan when measured time drifts this far (0: never)
     fill_in: bool | None = None  # dreamddp: average more layers where the link has room (None: off)
@@ -442,6 +443,8 @@ class TrainConfig:
             opts["fill_in"] = self.fill_in
         if self.lag >= 0:
             opts["lag"] = self.lag
+        if self.mean_over:
+            opts["mean_over"] = self.mean_over
         return opts
 
     def sync_config(self):
@@ -527,7 +530,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8); streaming 4, 8 or "
         "32 (default 4)",
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
-        "alpha": "sparseloco: outer learning rate (default 2)",
+        "alpha": "sparseloco: outer learning rate (default 1.5 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",
         "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none)",
         "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1] (0.5)",
@@ -539,6 +542,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "overlap": "sparseloco (on by default): each outer step lands one period late, its all-gather "
         "under the next H steps; demo (off by default: the loss suffers, see the README): each "
         "step's update lands one step late, its all-gather under the next step's compute",
+        "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
+        "sent it (senders, the reference code's) or over every worker (workers); auto: senders "
+        "without overlap, workers with it (each measured the better there; see the README)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (empty: uncompressed; "

@@ -242,17 +242,23 @@ class ChunkTopK(Codec):
             judged.append(message_norm(self._values(scales, codes), valid))
         return judged
 
-    def mean_of(self, payloads: torch.Tensor, n: int, weights: list[float] | None = None) -> torch.Tensor:
+    def mean_of(
+        self, payloads: torch.Tensor, n: int, weights: list[float] | None = None, per_sender: bool = False
+    ) -> torch.Tensor:
         """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over
         the workers that sent one: an all-zero payload is the empty stand-in of a worker that
         adopted another's state (``sync.base.InFlight.adopted``), and counting it would shrink
         the mean. (A real payload is never all zero bytes unless its whole chunk of the buffer is
         zero with k = 1, which then adds nothing either way but the divisor.) ``weights`` (the
         norm check's, by rank): a payload of weight 0 is left out of the sum and the divisor, one
-        below 1 is scaled down (``--aggregate clip``).
+        below 1 is scaled down (``--aggregate clip``). ``per_sender``: each entry is divided by
+        the number of workers whose message holds it, not by the number of workers (the SparseLoCo
+        reference's ``scatter_reduce(reduce="mean", include_self=False)``): an entry one worker
+        picked moves by its value, not a fraction of it.
 
         Summed in rank order on every worker, so every replica gets the same bits."""
         total = torch.zeros(self.chunks(n), self.chunk)
+        counts = torch.zeros(self.chunks(n), self.chunk) if per_sender else None
         senders = 0
         # Indices within one payload are distinct: scatter-add is exact.
         for r, payload in enumerate(payloads):
@@ -263,6 +269,10 @@ class ChunkTopK(Codec):
             scales, codes, idx = self._parts(payload, n)
             values = self._values(scales, codes)
             total.scatter_add_(1, idx, values if weight == 1 else values * weight)
+            if counts is not None:  # a sender counts once, its weight (a clip) stays on its values
+                counts.scatter_add_(1, idx, torch.ones(idx.shape))
+        if counts is not None:
+            return total.div_(counts.clamp_(min=1)).reshape(-1)[:n]
         return total.reshape(-1)[:n].div_(max(1, senders))
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
