@@ -477,9 +477,9 @@ def test_the_mean_over_senders_divides_each_entry_by_the_workers_that_sent_it():
     assert sync_config("sparseloco", {"overlap": True, "mean_over": "senders"}).per_sender
     assert not sync_config("sparseloco", {"overlap": False, "mean_over": "workers"}).per_sender
     # and the outer learning rate measured best with each (unless given)
-    assert sync_config("sparseloco", {"overlap": False}).alpha == 1.5
+    assert sync_config("sparseloco", {"overlap": False}).alpha == 1.0
     assert sync_config("sparseloco", {"overlap": True}).alpha == 2.0
-    assert sync_config("sparseloco", {"overlap": False, "alpha": 1.0}).alpha == 1.0
+    assert sync_config("sparseloco", {"overlap": False, "alpha": 1.5}).alpha == 1.5
 
 
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():

@@ -14,10 +14,11 @@ inner steps:
 reference code's ``scatter_reduce(reduce="mean", include_self=False)``), or over every worker
 (workers: an entry a worker did not pick counts as its zero). ``auto`` (the default) takes
 senders without overlap and workers with it, each the better there on GPT ``tiny`` (4 workers,
-400 steps, H=20, final validation loss at seeds 0 / 1): without overlap, over senders 2.1430 /
-2.3705 at alpha 1.5 (2.1432 / 2.4034 at 1, 2.2057 / 2.3740 at 2) against 2.1909 / 2.4459 over
-workers at alpha 2 (2.3318 at 1, seed 0); with overlap 2.2304 over workers at alpha 2 against
-2.3343 over senders at alpha 1 (2.2847 at 0.7).
+H=20, final validation loss). Without overlap, over senders at alpha 1: 2.1432 / 2.4034 at 400
+steps (seeds 0 / 1) and 1.5505 at 2,000, against 2.1909 / 2.4459 and 1.5874 over workers at
+alpha 2 (alpha 1.5 over senders: 2.1430 / 2.3705 at 400 steps, but 1.6156 at 2,000, flat from
+step 1,400). With overlap, 2.2304 over workers at alpha 2 against 2.3343 over senders at alpha
+1 (2.2847 at 0.7), 400 steps.
 
 ``Q`` and ``TopK_chunk`` are ``geotrain.compress.chunked.ChunkTopK``; the q_r travel packed
 (values in ``bits`` bits, indices in 12 bits for chunks of 4096) through one all-gather, so the
@@ -27,7 +28,7 @@ took the final loss from 2.2824 to 2.2262 (2.2491 to 2.1822 without overlap), fo
 bytes on ``mini``.
 
 Defaults. The paper's: chunks of 4096 with k=64 (1.56% density), 2-bit values, beta 0.95, and
-alpha 1. Ours keep them but alpha: 1.5 over senders, 2 over workers (``alpha`` 0), best on our
+alpha 1. Ours keep them, alpha 1 over senders and 2 over workers (``alpha`` 0), best on our
 workload (above; over workers with overlap, alpha 1 gave 2.40 and alpha 2 2.28 in an earlier
 layout, k=128 2.24 for twice the bytes): a short run has few outer steps for the residual to
 drain through.
@@ -74,7 +75,7 @@ class SparseLoCoConfig(SyncConfig):
     k: int = 64
     bits: int = 2
     beta: float = 0.95
-    alpha: float = 0.0  # 0: 1.5 over senders, 2 over workers (each the better measured there)
+    alpha: float = 0.0  # 0: 1 over senders (the paper's), 2 over workers (each the better measured)
     overlap: bool = True
     mean_over: str = "auto"  # senders, workers; auto: senders without overlap, workers with it
 
@@ -91,7 +92,7 @@ class SparseLoCoConfig(SyncConfig):
         require(0 <= self.beta < 1, f"--beta (error-feedback decay) must be in [0, 1), got {self.beta}")
         require(self.alpha >= 0, f"--alpha (outer learning rate) must be > 0, got {self.alpha}")
         if self.alpha == 0:
-            self.alpha = 1.5 if self.per_sender else 2.0
+            self.alpha = 1.0 if self.per_sender else 2.0
 
     @property
     def per_sender(self) -> bool:
