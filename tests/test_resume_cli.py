@@ -53,7 +53,13 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     assert "run failed: host" in proc.stderr and "exited with code" in proc.stderr
     assert "geotrain run --resume" in proc.stderr
     assert _keepers_alive(killed, 2) == [True, True], "keepers outlive the trainers"
-    assert not list((killed / "snapshots").rglob("*.snap")), "nothing was on disk yet"
+    # The launcher had each keeper write its newest complete state to disk (a --resume after the
+    # keepers are gone); the resume below still reads the keepers' memory first.
+    snaps = killed / "snapshots"
+    on_disk = sorted(p.relative_to(snaps).as_posix() for p in snaps.rglob("*.snap"))
+    assert on_disk in (["rank0/step00000004.snap", "rank1/step00000004.snap"],
+                       ["rank0/step00000008.snap", "rank1/step00000008.snap"]), on_disk  # fmt: skip
+    assert "are on disk" in proc.stderr
 
     proc = geotrain(["run", "--resume", str(killed)])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -62,6 +68,47 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     assert _summary(killed)["param_digest"] == _summary(whole)["param_digest"]
     steps = [json.loads(x)["step"] for x in (killed / "metrics" / "rank1.jsonl").read_text().splitlines()]
     assert steps == [*range(1, 17), 16]  # each step once, then the final evaluation
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_run_stopped_by_ctrl_c_resumes_from_disk_after_its_keepers_are_gone(tmp_path):
+    """Ctrl-C (or --timeout, the same path) stops a healthy run: its keepers write each worker's
+    newest snapshot to disk before they linger, so a --resume days later (the keepers long
+    gone) goes on from it."""
+    import signal
+
+    from geotrain.ft.keeper import disk_steps
+    from geotrain.launch.local import stop_keepers
+
+    run = tmp_path / "run"
+    job = ["run", "--workers", "2", "--no-netem", "--algo", "ddp", *JOB, "--snapshot-every", "5"]
+    proc = subprocess.Popen(
+        [*GEOTRAIN, *job, "--steps", "100000", "--run-dir", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        metrics = run / "metrics" / "rank1.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if lines and json.loads(lines[-1]).get("step", 0) >= 12:  # snapshots of 5 and 10 taken
+                break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "are on disk" in stderr, stderr[-2000:]
+    stop_keepers(run, 2)  # as after the linger: nothing left in memory
+    steps = [disk_steps(run / "snapshots", r) for r in (0, 1)]
+    assert steps[0] and steps[0] == steps[1] and steps[0][-1] >= 10, steps
+    step = steps[0][-1]
+    done = geotrain(["run", "--resume", str(run), "--steps", str(step + 5)], timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = _summary(run)["resumed_from"]
+    assert resumed["sources"] == ["disk", "disk"] and resumed["step"] == step
+    assert _summary(run)["steps"] == step + 5
 
 
 def test_bad_resumes_are_refused_with_one_line_and_change_nothing(tmp_path):

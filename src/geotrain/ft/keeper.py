@@ -216,6 +216,28 @@ class Keeper:
     def flush(self) -> None:
         self._disk.join()
 
+    def persist(self) -> list[int]:
+        """Write each worker's newest complete state this keeper holds to disk (the newest
+        committed step, else the newest), unless it is there already: what a run that did not
+        finish (its timeout, a stop, Ctrl-C) leaves for ``--resume`` after the keeper is gone.
+        Returns the steps on disk now, one per worker held."""
+        if self.directory is None:
+            return []
+        self.flush()  # a checkpoint on its way lands first
+        with self._lock:
+            full = {k: item for k, item in self._blobs.items() if k[0] == "full"}
+        steps = []
+        for owner in sorted({k[1] for k in full}):
+            mine = {k[2]: item for k, item in full.items() if k[1] == owner}
+            committed = [step for step, (meta, _) in mine.items() if meta["committed"]]
+            step = max(committed or mine)
+            meta, blob = mine[step]
+            if not disk_path(self.directory, owner, step).exists():
+                write_disk_snapshot(self.directory, owner, step, blob, meta.get("members"))
+                prune_disk(self.directory, owner, self.keep)
+            steps.append(step)
+        return steps
+
     def _write_loop(self) -> None:
         while True:
             owner, step, blob, members = self._disk.get()
@@ -284,6 +306,13 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op == "flush":
             keeper.flush()
             _send(self.request, {"ok": True})
+        elif op == "persist":
+            try:
+                steps = keeper.persist()
+            except OSError as e:  # a full disk: the memory copy stays for a --resume meanwhile
+                _send(self.request, {"ok": False, "error": f"writing the snapshot failed: {e}"})
+            else:
+                _send(self.request, {"ok": True, "steps": steps})
         elif op == "stop":
             keeper.flush()
             _send(self.request, {"ok": True})
@@ -434,6 +463,10 @@ class KeeperClient:
 
     def flush(self) -> None:
         self._call({"op": "flush"})
+
+    def persist(self) -> list[int]:
+        """The newest complete state of each worker held, written to disk (``Keeper.persist``)."""
+        return [int(s) for s in self._call({"op": "persist"})[0]["steps"]]
 
     def stop(self) -> None:
         self._call({"op": "stop"})

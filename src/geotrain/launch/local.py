@@ -296,6 +296,17 @@ def stop_keepers(run_dir: Path, n: int) -> None:
             time.sleep(0.02)
 
 
+def persist_keepers(sockets: list[Path]) -> list[int]:
+    """A run that did not finish: each keeper writes the newest complete state it holds to disk,
+    so ``--resume`` works after the keepers are gone too. Returns the steps written (every
+    worker's; a keeper that cannot answer or write adds none)."""
+    steps: list[int] = []
+    for path in sockets:
+        with contextlib.suppress(KeeperError):
+            steps += KeeperClient(path, timeout_s=300.0).persist()
+    return steps
+
+
 def _running(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -1045,11 +1056,19 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             if sockets and succeeded:
                 stop_keepers(run_dir, launch.workers)
             elif sockets:
-                print(
-                    f"geotrain: the keepers hold this run's last snapshots in memory for "
-                    f"{KEEPER_LINGER_S / 60:.0f} min: geotrain run --resume {run_dir}",
-                    file=sys.stderr,
-                )
+                steps = persist_keepers(sockets)
+                if len(steps) >= launch.workers:  # every worker's state is on disk now
+                    print(
+                        f"geotrain: the snapshots of step {min(steps)} and after are on disk "
+                        f"({run_dir}/snapshots): geotrain run --resume {run_dir}",
+                        file=sys.stderr,
+                    )
+                else:
+                    print(
+                        f"geotrain: the keepers hold this run's last snapshots in memory for "
+                        f"{KEEPER_LINGER_S / 60:.0f} min: geotrain run --resume {run_dir}",
+                        file=sys.stderr,
+                    )
         finally:  # a caller that goes on (geotrain bench, a test) gets its own handlers back
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
