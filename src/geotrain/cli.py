@@ -78,7 +78,13 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", default="0ms", help="software latency per collective ring step (emulated)")
     p.add_argument("--no-netem", action="store_true", help="run on loopback, unshaped, without namespaces")
     p.add_argument("--run-dir", default="", help="output folder (empty: runs/<time>-<algo>-<workers>x<link>)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="stop the whole run after this many seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0.0,
+        help="stop the whole run after this many seconds, its newest snapshots on disk for --resume "
+        "(0: never; a hung collective or host is caught by --timeout-s and --fault-timeout)",
+    )
     p.add_argument(
         "--on-failure",
         dest="on_failure",
@@ -350,8 +356,8 @@ def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
         # With sites, exactly their LAN rate (not through --bandwidth's printed rate).
         rates = sites.host_rates() if sites is not None else parse_bandwidths(args.bandwidth, args.workers)
         check_model_and_data(cfg, args.workers)
-        if args.timeout <= 0:
-            raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if args.timeout < 0:
+            raise UsageError(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
         if getattr(args, "on_failure", "continue") not in ("continue", "rollback", "stop"):
             raise UsageError(f"--on-failure {args.on_failure!r}: accepted: continue, rollback, stop")
         if getattr(args, "max_faults", 0) < 0:

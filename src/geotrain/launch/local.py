@@ -67,7 +67,7 @@ class LaunchConfig:
     rates_bps: list[int] | None  # None: unshaped
     run_dir: Path
     netem: bool = True
-    timeout_s: float = 3600.0
+    timeout_s: float = 3600.0  # the whole run's (0: none)
     echo: bool = True  # copy hosts' output to this terminal
     keepers: bool = True  # one keeper process per host, holding snapshots in memory
     # continue: the survivors regroup and go on | rollback: restore every worker from snapshots
@@ -767,7 +767,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous_handlers[sig] = signal.signal(sig, _on_signal)
     t_launch = time.monotonic()
-    deadline = t_launch + launch.timeout_s
+    deadline = t_launch + launch.timeout_s if launch.timeout_s > 0 else float("inf")
     try:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
