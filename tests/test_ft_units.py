@@ -303,24 +303,27 @@ def test_keeper_holds_the_newest_two_steps_and_writes_disk_from_its_copy(keeper)
     assert not disk_path(snaps, 0, 2).exists()  # only what was asked goes to disk
 
 
-def test_keeper_persists_each_workers_newest_complete_state_once(keeper):
-    """A run that did not finish: the newest committed step of each worker held goes to disk
-    (not a newer one whose pieces are still travelling), with its members, and only once."""
+def test_keeper_persists_every_worker_state_it_holds_once(keeper):
+    """A run that did not finish: every worker state held goes to disk with its members (a newer
+    step not yet complete everywhere too: another worker may have only the older one, and a
+    resume needs one they all have), each once; peers' pieces stay in memory."""
     client, snaps = keeper
     client.put("full", 0, 4, encode({"step": 4}), commit=True, members=[0, 2])
     client.put("full", 0, 8, encode({"step": 8}))  # not complete everywhere yet
-    client.put("full", 3, 8, encode({"owner": 3}), commit=True)  # a peer's copy (ring)
+    client.put("full", 3, 8, encode({"owner": 3}), commit=True)
     client.put("piece", 1, 8, b"xyz", index=0, k=1, n=1)
-    assert client.persist() == [4, 8]
+    assert client.persist() == [4, 8, 8]
     assert decode(disk_path(snaps, 0, 4).read_bytes()) == {"step": 4}
     assert disk_members(snaps, 0, 4) == [0, 2]
-    assert decode(disk_path(snaps, 3, 8).read_bytes()) == {"owner": 3}
-    assert not disk_path(snaps, 0, 8).exists() and not (snaps / "rank1").exists()
-    written = disk_path(snaps, 0, 4).stat().st_mtime_ns
-    client.commit(0, 8)
-    assert client.persist() == [8, 8]
-    assert disk_path(snaps, 0, 4).stat().st_mtime_ns == written  # not written again
     assert decode(disk_path(snaps, 0, 8).read_bytes()) == {"step": 8}
+    assert decode(disk_path(snaps, 3, 8).read_bytes()) == {"owner": 3}
+    assert not (snaps / "rank1").exists()
+    written = disk_path(snaps, 0, 8).stat().st_mtime_ns
+    client.put("full", 0, 12, encode({"step": 12}), commit=True)  # the keeper now holds 4 and 12
+    assert client.persist() == [4, 12, 8]
+    assert decode(disk_path(snaps, 0, 12).read_bytes()) == {"step": 12}
+    assert disk_path(snaps, 0, 8).stat().st_mtime_ns == written  # not written again
+    assert not disk_path(snaps, 0, 4).exists()  # the disk keeps the newest two, as a checkpoint's
 
 
 def test_snapshotter_stores_in_the_background_and_preflight_names_the_previous_good(keeper, tmp_path):

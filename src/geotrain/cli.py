@@ -162,6 +162,8 @@ def saved_train_config(train_saved: dict[str, Any]) -> dict[str, Any]:
     saved overlap=True, the one default then (DeMo's is now off), and the fixed 600 s timeout."""
     saved = dict(train_saved)
     saved.setdefault("lr_scale", "1")  # saved before --lr-scale: off, its only behaviour then
+    if saved.get("algo") == "sparseloco":  # saved before --mean-over: every worker's mean
+        saved.setdefault("mean_over", "workers")
     if "link_rate" not in saved:
         if saved.get("overlap") is True:
             saved["overlap"] = None

@@ -530,7 +530,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8); streaming 4, 8 or "
         "32 (default 4)",
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
-        "alpha": "sparseloco: outer learning rate (default 1.5 over senders, 2 over workers: --mean-over)",
+        "alpha": "sparseloco: outer learning rate (default 1 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",
         "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none)",
         "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1] (0.5)",

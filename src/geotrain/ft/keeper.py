@@ -217,26 +217,25 @@ class Keeper:
         self._disk.join()
 
     def persist(self) -> list[int]:
-        """Write each worker's newest complete state this keeper holds to disk (the newest
-        committed step, else the newest), unless it is there already: what a run that did not
-        finish (its timeout, a stop, Ctrl-C) leaves for ``--resume`` after the keeper is gone.
-        Returns the steps on disk now, one per worker held."""
+        """Write every worker state this keeper holds (the newest ``keep`` steps of each) to
+        disk, unless there already: what a run that did not finish (its timeout, a stop, Ctrl-C)
+        leaves for ``--resume`` after the keeper is gone. All of them, not the newest alone: the
+        workers may have handed over different steps when the run stopped, and a resume needs one
+        that every worker has (``choose_step``). Peers' pieces (``--redundancy``) stay in memory.
+        Returns the steps held, oldest first."""
         if self.directory is None:
             return []
         self.flush()  # a checkpoint on its way lands first
         with self._lock:
-            full = {k: item for k, item in self._blobs.items() if k[0] == "full"}
-        steps = []
-        for owner in sorted({k[1] for k in full}):
-            mine = {k[2]: item for k, item in full.items() if k[1] == owner}
-            committed = [step for step, (meta, _) in mine.items() if meta["committed"]]
-            step = max(committed or mine)
-            meta, blob = mine[step]
+            full = sorted(
+                ((k, item) for k, item in self._blobs.items() if k[0] == "full"), key=lambda x: x[0]
+            )
+        for (_, owner, step, _), (meta, blob) in full:
             if not disk_path(self.directory, owner, step).exists():
                 write_disk_snapshot(self.directory, owner, step, blob, meta.get("members"))
-                prune_disk(self.directory, owner, self.keep)
-            steps.append(step)
-        return steps
+        for owner in {k[1] for k, _ in full}:
+            prune_disk(self.directory, owner, self.keep)
+        return [k[2] for k, _ in full]
 
     def _write_loop(self) -> None:
         while True:
@@ -245,7 +244,7 @@ class Keeper:
                 assert self.directory is not None
                 write_disk_snapshot(self.directory, owner, step, blob, members)
                 prune_disk(self.directory, owner, self.keep)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - the writer must outlive any one write (flush waits on it)
                 print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
             finally:
                 self._disk.task_done()

@@ -35,7 +35,7 @@ from typing import IO
 
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
-from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
+from geotrain.ft.keeper import KeeperClient, KeeperError, disk_steps, wait_ready
 from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
 from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
@@ -109,6 +109,8 @@ class LaunchConfig:
                 raise ValueError(f"--topology {self.topology}: its hosts' links run at its lan= rate")
         if self.join_timeout_s < 0:
             raise ValueError(f"--join-timeout must be >= 0 seconds, got {self.join_timeout_s}")
+        if self.timeout_s < 0:
+            raise ValueError(f"--timeout must be >= 0 seconds (0: never), got {self.timeout_s}")
         if self.fault_timeout_s < MIN_FAULT_TIMEOUT_S:
             raise ValueError(
                 f"--fault-timeout must be >= {MIN_FAULT_TIMEOUT_S:g} seconds (4 heartbeats), "
@@ -296,15 +298,22 @@ def stop_keepers(run_dir: Path, n: int) -> None:
             time.sleep(0.02)
 
 
-def persist_keepers(sockets: list[Path]) -> list[int]:
-    """A run that did not finish: each keeper writes the newest complete state it holds to disk,
-    so ``--resume`` works after the keepers are gone too. Returns the steps written (every
-    worker's; a keeper that cannot answer or write adds none)."""
-    steps: list[int] = []
-    for path in sockets:
-        with contextlib.suppress(KeeperError):
-            steps += KeeperClient(path, timeout_s=300.0).persist()
-    return steps
+def persist_keepers(sockets: list[Path], directory: Path) -> int | None:
+    """A run that did not finish: every keeper writes the worker states it holds to disk (at
+    once, each its own), so ``--resume`` works after the keepers are gone too. Returns the newest
+    step every worker has on disk now, the one a resume from disk starts at, or None."""
+
+    def persist(path: Path) -> None:
+        with contextlib.suppress(KeeperError):  # one that cannot answer or write adds nothing
+            KeeperClient(path, timeout_s=300.0).persist()
+
+    threads = [threading.Thread(target=persist, args=(path,), daemon=True) for path in sockets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    common = set.intersection(*(set(disk_steps(directory, r)) for r in range(len(sockets))))
+    return max(common) if common else None
 
 
 def _running(pid: int) -> bool:
@@ -1056,10 +1065,11 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             if sockets and succeeded:
                 stop_keepers(run_dir, launch.workers)
             elif sockets:
-                steps = persist_keepers(sockets)
-                if len(steps) >= launch.workers:  # every worker's state is on disk now
+                print("geotrain: writing the keepers' snapshots to disk...", file=sys.stderr, flush=True)
+                step = persist_keepers(sockets, run_dir / "snapshots")
+                if step is not None:
                     print(
-                        f"geotrain: the snapshots of step {min(steps)} and after are on disk "
+                        f"geotrain: every worker's state at step {step} is on disk "
                         f"({run_dir}/snapshots): geotrain run --resume {run_dir}",
                         file=sys.stderr,
                     )

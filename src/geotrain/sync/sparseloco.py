@@ -90,7 +90,9 @@ class SparseLoCoConfig(SyncConfig):
             self.chunk, f"--chunk={self.chunk}",
         )  # fmt: skip
         require(0 <= self.beta < 1, f"--beta (error-feedback decay) must be in [0, 1), got {self.beta}")
-        require(self.alpha >= 0, f"--alpha (outer learning rate) must be > 0, got {self.alpha}")
+        require(
+            self.alpha >= 0, f"--alpha (outer learning rate) must be > 0 (0: --mean-over's), got {self.alpha}"
+        )
         if self.alpha == 0:
             self.alpha = 1.0 if self.per_sender else 2.0
 
