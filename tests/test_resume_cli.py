@@ -57,8 +57,7 @@ def test_a_killed_trainer_resumes_from_its_keepers_memory_exactly(tmp_path, clea
     # keepers are gone); the resume below still reads the keepers' memory first.
     snaps = killed / "snapshots"
     on_disk = sorted(p.relative_to(snaps).as_posix() for p in snaps.rglob("*.snap"))
-    assert on_disk in (["rank0/step00000004.snap", "rank1/step00000004.snap"],
-                       ["rank0/step00000008.snap", "rank1/step00000008.snap"]), on_disk  # fmt: skip
+    assert {"rank0/step00000004.snap", "rank1/step00000004.snap"} <= set(on_disk), on_disk  # step 8: maybe
     assert "is on disk" in proc.stderr
 
     proc = geotrain(["run", "--resume", str(killed)])
