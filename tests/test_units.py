@@ -422,6 +422,9 @@ def test_a_run_saved_before_algorithm_defaults_resumes_with_them():
     old = {"algo": "demo", "overlap": True, "timeout_s": 600.0}
     assert saved_train_config(old) == {"algo": "demo", "overlap": None, "timeout_s": 0.0, "lr_scale": "1"}
     chosen = {"algo": "sparseloco", "overlap": False, "timeout_s": 900.0, "lr_scale": "auto"}
+    # saved before --mean-over: sparseloco averaged over every worker, and goes on doing so
+    assert saved_train_config(chosen) == chosen | {"mean_over": "workers"}
+    chosen["mean_over"] = ""  # saved since: the algorithm's default (auto), left alone
     assert saved_train_config(chosen) == chosen
     new = {"algo": "demo", "overlap": True, "timeout_s": 600.0, "link_rate": "", "lr_scale": "sqrt"}
     assert saved_train_config(new) == new
