@@ -157,11 +157,13 @@ def test_search_finishes_well_under_a_second_for_100_layers(H):
     compute = _compute(
         [rng.uniform(0.001, 0.02) for _ in range(100)], [rng.randint(1_000, 3_000_000) for _ in range(100)]
     )
-    t0 = time.perf_counter()
+    # CPU time, not wall time: this half of the suite shares 2 cores with the clusters beside it,
+    # which stretched a 0.5 s budget's wall time past 1 s once (1.0007 s)
+    t0 = time.process_time()
     schedule = search_schedule(compute, LinkModel(1e-3, 1.2e-7), H)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     schedule.validate(100)
-    assert elapsed < 1.0, f"search took {elapsed:.2f} s"
+    assert elapsed < 1.0, f"search took {elapsed:.2f} s of CPU"
 
 
 def test_simulate_backward_closed_forms():
