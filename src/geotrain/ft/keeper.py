@@ -464,7 +464,7 @@ class KeeperClient:
         self._call({"op": "flush"})
 
     def persist(self) -> list[int]:
-        """The newest complete state of each worker held, written to disk (``Keeper.persist``)."""
+        """Every worker state held, written to disk (``Keeper.persist``); the steps held."""
         return [int(s) for s in self._call({"op": "persist"})[0]["steps"]]
 
     def stop(self) -> None:

@@ -35,8 +35,9 @@ from typing import IO
 
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
-from geotrain.ft.keeper import KeeperClient, KeeperError, disk_steps, wait_ready
+from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
 from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
+from geotrain.ft.snapshots import NoCommonStep, availability, choose_step
 from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
@@ -312,8 +313,11 @@ def persist_keepers(sockets: list[Path], directory: Path) -> int | None:
         t.start()
     for t in threads:
         t.join()
-    common = set.intersection(*(set(disk_steps(directory, r)) for r in range(len(sockets))))
-    return max(common) if common else None
+    # the step a resume from disk would choose (members and joiners counted as it counts them)
+    try:
+        return choose_step([availability(r, None, directory) for r in range(len(sockets))])[0]
+    except NoCommonStep:
+        return None
 
 
 def _running(pid: int) -> bool:
