@@ -86,7 +86,7 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
         # (`-m long`: the warm start's redone step is ssgd's path)
         pytest.param("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1", marks=LONG),
         # Step 8's gather is in flight (overlap) when the loss is found: gathered again by two.
-        ("sparseloco", [], "kill:step=6,rank=2"),
+        ("sparseloco", ["--overlap"], "kill:step=6,rank=2"),
         # step 7's gather fails and is redone by two (`-m long`: the per-step redo is ssgd's too)
         pytest.param("demo", [], "kill:step=6,rank=2", marks=pytest.mark.long),
         # A fragment lands every 2 steps, each sent a step before (tau 1): lock-stepped members.

@@ -306,7 +306,9 @@ def test_a_worker_that_adopts_anothers_state_takes_part_in_its_gather_in_flight_
     take part with a message of the same size that decodes to zero, or one period's gather would
     pair with another's; and it starts with no residual of its own."""
     options = (
-        {"H": 1, "chunk": 256, "k": 16} if algo == "sparseloco" else {"chunk": 16, "k": 8, "overlap": True}
+        {"H": 1, "chunk": 256, "k": 16, "overlap": True}
+        if algo == "sparseloco"
+        else {"chunk": 16, "k": 8, "overlap": True}
     )
     member, member_opt, member_sync = _tiny_sync(options, Communicator(), seed=0, algo=algo)
     x, y = _batch(0, 0)
@@ -472,14 +474,64 @@ def test_the_mean_over_senders_divides_each_entry_by_the_workers_that_sent_it():
     dropped = codec.mean_of(gathered, 8, weights=[0.0, 1.0], per_sender=True)
     torch.testing.assert_close(dropped, db)  # a worker left out counts nowhere
     # --mean-over auto: the reference's mean without overlap, every worker's with it
-    assert sync_config("sparseloco", {"overlap": False}).per_sender
-    assert not sync_config("sparseloco", {"overlap": True}).per_sender
-    assert sync_config("sparseloco", {"overlap": True, "mean_over": "senders"}).per_sender
-    assert not sync_config("sparseloco", {"overlap": False, "mean_over": "workers"}).per_sender
+    config = sync_config("sparseloco", {})
+    assert config.per_sender(False) and not config.per_sender(True)
+    assert sync_config("sparseloco", {"mean_over": "senders"}).per_sender(True)
+    assert not sync_config("sparseloco", {"mean_over": "workers"}).per_sender(False)
     # and the outer learning rate measured best with each (unless given)
-    assert sync_config("sparseloco", {"overlap": False}).alpha == 1.0
-    assert sync_config("sparseloco", {"overlap": True}).alpha == 2.0
-    assert sync_config("sparseloco", {"overlap": False, "alpha": 1.5}).alpha == 1.5
+    assert config.outer_lr(False) == 1.0 and config.outer_lr(True) == 2.0
+    assert sync_config("sparseloco", {"alpha": 1.5}).outer_lr(True) == 1.5
+
+
+class _TimedGather(Communicator):
+    """A world of one whose clock moves 1 s per step (the test's) and ``gather_s`` per gather."""
+
+    def __init__(self, gather_s: float) -> None:
+        super().__init__()
+        self.now, self.gather_s = 0.0, gather_s
+
+    def clock(self) -> float:
+        return self.now
+
+    def all_gather(self, tensor, async_op=False):
+        self.now += self.gather_s
+        return super().all_gather(tensor, async_op)
+
+
+@pytest.mark.parametrize("gather_s, overlap", [(0.04, False), (0.4, False), (0.6, True), (30.0, True)])
+def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather_took_over_5_percent(
+    gather_s, overlap
+):
+    """H=10 steps of 1 s each (one of them 20 s: a validation, which the median ignores): the
+    first outer step runs synchronously, then the verdict holds for the run and its snapshots,
+    with the mean and alpha that go with it."""
+    comm = _TimedGather(gather_s)
+    model, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    assert sync.overlap is None and sync.alpha == 1.0 and not sync.measures_noise
+    for step in range(1, 21):
+        comm.now += 20.0 if step == 4 else 1.0
+        x, y = _batch(0, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synced = sync.after_step()
+        if step == 10:  # the first: synchronous, every replica on the anchor
+            assert synced and torch.equal(sync._local(), sync._anchor) and not sync.in_flight.flying
+            assert sync.overlap is overlap and f"--overlap auto: {'on' if overlap else 'off'}" in sync.info()
+            assert f"{100 * gather_s / 10:.1f}%" in sync.decision
+    assert sync.in_flight.flying is overlap  # the second outer step, at 20, overlapped or not
+    assert sync.alpha == (2.0 if overlap else 1.0)
+    state = sync.state_dict()
+    assert state["overlap"] is overlap
+    _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
+    again.load_state_dict(state)
+    assert again.overlap is overlap
+    del state["overlap"]  # saved before --overlap auto: on, the default then
+    again.load_state_dict(state)
+    assert again.overlap is True
+    sync.close()
+    again.close()
 
 
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():

@@ -299,6 +299,10 @@ def test_a_gather_is_priced_as_the_all_reduce_that_sends_as_many_bytes_and_hides
     assert predict_sparseloco(2.0, link, mini, 4, H=20, overlap=False) == pytest.approx(
         2.0 + 21.16 / 20, rel=1e-3
     )
+    # overlap auto (the default): on where the gather is over 5% of the period's compute
+    fast = LinkModel(0.0, link.beta_s_per_byte / 100)  # 35 Mbit/s: 0.21 s, 0.5% of 40 s
+    assert predict_sparseloco(2.0, fast, mini, 4, H=20) == pytest.approx(2.0 + 0.2116 / 20, rel=1e-3)
+    assert predict_sparseloco(0.2, fast, mini, 4, H=20) == 0.2  # 5.3% of 4 s: overlapped
     assert predict_demo(2.0, link, mini, 4) > predict_demo(2.0, link, mini, 4, overlap=True) > 2.0
     assert gather_s(link, p, 1) == 0.0
     # Streaming DiLoCo: a quarter of mini (2,723,328 values) in 4 bits is 1,404,216 bytes, whose
@@ -324,9 +328,9 @@ def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
     assert set(plan["predicted_s"]) == algos
     assert plan["predicted_s"]["nosync"] == pytest.approx(0.02 + 0.048 + 0.003)
     # 600,000 parameters: 147 chunks of 4096. SparseLoCo's 17,052-byte gather (0.0078 s on 2
-    # workers, priced as an all-reduce of N P / 2 bytes) hides under the next 20 steps (1.42 s);
-    # DeMo's 12,348 bytes wait every step.
-    assert plan["predicted_s"]["sparseloco"] == pytest.approx(0.071)
+    # workers, priced as an all-reduce of N P / 2 bytes) is 0.55% of the 20 steps' compute
+    # (1.42 s), so --overlap auto runs it synchronously; DeMo's 12,348 bytes wait every step.
+    assert plan["predicted_s"]["sparseloco"] == pytest.approx(0.071 + 0.0078 / 20, abs=1e-5)
     assert plan["predicted_s"]["demo"] == pytest.approx(0.071 + 0.001 + 4e-7 * 12_348)
     # CO2's 2.4 MB all-reduce (0.961 s) hides under 20 steps (1.42 s); so does a Streaming DiLoCo
     # fragment's 77,344-byte gather (0.032 s) under one step (0.071 s).

@@ -17,7 +17,8 @@ ALGOS = [
     ("diloco", {"H": 2, "warm_start": 1}),
     ("co2", {"H": 2}),  # eager by default: each worker starts a period from its own point
     ("co2", {"H": 2, "eager": False}),
-    ("sparseloco", {"H": 2}),  # overlap by default
+    ("sparseloco", {"H": 2}),  # overlap auto: decided at the first outer step
+    ("sparseloco", {"H": 2, "overlap": True}),
     ("sparseloco", {"H": 2, "overlap": False}),
     ("streaming", {"H": 4, "fragments": 2}),
     ("demo", {}),

@@ -32,7 +32,7 @@ CASES = [
     ("diloco", "int4"),
     ("dreamddp", "acpsgd:rank=2"),
     ("dreamddp", "topk:ratio=0.05"),
-    ("sparseloco", ""),  # stops with its outer step's message in flight (overlap)
+    ("sparseloco", "overlap"),  # stops with its outer step's message in flight
     ("demo", ""),
     ("demo", "overlap"),  # stops with a step's message in flight
     ("diloco", "chunktopk:chunk=256,k=16"),

@@ -539,8 +539,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "clip": "co2: clamp the outer momentum element-wise to +-this (1.0; 0: off)",
         "eager": "co2 (on by default): each period starts from the anchor moved by this worker's own "
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
-        "overlap": "sparseloco (on by default): each outer step lands one period late, its all-gather "
-        "under the next H steps; demo (off by default: the loss suffers, see the README): each "
+        "overlap": "sparseloco: each outer step lands one period late, its all-gather under the next "
+        "H steps (unset: auto, on where the first outer step's gather took over 5%% of the "
+        "period's compute); demo (off by default: the loss suffers, see the README): each "
         "step's update lands one step late, its all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
         "sent it (senders, the reference code's) or over every worker (workers); auto: senders "

@@ -26,6 +26,9 @@ from geotrain.compress.chunked import ChunkTopK
 from geotrain.plan.cost import LinkModel
 
 H100_BF16_FLOPS = 989e12
+# SparseLoCo's --overlap auto overlaps where the first outer step's gather took more than this
+# share of the period's compute: the slack left by the target of 0.95 of nosync's step.
+OVERLAP_ABOVE = 0.05
 
 
 def gather_bytes(payload: int, workers: int) -> int:
@@ -61,11 +64,15 @@ def demo_message_bytes(n_params: int, chunk: int = 64, k: int = 32, bits: int = 
 
 
 def predict_sparseloco(
-    compute_s: float, link: LinkModel, n_params: int, workers: int, H: int = 20, overlap: bool = True
+    compute_s: float, link: LinkModel, n_params: int, workers: int, H: int = 20, overlap: bool | str = "auto"
 ) -> float:
     """Mean step: compute every step, and one gather of the message every H steps; with overlap
-    (the default) the gather runs under the next H steps, and only what outlasts them shows."""
+    the gather runs under the next H steps, and only what outlasts them shows. ``auto`` (the
+    default) overlaps where the gather is over ``OVERLAP_ABOVE`` of the period's compute, as the
+    run decides from its first outer step."""
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
+    if overlap == "auto":
+        overlap = gather > OVERLAP_ABOVE * H * compute_s
     exposed = max(0.0, gather - H * compute_s) if overlap else gather
     return compute_s + exposed / H
 

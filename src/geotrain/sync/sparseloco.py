@@ -35,7 +35,7 @@ drain through.
 A message is 1/139 of DiLoCo's fp32 pseudo-gradient (GPT ``mini``); an all-gather among 4
 workers sends 3 of them, 1/70 of what DiLoCo's all-reduce sends.
 
-``overlap`` (default on) takes the outer step's all-gather off the critical path, with eager
+``overlap`` takes the outer step's all-gather off the critical path, with eager
 updates (Kale et al. 2025, "Eager updates for overlapped communication and computation in
 DiLoCo"): at sync k a worker launches the gather of its message q_k, lands the mean of the
 messages of sync k-1 (gathered during the whole period since) in the anchor, and goes on from
@@ -47,12 +47,22 @@ gave 2.54 against 2.40 eager. ``finalize`` lands
 the message in flight (and, inside a period, one last synchronous outer step for its steps), so
 the run ends with one model.
 
+``overlap`` "auto" (the default) overlaps only where the gather would show: the first outer
+step runs synchronously and times its all-gather against the period's compute (H times the
+median step interval before it); above ``OVERLAP_ABOVE`` (5%, the slack of the 0.95-of-nosync
+target) of the period, every later step overlaps, else none does. Every worker takes the same
+verdict (the largest ratio measured), and snapshots keep it. Overlap costs loss (above), so a
+link fast enough to hide nothing behind is better used synchronously.
+
 Memory: the anchor theta, the buffer e, and with overlap the period's start point (snapshots
 hold theta and e; the start is rebuilt from the message in flight).
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +70,7 @@ import torch
 
 from geotrain.comm.buckets import unflatten_into
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
-from geotrain.plan.gather import gather_warning
+from geotrain.plan.gather import OVERLAP_ABOVE, gather_warning
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 
 # How the gathered messages are averaged: each entry over the workers that sent it (the reference
@@ -76,11 +86,15 @@ class SparseLoCoConfig(SyncConfig):
     bits: int = 2
     beta: float = 0.95
     alpha: float = 0.0  # 0: 1 over senders (the paper's), 2 over workers (each the better measured)
-    overlap: bool = True
+    overlap: bool | str = "auto"  # True, False; auto: decided at the first outer step
     mean_over: str = "auto"  # senders, workers; auto: senders without overlap, workers with it
 
     def __post_init__(self) -> None:
         require_period(self.H)
+        require(
+            self.overlap in (True, False, "auto"),
+            f"overlap must be True, False or 'auto', got {self.overlap!r}",
+        )
         require(
             self.mean_over in MEAN_OVER,
             f"--mean-over must be one of {', '.join(MEAN_OVER)}, got {self.mean_over!r}",
@@ -93,13 +107,15 @@ class SparseLoCoConfig(SyncConfig):
         require(
             self.alpha >= 0, f"--alpha (outer learning rate) must be > 0 (0: --mean-over's), got {self.alpha}"
         )
-        if self.alpha == 0:
-            self.alpha = 1.0 if self.per_sender else 2.0
 
-    @property
-    def per_sender(self) -> bool:
-        """Whether an entry's mean is over the workers that sent it (``ChunkTopK.mean_of``)."""
-        return self.mean_over == "senders" or (self.mean_over == "auto" and not self.overlap)
+    def per_sender(self, overlap: bool) -> bool:
+        """Whether an entry's mean is over the workers that sent it (``ChunkTopK.mean_of``), with
+        or without ``overlap`` (as decided, where it is auto)."""
+        return self.mean_over == "senders" or (self.mean_over == "auto" and not overlap)
+
+    def outer_lr(self, overlap: bool) -> float:
+        """alpha: as given, or (0) 1 over senders and 2 over workers."""
+        return self.alpha or (1.0 if self.per_sender(overlap) else 2.0)
 
     def codec(self) -> ChunkTopK:
         return ChunkTopK(chunk=self.chunk, k=self.k, bits=self.bits)
@@ -127,6 +143,15 @@ class SparseLoCo(PeriodicSync):
         self._error = torch.zeros(self.n)  # e_r
         self._start = self._anchor.clone()  # where this period started (overlap)
         self.in_flight = InFlight(comm)  # this worker's message, landing a period late
+        # Overlap on or off; None: auto, not yet decided (the steps so far ran synchronously).
+        self.overlap: bool | None = None if self.config.overlap == "auto" else bool(self.config.overlap)
+        self.decision = ""  # what auto measured, for the summary
+        self.clock = time.perf_counter  # tests set their own
+        self._stepped_at = [self.clock()]  # auto: when each step of the first period ended
+
+    @property
+    def alpha(self) -> float:
+        return self.config.outer_lr(bool(self.overlap))
 
     # -- the outer step -------------------------------------------------------------------------
     def _local(self) -> torch.Tensor:
@@ -157,8 +182,10 @@ class SparseLoCo(PeriodicSync):
         weights = None
         if self.comm.checking:
             weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n))
-        mean = self.chunker.mean_of(gathered, self.n, weights, per_sender=self.config.per_sender)
-        self._anchor.sub_(mean.mul_(self.config.alpha)).mul_(self._real)
+        mean = self.chunker.mean_of(
+            gathered, self.n, weights, per_sender=self.config.per_sender(bool(self.overlap))
+        )
+        self._anchor.sub_(mean.mul_(self.alpha)).mul_(self._real)
 
     def _land_in_flight(self) -> None:
         gathered = self.in_flight.land()
@@ -169,9 +196,23 @@ class SparseLoCo(PeriodicSync):
         with torch.no_grad():
             unflatten_into(self.layout.real_part(flat), [p.data for p in self.parameters()])
 
+    def after_step(self) -> bool:
+        if self.overlap is None:
+            self._stepped_at.append(self.clock())
+        return super().after_step()
+
     def outer_step(self) -> None:
         local = self._local()
-        if not self.config.overlap:
+        if self.overlap is None:
+            payload, _, error = self._message(self._anchor - local)
+            started = self.clock()
+            gathered = self.comm.all_gather(payload)
+            verdict = self._verdict(self.clock() - started)  # a failure here has changed nothing
+            self._land(gathered)
+            self._error = error
+            self._set_params(self._anchor)
+            self._decide(*verdict)
+        elif not self.overlap:
             payload, _, error = self._message(self._anchor - local)
             self._land(self.comm.all_gather(payload))
             self._error = error
@@ -182,14 +223,41 @@ class SparseLoCo(PeriodicSync):
             self._error = error
             self.in_flight.launch(payload)
             # Eager: this worker's own message stands in for the mean until the mean lands.
-            self._start = self._anchor - self.config.alpha * sent
+            self._start = self._anchor - self.alpha * sent
             self._set_params(self._start)
         self.syncs += 1
+
+    def _verdict(self, gather_s: float) -> tuple[float, float, float]:
+        """--overlap auto: this worker's gather time and the period's compute (H times the median
+        interval between the steps before it, so a validation or the first step's start-up
+        does not count), and the largest ratio of the two over the workers."""
+        times = self._stepped_at
+        step_s = (
+            statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+            if len(times) > 1
+            else 0.0
+        )
+        period_s = step_s * self.config.H
+        ratio = gather_s / period_s if period_s > 0 else float("inf")
+        (most,) = self.comm.max_scalars([ratio])
+        return gather_s, period_s, most
+
+    def _decide(self, gather_s: float, period_s: float, ratio: float) -> None:
+        self.overlap = ratio > OVERLAP_ABOVE
+        self._start = self._anchor.clone()
+        self._stepped_at = []
+        self.decision = (
+            f"--overlap auto: {'on' if self.overlap else 'off'} (the first outer step's gather took "
+            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; the largest share on "
+            f"any worker {100 * ratio:.1f}%, overlap above {100 * OVERLAP_ABOVE:.0f}%)"
+        )
+        if self.comm.rank == 0:
+            print(f"geotrain: sparseloco {self.decision}", file=sys.stderr, flush=True)
 
     synchronize = outer_step
 
     def finalize(self) -> None:
-        if self.config.overlap:
+        if self.overlap:
             self._land_in_flight()
             if self.at_boundary():
                 # No step since the last message: a message now would be an extra outer step
@@ -220,12 +288,12 @@ class SparseLoCo(PeriodicSync):
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]
         # --lr-scale auto needs a period's first step taken from common parameters: under
-        # overlap each worker starts from the anchor moved by its own message
-        return not self.config.overlap
+        # overlap (auto may turn it on) each worker starts from the anchor moved by its own message
+        return self.config.overlap is False
 
     def replicated_parts(self) -> set[str]:
         # e is each worker's own, so "sync" never is; under overlap neither are the parameters.
-        return {"model"} if self.at_boundary() and not self.config.overlap else set()
+        return {"model"} if self.at_boundary() and not self.overlap else set()
 
     def _in_layout(self, flat: torch.Tensor) -> torch.Tensor:
         """A vector saved before chunks were per tensor (the parameters end to end) moved into
@@ -236,9 +304,16 @@ class SparseLoCo(PeriodicSync):
         payload = self.chunker.payload_bytes(self.n)
         real = self.layout.real
         warning = gather_warning(payload, real, self.comm.world_size)
-        return (
-            f"{self.chunker.info()} per tensor: {payload} bytes per worker per outer step "
-            f"({4 * real / payload:.0f}x less than fp32){'; ' + warning if warning else ''}"
+        return "; ".join(
+            filter(
+                None,
+                [
+                    f"{self.chunker.info()} per tensor: {payload} bytes per worker per outer step "
+                    f"({4 * real / payload:.0f}x less than fp32)",
+                    warning,
+                    self.decision,
+                ],
+            )
         )
 
     # -- state ----------------------------------------------------------------------------------
@@ -250,6 +325,7 @@ class SparseLoCo(PeriodicSync):
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
+        state["overlap"] = self.overlap  # None: auto, not yet decided
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,8 +335,12 @@ class SparseLoCo(PeriodicSync):
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
         self.in_flight.restore(resend)
-        if self.config.overlap and resend is not None:
+        if self.config.overlap == "auto":
+            # A state saved before --overlap auto ran with overlap on, the default then.
+            self.overlap = state.get("overlap", True)
+            self._stepped_at = [self.clock()]
+        if self.overlap and resend is not None:
             sent = self.chunker.decode(resend, self.n).mul_(self._real)
-            self._start = self._anchor - self.config.alpha * sent
+            self._start = self._anchor - self.alpha * sent
         else:
             self._start = self._anchor.clone()
