@@ -246,6 +246,7 @@ def _cmd_resume(argv: list[str]) -> int:
         raise UsageError(f"--resume {run_dir}: {e}") from None
     if cfg.steps < step:
         raise UsageError(f"--steps {cfg.steps} is below the snapshot's step {step}; give the new total")
+    check_disk(run_dir, cfg, workers)
     where = {"member": "a member's state (it was not training then)"}
     sources = ", ".join(f"rank {r} from {where.get(h, h)}" for r, h in sorted(how.items()))
     print(f"geotrain: resuming {run_dir} at step {step} of {cfg.steps} ({sources})", file=sys.stderr)
@@ -412,6 +413,7 @@ def _cmd_run(argv: list[str]) -> int:
     args, cfg, rates = _parse_cluster_job(argv, _run_parser())
     launch = _launch_config(args, rates, cfg.algo)
     run_dir = launch.run_dir
+    check_disk(run_dir, cfg, args.workers)
     print(
         f"geotrain: {cfg.algo} on {args.workers} hosts, model {cfg.model}, run directory {run_dir}",
         file=sys.stderr,
@@ -663,6 +665,24 @@ def _cmd_plan(argv: list[str]) -> int:
     print(format_plan(plan, accel))
     print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))
     return 0
+
+
+def check_disk(run_dir: Path, cfg, workers: int) -> None:
+    """Refuse (UsageError) a run whose files would not fit on its run directory's disk; warn where
+    those of a run stopped unfinished would not (``geotrain.launch.disk``)."""
+    from geotrain.launch.disk import NoRoom, check_room, disk_need
+    from geotrain.models import parameter_count
+
+    vocab = load_corpus(cfg.data or None, cfg.tokenizer).vocab_size
+    need = disk_need(
+        parameter_count(cfg.model_spec(), vocab), workers, cfg.algo, cfg.compress, bool(cfg.lora)
+    )
+    try:
+        warning = check_room(run_dir, need)
+    except NoRoom as e:
+        raise UsageError(str(e)) from None
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def check_model_and_data(cfg, workers: int) -> None:

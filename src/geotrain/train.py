@@ -1212,7 +1212,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if membership is not None:
         summary["membership"] = events
     if run_dir is not None and comm.rank == 0:  # the lowest surviving host
-        torch.save(
+        _save_atomic(
             {
                 "model": model.state_dict(),
                 "model_spec": describe(model, cfg.model_spec()),
@@ -1226,6 +1226,18 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     sync.close()
     comm.close()  # its two-level groups go before the process group does
     return summary
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, then rename: a disk that fills midway leaves the last
+    good checkpoint in place, not half of a new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _measured_sites(cfg: TrainConfig, ctx: DistContext, membership, run_dir: Path | None) -> list[int]:

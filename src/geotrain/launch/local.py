@@ -154,10 +154,17 @@ _QUIET = (  # written to the host's log, not echoed: the launcher reports the fa
 def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
     # A line that arrives in two reads is held until it ends, so that a quiet one is known as
     # such whole; not a progress bar's update (after a \r), which must show at once.
-    held, at_line_start = b"", True
+    held, at_line_start, logging = b"", True, True
     for chunk in iter(lambda: stream.read1(4096), b""):
-        log.write(chunk)
-        log.flush()
+        if logging:
+            try:
+                log.write(chunk)
+                log.flush()
+            except OSError as e:  # a full disk: the host's output is still echoed (or drained)
+                logging = False
+                print(
+                    f"geotrain: host log {getattr(log, 'name', '')} not written further: {e}", file=sys.stderr
+                )
         if not echo:
             continue
         lines = (held + chunk).splitlines(True)
