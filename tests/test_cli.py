@@ -249,6 +249,8 @@ def test_the_disk_estimate_counts_each_hosts_state_and_the_checkpoint():
     need = disk_need(10_893_312, 4, "dreamddp")
     assert need.state_bytes == 4 * 10_893_312 * 3  # 130.7 MB, as the run's snapshot file (130.8 MB)
     assert need.finished == 5 * need.state_bytes and need.stopped == 9 * need.state_bytes
+    # --checkpoint-every: each keeper keeps its two newest states on disk, finished or not
+    assert disk_need(10_893_312, 4, "dreamddp", periodic=True).finished == need.stopped
     assert check_room(Path("runs/x"), need, free=need.stopped) == ""
     assert "a run stopped unfinished writes up to 1.2 GB" in check_room(
         Path("runs/x"), need, free=need.stopped - 1

@@ -509,6 +509,13 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     model, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     assert sync.overlap is None and sync.alpha == 1.0 and not sync.measures_noise
+    # A worker that timed no step (one that adopted another's state for this sync) has no say,
+    # and where none has, no verdict is taken: the next outer step is timed instead.
+    verdict = sync._verdict(5.0)
+    assert verdict[2] == -1.0
+    sync._decide(*verdict)
+    assert sync.overlap is None and sync.decision == ""
+    sync._stepped_at = [comm.now]
     for step in range(1, 21):
         comm.now += 20.0 if step == 4 else 1.0
         x, y = _batch(0, step)

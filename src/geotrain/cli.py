@@ -673,13 +673,14 @@ def check_disk(run_dir: Path, cfg, workers: int) -> None:
     from geotrain.launch.disk import NoRoom, check_room, disk_need
     from geotrain.models import parameter_count
 
-    vocab = load_corpus(cfg.data or None, cfg.tokenizer).vocab_size
-    need = disk_need(
-        parameter_count(cfg.model_spec(), vocab), workers, cfg.algo, cfg.compress, bool(cfg.lora)
-    )
     try:
+        vocab = load_corpus(cfg.data or None, cfg.tokenizer).vocab_size
+        n_params = parameter_count(cfg.model_spec(), vocab)
+        need = disk_need(
+            n_params, workers, cfg.algo, cfg.compress, bool(cfg.lora), bool(cfg.checkpoint_every)
+        )
         warning = check_room(run_dir, need)
-    except NoRoom as e:
+    except (NoRoom, DataError, ModelError) as e:
         raise UsageError(str(e)) from None
     if warning:
         print(warning, file=sys.stderr)

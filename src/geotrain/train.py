@@ -1233,7 +1233,10 @@ def _save_atomic(obj: Any, path: Path) -> None:
     good checkpoint in place, not half of a new one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        torch.save(obj, tmp)
+        with tmp.open("wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

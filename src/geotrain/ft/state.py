@@ -21,6 +21,7 @@ any survivor at the same step, checked against the digests the lost worker recor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import mmap
@@ -126,6 +127,19 @@ def canonical(obj: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _without_record_crc():
+    """``torch.save`` without its CRC32 of every record: the frames here carry their own checksum
+    (a CRC32 or a sha256 over the whole payload), and torch's, taken on the training thread, cost
+    as much as the copy itself. torch's setting is per thread; this thread's is restored."""
+    saved = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(saved)
+
+
 def encode(obj: Any) -> memoryview:
     """``obj`` (tensors, dicts, lists, numbers, strings) as framed, checksummed bytes.
 
@@ -134,7 +148,8 @@ def encode(obj: Any) -> memoryview:
     buf = io.BytesIO()
     buf.write(bytes(_HEADER.size))
     # Protocol 4 pickles ``bytes`` as they are; torch's default (2) inflates them 1.5x via latin-1.
-    torch.save(canonical(obj), buf, pickle_protocol=4)
+    with _without_record_crc():
+        torch.save(canonical(obj), buf, pickle_protocol=4)
     view = buf.getbuffer()
     payload = view[_HEADER.size :]
     view[: _HEADER.size] = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
@@ -252,7 +267,8 @@ def encode_to_memfd(obj: Any, name: str, fd: int | None = None) -> tuple[int, in
     fd = new_memfd(name) if fd is None else fd
     with os.fdopen(os.dup(fd), "wb") as f:
         f.write(bytes(_HEADER.size))
-        torch.save(canonical(obj), f, pickle_protocol=4)
+        with _without_record_crc():
+            torch.save(canonical(obj), f, pickle_protocol=4)
         size = f.tell()
     os.ftruncate(fd, size)  # pages reserved beyond the snapshot go back
     return fd, size

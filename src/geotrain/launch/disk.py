@@ -29,11 +29,13 @@ KEEP = 2  # the states each keeper writes where a run stops unfinished (``Keeper
 class DiskNeed:
     state_bytes: int  # one host's state
     hosts: int
+    periodic: bool = False  # --checkpoint-every: the keepers keep two states each on disk
 
     @property
     def finished(self) -> int:
-        """A finished run: each host's final state and the checkpoint."""
-        return self.state_bytes * (self.hosts + 1)
+        """A finished run: each host's final state (and the one before, with --checkpoint-every)
+        and the checkpoint."""
+        return self.state_bytes * ((KEEP if self.periodic else 1) * self.hosts + 1)
 
     @property
     def stopped(self) -> int:
@@ -53,8 +55,10 @@ def state_copies(algo: str, compress: str = "", lora: bool = False) -> float:
     return float(copies)
 
 
-def disk_need(n_params: int, hosts: int, algo: str, compress: str = "", lora: bool = False) -> DiskNeed:
-    return DiskNeed(int(4 * n_params * state_copies(algo, compress, lora)), hosts)
+def disk_need(
+    n_params: int, hosts: int, algo: str, compress: str = "", lora: bool = False, periodic: bool = False
+) -> DiskNeed:
+    return DiskNeed(int(4 * n_params * state_copies(algo, compress, lora)), hosts, periodic)
 
 
 def free_bytes(path: Path) -> int:

@@ -374,7 +374,8 @@ class _Hosts:
         for t in self.pumps:
             t.join(timeout=2)
         for log in self.logs:
-            log.close()
+            with contextlib.suppress(OSError):  # a full disk: what the log still buffers is lost
+                log.close()
         self.logs = []
 
 

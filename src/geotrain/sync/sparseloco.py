@@ -205,6 +205,8 @@ class SparseLoCo(PeriodicSync):
         local = self._local()
         if self.overlap is None:
             payload, _, error = self._message(self._anchor - local)
+            # Every worker here first: the time is the link's, not the wait for a slower worker.
+            self.comm.barrier()
             started = self.clock()
             gathered = self.comm.all_gather(payload)
             verdict = self._verdict(self.clock() - started)  # a failure here has changed nothing
@@ -238,13 +240,18 @@ class SparseLoCo(PeriodicSync):
             else 0.0
         )
         period_s = step_s * self.config.H
-        ratio = gather_s / period_s if period_s > 0 else float("inf")
+        # A worker that timed no step here (it adopted another's state for this sync) has no
+        # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
+        ratio = gather_s / period_s if period_s > 0 else -1.0
         (most,) = self.comm.max_scalars([ratio])
         return gather_s, period_s, most
 
     def _decide(self, gather_s: float, period_s: float, ratio: float) -> None:
-        self.overlap = ratio > OVERLAP_ABOVE
         self._start = self._anchor.clone()
+        if ratio < 0:  # no worker timed a step: the next outer step is timed instead
+            self._stepped_at = [self.clock()]
+            return
+        self.overlap = ratio > OVERLAP_ABOVE
         self._stepped_at = []
         self.decision = (
             f"--overlap auto: {'on' if self.overlap else 'off'} (the first outer step's gather took "
@@ -326,6 +333,7 @@ class SparseLoCo(PeriodicSync):
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
         state["overlap"] = self.overlap  # None: auto, not yet decided
+        state["overlap_decision"] = self.decision
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,6 +346,7 @@ class SparseLoCo(PeriodicSync):
         if self.config.overlap == "auto":
             # A state saved before --overlap auto ran with overlap on, the default then.
             self.overlap = state.get("overlap", True)
+            self.decision = state.get("overlap_decision", "")
             self._stepped_at = [self.clock()]
         if self.overlap and resend is not None:
             sent = self.chunker.decode(resend, self.n).mul_(self._real)
