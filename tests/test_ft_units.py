@@ -505,3 +505,31 @@ def test_the_launcher_echoes_a_hosts_output_without_its_quiet_lines_even_split(m
     local._pump(_Chunks(chunks), log, echo=True)
     assert terminal.getvalue() == shown
     assert log.getvalue() == b"".join(chunks)  # the host's log keeps everything
+
+
+def test_the_keepers_disk_writer_outlives_a_full_disk_and_a_log_it_cannot_write(tmp_path, monkeypatch):
+    """A disk that fills fails the write and then the line saying so (the keeper's log is on
+    it too): the writer goes on, so ``flush`` (and a stopped run's ``persist``) returns."""
+    import sys
+
+    import geotrain.ft.keeper as keeper_module
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            raise OSError(28, "No space left on device")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    keeper = keeper_module.Keeper(tmp_path)
+    monkeypatch.setattr(keeper_module, "write_disk_snapshot", no_space)
+    monkeypatch.setattr(sys, "stderr", FullDisk())
+    for step in (1, 2):
+        keeper._disk.put((0, step, b"x", None))
+    done = threading.Event()
+    threading.Thread(target=lambda: (keeper.flush(), done.set()), daemon=True).start()
+    assert done.wait(10), "the disk writer died: flush waits forever"
+    assert keeper._writer.is_alive()

@@ -106,8 +106,12 @@ def test_a_run_stopped_by_ctrl_c_resumes_from_disk_after_its_keepers_are_gone(tm
     assert proc.returncode != 0 and "is on disk" in stderr, stderr[-2000:]
     stop_keepers(run, 2)  # as after the linger: nothing left in memory
     steps = [disk_steps(run / "snapshots", r) for r in (0, 1)]
-    assert steps[0] and steps[0] == steps[1] and steps[0][-1] >= 10, steps
-    step = steps[0][-1]
+    # The Ctrl-C may find one worker a snapshot ahead ([10, 15] and [5, 10]): the resume takes
+    # the newest step both have, as the launcher's line named it.
+    common = sorted(set(steps[0]) & set(steps[1]))
+    assert common and common[-1] >= 10, steps
+    step = common[-1]
+    assert f"every worker's state at step {step} is on disk" in stderr, stderr[-2000:]
     done = geotrain(["run", "--resume", str(run), "--steps", str(step + 5)], timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     resumed = _summary(run)["resumed_from"]

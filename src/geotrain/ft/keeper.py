@@ -245,7 +245,8 @@ class Keeper:
                 write_disk_snapshot(self.directory, owner, step, blob, members)
                 prune_disk(self.directory, owner, self.keep)
             except Exception as e:  # noqa: BLE001 - the writer must outlive any one write (flush waits on it)
-                print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
+                with contextlib.suppress(OSError):  # its log may be on the disk that just filled
+                    print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
             finally:
                 self._disk.task_done()
 
