@@ -294,6 +294,9 @@ def test_quick_bench_end_to_end_and_resume(tmp_path):
     assert ddp["time_to_target_s"] is not None and math.isclose(group["target_loss"], ddp_final)
     mtimes = {p: p.stat().st_mtime for p in out.glob("cells/*/*/summary.json")}
     assert len(mtimes) == 4
+    # each finished cell's saved states are gone (--keep-states keeps them), its metrics stay
+    assert not list(out.glob("cells/*/*/checkpoint.pt")) and not list(out.glob("cells/*/*/snapshots"))
+    assert len(list(out.glob("cells/*/*/metrics/rank0.jsonl"))) == 4
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -316,6 +319,9 @@ def test_a_bench_over_a_horizon_composes_long_loopback_curves_with_shaped_step_t
     proc = geotrain(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(out.glob("curves/2x30steps/*/summary.json"))) == 1
+    # every finished run's saved states are gone (--keep-states keeps them), its metrics stay
+    assert not list(out.rglob("checkpoint.pt")) and not list(out.rglob("snapshots"))
+    assert list(out.glob("curves/2x30steps/*/metrics/rank0.jsonl"))
     group = json.loads((out / "bench.json").read_text())["groups"][0]
     assert group["composed"] == 30
     for algo, row in group["algos"].items():

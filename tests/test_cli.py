@@ -285,3 +285,17 @@ def test_a_run_whose_files_would_not_fit_on_the_disk_is_refused_before_anything_
     assert f"the disk under {run_dir} has 300.0 MB free, and this run writes about 653.6 MB" in line
     assert "a 130.7 MB state for each of 4 hosts" in line and "--run-dir on another disk" in line
     assert not run_dir.exists()
+
+
+def test_drop_states_removes_a_runs_snapshots_and_checkpoint_and_keeps_its_metrics(tmp_path):
+    from geotrain.launch.disk import drop_states
+
+    (tmp_path / "snapshots" / "rank0").mkdir(parents=True)
+    (tmp_path / "snapshots" / "rank0" / "step00000010.snap").write_bytes(b"x" * 1000)
+    (tmp_path / "checkpoint.pt").write_bytes(b"y" * 500)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rank0.jsonl").write_text("{}\n")
+    (tmp_path / "summary.json").write_text("{}\n")
+    assert drop_states(tmp_path) == 1500
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics", "summary.json"]
+    assert drop_states(tmp_path) == 0  # nothing left to remove

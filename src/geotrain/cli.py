@@ -697,6 +697,7 @@ def check_model_and_data(cfg, workers: int) -> None:
 def _cmd_bench(argv: list[str]) -> int:
     from geotrain.bench.matrix import DEFAULT_ALGOS, DEFAULT_BANDWIDTHS, Bench, BenchConfig
     from geotrain.bench.report import markdown_table, scale_table, write_report
+    from geotrain.launch.disk import state_copies
     from geotrain.launch.local import RunFailed
     from geotrain.train import warmup_arg
 
@@ -780,6 +781,12 @@ def _cmd_bench(argv: list[str]) -> int:
     )
     p.add_argument("--no-netem", action="store_true", help="loopback, unshaped (no predictions checked)")
     p.add_argument(
+        "--keep-states",
+        action="store_true",
+        help="keep each cell's saved states (snapshots/, checkpoint.pt: 0.6-1.1 GB a cell of mini on "
+        "4 hosts); by default they are removed once the cell has finished, the report reads metrics",
+    )
+    p.add_argument(
         "--out", default="", help="the bench directory (a rerun resumes it); default runs/bench-<time>"
     )
     args = p.parse_args(_attach_dash_values(argv, ("--H", "--steps", "--workers")))
@@ -814,9 +821,14 @@ def _cmd_bench(argv: list[str]) -> int:
             warmup=args.warmup,
             horizon=args.horizon,
             cell_budget_s=args.cell_budget,
+            keep_states=args.keep_states,
         )
         # The model and data every cell will use, checked (and text tokenized) once, here.
         check_model_and_data(cfg.train_config("nosync"), max(cfg.workers))
+        # Room for the largest cell's states (removed once it has finished, but --keep-states).
+        cells = [cfg.train_config(entry) for entry in cfg.algos]
+        largest = max(cells, key=lambda c: state_copies(c.algo, c.compress, bool(c.lora)))
+        check_disk(Path(args.out or "runs"), largest, max(cfg.workers))
     except (ConfigError, DataError, LinkSpecError, ModelError) as e:
         raise UsageError(str(e)) from None
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")

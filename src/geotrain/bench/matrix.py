@@ -34,6 +34,7 @@ from geotrain.bench.curves import (
     time_to_target,
     tokens_to_target,
 )
+from geotrain.launch.disk import drop_states
 from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
 from geotrain.metrics import read_metrics
 from geotrain.netem.cluster import netem_unavailable_reason
@@ -109,6 +110,9 @@ class BenchConfig:
     # A shaped cell predicted to take longer than this (seconds) is not run; the report gives its
     # predicted step time. 0: run every cell.
     cell_budget_s: float = 300.0
+    # Each cell's saved states (snapshots, checkpoint) are removed once it has finished: the
+    # report reads metrics. True keeps them (to resume or export a cell).
+    keep_states: bool = False
 
     def __post_init__(self) -> None:
         for entry in self.algos:
@@ -233,6 +237,7 @@ class Bench:
             cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
         launch = replace(self._launch(w, bw, self.curve_dir(w, bw, algo)), rates_bps=None, netem=False)
         run_local_cluster(replace(launch, timeout_s=7 * 24 * 3600.0), cfg)
+        self._drop_states(launch.run_dir)
 
     def _launch(self, w: int, bw: str, run_dir: Path) -> LaunchConfig:
         return LaunchConfig(
@@ -323,6 +328,11 @@ class Bench:
         if cfg.algo == "dreamddp":
             cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
         run_local_cluster(self._launch(w, bw, run_dir), cfg)
+        self._drop_states(run_dir)
+
+    def _drop_states(self, run_dir: Path) -> None:
+        if not self.cfg.keep_states:
+            drop_states(run_dir)
 
     def run(self) -> dict[str, Any]:
         from tqdm import tqdm
