@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from geotrain.metrics import read_metrics
 from geotrain.netem.links import parse_bandwidth
 from geotrain.plan.gather import Accelerator, format_rate, stands_for_bps
 
@@ -67,7 +68,7 @@ def _with_steady(run_dir: Path, H: int) -> dict:
     steps = [
         record["step_s"]
         for path in sorted((run_dir / "metrics").glob("rank*.jsonl"))
-        for record in map(json.loads, path.read_text().splitlines())
+        for record in read_metrics(path)
         if "step_s" in record and record.get("step", 0) > H
     ]
     summary["steady_s"] = sum(steps) / len(steps) if steps else summary["step_s_mean"]

@@ -43,7 +43,7 @@ from geotrain.comm.guard import (
     parse_aggregate,
 )
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
-from geotrain.ft.atomic import write_atomic
+from geotrain.ft.atomic import atomic_file, write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
 from geotrain.ft.elastic import StepStatus, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
@@ -1212,35 +1212,22 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     if membership is not None:
         summary["membership"] = events
     if run_dir is not None and comm.rank == 0:  # the lowest surviving host
-        _save_atomic(
-            {
-                "model": model.state_dict(),
-                "model_spec": describe(model, cfg.model_spec()),
-                "optimizer": optimizer.state_dict(),
-                "sync": sync.state_dict(),
-                "train_config": asdict(cfg),
-            },
-            run_dir / "checkpoint.pt",
-        )
+        # through a temporary file: a disk that fills midway leaves the last checkpoint whole
+        with atomic_file(run_dir / "checkpoint.pt") as f:
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "model_spec": describe(model, cfg.model_spec()),
+                    "optimizer": optimizer.state_dict(),
+                    "sync": sync.state_dict(),
+                    "train_config": asdict(cfg),
+                },
+                f,
+            )
         write_atomic(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     sync.close()
     comm.close()  # its two-level groups go before the process group does
     return summary
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename: a disk that fills midway leaves the last
-    good checkpoint in place, not half of a new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _measured_sites(cfg: TrainConfig, ctx: DistContext, membership, run_dir: Path | None) -> list[int]:

@@ -20,6 +20,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from geotrain.metrics import format_bytes
+
 # fp32 copies of the model an algorithm keeps besides the parameters and the optimizer's moments
 ALGORITHM_COPIES = {"diloco": 2, "sparseloco": 2, "streaming": 3, "co2": 3, "demo": 1}
 KEEP = 2  # the states each keeper writes where a run stops unfinished (``Keeper.persist``)
@@ -69,29 +71,21 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    raise AssertionError("unreachable")
-
-
 def check_room(run_dir: Path, need: DiskNeed, free: int | None = None) -> str:
     """Raise ``NoRoom`` where a finished run's files would not fit on ``run_dir``'s disk; return a
     warning ('' if none) where those of a run stopped unfinished would not."""
     free = free_bytes(run_dir) if free is None else free
-    each = f"a {human(need.state_bytes)} state for each of {need.hosts} hosts"
+    each = f"a {format_bytes(need.state_bytes)} state for each of {need.hosts} hosts"
     if free < need.finished:
         raise NoRoom(
-            f"the disk under {run_dir} has {human(free)} free, and this run writes about "
-            f"{human(need.finished)} ({each} and the final checkpoint): free some space (old run "
+            f"the disk under {run_dir} has {format_bytes(free)} free, and this run writes about "
+            f"{format_bytes(need.finished)} ({each} and the final checkpoint): free some space (old run "
             "directories under runs/) or give --run-dir on another disk"
         )
     if free < need.stopped:
         return (
-            f"geotrain: warning: the disk under {run_dir} has {human(free)} free; a run stopped "
-            f"unfinished writes up to {human(need.stopped)} (the two newest states each keeper "
+            f"geotrain: warning: the disk under {run_dir} has {format_bytes(free)} free; a run stopped "
+            f"unfinished writes up to {format_bytes(need.stopped)} (the two newest states each keeper "
             "holds), more than fits"
         )
     return ""

@@ -203,22 +203,20 @@ class SparseLoCo(PeriodicSync):
 
     def outer_step(self) -> None:
         local = self._local()
-        if self.overlap is None:
+        if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
+            deciding = self.overlap is None
             payload, _, error = self._message(self._anchor - local)
-            # Every worker here first: the time is the link's, not the wait for a slower worker.
-            self.comm.barrier()
+            if deciding:  # every worker here first: the time is the link's, not a slower worker's
+                self.comm.barrier()
             started = self.clock()
             gathered = self.comm.all_gather(payload)
-            verdict = self._verdict(self.clock() - started)  # a failure here has changed nothing
+            # (a failure up to here has changed nothing)
+            verdict = self._verdict(self.clock() - started) if deciding else None
             self._land(gathered)
             self._error = error
             self._set_params(self._anchor)
-            self._decide(*verdict)
-        elif not self.overlap:
-            payload, _, error = self._message(self._anchor - local)
-            self._land(self.comm.all_gather(payload))
-            self._error = error
-            self._set_params(self._anchor)
+            if verdict is not None:
+                self._decide(*verdict)
         else:
             payload, sent, error = self._message(self._start - local)
             self._land_in_flight()  # the last period's; if it fails, nothing here has changed
