@@ -509,6 +509,8 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     model, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     assert sync.overlap is None and sync.alpha == 1.0 and not sync.measures_noise
+    undecided = {"alpha": 1.0, "overlap": "auto (undecided)", "mean_over": "senders"}
+    assert sync.resolved_options() == undecided  # the summary's, over the config's alpha=0.0
     # A worker that timed no step (one that adopted another's state for this sync) has no say,
     # and where none has, no verdict is taken: the next outer step is timed instead.
     verdict = sync._verdict(5.0)
@@ -529,6 +531,11 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
             assert f"{100 * gather_s / 10:.1f}%" in sync.decision
     assert sync.in_flight.flying is overlap  # the second outer step, at 20, overlapped or not
     assert sync.alpha == (2.0 if overlap else 1.0)
+    assert sync.resolved_options() == {
+        "alpha": 2.0 if overlap else 1.0,
+        "overlap": f"auto ({'on' if overlap else 'off'})",
+        "mean_over": "workers" if overlap else "senders",
+    }
     state = sync.state_dict()
     assert state["overlap"] is overlap
     _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})

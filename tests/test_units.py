@@ -387,6 +387,26 @@ def test_the_warm_up_is_a_tenth_of_the_planned_steps_by_default_at_most_100():
         TrainConfig(warmup=-2)
 
 
+def test_overlap_is_on_off_or_auto_and_auto_is_what_leaving_it_out_means(capsys):
+    import argparse
+
+    from geotrain.train import add_train_arguments, train_parser
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cases = {(): None, ("--overlap",): True, ("--no-overlap",): False, ("--overlap", "auto"): None}
+    for argv, overlap in cases.items():
+        assert parser.parse_args(list(argv)).overlap is overlap, argv
+    assert parser.parse_args(["--overlap", "--steps", "3"]).overlap is True  # no value taken
+    # what a worker is handed (to_argv) rebuilds the same config
+    for overlap in (True, False, None):
+        argv = TrainConfig(overlap=overlap).to_argv()
+        assert train_parser().parse_args(argv).overlap is overlap
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--overlap", "yes"])
+    assert "takes no value (on), or 'auto'; --no-overlap is off; got 'yes'" in capsys.readouterr().err
+
+
 def test_summary_table_shows_na_for_unmeasured_blocked_time():
     summary = {
         "algo": "ddp",

@@ -540,9 +540,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "eager": "co2 (on by default): each period starts from the anchor moved by this worker's own "
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
         "overlap": "sparseloco: each outer step lands one period late, its all-gather under the next "
-        "H steps (unset: auto, on where the first outer step's gather took over 5%% of the "
-        "period's compute); demo (off by default: the loss suffers, see the README): each "
-        "step's update lands one step late, its all-gather under the next step's compute",
+        "H steps (--no-overlap: never; unset or --overlap auto: on where the first outer step's "
+        "gather took over 5%% of the period's compute); demo (off by default: the loss suffers, "
+        "see the README): each step's update lands one step late, its all-gather under the next "
+        "step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
         "sent it (senders, the reference code's) or over every worker (workers); auto: senders "
         "without overlap, workers with it (each measured the better there; see the README)",
@@ -624,7 +625,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat", "broker", "host"):
             continue  # set by the launcher or added by the caller
-        if f.type in ("bool", bool, "bool | None"):
+        if f.name == "overlap":  # --overlap, --no-overlap, or --overlap auto (unset: the same)
+            parser.add_argument(
+                flag, nargs="?", const=True, default=f.default, type=_auto_is_none, dest=f.name,
+                metavar="auto", help=helps.get(f.name),
+            )  # fmt: skip
+            parser.add_argument("--no-overlap", action="store_false", dest=f.name, help=argparse.SUPPRESS)
+        elif f.type in ("bool", bool, "bool | None"):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps.get(f.name)
             )
@@ -634,6 +641,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             typ = warmup_arg if f.name == "warmup" else typ  # a number or "auto"
             default = "auto" if f.name == "warmup" else f.default  # argparse runs it through typ
             parser.add_argument(flag, type=typ, default=default, help=helps.get(f.name), dest=f.name)
+
+
+def _auto_is_none(text: str) -> None:
+    """The value ``--overlap`` may take: ``auto``, which is what leaving it out means."""
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"takes no value (on), or 'auto'; --no-overlap is off; got {text!r}")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -1327,7 +1340,7 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
     ]
     step_s, compute_s, blocked_s, sent_per_step, _ = comm.mean_scalars(local)
     (wall_s,) = comm.max_scalars([train_s])
-    sync_cfg = cfg.sync_config().as_dict()
+    sync_cfg = cfg.sync_config().as_dict() | sync.resolved_options()
     skipped = None
     if cfg.pace == "time":  # by rank of the last group: the steps each left to the faster ones
         skipped = comm.all_gather_object(sum(r.get("computed") is False for r in records))

@@ -214,6 +214,11 @@ class SyncAlgorithm:
         """What the algorithm (its codec) decided at run time, for the summary; "" if nothing."""
         return self.codec.info() if self.codec else ""
 
+    def resolved_options(self) -> dict[str, Any]:
+        """The options its config left to be decided (a 0 for "the default", an "auto") as the
+        run took them, for the summary's ``algo_config``; {} where every option is as given."""
+        return {}
+
     def adopted_state(self) -> None:
         """This worker has just loaded another worker's state (``ft/elastic.py``'s hand-over to a
         joiner or a survivor behind): drop what belongs to that worker alone, such as a

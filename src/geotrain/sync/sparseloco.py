@@ -153,6 +153,14 @@ class SparseLoCo(PeriodicSync):
     def alpha(self) -> float:
         return self.config.outer_lr(bool(self.overlap))
 
+    def resolved_options(self) -> dict[str, Any]:
+        # Before auto's verdict (a run shorter than H) the steps ran synchronously.
+        overlap = "auto (undecided)" if self.overlap is None else self.overlap
+        if self.config.overlap == "auto" and self.overlap is not None:
+            overlap = f"auto ({'on' if self.overlap else 'off'})"
+        mean_over = "senders" if self.config.per_sender(bool(self.overlap)) else "workers"
+        return {"alpha": self.alpha, "overlap": overlap, "mean_over": mean_over}
+
     # -- the outer step -------------------------------------------------------------------------
     def _local(self) -> torch.Tensor:
         return self.layout.flatten(self.parameters())
