@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from geotrain.launch.disk import drop_states
+
 ALGOS = ["nosync", "ddp", "ssgd", "localsgd", "diloco"]
 
 
@@ -66,6 +68,8 @@ def run_one(
         raise SystemExit(f"{algo} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["bench_wall_s"] = time.perf_counter() - t0
+    if not args.keep_states:
+        drop_states(run_dir)
     return summary
 
 
@@ -107,6 +111,7 @@ def add_job_arguments(p: argparse.ArgumentParser, steps: int, H_help: str) -> No
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--H", type=int, default=10, help=H_help)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
 
 
 def main() -> None:

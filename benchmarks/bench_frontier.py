@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from geotrain.launch.disk import drop_states
 from geotrain.metrics import read_metrics
 from geotrain.netem.links import parse_bandwidth
 from geotrain.plan.gather import Accelerator, format_rate, stands_for_bps
@@ -57,6 +58,8 @@ def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{rate} {name} failed:\n{proc.stderr[-3000:]}")
+    if not args.keep_states:
+        drop_states(run_dir)
     return _with_steady(run_dir, args.H)
 
 
@@ -92,6 +95,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
     p.add_argument("--H", type=int, default=20)
     p.add_argument("--demo-steps", type=int, default=20, help="demo's steps (it is slow on slow links)")
     p.add_argument("--accel-flops", type=float, default=Accelerator().flops, help="peak FLOP/s")

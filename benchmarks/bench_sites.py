@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from geotrain.launch.disk import drop_states
+
 TOPOLOGY = "2x2,lan=1gbit,wan=20mbit"
 CELLS = {  # name: extra flags
     "nosync": ["--algo", "nosync"],
@@ -59,6 +61,8 @@ def run_cell(out: Path, block: str, name: str, flags: list[str], args: argparse.
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{block} {name} failed:\n{proc.stderr[-3000:]}")
+    if not args.keep_states:
+        drop_states(run_dir)
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -68,6 +72,7 @@ def main() -> None:
     p.add_argument("--model", default="mini")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
     p.add_argument("--H", type=int, default=10, help="the period of the diloco cells")
     p.add_argument("--site-H", dest="site_H", type=int, default=1, help="the site period of its cell")
     p.add_argument("--cells", default=DEFAULT, help=f"comma-separated, of: {', '.join(CELLS)}")

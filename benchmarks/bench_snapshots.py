@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from geotrain.ft.keeper import KeeperClient
+from geotrain.launch.disk import drop_states
 from geotrain.launch.local import keeper_socket, stop_keepers
 
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
@@ -59,6 +60,8 @@ def run_cell(args, bandwidth: str, name: str, extra: list[str], out: Path) -> di
     )
     if proc.returncode != 0:
         raise SystemExit(f"{name} at {bandwidth} failed:\n{proc.stderr[-3000:]}")
+    if not args.keep_states:
+        drop_states(run_dir)
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -112,6 +115,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--model", default="mini")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
     p.add_argument("--H", type=int, default=10)
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
     p.add_argument("--no-restore", action="store_true", help="skip the restore-path timings")
