@@ -232,11 +232,8 @@ def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
-# `-m long` (46 s, the slowest of `make test`'s timed part): a spare taking a place is in CI in
-# test_spares.py (the CLI run, and the same-site preference), a site's two levels after a loss
-# in test_two_levels_go_on_after_a_site_loses_a_host above.
-@pytest.mark.long
-@pytest.mark.parametrize("hierarchy", ["sites", "auto"])
+# `-m long` for auto: the sites it measures are in CI in the test above
+@pytest.mark.parametrize("hierarchy", ["sites", pytest.param("auto", marks=pytest.mark.long)])
 def test_on_sites_a_spare_of_another_site_takes_a_place_in_its_own_machines_site(
     tmp_path, cleanup_keepers, hierarchy
 ):

@@ -541,9 +541,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
         "overlap": "sparseloco: each outer step lands one period late, its all-gather under the next "
         "H steps (--no-overlap: never; unset or --overlap auto: on where the first outer step's "
-        "gather took over 5%% of the period's compute); demo (off by default: the loss suffers, "
-        "see the README): each step's update lands one step late, its all-gather under the next "
-        "step's compute",
+        "gather took over 5%% of the period's compute); demo (on only with --overlap, auto is off: "
+        "the loss suffers, see the README): each step's update lands one step late, its all-gather "
+        "under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
         "sent it (senders, the reference code's) or over every worker (workers); auto: senders "
         "without overlap, workers with it (each measured the better there; see the README)",
