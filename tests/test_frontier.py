@@ -122,6 +122,22 @@ def test_chunks_are_cut_per_tensor_and_no_chunk_spans_two():
     before = [p.detach().clone() for p in model.parameters()]
     sync._set_params(flat)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The slice copies agree with the mask: in and out of the layout, and into a used work vector
+    layout, real = sync.layout, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(flat[layout.mask], real) and torch.equal(layout.real_part(flat), real)
+    assert torch.equal(layout.padded_from_real(real), flat)
+    assert torch.equal(layout.flatten(list(model.parameters()), out=torch.full((sync.n,), 7.0)), flat)
+
+
+def test_a_mean_summed_into_a_used_work_vector_is_the_same_mean():
+    codec = ChunkTopK(chunk=256, k=16, bits=2)
+    gen = torch.Generator().manual_seed(5)
+    n = 256 * 6
+    payloads = torch.stack([codec.encode(torch.randn(n, generator=gen))[0] for _ in range(3)])
+    for per_sender in (False, True):
+        fresh = codec.mean_of(payloads, n, per_sender=per_sender)
+        reused = codec.mean_of(payloads, n, per_sender=per_sender, out=torch.full((n,), 7.0))
+        assert torch.equal(fresh, reused)
 
 
 @pytest.mark.parametrize(
