@@ -133,10 +133,6 @@ class TensorChunks:
         for (offset, _, n), t in zip(self._spans(), tensors, strict=True):
             t.copy_(flat[offset : offset + n].view(t.shape))
 
-    def real_part(self, flat: torch.Tensor) -> torch.Tensor:
-        """The real entries of a padded vector, end to end (``unflatten_into`` takes them)."""
-        return torch.cat([flat[offset : offset + n] for offset, _, n in self._spans()])
-
     def padded_from_real(self, real: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.numel)
         for offset, start, n in self._spans():

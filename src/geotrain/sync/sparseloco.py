@@ -162,10 +162,9 @@ class SparseLoCo(PeriodicSync):
         return self.config.outer_lr(bool(self.overlap))
 
     def resolved_options(self) -> dict[str, Any]:
-        # Before auto's verdict (a run shorter than H) the steps ran synchronously.
-        overlap = "auto (undecided)" if self.overlap is None else self.overlap
-        if self.config.overlap == "auto" and self.overlap is not None:
-            overlap = f"auto ({'on' if self.overlap else 'off'})"
+        overlap: bool | str = self.overlap  # as given, or auto's verdict (none before its first outer step)
+        if self.config.overlap == "auto":
+            overlap = f"auto ({'undecided' if self.overlap is None else 'on' if self.overlap else 'off'})"
         mean_over = "senders" if self.config.per_sender(bool(self.overlap)) else "workers"
         return {"alpha": self.alpha, "overlap": overlap, "mean_over": mean_over}
 
@@ -295,9 +294,9 @@ class SparseLoCo(PeriodicSync):
                 # made of error-feedback residual alone.
                 self._set_params(self._anchor)
                 return
-            payload, _, error = self._message(self._start - self._local())
+            payload, _, error = self._message(self._delta(self._start))
         elif not self.at_boundary():
-            payload, _, error = self._message(self._anchor - self._local())
+            payload, _, error = self._message(self._delta(self._anchor))
         else:
             return
         self._land(self.comm.all_gather(payload))
