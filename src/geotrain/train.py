@@ -583,7 +583,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "measuring each pair of hosts' link at start-up",
         "slow": "stragglers: HOST:FACTOR, ';'-separated (e.g. 1:3): that host computes FACTOR times "
         "slower (after each optimizer step it sleeps FACTOR - 1 times its compute: three times its "
-        "forward's time, for forward and backward, plus the optimizer step's)",
+        "forward's time, for forward and backward, plus the optimizer step's; on CPU with one "
+        "thread, timed on its thread's CPU clock, so other processes on its core do not count)",
         "max_rejections": "with --on-failure continue (the default): a host whose contributions were "
         "rejected this many times in a row is dropped from the run (0: never; use with 3 or more workers)",
         "max_norm_ratio": "leave out of every average (gradients, pseudo-gradients, parameters) a worker's "
@@ -888,6 +889,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     host = ctx.rank  # this worker's place in the first epoch: its shard, metrics file and chaos
     slow = cfg.slow_factors().get(host, 1.0)
+    # A straggler's compute is timed on its own thread's CPU clock where all of it runs on that
+    # thread (CPU, one torch thread): a wall clock would count the time other processes held its
+    # core, and on a shared machine it would then sleep for their work too.
+    compute_clock = time.perf_counter
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        compute_clock = time.thread_time
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
     no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
@@ -916,25 +923,25 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     file=sys.stderr,
                     flush=True,
                 )
-        t_forward = time.perf_counter()
+        t_forward = compute_clock()
         _, loss = sync.model(x.to(device), y.to(device))
         if slow > 1:  # a straggler (--slow): its forward's time, the compute without communication
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t_forward = time.perf_counter() - t_forward
+            t_forward = compute_clock() - t_forward
         loss.backward()
         t_update = 0.0
 
         def before_update() -> None:
             nonlocal t_update
-            t_update = time.perf_counter()
+            t_update = compute_clock()
 
         def after_update() -> None:
             nonlocal phase
             stepper.zero_grad()  # before the sync, whose buffers may need that memory
             if slow > 1:  # forward, backward (about twice the forward; it may hold communication,
                 # so it is not timed) and the optimizer's update take FACTOR times as long
-                time.sleep((slow - 1) * (3 * t_forward + time.perf_counter() - t_update))
+                time.sleep((slow - 1) * (3 * t_forward + compute_clock() - t_update))
             phase = "sync"  # the local step is applied: only its synchronisation can still fail
 
         # The step a library user's loop takes (geotrain.wrap): one path for both.
