@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.communicator import Communicator, wait_work
+from geotrain.comm.communicator import Communicator, peer_lost_line, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
 from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
@@ -162,6 +162,19 @@ def test_a_wait_is_abandoned_when_a_new_epoch_is_published_and_a_real_error_is_n
     with pytest.raises(RuntimeError, match="Connection closed by peer") as err:
         wait_work(_Work(1, "Connection closed by peer"), interrupt=lambda: False)
     assert not isinstance(err.value, MembershipChanged)
+
+
+def test_a_peer_gone_is_one_line_and_other_errors_are_not_taken_for_it():
+    gloo = (
+        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:62126. This is "
+        "typically caused by a remote worker crashing."
+    )
+    line = peer_lost_line(RuntimeError(gloo), 0)
+    assert line is not None and line.startswith("host 0: a collective failed, a peer gone (Connection closed")
+    assert "\n" not in line and "pair.cc" not in line
+    assert peer_lost_line(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), 3)
+    assert peer_lost_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None  # a bug
+    assert peer_lost_line(ValueError("Connection reset by peer"), 0) is None  # not a collective's
 
 
 class _Transfer:

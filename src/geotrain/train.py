@@ -19,6 +19,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import timedelta
 from functools import partial
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync, lr_factor
 from geotrain.comm.buckets import flatten, unflatten_into
-from geotrain.comm.communicator import CollectiveTimeout, Communicator, timeout_line
+from geotrain.comm.communicator import CollectiveTimeout, Communicator, peer_lost_line, timeout_line
 from geotrain.comm.guard import (
     AUTO,
     AUTO_MIN_WORKERS,
@@ -66,6 +67,7 @@ from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, rest
 from geotrain.ft.state import capture, param_digest
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.admission import Pass, Refused, eviction, prove, read_token
+from geotrain.launch.agent import TRAINER_LOG_ONLY
 from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import (
     DistContext,
@@ -1694,7 +1696,15 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
     except (CollectiveTimeout, RuntimeError) as e:  # a timeout: one line, not a traceback per rank
         line = timeout_line(e, ctx.world_size, cfg.timeout_s, cfg.link)
         if line is None:
-            raise
+            # A peer gone (--on-failure rollback or stop: nothing regroups here): one line, not
+            # a traceback under the launcher's own account of the failure.
+            gone = peer_lost_line(e, ctx.rank)
+            if gone is None:
+                raise
+            for line in traceback.format_exc().splitlines():  # to the host's log only
+                print(f"{TRAINER_LOG_ONLY} {line}", file=sys.stderr)
+            print(f"geotrain train: {gone}", file=sys.stderr, flush=True)
+            return 1
         _fatal(cfg, ctx.rank, f"geotrain train: error: host {ctx.rank}: {line}", line)
         return 1
     finally:

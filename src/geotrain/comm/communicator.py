@@ -103,6 +103,26 @@ def timeout_line(error: BaseException, workers: int, timeout_s: float, link: str
     return None
 
 
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed"
+    r"|remote process exited|Connection refused"
+)
+
+
+def peer_lost_line(error: BaseException, rank: int) -> str | None:
+    """One line for a collective that failed because a peer's process or link went away (a
+    consequence: the launcher, or whoever watches the hosts, reports the host that failed), else
+    None."""
+    if not isinstance(error, RuntimeError):
+        return None
+    said = _PEER_GONE.search(str(error))
+    if said is None:
+        return None
+    gone = said.group(0)
+    return f"host {rank}: a collective failed, a peer gone ({gone}); that peer's failure is reported apart"
+
+
 def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
     """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
 

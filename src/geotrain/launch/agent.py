@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 LOG_ONLY = "geotrain agent:"  # lines the launcher writes to the host's log and does not echo
+TRAINER_LOG_ONLY = "geotrain log:"  # a trainer's lines kept to the host's log the same way
 
 if __name__ == "__main__":  # torch only here: the launcher imports LOG_ONLY
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -40,6 +40,7 @@ from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
 from geotrain.ft.snapshots import NoCommonStep, availability, choose_step
 from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
+from geotrain.launch.agent import TRAINER_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to
@@ -145,6 +146,7 @@ def _die_with_parent() -> None:
 _QUIET = (  # written to the host's log, not echoed: the launcher reports the failure itself
     b"failed to shutdown the rendezvous",
     AGENT_LOG_ONLY.encode(),
+    TRAINER_LOG_ONLY.encode(),  # e.g. the traceback of a trainer whose peer was lost
     b"failed (exitcode: ",  # torchrun's log line for a trainer that died
     b"death signal, shutting down workers",  # torchrun's agent, stopped by the launcher
     b"closing signal SIGTERM",  # and its trainer, stopped with it

@@ -307,9 +307,12 @@ def sweep_stale() -> list[str]:
             removed += state["namespaces"] + links + ([state["bridge"]] if state["bridge"] else [])
             state_file.unlink(missing_ok=True)
     # Namespaces named like ours with no live owner (a state directory lost with a reboot of /run).
+    # A run that started since the state directory was read wrote its state before it made its
+    # first namespace: the file is looked for again, so that run (another launcher on this
+    # machine) keeps what it is building.
     for ns in geotrain_namespaces():
         run_id = ns[len(NS_PREFIX) :].split("-")[0]
-        if run_id not in live_ids:
+        if run_id not in live_ids and not (STATE_DIR / f"{run_id}.json").exists():
             _teardown([ns], f"gtb-{run_id}", _links_of(run_id))
             removed.append(ns)
     return removed
