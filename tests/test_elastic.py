@@ -25,6 +25,7 @@ import torch.distributed as dist
 from geotrain.comm.communicator import Communicator, peer_lost_line, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
 from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
+from geotrain.ft.keeper import KeeperError
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
 from helpers import CONTEXT
@@ -174,7 +175,9 @@ def test_a_peer_gone_is_one_line_and_other_errors_are_not_taken_for_it():
     assert "\n" not in line and "pair.cc" not in line
     assert peer_lost_line(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), 3)
     assert peer_lost_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 0) is None  # a bug
-    assert peer_lost_line(ValueError("Connection reset by peer"), 0) is None  # not a collective's
+    assert peer_lost_line(ValueError("[gloo/pair.cc] Connection reset by peer"), 0) is None  # not gloo's
+    # This host's own keeper gone says the same words: its failure is nobody else's to report.
+    assert peer_lost_line(KeeperError("keeper at /tmp/k.sock: [Errno 32] Broken pipe"), 0) is None
 
 
 class _Transfer:

@@ -103,18 +103,17 @@ def timeout_line(error: BaseException, workers: int, timeout_s: float, link: str
     return None
 
 
-# What gloo and NCCL say when the process at the other end of a connection is gone.
-_PEER_GONE = re.compile(
-    r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed"
-    r"|remote process exited|Connection refused"
-)
+# What gloo and NCCL say when the process at the other end of a connection is gone...
+_PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited")
+# ...in a message of theirs: not this host's keeper or store, whose failures say the same words
+_BACKEND = re.compile(r"gloo|pair\.cc|NCCL")
 
 
 def peer_lost_line(error: BaseException, rank: int) -> str | None:
     """One line for a collective that failed because a peer's process or link went away (a
     consequence: the launcher, or whoever watches the hosts, reports the host that failed), else
     None."""
-    if not isinstance(error, RuntimeError):
+    if not isinstance(error, RuntimeError) or _BACKEND.search(str(error)) is None:
         return None
     said = _PEER_GONE.search(str(error))
     if said is None:
