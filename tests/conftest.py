@@ -8,9 +8,10 @@ import pytest
 
 from geotrain.netem.cluster import NS_PREFIX, STATE_DIR, geotrain_namespaces, netem_unavailable_reason
 
-# tests/suite.py runs two pytest sessions of cluster tests at once: each session's leftover check
-# looks only at what it made. Its processes carry this variable (the launcher runs in the test's
-# process, and every host inherits its environment); its clusters' state files name its pid.
+# The leftover check looks only at what this pytest session made, not at another geotrain run or
+# test session on the machine (a benchmark beside the suite). Its processes carry this variable
+# (the launcher runs in the test's process, and every host inherits its environment); its
+# clusters' state files name its pid.
 SESSION_ENV = "GEOTRAIN_TEST_SESSION"
 os.environ[SESSION_ENV] = str(os.getpid())
 
@@ -97,9 +98,9 @@ def no_leftovers():
     links = _geotrain_links()
     procs = _geotrain_processes()
     yield
-    # A cluster of the other session (tests/suite.py) that is being taken down lists its last
-    # links and namespaces a moment after its state file is gone, as an orphan would: what is
-    # still there a second later is left behind.
+    # Another run's cluster that is being taken down lists its last links and namespaces a
+    # moment after its state file is gone, as an orphan would: what is still there a second
+    # later is left behind.
     for wait in (1.0, 0.0):
         left, left_links = _namespaces() - before, _geotrain_links() - links
         if not (left or left_links):

@@ -1,24 +1,20 @@
-"""`make test`: the suite in parts run at once.
+"""`make test`: the suite in two halves run at once.
 
-The tests that launch emulated clusters (the CLI, torchrun, namespaces) run in two pytest
-sessions at once: each test checks that it left no trainer, coordinator or namespace behind, and
-each session looks only at what it made (its processes carry its pid in their environment, its
-clusters' state files name their launcher: tests/conftest.py). Those tests spend much of their
-time in start-ups and waits (a run of 2 hosts, 12 steps, took 18 s at 166% CPU, 2 cores), so two
-go side by side; more would only queue for the cores. The rest (pure logic, gloo groups of 2-4
-processes) mostly waits on its groups' timeouts and barriers (416 tests in 165 s with 40 s of
-CPU), so it runs beside them, in a process of its own. The fault scenarios (generous deadlines)
-run while they do; the modules that compare timings run after all of them have finished, alone.
-The reports of the parts run beside the first cluster session are printed when they are done.
+The tests that launch emulated clusters (the CLI, torchrun, namespaces) run one after another,
+as they must: each checks that it left no trainer, coordinator or namespace behind, and a
+cluster of another test beside it would look like its leftovers. The rest (pure logic, gloo
+groups of 2-4 processes) mostly waits on its groups' timeouts and barriers (416 tests in 165 s
+with 40 s of CPU), so it runs beside them, in a process of its own, and its report is printed
+when it is done. The fault scenarios (generous deadlines) run while it does; the modules that
+compare timings run after it has finished, alone.
 
-    python tests/suite.py [PYTEST ARGS]   # every part; exit 0 only if all pass
+    python tests/suite.py [PYTEST ARGS]   # both halves; exit 0 only if both pass
 
-A Ctrl-C (or SIGTERM) is passed to every part, which stop their clusters as a run does.
+A Ctrl-C (or SIGTERM) is passed to both halves, which stop their clusters as a run does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -26,13 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# Modules whose tests launch clusters, in two sessions of about equal time (measured: 378 s and
-# 344 s one after the other, beside the gloo tests), run at once and beside the other tests...
+# Modules whose tests launch clusters, in the order they run: first beside the other half...
 CLUSTER_MODULES = [
-    ["test_continue_cli", "test_cli", "test_guard", "test_models", "test_admission", "test_dreamddp_e2e"],
-    ["test_rollback_cli", "test_resume_cli", "test_broker_cli", "test_spares", "test_api"],
-]
-# ...then, once they are done, those that compare measured times (a straggler, shaped links)
+    "test_continue_cli", "test_broker_cli", "test_rollback_cli", "test_resume_cli", "test_spares",
+    "test_cli", "test_admission", "test_guard", "test_api", "test_models", "test_dreamddp_e2e",
+]  # fmt: skip
+# ...then, once it is done, those that compare measured times (a straggler, shaped links)
 TIMED_MODULES = ["test_netem", "test_pace", "test_topology", "test_bench"]
 
 HERE = Path(__file__).resolve().parent
@@ -62,47 +57,32 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-    ours = {*(m for session in CLUSTER_MODULES for m in session), *TIMED_MODULES}
+    ours = {*CLUSTER_MODULES, *TIMED_MODULES}
     rest = [str(p) for p in sorted(HERE.glob("test_*.py")) if p.stem not in ours]
     started = time.monotonic()
     running: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, _interrupted)
-    with contextlib.ExitStack() as stack:
-        logs = [
-            stack.enter_context(tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace"))
-            for _ in range(2)
-        ]
-        titles = [
-            f"beside the clusters: {len(rest)} modules",
-            f"clusters, second session: {', '.join(CLUSTER_MODULES[1])}",
-        ]
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as log:
         try:
-            beside = _run([*pytest, *rest], stdout=logs[0], stderr=subprocess.STDOUT)
+            beside = _run([*pytest, *rest], stdout=log, stderr=subprocess.STDOUT)
             running.append(beside)
-            second = _run([*pytest, *_paths(CLUSTER_MODULES[1])], stdout=logs[1], stderr=subprocess.STDOUT)
-            running.append(second)
-            first = _run([*pytest, *_paths(CLUSTER_MODULES[0])])
+            first = _run([*pytest, *(str(HERE / f"{m}.py") for m in CLUSTER_MODULES)])
             running.append(first)
-            codes = [first.wait(), second.wait(), beside.wait()]
-            timed = _run([*pytest, *_paths(TIMED_MODULES)])
+            codes = [first.wait(), beside.wait()]
+            timed = _run([*pytest, *(str(HERE / f"{m}.py") for m in TIMED_MODULES)])
             running.append(timed)
             codes.append(timed.wait())
         except KeyboardInterrupt:
             _stop(running)
-            print("\ngeotrain tests: interrupted; every part stopped", file=sys.stderr)
+            print("\ngeotrain tests: interrupted; every half stopped", file=sys.stderr)
             return 130
         finally:
-            for title, log in zip(titles, logs, strict=True):
-                log.seek(0)
-                print(f"\n--- {title} ---")
-                print(log.read(), end="")
-    print(f"--- all parts: {time.monotonic() - started:.0f} s ---")
+            log.seek(0)
+            print(f"\n--- beside the clusters: {len(rest)} modules ---")
+            print(log.read(), end="")
+    print(f"--- all halves: {time.monotonic() - started:.0f} s ---")
     ran = [c for c in codes if c != NO_TESTS]
     return max(ran) if ran else NO_TESTS
-
-
-def _paths(modules: list[str]) -> list[str]:
-    return [str(HERE / f"{m}.py") for m in modules]
 
 
 if __name__ == "__main__":
