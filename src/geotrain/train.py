@@ -1695,17 +1695,17 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         return 2
     except (CollectiveTimeout, RuntimeError) as e:  # a timeout: one line, not a traceback per rank
         line = timeout_line(e, ctx.world_size, cfg.timeout_s, cfg.link)
-        if line is None:
-            # A peer gone (--on-failure rollback or stop: nothing regroups here): one line, not
-            # a traceback under the launcher's own account of the failure.
-            gone = peer_lost_line(e, ctx.rank)
-            if gone is None:
-                raise
-            for line in traceback.format_exc().splitlines():  # to the host's log only
-                print(f"{TRAINER_LOG_ONLY} {line}", file=sys.stderr)
-            print(f"geotrain train: {gone}", file=sys.stderr, flush=True)
+        if line is not None:
+            _fatal(cfg, ctx.rank, f"geotrain train: error: host {ctx.rank}: {line}", line)
             return 1
-        _fatal(cfg, ctx.rank, f"geotrain train: error: host {ctx.rank}: {line}", line)
+        # A peer gone (--on-failure rollback or stop: nothing regroups here): one line, not a
+        # traceback under the launcher's own account of the failure, which is not this host's.
+        gone = peer_lost_line(e, ctx.rank)
+        if gone is None:
+            raise
+        for text in traceback.format_exc().splitlines():  # to the host's log only
+            print(f"{TRAINER_LOG_ONLY} {text}", file=sys.stderr)
+        print(f"geotrain train: {gone}", file=sys.stderr, flush=True)
         return 1
     finally:
         shutdown_distributed(together=ok)

@@ -113,9 +113,8 @@ def peer_lost_line(error: BaseException, rank: int) -> str | None:
     """One line for a collective that failed because a peer's process or link went away (a
     consequence: the launcher, or whoever watches the hosts, reports the host that failed), else
     None."""
-    if not isinstance(error, RuntimeError) or _BACKEND.search(str(error)) is None:
-        return None
-    said = _PEER_GONE.search(str(error))
+    text = str(error)
+    said = _PEER_GONE.search(text) if isinstance(error, RuntimeError) and _BACKEND.search(text) else None
     if said is None:
         return None
     gone = said.group(0)
