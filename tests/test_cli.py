@@ -94,8 +94,15 @@ BAD_INPUTS = [
     (["--lora", "rank=4"], "--lora 'rank=4': unknown 'rank'; accepted: r, alpha, targets, dropout"),
     (["--lora", "r=4,targets=q_proj"], "--lora targets q_proj: the model has no layer of that name"),
     (["--model", "hf:llama", "--model-config", "hiden_size=64"], "--model-config hiden_size: not a field"),
-    (["--algo", "diloco", "--H", "-1"], "H (inner steps between outer steps) must be an integer >= 1, got -"),
-    (["--algo", "localsgd", "--H", "-2"], "H (steps between syncs) must be an integer >= 1, got -2"),
+    (
+        ["--algo", "diloco", "--H", "-1"],
+        "--H: takes a period >= 1, 0 (the algorithm's default) or auto; got '-1'",
+    ),
+    (["--algo", "localsgd", "--H", "often"], "--H: takes a period >= 1, 0 (the algorithm's default) or auto"),
+    (
+        ["--algo", "localsgd", "--H", "auto"],
+        "--H auto is dreamddp's (its planner picks the period); give localsgd",
+    ),
     (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),
     (["--bandwidth", "-5mbit"], "bandwidth '-5mbit' is not understood"),
     (["--workers", "2", "--bandwidth", "1mbit,2mbit,3mbit"], "lists 3 rates for 2 workers"),

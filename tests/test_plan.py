@@ -986,3 +986,38 @@ def test_a_plan_prices_the_codec_a_profile_timed_and_says_where_none_was():
     wrong = profile | {"codecs": {"int8:warmup=0,block=256": {"workers": 2, "layers": {"x": 0.01}}}}
     with pytest.raises(ValueError, match="other layers"):
         make_plan(wrong, H=4, compress="int8")
+
+
+def test_choose_period_weighs_link_time_against_the_steps_a_longer_period_needs():
+    """Time to a loss is the predicted step times 1 + penalty (H - 1): where the link hides
+    every layer at H=1 the shortest period wins; where it cannot, the H whose product is least,
+    which a slower link pushes up, up to one layer per iteration."""
+    from geotrain.plan.cost import predict_schedule
+    from geotrain.plan.profile import models_from_profile
+    from geotrain.plan.schedule import CANDIDATE_H, choose_period, search_schedule
+
+    def models(beta):
+        return models_from_profile(_profile() | {"allreduce": {"alpha_s": 0.001, "beta_s_per_byte": beta}})
+
+    def chosen(beta, **kw):  # (the node budget, not the clock, ends these searches: not flaky)
+        return choose_period(*models(beta), ChooseConfig(budget=float("inf"), **kw), lag=1, time_budget_s=60)[
+            0
+        ]
+
+    compute, link = models(4e-8)
+    H, table = choose_period(compute, link, ChooseConfig(budget=float("inf")), lag=1, time_budget_s=60)
+    assert [r["H"] for r in table] == [h for h in CANDIDATE_H if h <= 12]  # one layer each at most
+    for row in table:  # each row is its H's own searched schedule, priced as a run prices it
+        schedule = search_schedule(compute, link, row["H"], fill_in=False, lag=1, time_budget_s=60)
+        assert row["predicted_step_s"] == pytest.approx(
+            predict_schedule(compute, link, schedule.iterations, 1)
+        )
+        assert row["time_to_loss_factor"] == pytest.approx(
+            row["predicted_step_s"] * (1 + 0.02 * (row["H"] - 1)) / compute.compute_s
+        )
+    assert min(table, key=lambda r: r["time_to_loss_factor"])["H"] == H
+    assert table[0]["predicted_step_s"] > 1.8 * compute.compute_s  # H=1 exposes its link time
+    # A link that hides everything: H=1. Slower ones: longer periods, to one layer an iteration.
+    assert [chosen(b) for b in (1e-9, 4e-8, 1e-7, 4e-7)] == [1, 4, 8, 12]
+    assert chosen(1e-7, penalty=0.0) == 12  # steps free: the period that exposes least
+    assert chosen(1e-7, penalty=0.2) < 8 and chosen(1e-7, max_H=3) == 3

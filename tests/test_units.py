@@ -333,7 +333,7 @@ def test_train_config_round_trips_through_argv():
         ({"model": "huge"}, "unknown model 'huge'"),
         ({"steps": 0}, "--steps must be >= 1"),
         ({"algo": "x"}, "unknown algorithm 'x'"),
-        ({"H": -1, "algo": "diloco"}, "H (inner steps between outer steps) must be an integer >= 1"),
+        ({"H": -3, "algo": "diloco"}, "--H must be >= 0 (0: the algorithm's default) or auto, got -3"),
         ({"optimizer": "lion"}, "accepted: adamw, sgd"),
         ({"lr_schedule": "linear"}, "unknown --lr-schedule 'linear'; accepted: constant, cosine"),
         ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be in [0, 1], got 1.5"),
@@ -385,6 +385,28 @@ def test_the_warm_up_is_a_tenth_of_the_planned_steps_by_default_at_most_100():
     assert parser.parse_args(["--warmup", "12"]).warmup == 12
     with pytest.raises(ConfigError, match="--warmup must be >= 0 or auto, got -2"):
         TrainConfig(warmup=-2)
+
+
+def test_H_auto_is_dreamddps_and_round_trips_to_a_worker():
+    import argparse
+
+    from geotrain.train import AUTO_H, add_train_arguments, train_parser
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert parser.parse_args(["--H", "auto"]).H == AUTO_H and parser.parse_args(["--H", "7"]).H == 7
+    cfg = TrainConfig(algo="dreamddp", H=AUTO_H)
+    assert cfg.sync_options()["H"] == "auto" and cfg.sync_config().H == "auto"
+    assert train_parser().parse_args(cfg.to_argv()).H == AUTO_H  # the launcher's argv for a worker
+    with pytest.raises(ConfigError, match="--H auto is dreamddp's .* give localsgd a period >= 1"):
+        TrainConfig(algo="localsgd", H=AUTO_H)
+    with pytest.raises(ConfigError, match="or auto, got -2"):
+        TrainConfig(algo="dreamddp", H=-2)
+    with pytest.raises(ConfigError, match="a --plan brings its own"):
+        TrainConfig(algo="dreamddp", H=AUTO_H, plan=__file__)
+    assert "--H auto" in " ".join(cfg.to_argv())
+    with pytest.raises(ConfigError, match="must be an integer >= 1 or 'auto', got 'often'"):
+        sync_config("dreamddp", {"H": "often"})
 
 
 def test_overlap_is_on_off_or_auto_and_auto_is_what_leaving_it_out_means(capsys):

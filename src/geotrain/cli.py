@@ -516,10 +516,17 @@ def _cmd_plan(argv: list[str]) -> int:
     p.add_argument("--H", type=int, default=None, help="the schedule's period (or --choose)")
     p.add_argument("--choose", action="store_true", help="pick the H with the fastest predicted time to loss")
     p.add_argument(
-        "--budget", type=float, default=1.25, help="--choose: most steps allowed, x synchronous SGD's"
+        "--budget",
+        type=float,
+        default=ChooseConfig.budget,
+        help="--choose: most steps allowed, x synchronous SGD's",
     )
     p.add_argument(
-        "--penalty", type=float, default=0.01, help="--choose: extra steps per unit of H (fraction)"
+        "--penalty",
+        type=float,
+        default=ChooseConfig.penalty,
+        help="--choose: extra steps per unit of H, a fraction of synchronous SGD's (default: %(default)s, "
+        "measured on W1; see the README)",
     )
     p.add_argument("--max-H", dest="max_H", type=int, default=100)
     p.add_argument(

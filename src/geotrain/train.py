@@ -103,6 +103,24 @@ def warmup_for(planned_steps: int) -> int:
     return min(MAX_AUTO_WARMUP, max(0, planned_steps) // 10)
 
 
+AUTO_H = -1  # --H auto (dreamddp: its planner picks the period)
+
+
+def H_arg(text: str) -> int:
+    """``--H``'s value: ``auto`` (AUTO_H), or a number of steps >= 0."""
+    if str(text).strip().lower() == "auto":
+        return AUTO_H
+    try:
+        H = int(text)
+    except ValueError:
+        H = -1
+    if H < 0:
+        raise argparse.ArgumentTypeError(
+            f"takes a period >= 1, 0 (the algorithm's default) or auto; got {text!r}"
+        )
+    return H
+
+
 def warmup_arg(text: str) -> int:
     """``--warmup``'s value: ``auto`` (AUTO_WARMUP), or a number of steps."""
     return AUTO_WARMUP if str(text).strip().lower() == "auto" else int(text)
@@ -128,7 +146,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
     lr_scale: str = LR_SCALE_DEFAULT  # sqrt: the local methods' own steps at sqrt(N) x the lr (api.py)
-    H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20)
+    H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20); AUTO_H: dreamddp chooses
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
@@ -237,6 +255,19 @@ class TrainConfig:
             self.warmup = warmup_for(self.lr_steps or self.steps) if wanted else 0
         # resolved once, as --warmup auto is: the saved config (a resume) keeps the stages
         self.H_schedule = resolve_every(self.H_schedule, self.lr_steps or self.steps)
+        need(
+            self.H != AUTO_H or self.algo == "dreamddp",
+            f"--H auto is dreamddp's (its planner picks the period); give {self.algo} a period >= 1 "
+            "(0: its default)",
+        )
+        need(
+            self.H != AUTO_H or not self.plan,
+            "--H auto chooses dreamddp's period at start-up, and a --plan brings its own: give one",
+        )
+        need(
+            self.H >= 0 or self.H == AUTO_H,
+            f"--H must be >= 0 (0: the algorithm's default) or auto, got {self.H}",
+        )
         need(self.lr_scale in LR_SCALES, f"--lr-scale takes {' or '.join(LR_SCALES)}, got {self.lr_scale!r}")
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
@@ -417,7 +448,8 @@ class TrainConfig:
 
     def sync_options(self) -> dict[str, Any]:
         # None (H 0, overlap unset): the algorithm's default, which from_options leaves in place
-        opts: dict[str, Any] = {"H": self.H or None, "outer_lr": self.outer_lr or None}
+        H = "auto" if self.H == AUTO_H else self.H or None
+        opts: dict[str, Any] = {"H": H, "outer_lr": self.outer_lr or None}
         opts["overlap"] = self.overlap
         if self.eager is not None:
             opts["eager"] = self.eager
@@ -462,6 +494,8 @@ class TrainConfig:
                 continue
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            elif f.name == "H" and value == AUTO_H:
+                argv += [flag, "auto"]
             else:
                 argv += [flag, str(value)]
         return argv
@@ -509,8 +543,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "the factor between 1 and sqrt(N) that the gradient noise measured at each sync calls for "
         "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr (see the README)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
-        "streaming); the schedule's period (dreamddp); 0: the algorithm's default (10; sparseloco, "
-        "streaming, co2 20)",
+        "streaming); the schedule's period (dreamddp; auto: the period with the shortest predicted time "
+        "to a loss, chosen at start-up from the profile, up to one layer per iteration: see the "
+        "README); 0: the algorithm's default (10; sparseloco, streaming, co2 20)",
         "outer_lr": "the outer learning rate of diloco, streaming and co2 (0.7); 0: the algorithm's default",
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see the README), "
@@ -642,6 +677,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             typ = norm_ratio_arg if f.name == "max_norm_ratio" else typ  # a number or "auto"
             typ = warmup_arg if f.name == "warmup" else typ  # a number or "auto"
+            typ = H_arg if f.name == "H" else typ
             default = "auto" if f.name == "warmup" else f.default  # argparse runs it through typ
             parser.add_argument(flag, type=typ, default=default, help=helps.get(f.name), dest=f.name)
 
@@ -1025,6 +1061,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Snapshots go on, each into this host's keeper, and redundancy among the new members.
         group = membership.snapshot_group
         snapshots.regroup(Communicator(group=group) if group is not None else None, event["members"])
+        if not cfg.snapshot_every:  # a joiner planned alone (dreamddp --H auto): the members' period now
+            snapshots.cfg.every = sync.default_snapshot_every()
         resume = event.pop("resume")
         # The boundary the regroup agreed they all head for (each from its own step).
         few = len(event["members"]) < cfg.min_workers
@@ -1408,6 +1446,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "predicted_step_s": getattr(sync, "predicted_step_s", None),
         "replans": getattr(sync, "replans", None),
         "reprofiles": getattr(sync, "reprofiles", None),  # of them, those that profiled again
+        # dreamddp --H auto: each period weighed (predicted step, steps factor) and the one chosen
+        "period_choice": getattr(sync, "period_choice", None),
         "codec_info": sync.info(),
     }
 

@@ -10,7 +10,7 @@ only the H whose factor stays within ``budget`` (1.25: at most 25% more steps th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
@@ -43,30 +43,15 @@ from geotrain.plan.gather import (
 )
 from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import codec_times, models_from_profile
-from geotrain.plan.schedule import Schedule, schedule_to_json, search_schedule
+from geotrain.plan.schedule import (
+    ChooseConfig,
+    Schedule,
+    choose_period,
+    schedule_to_json,
+    search_schedule,
+)
 from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
-
-CANDIDATE_H = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 50, 64, 80, 100)
-
-
-@dataclass(frozen=True)
-class ChooseConfig:
-    budget: float = 1.25
-    penalty: float = 0.01
-    max_H: int = 100
-
-    def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ValueError(f"--budget is a factor of synchronous SGD's steps, >= 1; got {self.budget}")
-        if self.penalty < 0:
-            raise ValueError(f"--penalty must be >= 0, got {self.penalty}")
-        if self.max_H < 1:
-            raise ValueError(f"--max-H must be >= 1, got {self.max_H}")
-
-    def steps_factor(self, H: int) -> float:
-        return 1 + self.penalty * (H - 1)
-
 
 SPARSELOCO_H = 20  # the default period of sparseloco, streaming and co2 (OWN_H)
 
@@ -323,24 +308,9 @@ def make_plan(
     compute, codec_key = codec_priced(profile, compute, compress, group)
     options = trust_options(profile, aggregate, checked)
     plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
-    table = []
+    table: list[dict] = []
     if choose is not None:
-        for h in CANDIDATE_H:
-            if h > min(choose.max_H, compute.n_layers) or choose.steps_factor(h) > choose.budget:
-                continue
-            sched = search_schedule(compute, link, h, **searched, time_budget_s=0.1)
-            step = predict_schedule(compute, link, sched.iterations, sched.lag)
-            table.append(
-                {
-                    "H": h,
-                    "predicted_step_s": step,
-                    "steps_factor": choose.steps_factor(h),
-                    "time_to_loss_factor": step * choose.steps_factor(h) / compute.compute_s,
-                }
-            )
-        if not table:
-            raise ValueError("no H satisfies the convergence budget; raise --budget or lower --penalty")
-        H = min(table, key=lambda row: row["time_to_loss_factor"])["H"]
+        H, table = choose_period(compute, link, choose, **searched)
     if H is None:
         raise ValueError("give --H or --choose")
     if not 1 <= H <= compute.n_layers:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -63,7 +64,13 @@ from geotrain.plan.cost import (
 )
 from geotrain.plan.layers import layer_groups, order_layers
 from geotrain.plan.profile import StepObserver, build_profile, codec_times, models_from_profile
-from geotrain.plan.schedule import Schedule, schedule_from_json, search_schedule
+from geotrain.plan.schedule import (
+    ChooseConfig,
+    Schedule,
+    choose_period,
+    schedule_from_json,
+    search_schedule,
+)
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
 
 
@@ -92,11 +99,12 @@ def _inert(module, args) -> None:
 
 REPLAN_AFTER_PERIODS = 2  # periods in a row that must drift before a re-plan
 OBSERVED_STEPS = 3  # steps timed for the plan when no loss function is given (after a warm-up)
+MIN_SNAPSHOT_EVERY = 10  # steps: snapshots at the first period boundary this far on (H=10 as before)
 
 
 @dataclass
 class DreamDDPConfig(SyncConfig):
-    H: int = 10
+    H: int | str = 10  # "auto": the period with the shortest predicted time to a loss (choose_period)
     plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up
     fill_in: bool = False  # measured: no loss gained, 5-10% of the step lost on W1 (see the docstring)
     lag: int = DEFAULT_LAG  # 1: a layer's average lands at its next forward; 0: before the update
@@ -105,8 +113,8 @@ class DreamDDPConfig(SyncConfig):
 
     def __post_init__(self) -> None:
         require(
-            isinstance(self.H, int) and self.H >= 1,
-            f"H (the schedule's period in iterations) must be an integer >= 1, got {self.H}",
+            self.H == "auto" or (isinstance(self.H, int) and self.H >= 1),
+            f"H (the schedule's period in iterations) must be an integer >= 1 or 'auto', got {self.H!r}",
         )
         require(
             self.lag in (0, 1),
@@ -143,6 +151,7 @@ class DreamDDP(SyncAlgorithm):
         self.schedule: Schedule | None = None
         self.predicted_step_s: float | None = None
         self.replans = 0
+        self.period_choice: list[dict] | None = None  # H="auto": the periods weighed (choose_period)
         self.reprofiles = 0  # re-plans that profiled again (a new group, or a drift no refit explains)
         self._models: tuple[ComputeModel, LinkModel] | None = None  # what the plan was searched on
         self._drifted = 0  # consecutive periods off the prediction by more than replan_threshold
@@ -201,6 +210,7 @@ class DreamDDP(SyncAlgorithm):
         self.schedule = schedule
         self._plan = plan
         self.config.H = schedule.H
+        self.period_choice = plan.get("period_choice")
         self.predicted_step_s = plan.get("predicted_s", {}).get("dreamddp")
         models = plan.get("models")
         self._models = None
@@ -286,7 +296,10 @@ class DreamDDP(SyncAlgorithm):
         self._plan_with(compute, link.scaled(k))
 
     def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
-        H = min(self.config.H, compute.n_layers)
+        if self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
+            H, self.period_choice = self._choose_period(compute, link)
+        else:
+            H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(
             compute, link, H, fill_in=self.config.fill_in, lag=self.lag, headroom=PLAN_HEADROOM
         )
@@ -309,8 +322,25 @@ class DreamDDP(SyncAlgorithm):
             "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations, self.lag)},
             # what the schedule was searched on (a codec's messages priced): a re-plan refits these
             "models": {"compute": asdict(compute), "link": asdict(link), "codec": self._codec_key()},
+            "period_choice": self.period_choice,  # --H auto: the periods weighed (rank 0's table)
         }
         self.set_plan(plan)
+
+    def _choose_period(self, compute: ComputeModel, link: LinkModel) -> tuple[int, list[dict]]:
+        """``H="auto"``: by predicted time to a loss, a shorter period learning more per token
+        (``ChooseConfig``'s penalty, measured) and costing more link time per step; any period
+        up to one layer per iteration (no budget: on a slow link the step time decides). Rank 0's
+        choice and table (the searches have a time budget, so workers could differ)."""
+        H, table = choose_period(
+            compute,
+            link,
+            ChooseConfig(budget=math.inf, max_H=compute.n_layers),
+            fill_in=self.config.fill_in,
+            lag=self.lag,
+            headroom=PLAN_HEADROOM,
+        )
+        H = int(self.comm.broadcast(torch.tensor([H], dtype=torch.int64), src=0).item())
+        return H, self.comm.all_gather_object(table)[0]
 
     # -- one iteration ------------------------------------------------------------------------
     def _begin_iteration(self) -> None:
@@ -503,8 +533,16 @@ class DreamDDP(SyncAlgorithm):
         if self._observer is not None:
             self._observer.close()
 
+    def resolved_options(self) -> dict[str, Any]:
+        return {"H": f"auto ({self.schedule.H})"} if self.period_choice and self.schedule else {}
+
     def default_snapshot_every(self) -> int:
-        return self.config.H  # each sync boundary, where the replicas share the most
+        """The first period boundary (where the replicas share the most) at least
+        ``MIN_SNAPSHOT_EVERY`` steps on: a snapshot every 2 steps at H=2 would cost 3-6% of W1's
+        step for little gained."""
+        H = self.schedule.H if self.schedule is not None else self.config.H
+        H = H if isinstance(H, int) else DreamDDPConfig.H  # "auto" not chosen yet (observe())
+        return H * math.ceil(MIN_SNAPSHOT_EVERY / H)
 
     def state_dict(self) -> dict[str, Any]:
         self._land_all_late()  # before the model is read: a snapshot holds no collective in flight
