@@ -180,6 +180,23 @@ def test_a_peer_gone_is_one_line_and_other_errors_are_not_taken_for_it():
     assert peer_lost_line(KeeperError("keeper at /tmp/k.sock: [Errno 32] Broken pipe"), 0) is None
 
 
+def test_gloo_timeouts_either_way_it_words_them_are_one_line_and_no_peer_gone():
+    """A transfer past the group's timeout, or one on a connection an earlier timeout closed (a
+    frozen peer, seen from DDP's backward both ways), is the timeout's line (test_cli.py's run)."""
+    from geotrain.comm.communicator import timeout_line
+
+    for gloo in (
+        "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv operation",
+        "[../gloo/transport/tcp/pair.cc:598] Application timeout caused pair closure",
+    ):
+        line = timeout_line(RuntimeError(gloo), 2, 2.0, "loopback (unshaped)")
+        assert line is not None and "waited longer than the collective timeout of 2 s" in line, gloo
+        assert peer_lost_line(RuntimeError(gloo), 0) is None
+    assert (
+        timeout_line(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), 2, 2.0, "") is None
+    )
+
+
 class _Transfer:
     """A point-to-point work as gloo leaves it: ``wait()`` blocks until the transfer ends. gloo
     tells a connection's error to the transfers queued on it, not to the one whose payload it

@@ -68,9 +68,14 @@ class CollectiveTimeout(Exception):
 TIMEOUT_MARK = "waited longer than the collective timeout"
 
 
+# gloo's words for its own timeout on a transfer, and for a transfer on a connection that an
+# earlier timeout closed (DDP's backward surfaces either, by which bucket's all-reduce it reads)
+_GLOO_TIMEOUT = ("Timed out waiting", "Application timeout caused pair closure")
+
+
 def is_timeout(error: BaseException) -> bool:
     """gloo's own timeout on a transfer (not a poll of ``wait_work`` that timed out)."""
-    return isinstance(error, RuntimeError) and "Timed out waiting" in str(error)
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _GLOO_TIMEOUT)
 
 
 def timeout_message(op: str, nbytes: int | None, workers: int, timeout_s: float, link: str) -> str:
