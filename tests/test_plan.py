@@ -1000,9 +1000,8 @@ def test_choose_period_weighs_link_time_against_the_steps_a_longer_period_needs(
         return models_from_profile(_profile() | {"allreduce": {"alpha_s": 0.001, "beta_s_per_byte": beta}})
 
     def chosen(beta, **kw):  # (the node budget, not the clock, ends these searches: not flaky)
-        return choose_period(*models(beta), ChooseConfig(budget=float("inf"), **kw), lag=1, time_budget_s=60)[
-            0
-        ]
+        H, _ = choose_period(*models(beta), ChooseConfig(budget=float("inf"), **kw), lag=1, time_budget_s=60)
+        return H
 
     compute, link = models(4e-8)
     H, table = choose_period(compute, link, ChooseConfig(budget=float("inf")), lag=1, time_budget_s=60)

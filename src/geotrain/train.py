@@ -108,17 +108,14 @@ AUTO_H = -1  # --H auto (dreamddp: its planner picks the period)
 
 def H_arg(text: str) -> int:
     """``--H``'s value: ``auto`` (AUTO_H), or a number of steps >= 0."""
-    if str(text).strip().lower() == "auto":
+    word = str(text).strip()
+    if word.lower() == "auto":
         return AUTO_H
-    try:
-        H = int(text)
-    except ValueError:
-        H = -1
-    if H < 0:
+    if not word.isdigit():
         raise argparse.ArgumentTypeError(
             f"takes a period >= 1, 0 (the algorithm's default) or auto; got {text!r}"
         )
-    return H
+    return int(word)
 
 
 def warmup_arg(text: str) -> int:

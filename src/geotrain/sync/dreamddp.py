@@ -296,8 +296,9 @@ class DreamDDP(SyncAlgorithm):
         self._plan_with(compute, link.scaled(k))
 
     def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
+        choice = self.period_choice  # --H auto's table, kept through re-plans
         if self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
-            H, self.period_choice = self._choose_period(compute, link)
+            H, choice = self._choose_period(compute, link)
         else:
             H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(
@@ -322,7 +323,7 @@ class DreamDDP(SyncAlgorithm):
             "predicted_s": {"dreamddp": predict_schedule(compute, link, schedule.iterations, self.lag)},
             # what the schedule was searched on (a codec's messages priced): a re-plan refits these
             "models": {"compute": asdict(compute), "link": asdict(link), "codec": self._codec_key()},
-            "period_choice": self.period_choice,  # --H auto: the periods weighed (rank 0's table)
+            "period_choice": choice,  # --H auto: the periods weighed (rank 0's table)
         }
         self.set_plan(plan)
 
@@ -339,8 +340,7 @@ class DreamDDP(SyncAlgorithm):
             lag=self.lag,
             headroom=PLAN_HEADROOM,
         )
-        H = int(self.comm.broadcast(torch.tensor([H], dtype=torch.int64), src=0).item())
-        return H, self.comm.all_gather_object(table)[0]
+        return self.comm.all_gather_object((H, table))[0]
 
     # -- one iteration ------------------------------------------------------------------------
     def _begin_iteration(self) -> None:
