@@ -137,6 +137,25 @@ def test_block_quantisers_round_to_the_nearest_level(spec, levels):
     assert codec.row_bytes(2048, 256) == 2048 * codec.bits // 8 + 4 * 8
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign"])
+def test_block_quantisers_know_what_their_receiver_decodes_bitwise(spec):
+    """The error feedback takes the decoded values from the quantiser's own integers, not from
+    unpacking its bytes: they must be the receiver's, bit for bit (zeros' signs included), or
+    the replicas' residuals would drift from what was sent."""
+    codec = make_codec(spec)
+    g = torch.Generator().manual_seed(1)
+    block, chunk = codec.layout(3 * 4096 + 5, 3)
+    x = torch.randn(3 * chunk, generator=g) * 10.0 ** torch.randint(-6, 3, (3 * chunk,), generator=g)
+    x[:block] = 0.0  # a block of zeros: scale 0
+    x[block : 2 * block] = -0.0
+    x[-3] = -0.0
+    rows = x.reshape(3, chunk)
+    data, values = codec.encode_with_values(rows, block)
+    assert torch.equal(data, codec.encode(rows, block))
+    decoded = codec.decode(data, chunk, block)
+    assert torch.equal(values.view(torch.int32), decoded.view(torch.int32))
+
+
 def test_warmup_sends_the_first_messages_of_each_stream_uncompressed():
     codec = make_codec("sign:warmup=2")
     x = torch.randn(300, generator=torch.Generator().manual_seed(0))

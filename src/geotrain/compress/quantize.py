@@ -92,10 +92,20 @@ class _BlockQuantizer(Codec):
 
     def encode(self, rows: torch.Tensor, block: int) -> torch.Tensor:
         """(R, chunk) float -> (R, row_bytes) uint8: packed values, then fp32 scales."""
+        return self.encode_with_values(rows, block)[0]
+
+    def encode_with_values(self, rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode``, and what ``decode`` will make of it ((R, chunk) float, bitwise the same),
+        from the quantiser's own integers: the error feedback needs it, and unpacking the bytes
+        again would cost as much as packing them."""
         r, chunk = rows.shape
         x = rows.reshape(r, chunk // block, block)
-        values, scales = self._quantize(x)
-        return torch.cat([values.reshape(r, -1), scales.reshape(r, -1).view(torch.uint8)], dim=1)
+        values, scales, decoded = self._quantize(x)
+        data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8)
+        nvalue = chunk * self.bits // 8
+        data[:, :nvalue] = values.reshape(r, -1)
+        data[:, nvalue:] = scales.reshape(r, -1).view(torch.uint8)
+        return data, decoded.reshape(r, chunk)
 
     def decode(self, data: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
         r = data.shape[0]
@@ -104,7 +114,8 @@ class _BlockQuantizer(Codec):
         x = self._dequantize(data[:, :nvalue].reshape(r, chunk // block, -1), scales)
         return x.reshape(r, chunk)
 
-    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R, blocks, block) float -> (packed values, scales (R, blocks, 1), the decoded values)."""
         raise NotImplementedError
 
     def _dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -120,11 +131,11 @@ class _BlockQuantizer(Codec):
     # -- the compressed all-reduce ---------------------------------------------------------------
     def _reduce(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         state = self.state(key)
-        flat = flatten(tensors).float()
-        n, world = flat.numel(), comm.world_size
+        n, world = sum(t.numel() for t in tensors), comm.world_size
         block, chunk = self.layout(n, world)
-        v = torch.zeros(world * chunk)
-        v[:n] = flat
+        # flattened and padded to whole chunks in one copy
+        pad = torch.zeros(world * chunk - n, dtype=tensors[0].dtype)
+        v = torch.cat([*(t.reshape(-1) for t in tensors), pad]).float()
         if "residual" in state:
             residual = state["residual"]
             if residual.numel() != v.numel():
@@ -143,12 +154,11 @@ class _BlockQuantizer(Codec):
         verdict = comm.screen(sent)
         if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
             return Pending(lambda: None)
-        data = self.encode(sent.reshape(world, chunk), block)
-        if spoiled is None:
-            state["residual"] = sent - self.decode(data, chunk, block).reshape(-1)
-        else:  # spoiled on the way: this worker's residual is that of the message it meant to send
-            clean = self.encode(v.reshape(world, chunk), block)
-            state["residual"] = v - self.decode(clean, chunk, block).reshape(-1)
+        data, decoded = self.encode_with_values(sent.reshape(world, chunk), block)
+        if spoiled is not None:  # spoiled on the way: the residual is that of the message meant
+            sent, decoded = v, self.encode_with_values(v.reshape(world, chunk), block)[1]
+        decoded = decoded.view(-1)
+        state["residual"] = torch.sub(sent, decoded, out=decoded)
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         handle = comm.all_to_all(data, async_op=True)
@@ -163,8 +173,8 @@ class _BlockQuantizer(Codec):
                 mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
             if "server_residual" in state:
                 mean += state["server_residual"]
-            mine = self.encode(mean.unsqueeze(0), block)
-            state["server_residual"] = mean - self.decode(mine, chunk, block)[0]
+            mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
+            state["server_residual"] = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
             if comm.corrupt_shard:  # a worker that spoils its shard of the mean (a test's hook)
                 spoiled = self.decode(mine, chunk, block)
                 corrupt_(spoiled, comm.corrupt_shard)
@@ -195,12 +205,15 @@ class Int8(_BlockQuantizer):
     bits = 8
 
     def _quantize(self, x):
-        scales = x.abs().amax(dim=-1, keepdim=True) / 127
-        q = torch.round(x / torch.where(scales > 0, scales, 1)).clamp_(-127, 127)
-        return q.to(torch.int8).view(torch.uint8), scales
+        scales = x.abs().amax(dim=-1, keepdim=True).div_(127)
+        q = x / torch.where(scales > 0, scales, 1)
+        q.round_().clamp_(-127, 127)
+        values = q.to(torch.int8).view(torch.uint8)
+        # + 0.0: a value rounded to -0.0 decodes as +0.0 (from the integer 0)
+        return values, scales, q.mul_(scales).add_(0.0)
 
     def _dequantize(self, values, scales):
-        return values.contiguous().view(torch.int8).float() * scales
+        return values.contiguous().view(torch.int8).float().mul_(scales)
 
 
 @dataclass
@@ -210,15 +223,18 @@ class Int4(_BlockQuantizer):
     bits = 4
 
     def _quantize(self, x):
-        scales = x.abs().amax(dim=-1, keepdim=True) / 7
-        q = torch.round(x / torch.where(scales > 0, scales, 1)).clamp_(-7, 7).to(torch.uint8) + 8
-        pairs = q.reshape(*q.shape[:-1], -1, 2)
-        return pairs[..., 0] | (pairs[..., 1] << 4), scales
+        scales = x.abs().amax(dim=-1, keepdim=True).div_(7)
+        q = x / torch.where(scales > 0, scales, 1)
+        q.round_().clamp_(-7, 7).add_(8)  # 1..15: two to a byte, unsigned
+        pairs = q.to(torch.uint8).view(*q.shape[:-1], -1, 2)
+        packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16)  # low | high << 4
+        return packed, scales, q.sub_(8).mul_(scales)
 
     def _dequantize(self, values, scales):
-        low, high = values & 15, values >> 4
-        q = torch.stack([low, high], dim=-1).reshape(*values.shape[:-1], -1)
-        return (q.float() - 8) * scales
+        q = torch.empty(*values.shape, 2)
+        q[..., 0] = values & 15
+        q[..., 1] = values >> 4
+        return q.view(*values.shape[:-1], -1).sub_(8).mul_(scales)
 
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -233,10 +249,12 @@ class Sign(_BlockQuantizer):
 
     def _quantize(self, x):
         scales = x.abs().mean(dim=-1, keepdim=True)
-        bits = (x >= 0).to(torch.uint8).reshape(*x.shape[:-1], -1, 8)
-        return (bits * _BIT_WEIGHTS).sum(dim=-1, dtype=torch.uint8), scales
+        positive = x >= 0
+        bits = positive.to(torch.uint8).view(*x.shape[:-1], -1, 8)
+        packed = (bits * _BIT_WEIGHTS).sum(dim=-1, dtype=torch.uint8)
+        return packed, scales, positive.float().mul_(2).sub_(1).mul_(scales)
 
     def _dequantize(self, values, scales):
         bits = (values.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        signs = bits.reshape(*values.shape[:-1], -1).float() * 2 - 1
-        return signs * scales
+        signs = bits.reshape(*values.shape[:-1], -1).float().mul_(2).sub_(1)
+        return signs.mul_(scales)
