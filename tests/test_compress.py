@@ -149,11 +149,14 @@ def test_block_quantisers_know_what_their_receiver_decodes_bitwise(spec):
     x[:block] = 0.0  # a block of zeros: scale 0
     x[block : 2 * block] = -0.0
     x[-3] = -0.0
+    x[2 * block + 5] = float("inf")  # a spoiled message (the norm check's to leave out): its
+    x[3 * block + 7] = float("nan")  # blocks decode as they encode all the same
     rows = x.reshape(3, chunk)
     data, values = codec.encode_with_values(rows, block)
     assert torch.equal(data, codec.encode(rows, block))
     decoded = codec.decode(data, chunk, block)
     assert torch.equal(values.view(torch.int32), decoded.view(torch.int32))
+    assert decoded[0, 2 * block + 5].isnan() or spec == "sign"  # inf / inf: no level, not -inf
 
 
 def test_warmup_sends_the_first_messages_of_each_stream_uncompressed():

@@ -101,6 +101,8 @@ class _BlockQuantizer(Codec):
         r, chunk = rows.shape
         x = rows.reshape(r, chunk // block, block)
         values, scales, decoded = self._quantize(x)
+        if not torch.isfinite(scales).all():  # a non-finite block: what its bytes say, exactly
+            decoded = self._dequantize(values, scales)
         data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8)
         nvalue = chunk * self.bits // 8
         data[:, :nvalue] = values.reshape(r, -1)
@@ -133,9 +135,9 @@ class _BlockQuantizer(Codec):
         state = self.state(key)
         n, world = sum(t.numel() for t in tensors), comm.world_size
         block, chunk = self.layout(n, world)
-        # flattened and padded to whole chunks in one copy
+        # flattened and padded to whole chunks in one copy, on the CPU (where the codec works)
         pad = torch.zeros(world * chunk - n, dtype=tensors[0].dtype)
-        v = torch.cat([*(t.reshape(-1) for t in tensors), pad]).float()
+        v = torch.cat([*(t.detach().reshape(-1).cpu() for t in tensors), pad]).float()
         if "residual" in state:
             residual = state["residual"]
             if residual.numel() != v.numel():
@@ -226,6 +228,8 @@ class Int4(_BlockQuantizer):
         scales = x.abs().amax(dim=-1, keepdim=True).div_(7)
         q = x / torch.where(scales > 0, scales, 1)
         q.round_().clamp_(-7, 7).add_(8)  # 1..15: two to a byte, unsigned
+        if not torch.isfinite(scales).all():
+            q.nan_to_num_(nan=8.0)  # inf / inf: the level 0, as the cast before the shift gave
         pairs = q.to(torch.uint8).view(*q.shape[:-1], -1, 2)
         packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16)  # low | high << 4
         return packed, scales, q.sub_(8).mul_(scales)
