@@ -381,6 +381,27 @@ def test_a_rerun_with_another_model_is_refused_even_by_a_bench_that_did_not_reco
         ).check_reuse()
 
 
+def test_a_rerun_of_a_bench_whose_dreamddp_ran_at_another_lr_scale_is_refused(tmp_path):
+    """A bench made before dreamddp's local steps defaulted to --lr-scale auto (no lr_scales key)
+    ran them at 1; its other algorithms' cells still compare."""
+    from dataclasses import asdict
+
+    from geotrain.bench.matrix import Bench
+
+    old = asdict(BenchConfig(algos=["nosync", "dreamddp"]))
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(
+        ConfigError, match="holds dreamddp runs made at --lr-scale 1, where its default now is auto"
+    ):
+        Bench(BenchConfig(algos=["nosync", "dreamddp"]), tmp_path, echo=print).check_reuse()
+    (tmp_path / "config.json").write_text(json.dumps({**old, "algos": ["nosync", "localsgd"]}))
+    Bench(BenchConfig(algos=["nosync", "localsgd", "dreamddp"]), tmp_path, echo=print).check_reuse()
+    recorded = Bench(BenchConfig(algos=["localsgd", "dreamddp+int4"]), tmp_path, echo=print).recorded()
+    assert recorded["lr_scales"] == {"localsgd": "1", "dreamddp": "auto"}
+    (tmp_path / "config.json").write_text(json.dumps(recorded))  # made now: kept
+    Bench(BenchConfig(algos=["localsgd", "dreamddp+int4"]), tmp_path, echo=print).check_reuse()
+
+
 def test_soak_refuses_a_bad_model_option_and_passes_a_good_one_to_both_runs():
     from pathlib import Path
 

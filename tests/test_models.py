@@ -196,7 +196,8 @@ def test_hf_llama_with_lora_fa_under_dreamddp_runs_and_exports(tmp_path):
         "r=4,targets=q_proj,v_proj",
         "--lora-fa",
     ]
-    algo = ["--algo", "dreamddp", "--H", "4", "--replan-threshold", "0"]
+    # --lr-scale 1: no noise measure (its 1 KB exchange a period would hide the layers' bytes)
+    algo = ["--algo", "dreamddp", "--H", "4", "--replan-threshold", "0", "--lr-scale", "1"]
     _run([*job, *model, *algo, "--no-progress", "--run-dir", str(run)], tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     # LoRA-FA: only B trains, for q and v of 2 layers (32 x 4 each)

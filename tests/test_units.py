@@ -409,6 +409,25 @@ def test_H_auto_is_dreamddps_and_round_trips_to_a_worker():
         sync_config("dreamddp", {"H": "often"})
 
 
+def test_lr_scale_left_out_is_the_algorithms_own_auto_for_dreamddp():
+    from geotrain.api import Sync
+    from geotrain.train import train_parser
+
+    for algo, own in [("dreamddp", "auto"), ("localsgd", "1"), ("diloco", "1"), ("ddp", "1")]:
+        cfg = TrainConfig(algo=algo)
+        assert cfg.lr_scale == own
+        assert train_parser().parse_args(cfg.to_argv()).lr_scale == own  # a worker gets the name
+    assert TrainConfig(algo="dreamddp", lr_scale="1").lr_scale == "1"  # off when asked
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    dream = Sync(build_sync("dreamddp", model, opt, FakeCommunicator(world_size=4), {}), opt)
+    assert dream.lr_scale == "auto" and dream.algorithm.noise is not None  # it measures the noise
+    plain = Sync(build_sync("dreamddp", _tiny(), opt, FakeCommunicator(world_size=4), {}), opt, "1")
+    assert plain.lr_scale == "1" and plain.algorithm.noise is None
+    local = Sync(build_sync("localsgd", _tiny(), opt, FakeCommunicator(world_size=4), {}), opt)
+    assert local.lr_scale == "1" and local.algorithm.noise is None
+
+
 def test_overlap_is_on_off_or_auto_and_auto_is_what_leaving_it_out_means(capsys):
     import argparse
 

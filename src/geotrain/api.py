@@ -38,15 +38,19 @@ from geotrain.sync.noise import NoiseScale
 ALIASES = {"plan": "plan_path"}
 # lr_scale: "sqrt" runs a local method's own optimizer steps at sqrt(N) times the learning rate
 # (SyncAlgorithm.local_lr_factor), "auto" at the factor the measured gradient noise calls for,
-# between 1 and sqrt(N) (geotrain.sync.noise), "1" leaves it as given.
+# between 1 and sqrt(N) (geotrain.sync.noise), "1" leaves it as given; "" (the default) is the
+# algorithm's own (SyncConfig.default_lr_scale: auto for dreamddp, 1 for the others).
 LR_SCALES = ("auto", "sqrt", "1")
-LR_SCALE_DEFAULT = "1"
+LR_SCALE_DEFAULT = ""
 
 
-def checked_lr_scale(lr_scale: str | int) -> str:
-    """``lr_scale`` as one of LR_SCALES (the number 1 as "1"), or a ConfigError saying which."""
+def checked_lr_scale(lr_scale: str | int, algo: str = "") -> str:
+    """``lr_scale`` as one of LR_SCALES (the number 1 as "1"; "" as ``algo``'s default), or a
+    ConfigError saying which."""
     if lr_scale == 1:
         return "1"
+    if lr_scale == LR_SCALE_DEFAULT:
+        return ALGORITHMS[algo][1].default_lr_scale if algo in ALGORITHMS else "1"
     if lr_scale not in LR_SCALES:
         raise ConfigError(f"lr_scale takes {' or '.join(map(repr, LR_SCALES))}, got {lr_scale!r}")
     return str(lr_scale)
@@ -72,7 +76,7 @@ class Sync:
     ) -> None:
         self.algorithm = algorithm
         self.optimizer = optimizer
-        self.lr_scale = checked_lr_scale(lr_scale)
+        self.lr_scale = checked_lr_scale(lr_scale, algorithm.name)
         self._finished = False
         if self.lr_scale == "auto" and algorithm.measures_noise:
             algorithm.noise = NoiseScale(algorithm.parameters(), optimizer)
@@ -237,14 +241,15 @@ def wrap(
     synchronous step at the learning rate given where gradient noise dominates; "auto" at the
     factor between 1 and sqrt(N) that the noise measured across the workers at each sync calls
     for (``geotrain.sync.noise``: localsgd, diloco, dreamddp, co2 without eager, sparseloco
-    without overlap; 1 for the others); "1" leaves it as given."""
+    without overlap; 1 for the others); "1" leaves it as given. By default each algorithm's own:
+    "auto" for dreamddp, "1" for the others (``SyncConfig.default_lr_scale``)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"wrap takes a torch.nn.Module as the model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"wrap takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if algo not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algo!r}; accepted: {', '.join(ALGORITHMS)}")
-    lr_scale = checked_lr_scale(lr_scale)  # before the algorithm puts its hooks on the model
+    lr_scale = checked_lr_scale(lr_scale, algo)  # before the algorithm puts its hooks on the model
     accepted = accepted_options(algo)
     unknown = sorted(set(options) - set(accepted))
     if unknown:

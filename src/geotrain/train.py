@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync, lr_factor
+from geotrain.api import LR_SCALE_DEFAULT, LR_SCALES, Sync, checked_lr_scale, lr_factor
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.communicator import CollectiveTimeout, Communicator, peer_lost_line, timeout_line
 from geotrain.comm.guard import (
@@ -142,7 +142,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine: after the warm-up, over the planned --steps
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
-    lr_scale: str = LR_SCALE_DEFAULT  # sqrt: the local methods' own steps at sqrt(N) x the lr (api.py)
+    lr_scale: str = LR_SCALE_DEFAULT  # "": the algorithm's (auto for dreamddp, else 1); api.py
     H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20); AUTO_H: dreamddp chooses
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
@@ -265,6 +265,8 @@ class TrainConfig:
             self.H >= 0 or self.H == AUTO_H,
             f"--H must be >= 0 (0: the algorithm's default) or auto, got {self.H}",
         )
+        if self.lr_scale == LR_SCALE_DEFAULT:  # resolved once: the saved config keeps the name
+            self.lr_scale = checked_lr_scale(LR_SCALE_DEFAULT, self.algo)
         need(self.lr_scale in LR_SCALES, f"--lr-scale takes {' or '.join(LR_SCALES)}, got {self.lr_scale!r}")
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
@@ -538,7 +540,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "diloco, dreamddp, streaming, co2, sparseloco) run at sqrt(N) x the learning rate, so their "
         "average moves as far as a synchronous step at --lr where gradient noise dominates; auto: at "
         "the factor between 1 and sqrt(N) that the gradient noise measured at each sync calls for "
-        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr (see the README)",
+        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr; empty: the "
+        "algorithm's own, auto for dreamddp and 1 for the others (see the README)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp; auto: the period with the shortest predicted time "
         "to a loss, chosen at start-up from the profile, up to one layer per iteration: see the "

@@ -339,7 +339,7 @@ class Bench:
 
         self.out.mkdir(parents=True, exist_ok=True)
         self.check_reuse()
-        (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        (self.out / "config.json").write_text(json.dumps(self.recorded(), indent=2))
         cells = [(run, "cell") for run in self.cells()] + [(run, "curve") for run in self.curve_runs()]
         todo = [
             (c, kind)
@@ -362,6 +362,12 @@ class Bench:
         (self.out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
         return results
 
+    def recorded(self) -> dict[str, Any]:
+        """The config a bench directory keeps, with what its cells ran at that is not a field:
+        each algorithm's local learning-rate scale (its own default, as ``geotrain run``'s)."""
+        scales = {split_entry(e)[0]: TrainConfig(algo=split_entry(e)[0]).lr_scale for e in self.cfg.algos}
+        return {**asdict(self.cfg), "lr_scales": scales}
+
     def check_reuse(self) -> None:
         """A rerun keeps the finished runs of the directory: refuse it where they were made
         differently (they would be compared with runs they do not compare with). The matrix may
@@ -369,7 +375,16 @@ class Bench:
         path = self.out / "config.json"
         if not path.exists():
             return
-        old, new = json.loads(path.read_text()), asdict(self.cfg)
+        old, new = json.loads(path.read_text()), self.recorded()
+        # A bench made before dreamddp's default became auto ran every cell at 1.
+        was_scales, now_scales = old.pop("lr_scales", {}), new.pop("lr_scales")
+        differ = sorted(a for a in now_scales if was_scales.get(a, "1") != now_scales[a])
+        if differ and set(differ) & {split_entry(e)[0] for e in old.get("algos", [])}:
+            raise ConfigError(
+                f"{self.out} holds {', '.join(differ)} runs made at --lr-scale "
+                f"{was_scales.get(differ[0], '1')}, where its default now is {now_scales[differ[0]]}: "
+                "they would not compare with these; use another --out"
+            )
         # Compared as the steps it gives: auto's follow the horizon (a bench made before the
         # warm-up's default was auto had none).
         was, now = _warmup_steps({"warmup": 0, **old}), _warmup_steps(new)

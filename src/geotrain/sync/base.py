@@ -42,6 +42,9 @@ class SyncConfig:
     default_lr: ClassVar[float] = 1e-3
     # Whether ``--warmup auto`` gives this algorithm a warm-up (``train.warmup_for``).
     auto_warmup: ClassVar[bool] = True
+    # ``lr_scale`` when none is given (geotrain.api: "1", "sqrt" or "auto"): the training
+    # loop's too, so a ClassVar, as ``default_lr``.
+    default_lr_scale: ClassVar[str] = "1"
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SyncConfig:
