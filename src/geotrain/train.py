@@ -540,8 +540,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "diloco, dreamddp, streaming, co2, sparseloco) run at sqrt(N) x the learning rate, so their "
         "average moves as far as a synchronous step at --lr where gradient noise dominates; auto: at "
         "the factor between 1 and sqrt(N) that the gradient noise measured at each sync calls for "
-        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr; empty: the "
-        "algorithm's own, auto for dreamddp and 1 for the others (see the README)",
+        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr (see the README)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp; auto: the period with the shortest predicted time "
         "to a loss, chosen at start-up from the profile, up to one layer per iteration: see the "
@@ -678,8 +677,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             typ = norm_ratio_arg if f.name == "max_norm_ratio" else typ  # a number or "auto"
             typ = warmup_arg if f.name == "warmup" else typ  # a number or "auto"
             typ = H_arg if f.name == "H" else typ
+            typ = _lr_scale_arg if f.name == "lr_scale" else typ
             default = "auto" if f.name == "warmup" else f.default  # argparse runs it through typ
+            default = LR_SCALE_SHOWN if f.name == "lr_scale" else default
             parser.add_argument(flag, type=typ, default=default, help=helps.get(f.name), dest=f.name)
+
+
+# What --help says --lr-scale is when left out ("": each algorithm's own default).
+LR_SCALE_SHOWN = "the algorithm's: auto for dreamddp, 1 for the others"
+
+
+def _lr_scale_arg(text: str) -> str:
+    return LR_SCALE_DEFAULT if text == LR_SCALE_SHOWN else text
 
 
 def _auto_is_none(text: str) -> None:
