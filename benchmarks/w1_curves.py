@@ -37,16 +37,19 @@ STEPS = 2000
 WINDOW = 3
 
 
-def read_csv(path: Path) -> tuple[list[int], list[float], list[str]]:
-    steps, losses, notes = [], [], []
+def read_csv(path: Path) -> tuple[list[int], list[float]]:
+    steps, losses = [], []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            notes.append(line[1:].strip())
-        elif line and not line.startswith("step"):
+        if line and not line.startswith(("#", "step")):
             step, loss = line.split(",")
             steps.append(int(step))
             losses.append(float(loss))
-    return steps, losses, notes
+    return steps, losses
+
+
+def dense(steps: list[int]) -> bool:
+    """Saved from a run (a point every 50 steps), not kept from a README table (every 200)."""
+    return len(steps) > 1 and steps[1] - steps[0] < 200
 
 
 def save(name: str, run_dir: Path) -> Path:
@@ -73,17 +76,12 @@ def save(name: str, run_dir: Path) -> Path:
     return out
 
 
-def ddp_step_at(loss: float, ddp_steps: list[int], ddp_losses: list[float]) -> float | None:
-    return crossing([float(s) for s in ddp_steps], ddp_losses, loss)
-
-
 def table(curves: dict[str, tuple[list[int], list[float]]]) -> list[dict]:
     ddp_steps, ddp_losses = curves["w1-ddp"]
     rows = []
     for name, (steps, losses) in curves.items():
-        dense = len(steps) > 1 and steps[1] - steps[0] < 200
-        read = smooth(losses, WINDOW) if dense else losses
-        approx = "" if dense else "~"
+        read = smooth(losses, WINDOW) if dense(steps) else losses
+        approx = "" if dense(steps) else "~"
         row = {"curve": name, "points": len(steps), "final": losses[-1], "final_smoothed": read[-1]}
         at = crossing([float(s) for s in steps], read, DDP_FINAL)
         if name == "w1-ddp":
@@ -93,7 +91,7 @@ def table(curves: dict[str, tuple[list[int], list[float]]]) -> list[dict]:
         elif steps[-1] < STEPS:  # stopped early: its last loss says nothing of 2,000 steps
             row.update(step_at_target=None, tokens_vs_ddp=f"to step {steps[-1]}")
         else:
-            ddp_at = ddp_step_at(read[-1], ddp_steps, ddp_losses)
+            ddp_at = crossing([float(s) for s in ddp_steps], ddp_losses, read[-1])
             row.update(
                 step_at_target=None,
                 ddp_step_at_its_final=None if ddp_at is None else round(ddp_at),
@@ -111,11 +109,10 @@ def plot(curves: dict[str, tuple[list[int], list[float]]], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, (steps, losses) in curves.items():
-        dense = len(steps) > 1 and steps[1] - steps[0] < 200
         ax.plot(
             [s * 4096 / 1e6 for s in steps],
             losses,
-            marker="" if dense else "o",
+            marker="" if dense(steps) else "o",
             lw=2.2 if name == "w1-ddp" else 1.4,
             label=name.removeprefix("w1-"),
         )
@@ -149,8 +146,7 @@ def main() -> None:
         print(f"saved {save(name, Path(run_dir))}", file=sys.stderr)
     curves = {}
     for path in sorted(HERE.glob("w1-*.csv")):
-        steps, losses, _ = read_csv(path)
-        curves[path.stem] = (steps, losses)
+        curves[path.stem] = read_csv(path)
     if "w1-ddp" not in curves:
         raise SystemExit(f"{HERE}/w1-ddp.csv is missing: every ratio is read against it")
     if args.only:

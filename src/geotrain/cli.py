@@ -528,7 +528,7 @@ def _cmd_plan(argv: list[str]) -> int:
         help="--choose: extra steps per unit of H, a fraction of synchronous SGD's (default: %(default)s, "
         "measured on W1; see the README)",
     )
-    p.add_argument("--max-H", dest="max_H", type=int, default=100)
+    p.add_argument("--max-H", dest="max_H", type=int, default=ChooseConfig.max_H)
     p.add_argument(
         "--workers", type=int, default=None, help="predict for this many workers (default: the profile's)"
     )

@@ -24,6 +24,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from geotrain.api import LR_SCALE_DEFAULT, checked_lr_scale
 from geotrain.bench.curves import (
     Curve,
     agreement,
@@ -365,7 +366,8 @@ class Bench:
     def recorded(self) -> dict[str, Any]:
         """The config a bench directory keeps, with what its cells ran at that is not a field:
         each algorithm's local learning-rate scale (its own default, as ``geotrain run``'s)."""
-        scales = {split_entry(e)[0]: TrainConfig(algo=split_entry(e)[0]).lr_scale for e in self.cfg.algos}
+        algos = [split_entry(entry)[0] for entry in self.cfg.algos]
+        scales = {algo: checked_lr_scale(LR_SCALE_DEFAULT, algo) for algo in algos}
         return {**asdict(self.cfg), "lr_scales": scales}
 
     def check_reuse(self) -> None:

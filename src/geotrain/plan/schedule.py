@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from geotrain.plan.cost import (
     ComputeModel,
@@ -259,22 +260,19 @@ def choose_period(
     link: LinkModel,
     choose: ChooseConfig,
     *,
-    fill_in: bool = False,
-    lag: int = 0,
-    headroom: float = 0.0,
     time_budget_s: float = 0.1,
+    **search: Any,
 ) -> tuple[int, list[dict]]:
     """The H of ``CANDIDATE_H`` (up to ``choose.max_H`` and the layer count) with the shortest
     predicted time to a loss, and the table it was chosen from (one row per H weighed; ties go
-    to the shorter period). Each H's schedule is searched as a run searches its own, but within
-    ``time_budget_s`` each (a run's own search, for the H chosen, has the default 0.5 s)."""
+    to the shorter period). Each H's schedule is searched as a run searches its own (``search``:
+    ``search_schedule``'s options), but within ``time_budget_s`` each (a run's own search, for
+    the H chosen, has the default 0.5 s)."""
     table = []
     for h in CANDIDATE_H:
         if h > min(choose.max_H, compute.n_layers) or choose.steps_factor(h) > choose.budget:
             continue
-        schedule = search_schedule(
-            compute, link, h, fill_in=fill_in, lag=lag, headroom=headroom, time_budget_s=time_budget_s
-        )
+        schedule = search_schedule(compute, link, h, time_budget_s=time_budget_s, **search)
         step = predict_schedule(compute, link, schedule.iterations, schedule.lag)
         table.append(
             {
