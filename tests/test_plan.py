@@ -16,6 +16,7 @@ from geotrain.plan.cost import (
     LinkModel,
     deadlines,
     exposed_for_layers,
+    iteration_overhead,
     predict_periodic,
     predict_schedule,
     predict_ssgd,
@@ -342,11 +343,11 @@ def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
     assert all(row["steps_factor"] <= 1.05 for row in chosen["choose"])
     assert chosen["H"] == min(chosen["choose"], key=lambda r: r["time_to_loss_factor"])["H"]
     assert chosen["H"] <= 6
-    # with a codec a run lands at once: the chosen H's row is priced at lag 0, as its schedule is
+    # with a codec too a run lands late: the chosen H's row is priced at lag 1, as its schedule is
     slow_link = _profile() | {"allreduce": {"alpha_s": 0.001, "beta_s_per_byte": 4e-5}}
     coded = make_plan(slow_link, None, ChooseConfig(budget=1.05, penalty=0.01), compress="int8")
     row = next(r for r in coded["choose"] if r["H"] == coded["H"])
-    assert coded["schedule"]["lag"] == 0
+    assert coded["schedule"]["lag"] == 1
     assert row["predicted_step_s"] == pytest.approx(coded["predicted_s"]["dreamddp"], rel=1e-6)
     with pytest.raises(ValueError, match="number of layers"):
         make_plan(_profile(), H=13)
@@ -593,7 +594,7 @@ def test_a_codecs_messages_are_priced_by_their_wire_bytes_and_phases():
     phase (its all-to-all) queues under backward; its all-gather runs after backward, one layer
     after another, each with its own latency; fp16 is one all-reduce of half the bytes."""
     from geotrain.compress.codec import make_codec
-    from geotrain.plan.cost import iteration_overhead, priced_for_codec
+    from geotrain.plan.cost import priced_for_codec
 
     shapes = [[(64, 256)], [(256,), (256,)], [(1024, 64)]]
     compute = _compute([0.01] * 3, [4 * 64 * 256, 4 * 512, 4 * 1024 * 64])
@@ -694,6 +695,26 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
         sync._end_period()
     assert sync.replans == 2 and sync.reprofiles == 1 and len(calls) > profiled
     sync.close()
+
+
+def test_a_codecs_second_phases_landing_late_run_under_the_update_and_the_forward():
+    """lag 1 with a codec: the update waits for the last first phase (0.35 - 0.30), then the
+    second phases go out in forward order (layer 2 first), 0.1 s each, due at each layer's
+    forward (0.3 + 0.06 + 1.0 * (0.3 - finish)): each 0.04 late. At lag 0 all of it waits."""
+    compute = ComputeModel(
+        names=("a", "b", "c"),
+        backward_s=(0.1, 0.1, 0.1),
+        nbytes=(50_000, 50_000, 50_000),
+        forward_s=0.3,
+        optimizer_s=0.06,
+        tail_bytes=(100_000, 100_000, 100_000),
+    )
+    link = LinkModel(0.0, 1e-6)
+    assert iteration_overhead(compute, link, [0, 1, 2], late=True) == pytest.approx(0.05 + 0.04)
+    assert iteration_overhead(compute, link, [0, 1, 2], late=False) == pytest.approx(0.05 + 0.3)
+    # one layer: its second phase (0.3 to 0.4) lands before layer 0's forward begins (0.56)
+    assert iteration_overhead(compute, link, [0], late=True) == pytest.approx(0.0)
+    assert iteration_overhead(compute, link, [0], late=False) == pytest.approx(0.1)
 
 
 def test_a_plan_for_plain_all_reduces_is_priced_for_the_runs_codec():

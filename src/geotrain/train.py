@@ -593,7 +593,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "the period's schedule",
         "lag": "dreamddp: where a layer's average lands: 0 (the paper's: before this step's update) "
         "or 1 (the default: at the layer's next forward, its all-reduce running on under the update "
-        "and the forward below it; a period's last iteration lands at once; 0 with --compress)",
+        "and the forward below it; a period's last iteration lands at once; with --compress, the "
+        "codec's second phase runs there)",
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",

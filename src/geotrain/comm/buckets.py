@@ -8,7 +8,7 @@ flight at once, which is how periodic (parameter) averaging is pipelined.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -46,16 +46,42 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 class Pending:
-    """A mean in flight. ``wait()`` finishes it and writes the mean into the tensors it was taken of."""
+    """A mean in flight. ``wait()`` finishes it and writes the mean into the tensors it was taken of.
 
-    def __init__(self, finish) -> None:
+    A mean of two collectives, the second computed from the first (a quantised codec's
+    all-gather of the re-quantised shards, PowerSGD's Q), gives the part up to launching the
+    second as ``advance``: ``advance()`` runs it (it waits for the first collective), and leaves
+    the second on the link for ``wait()``. Whoever holds several means advances them all before
+    waiting for any (``wait_all``), so their second collectives queue back to back rather than
+    each one waited for before the next is launched; DreamDDP advances its averages before the
+    update and waits for each at its layer's next forward. Every collective is issued by
+    ``advance`` or at launch, never by the ``wait`` that follows an ``advance``.
+    """
+
+    def __init__(self, finish: Callable[[], None], advance: Callable[[], None] | None = None) -> None:
         self._finish = finish
+        self._advance = advance
         self._done = False
+
+    def advance(self) -> None:
+        if self._advance is not None and not self._done:
+            advance, self._advance = self._advance, None
+            advance()
 
     def wait(self) -> None:
         if not self._done:
+            self.advance()
             self._finish()
             self._done = True
+
+
+def wait_all(pending: Sequence[Pending]) -> None:
+    """Finish ``pending`` in order, every one advanced (its second collective launched) before
+    the first is waited for to the end."""
+    for message in pending:
+        message.advance()
+    for message in pending:
+        message.wait()
 
 
 def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:
@@ -83,5 +109,4 @@ def reduce_tensors(
     for b, idx in enumerate(make_buckets(tensors, cap_mb)):
         group = [tensors[i] for i in idx]
         pending.append(codec.reduce(comm, (key, b), group) if codec is not None else mean_async(comm, group))
-    for message in pending:
-        message.wait()
+    wait_all(pending)

@@ -85,13 +85,20 @@ class Codec(ABC):
                 _restore_feedback(state, feedback)
                 raise
 
+            def advance() -> None:
+                try:
+                    pending.advance()
+                except BaseException:  # a redo that fails again leaves it as it was, too
+                    _restore_feedback(state, feedback)
+                    raise
+
             def finish() -> None:
                 try:
                     pending.wait()
-                finally:  # a redo that fails again leaves it as it was, too
+                finally:
                     _restore_feedback(state, feedback)
 
-            return Pending(finish)
+            return Pending(finish, advance)
         return self._launch(comm, key, tensors)
 
     def _launch(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:

@@ -133,18 +133,26 @@ class PowerSGD(_LowRank):
         ps = [mats[i] @ state[f"q{i}"] for i in mats]
         handle = comm.all_reduce(self._pack(ps, rest), op="mean", async_op=True)
 
-        def finish() -> None:
+        second: dict[str, Any] = {}  # P's mean orthonormalised and Q's all-reduce, from advance()
+
+        def advance() -> None:
             ps_mean = [orthonormal(p) for p in self._unpack(handle.wait(), ps, rest)]
             qs = [mats[i].T @ p for i, p in zip(mats, ps_mean, strict=True)]
+            second["ps"], second["qs"] = ps_mean, qs
             if qs:
-                qs = self._unpack(comm.all_reduce(flatten(qs), op="mean"), qs, [])
+                second["handle"] = comm.all_reduce(flatten(qs), op="mean", async_op=True)
+
+        def finish() -> None:
+            ps_mean, qs = second["ps"], second["qs"]
+            if qs:
+                qs = self._unpack(second["handle"].wait(), qs, [])
             approx = {}
             for i, p, q in zip(mats, ps_mean, qs, strict=True):
                 state[f"q{i}"] = q  # warm start: next step's power iteration begins here
                 approx[i] = p @ q.T
             self._finish(state, tensors, mats, approx)
 
-        return Pending(finish)
+        return Pending(finish, advance)
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return self._message_bytes(shapes, world_size, lambda n, m: n + m)

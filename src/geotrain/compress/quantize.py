@@ -165,7 +165,9 @@ class _BlockQuantizer(Codec):
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         handle = comm.all_to_all(data, async_op=True)
 
-        def finish() -> None:
+        gather: list = []  # the second phase's collective, launched by advance()
+
+        def advance() -> None:
             rows = self.decode(handle.wait(), chunk, block)
             if verdict is None:
                 mean = rows.mean(dim=0)
@@ -181,12 +183,15 @@ class _BlockQuantizer(Codec):
                 spoiled = self.decode(mine, chunk, block)
                 corrupt_(spoiled, comm.corrupt_shard)
                 mine, comm.corrupt_shard = self.encode(spoiled, block), ""
-            everyone = self.decode(comm.all_gather(mine[0]), chunk, block)
+            gather.append(comm.all_gather(mine[0], async_op=True))
+
+        def finish() -> None:
+            everyone = self.decode(gather.pop().wait(), chunk, block)
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)
             unflatten_into(everyone.reshape(-1)[:n], tensors)
 
-        return Pending(finish)
+        return Pending(finish, advance)
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         if world_size == 1:

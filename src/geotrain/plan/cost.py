@@ -199,7 +199,17 @@ def exposed_for_layers(
     if not spans:
         return 0.0
     due = deadlines(compute, late)
-    return max(0.0, max(end - due[i] for (_, end), i in zip(spans, chosen, strict=True)))
+    if not (late and compute.tail_bytes):
+        return max(0.0, max(end - due[i] for (_, end), i in zip(spans, chosen, strict=True)))
+    # A codec's averages landing late: the update waits for every first phase (``before_step``
+    # advances them all), then the second phases go out in forward order, each due at its
+    # layer's forward, which starts that much later.
+    wait = max(0.0, max(end for _, end in spans) - finish[-1])
+    t, overdue = finish[-1] + wait, 0.0
+    for i in reversed(chosen):
+        t += link.time(compute.tail_bytes[i])
+        overdue = max(overdue, t - (due[i] + wait))
+    return wait + overdue
 
 
 def iteration_overhead(
@@ -207,10 +217,13 @@ def iteration_overhead(
 ) -> float:
     """What averaging ``layers`` during backward adds to an iteration: exposure plus interference,
     plus their second phases after backward, one after another (``tail_bytes``), plus the
-    codec's compute (``codec_s``). ``late``: the averages land at the layers' next forward."""
+    codec's compute (``codec_s``). ``late``: the averages land at the layers' next forward, and
+    the second phases run under the update and the forward (priced in the exposure)."""
     chosen = list(layers)
     sent = sum(compute.nbytes[i] for i in chosen)
-    tails = sum(link.time(compute.tail_bytes[i]) for i in chosen) if compute.tail_bytes else 0.0
+    tails = 0.0
+    if compute.tail_bytes and not late:
+        tails = sum(link.time(compute.tail_bytes[i]) for i in chosen)
     return (
         exposed_for_layers(compute, link, chosen, late)
         + compute.interference_s_per_byte * sent

@@ -290,9 +290,8 @@ def make_plan(
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
-    # searched as a run searches its own (DreamDDPConfig's defaults: lag, fill-in, the headroom;
-    # a run with a codec lands at once, DreamDDP.lag)
-    searched = {"lag": 0 if compress else lag, "fill_in": fill_in, "headroom": PLAN_HEADROOM}
+    # searched as a run searches its own (DreamDDPConfig's defaults: lag, fill-in, the headroom)
+    searched = {"lag": lag, "fill_in": fill_in, "headroom": PLAN_HEADROOM}
     auto = checked == "auto"
     if auto:  # the schedule's line: unchecked (auto checks DreamDDP's means at no cost, and
         checked = False  # leaves its quantised codecs unchecked)

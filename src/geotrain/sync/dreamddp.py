@@ -28,7 +28,10 @@ The period's last iteration lands its own at once, so a period ends with nothing
 (snapshots, re-plans and regroups happen there); a snapshot inside a period lands what flies
 first (the same values: no update comes between). The schedule is searched for these deadlines
 (``plan.cost.deadlines``). Measured on W1 at 100 Mbit/s (GPT ``mini``, 4 workers): 1.86-1.90 s a
-step against 1.98 s at lag 0 (nosync 1.72-1.74 s).
+step against 1.98 s at lag 0 (nosync 1.72-1.74 s). With a codec, what lands late is the mean
+change (x_l <- x_l + mean change - change sent); its first collective runs under backward, and
+its second (the quantisers' all-gather of the averaged shards) is launched in ``before_step``
+and runs under the update and the forward (``plan.cost.exposed_for_layers`` prices that).
 
 The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
@@ -198,10 +201,12 @@ class DreamDDP(SyncAlgorithm):
 
     @property
     def lag(self) -> int:
-        """The lag this run lands at: ``config.lag``, or 0 with a codec, whose second phase (the
-        quantisers' all-gather, PowerSGD's Q) is a collective its landing would issue inside
-        forward hooks (and int4 measured no gain from lag 1 on W1: 1.975 against 1.929 s)."""
-        return self.config.lag if self.codec is None else 0
+        """The lag this run lands at (``config.lag``). With a codec, lag 1 still issues every
+        collective in ``before_step``: each average is advanced there (its first phase waited
+        for, its second, the quantisers' all-gather or PowerSGD's Q, launched: ``Pending``), in
+        forward order, and only waited for at its layer's next forward, so the second phases
+        run under the update and the forward instead of before them."""
+        return self.config.lag
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
@@ -386,7 +391,9 @@ class DreamDDP(SyncAlgorithm):
         if self.codec is not None:
             name = self.layers[i].name
             deltas = [p - ref for p, ref in zip(params, self._ref[name], strict=True)]
-            self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), deltas)
+            # the codec writes the mean change into ``deltas``; landing late needs what was sent
+            sent = [d.clone() for d in deltas] if not self._lands_now() else None
+            self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), (deltas, sent))
             return
         message = flatten(params)
         if not self._lands_now():
@@ -404,16 +411,26 @@ class DreamDDP(SyncAlgorithm):
     def _land_late(self, i: int) -> None:
         """x <- x + (mean - sent): the average lands with the local steps taken since it was
         sent kept (x_sent - u + mean - x_sent = mean - u, what landing at once and then taking
-        the step u gives)."""
+        the step u gives). With a codec the same in changes from the reference: x_ref <- x_ref +
+        mean change, x <- x + (mean change - change sent)."""
         handle, sent = self._late.pop(i)
         params = [p.data for p in self.layers[i].params]
         try:
-            mean = handle.wait()
+            mean = handle.wait()  # a codec's: advanced in before_step, no collective issued here
         except Exception:
             # the group failed: every average in flight on it is lost with it (as in rebind), so
             # a hand-over's snapshot after this finds none to wait for
             self._late, self._sent = {}, {}
             raise
+        if self.codec is not None:
+            changes, sent_changes = sent
+            with torch.no_grad():
+                for p, ref, change, mine in zip(
+                    params, self._ref[self.layers[i].name], changes, sent_changes, strict=True
+                ):
+                    ref.add_(change)
+                    p.add_(change.sub_(mine))
+            return
         with torch.no_grad():
             change = mean.sub_(sent)  # mean - sent, flat
             offset = 0
@@ -432,18 +449,27 @@ class DreamDDP(SyncAlgorithm):
         for i in sorted(self._active - set(self._inflight)):  # layers whose gradient never came
             self._launch(i)
         self._land_all_late()  # last iteration's that no forward landed (a module not called)
+        if self.codec is not None:
+            # Every collective of this iteration issued now, in one order on every worker: the
+            # second phases in forward order (the first layer the next forward needs, first).
+            for i in sorted(self._inflight, reverse=True):
+                self._inflight[i][0].advance()
+            if not self._lands_now():  # each waited for at its layer's next forward
+                self._late, self._inflight = self._inflight, {}
+                return
+            with torch.no_grad():
+                for i, (message, (deltas, _)) in sorted(self._inflight.items(), reverse=True):
+                    message.wait()
+                    params = [p.data for p in self.layers[i].params]
+                    adopt_mean_change(params, self._ref[self.layers[i].name], deltas)
+            self._inflight = {}
+            return
         if not self._lands_now():  # held until the next iteration, with what was sent
             self._late = {i: (handle, self._sent[i]) for i, handle in self._inflight.items()}
             self._inflight, self._sent = {}, {}
             return
         with torch.no_grad():
             for i, handle in self._inflight.items():
-                if self.codec is not None:
-                    message, deltas = handle
-                    message.wait()
-                    params = [p.data for p in self.layers[i].params]
-                    adopt_mean_change(params, self._ref[self.layers[i].name], deltas)
-                    continue
                 unflatten_into(handle.wait(), [p.data for p in self.layers[i].params])
         self._inflight = {}  # free the send buffers now, not at the next iteration
 
@@ -524,8 +550,9 @@ class DreamDDP(SyncAlgorithm):
     def _drop_in_flight(self) -> None:
         """Wait for the averages in flight (every member issued them) and forget them: no work
         is left pending on the group at exit, and none lands on a state restored over it."""
-        for handle in [h for h, _ in self._late.values()] + list(self._inflight.values()):
-            if isinstance(handle, tuple):  # a codec's: finishing it would issue its second phase
+        late = [h for h, _ in self._late.values()]  # a codec's advanced: waiting issues nothing
+        for handle in late + list(self._inflight.values()):
+            if isinstance(handle, tuple):  # a codec's not advanced: finishing would issue its second phase
                 continue
             with contextlib.suppress(Exception):  # a failed group: nothing left to wait for
                 handle.wait()

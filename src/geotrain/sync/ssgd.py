@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geotrain.comm.buckets import DEFAULT_BUCKET_MB, make_buckets, mean_async
+from geotrain.comm.buckets import DEFAULT_BUCKET_MB, make_buckets, mean_async, wait_all
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
@@ -78,8 +78,7 @@ class SSGD(SyncAlgorithm):
         for b in range(len(self._buckets)):
             if self._launched[b] is None:
                 self._launch(b)
-        for message in self._launched:
-            message.wait()  # writes the mean into the bucket's gradients
+        wait_all(self._launched)  # writes each mean into its bucket's gradients
         self._ready = [0] * len(self._buckets)
         self._launched = [None] * len(self._buckets)
         self.syncs += 1
