@@ -356,3 +356,36 @@ def test_a_run_with_a_codec_replans_at_most_once_and_never_profiles_again():
     for r in results:
         assert r["replans"] == 1 and r["reprofiles"] == 0 and not r["profiled_again"]
     assert results[0]["predicted"] == results[1]["predicted"]
+
+
+def _refs_after_rebind(rank, world_size):
+    """A codec's references apart on one worker (a failure between two workers' landings), then
+    the regroup's rebind: rank 0's are taken; where they already agree, nothing is sent."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    options = {"H": 2, "replan_threshold": 0.0, "compress": "int8"}
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
+    sync.set_plan(_plan(model, 2))
+    _train_steps(sync, opt, rank, 3)  # the middle of a period: one iteration's averages in flight
+    received = sync.comm.stats.recv_bytes
+    sync.rebind()
+    quiet = sync.comm.stats.recv_bytes - received  # the digest's two floats only
+    if rank == 1:
+        with torch.no_grad():
+            next(iter(sync._ref.values()))[0].add_(1.0)
+    received = sync.comm.stats.recv_bytes
+    sync.rebind()
+    mended = sync.comm.stats.recv_bytes - received
+    refs = [t.clone() for layer in sync.layers for t in sync._ref[layer.name]]
+    sync.close()
+    return quiet, mended, refs
+
+
+def test_a_regroup_gives_every_worker_one_reference_for_a_codecs_changes():
+    results = run_workers(_refs_after_rebind, 2)
+    (quiet0, _, refs0), (quiet1, mended1, refs1) = results
+    nbytes = sum(t.numel() * 4 for t in refs0)
+    assert quiet0 < 100 and quiet1 < 100
+    assert mended1 >= nbytes
+    for a, b in zip(refs0, refs1, strict=True):
+        assert torch.equal(a, b)

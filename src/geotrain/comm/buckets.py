@@ -54,19 +54,27 @@ class Pending:
     the second on the link for ``wait()``. Whoever holds several means advances them all before
     waiting for any (``wait_all``), so their second collectives queue back to back rather than
     each one waited for before the next is launched; DreamDDP advances its averages before the
-    update and waits for each at its layer's next forward. Every collective is issued by
-    ``advance`` or at launch, never by the ``wait`` that follows an ``advance``.
+    update and waits for each at its layer's next forward. After ``advance`` a codec's ``wait``
+    issues no collective (a checked plain mean may take its mean again in the wait: DreamDDP
+    lands a checked codec's averages at once). ``abandon``: what to undo when a failure leaves
+    the mean unfinished (a left-out copy's error feedback, ``Codec.reduce``).
     """
 
-    def __init__(self, finish: Callable[[], None], advance: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], None],
+        advance: Callable[[], None] | None = None,
+        abandon: Callable[[], None] | None = None,
+    ) -> None:
         self._finish = finish
         self._advance = advance
+        self._abandon = abandon
         self._done = False
 
     def advance(self) -> None:
         if self._advance is not None and not self._done:
-            advance, self._advance = self._advance, None
-            advance()
+            self._advance()
+            self._advance = None  # once it succeeded: a failed one is not half done
 
     def wait(self) -> None:
         if not self._done:
@@ -74,20 +82,32 @@ class Pending:
             self._finish()
             self._done = True
 
+    def abandon(self) -> None:
+        if not self._done and self._abandon is not None:
+            self._abandon()
+        self._done = True
+
 
 def wait_all(pending: Sequence[Pending]) -> None:
     """Finish ``pending`` in order, every one advanced (its second collective launched) before
-    the first is waited for to the end."""
-    for message in pending:
-        message.advance()
-    for message in pending:
-        message.wait()
+    the first is waited for to the end. A failure abandons the ones left unfinished."""
+    try:
+        for message in pending:
+            message.advance()
+        for message in pending:
+            message.wait()
+    except BaseException:
+        for message in pending:
+            message.abandon()
+        raise
 
 
 def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:
-    """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce."""
+    """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce (waited for,
+    a checked mean's redo included, by ``advance``)."""
     handle = comm.all_reduce(flatten(tensors), op="mean", async_op=True)
-    return Pending(lambda: unflatten_into(handle.wait(), tensors))
+    mean: list[torch.Tensor] = []
+    return Pending(lambda: unflatten_into(mean.pop(), tensors), lambda: mean.append(handle.wait()))
 
 
 def reduce_tensors(

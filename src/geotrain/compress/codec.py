@@ -98,7 +98,7 @@ class Codec(ABC):
                 finally:
                     _restore_feedback(state, feedback)
 
-            return Pending(finish, advance)
+            return Pending(finish, advance, abandon=lambda: _restore_feedback(state, feedback))
         return self._launch(comm, key, tensors)
 
     def _launch(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
@@ -120,8 +120,8 @@ class Codec(ABC):
 
     def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
         """``wire_bytes`` split in two: what the collective ``reduce`` launches sends, and what
-        the collectives that ``wait`` runs after it send (the planner prices the first under
-        backward and the second after it, one latency each: ``plan.cost.priced_for_codec``)."""
+        the collective its ``Pending.advance`` launches sends (the planner prices the first
+        under backward and the second after it, one latency each: ``plan.cost.priced_for_codec``)."""
         return self.wire_bytes(shapes, world_size), 0
 
     def info(self) -> str:

@@ -158,7 +158,7 @@ class PowerSGD(_LowRank):
         return self._message_bytes(shapes, world_size, lambda n, m: n + m)
 
     def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
-        """P (with the tensors sent as they are), then Q in ``wait``."""
+        """P (with the tensors sent as they are), then Q (launched by ``advance``)."""
         first = self._message_bytes(shapes, world_size, lambda n, m: n)
         return first, self.wire_bytes(shapes, world_size) - first
 

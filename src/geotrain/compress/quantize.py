@@ -200,7 +200,8 @@ class _BlockQuantizer(Codec):
         return 2 * (world_size - 1) * self.row_bytes(chunk, block)
 
     def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
-        """The quantised rows' all-to-all, then (in ``wait``) the mean's shards all-gathered."""
+        """The quantised rows' all-to-all, then (launched by ``advance``) the mean's shards
+        all-gathered."""
         half = self.wire_bytes(shapes, world_size) // 2
         return half, half
 

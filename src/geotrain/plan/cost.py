@@ -91,7 +91,8 @@ class ComputeModel:
     interference_s_per_byte: float = 0.0
     comm_slowdown: float = 1.0
     # Per layer, the bytes of what its average sends only after backward (a codec's second
-    # phase, run where the step waits for it: ``priced_for_codec``); () for none.
+    # phase: waited for before the update at lag 0, under the update and the forward at lag 1,
+    # ``exposed_for_layers``; ``priced_for_codec``); () for none.
     tail_bytes: tuple[int, ...] = ()
     # Per layer, its fp32 bytes where ``nbytes`` prices a codec's messages: a run's buckets are
     # cut on these (``comm.buckets``), each bucket one message of the codec; () where the same.
@@ -224,6 +225,8 @@ def iteration_overhead(
     tails = 0.0
     if compute.tail_bytes and not late:
         tails = sum(link.time(compute.tail_bytes[i]) for i in chosen)
+    elif compute.tail_bytes:  # sent under the update and the forward: interfering as under backward
+        sent += sum(compute.tail_bytes[i] for i in chosen)
     return (
         exposed_for_layers(compute, link, chosen, late)
         + compute.interference_s_per_byte * sent
@@ -330,8 +333,9 @@ def priced_for_codec(
     link: a message that puts w bytes there costs what an all-reduce of w N / (2 (N - 1)) bytes
     does. A codec's first collective (``Codec.phase_bytes``) is launched when the layer's
     gradient is ready and queued under backward like a plain all-reduce; its second (the
-    quantisers' all-gather, PowerSGD's Q) runs where the step waits, after backward, one layer
-    after another (``tail_bytes``), each paying the latency again. Encoding and decoding take
+    quantisers' all-gather, PowerSGD's Q) goes out after backward, one layer after another
+    (``tail_bytes``), each paying the latency again: waited for before the update, or at lag 1
+    under the update and the forward (``exposed_for_layers``). Encoding and decoding take
     ``codec_s`` per layer (``plan.codec_time``, timed by a profile taken with the codec); without
     them a run's re-plan takes them from the steps measured (``fit_link_scale``)."""
     if workers < 2:
@@ -340,7 +344,8 @@ def priced_for_codec(
     phases = [codec.phase_bytes(list(s), workers) for s in shapes]
     nbytes = tuple(max(1, round(first / ring)) for first, _ in phases)
     tail = tuple(round(second / ring) for _, second in phases)
-    # Interference is charged per byte sent during backward: the first phase's.
+    # Interference is charged per byte sent under compute: the first phase's (and at lag 1 the
+    # second's, ``iteration_overhead``).
     raw = compute.raw_nbytes or compute.nbytes
     return replace(
         compute, nbytes=nbytes, tail_bytes=tail if any(tail) else (), raw_nbytes=raw, codec_s=tuple(codec_s)

@@ -533,7 +533,8 @@ def plot_schedule(plan: dict[str, Any], compute: ComputeModel, link: LinkModel, 
             ax.barh(
                 h,
                 exposed,
-                left=queue - exposed,
+                # a codec's second phases are not drawn: what they expose starts at backward's end
+                left=end if compute.tail_bytes else queue - exposed,
                 height=0.8,
                 color="none",
                 edgecolor="#d62728",

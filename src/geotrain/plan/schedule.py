@@ -23,7 +23,10 @@ Beyond the paper, ``lag`` 1 (``DreamDDPConfig.lag``): an iteration's averages la
 layer's next forward begins, not at the end of backward, so a layer's deadline moves from T_L to
 T_L + O + F_l (``cost.deadlines``: the optimizer step and the forward of the layers before it).
 An iteration's exposure is then its most overdue landing. The period's last iteration keeps
-T_L, so that a period ends with nothing in flight.
+T_L, so that a period ends with nothing in flight. With a codec of two phases, the first phases
+keep T_L at lag 1 too (the update waits for them, to launch the second phases, which then run
+under the update and the forward); the search places the first phases, and the prediction adds
+what the second phases leave exposed.
 """
 
 from __future__ import annotations
@@ -103,7 +106,9 @@ def search_schedule(
     finish = compute.finish_times()
     comm = [link.time(n) for n in compute.nbytes]
     now_due = deadlines(compute, late=False)
-    late_due = deadlines(compute, late=True)
+    # A codec's first phases are waited for before the update even where its averages land late
+    # (only the second phases run on under the update and the forward: ``exposed_for_layers``).
+    late_due = list(now_due) if compute.tail_bytes else deadlines(compute, late=True)
     due = [late_due if lands_late(lag, h, H) else now_due for h in range(H)]
     # Each remaining layer exposes at least what it would alone in an idle iteration.
     loosest = late_due if lands_late(lag, 0, H) else now_due

@@ -205,8 +205,11 @@ class DreamDDP(SyncAlgorithm):
         collective in ``before_step``: each average is advanced there (its first phase waited
         for, its second, the quantisers' all-gather or PowerSGD's Q, launched: ``Pending``), in
         forward order, and only waited for at its layer's next forward, so the second phases
-        run under the update and the forward instead of before them."""
-        return self.config.lag
+        run under the update and the forward instead of before them. But a checked codec
+        (``--max-norm-ratio``, ``--aggregate``; off for dreamddp by default) lands at once: its
+        second phase's verdicts count towards the step that sent them, as the membership layer
+        reads them (``--max-rejections``)."""
+        return 0 if self.codec is not None and self.comm.checking else self.config.lag
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
@@ -540,12 +543,26 @@ class DreamDDP(SyncAlgorithm):
         self._inflight = {}
         self._late, self._sent = {}, {}  # the old group's averages in flight are lost with it
         self._period_s = 0.0
+        self._agree_refs()
         if self._profile_fn is not None and self.comm.world_size > 1:
             self.replans += 1
             self.reprofiles += 1
             self._replan()
         if self.schedule is not None:
             self._begin_iteration()
+
+    def _agree_refs(self) -> None:
+        """With a codec, the replicas' references must stay one: a failure in the middle of an
+        iteration's landings (some workers had landed a layer's mean change when the group
+        failed, others not) would leave them apart for good, since every later average lands
+        on them. Compared by digest (two floats), and rank 0's taken only where they differ:
+        a model's worth of bytes at a regroup on a slow link is minutes."""
+        if not self._ref or self.comm.world_size == 1:
+            return
+        refs = [t for layer in self.layers for t in self._ref[layer.name]]
+        flat = flatten(refs)
+        if not self.comm.same_everywhere(flat):
+            unflatten_into(self.comm.broadcast(flat, src=0), refs)
 
     def _drop_in_flight(self) -> None:
         """Wait for the averages in flight (every member issued them) and forget them: no work
