@@ -103,9 +103,12 @@ def wait_all(pending: Sequence[Pending]) -> None:
 
 
 def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:
-    """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce (waited for,
-    a checked mean's redo included, by ``advance``)."""
+    """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce. Where it may
+    be taken again (checked, or leaving a copy out: the redo is a collective) it is waited for
+    by ``advance``, with the other collectives, not later by ``wait``."""
     handle = comm.all_reduce(flatten(tensors), op="mean", async_op=True)
+    if not comm.screening:
+        return Pending(lambda: unflatten_into(handle.wait(), tensors))
     mean: list[torch.Tensor] = []
     return Pending(lambda: unflatten_into(mean.pop(), tensors), lambda: mean.append(handle.wait()))
 

@@ -178,12 +178,17 @@ class _BlockQuantizer(Codec):
             if "server_residual" in state:
                 mean += state["server_residual"]
             mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
-            state["server_residual"] = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
-            if comm.corrupt_shard:  # a worker that spoils its shard of the mean (a test's hook)
+            server_residual = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
+            spoil = comm.corrupt_shard
+            if spoil:  # a worker that spoils its shard of the mean (a test's hook)
                 spoiled = self.decode(mine, chunk, block)
-                corrupt_(spoiled, comm.corrupt_shard)
-                mine, comm.corrupt_shard = self.encode(spoiled, block), ""
+                corrupt_(spoiled, spoil)
+                mine = self.encode(spoiled, block)
             gather.append(comm.all_gather(mine[0], async_op=True))
+            # kept once the second phase is under way: an advance that failed can be run again
+            state["server_residual"] = server_residual
+            if spoil:
+                comm.corrupt_shard = ""
 
         def finish() -> None:
             everyone = self.decode(gather.pop().wait(), chunk, block)

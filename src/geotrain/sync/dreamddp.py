@@ -548,6 +548,8 @@ class DreamDDP(SyncAlgorithm):
             self.replans += 1
             self.reprofiles += 1
             self._replan()
+        elif self.schedule is not None and self._plan["schedule"].get("lag", 0) != self.lag:
+            self.set_plan(self._plan)  # the group's check came or went: predicted at the new lag
         if self.schedule is not None:
             self._begin_iteration()
 
@@ -559,7 +561,7 @@ class DreamDDP(SyncAlgorithm):
         a model's worth of bytes at a regroup on a slow link is minutes."""
         if not self._ref or self.comm.world_size == 1:
             return
-        refs = [t for layer in self.layers for t in self._ref[layer.name]]
+        refs = [t for ts in self._ref.values() for t in ts]  # the model's order: a plan's may differ
         flat = flatten(refs)
         if not self.comm.same_everywhere(flat):
             unflatten_into(self.comm.broadcast(flat, src=0), refs)
