@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from geotrain.comm.buckets import make_buckets, reduce_tensors
+from geotrain.comm.buckets import Pending, make_buckets, reduce_tensors, wait_all
 from geotrain.comm.communicator import Communicator, Handle
 from geotrain.data.corpus import BatchSampler, DataError, TokenCorpus, load_corpus
 from geotrain.metrics import summary_table
@@ -219,6 +219,33 @@ def test_buckets_keep_order_and_cap():
     assert make_buckets(tensors, cap_mb=1e-6) == [[i] for i in range(5)]
     with pytest.raises(ValueError):
         make_buckets(tensors, cap_mb=0)
+
+
+def test_wait_all_launches_every_second_phase_first_and_abandons_what_a_failure_leaves():
+    log: list[str] = []
+
+    def pending(name: str, fail: bool = False) -> Pending:
+        def advance() -> None:
+            if fail:
+                raise RuntimeError("the group failed")
+            log.append(f"advance {name}")
+
+        return Pending(lambda: log.append(f"finish {name}"), advance, lambda: log.append(f"abandon {name}"))
+
+    wait_all([pending("a"), pending("b"), Pending(lambda: log.append("finish c"))])
+    assert log == ["advance a", "advance b", "finish a", "finish b", "finish c"]
+    log.clear()
+    done = pending("done")
+    done.wait()
+    with pytest.raises(RuntimeError):
+        wait_all([done, pending("x"), pending("y", fail=True), pending("z")])
+    # every one not finished is abandoned (a left-out copy's feedback restored), once
+    assert log == ["advance done", "finish done", "advance x", "abandon x", "abandon y", "abandon z"]
+    failed = pending("again", fail=True)
+    with pytest.raises(RuntimeError):
+        failed.advance()
+    with pytest.raises(RuntimeError):  # a failed advance is tried again, not taken as done
+        failed.wait()
 
 
 @pytest.mark.parametrize(
