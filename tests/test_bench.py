@@ -382,22 +382,26 @@ def test_a_rerun_with_another_model_is_refused_even_by_a_bench_that_did_not_reco
 
 
 def test_a_rerun_of_a_bench_whose_dreamddp_ran_at_another_lr_scale_is_refused(tmp_path):
-    """A bench made before dreamddp's local steps defaulted to --lr-scale auto (no lr_scales key)
-    ran them at 1; its other algorithms' cells still compare."""
+    """A bench made while dreamddp's local steps defaulted to --lr-scale auto (one stop) ran them
+    at auto, one made before (no lr_scales key) at 1 as now; its other algorithms' cells still
+    compare."""
     from dataclasses import asdict
 
     from geotrain.bench.matrix import Bench
 
     old = asdict(BenchConfig(algos=["nosync", "dreamddp"]))
     (tmp_path / "config.json").write_text(json.dumps(old))
+    Bench(BenchConfig(algos=["nosync", "dreamddp"]), tmp_path, echo=print).check_reuse()  # at 1
+    was_auto = {**old, "lr_scales": {"nosync": "1", "dreamddp": "auto"}}
+    (tmp_path / "config.json").write_text(json.dumps(was_auto))
     with pytest.raises(
-        ConfigError, match="holds dreamddp runs made at --lr-scale 1, where its default now is auto"
+        ConfigError, match="holds dreamddp runs made at --lr-scale auto, where its default now is 1"
     ):
         Bench(BenchConfig(algos=["nosync", "dreamddp"]), tmp_path, echo=print).check_reuse()
-    (tmp_path / "config.json").write_text(json.dumps({**old, "algos": ["nosync", "localsgd"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**was_auto, "algos": ["nosync", "localsgd"]}))
     Bench(BenchConfig(algos=["nosync", "localsgd", "dreamddp"]), tmp_path, echo=print).check_reuse()
     recorded = Bench(BenchConfig(algos=["localsgd", "dreamddp+int4"]), tmp_path, echo=print).recorded()
-    assert recorded["lr_scales"] == {"localsgd": "1", "dreamddp": "auto"}
+    assert recorded["lr_scales"] == {"localsgd": "1", "dreamddp": "1"}
     (tmp_path / "config.json").write_text(json.dumps(recorded))  # made now: kept
     Bench(BenchConfig(algos=["localsgd", "dreamddp+int4"]), tmp_path, echo=print).check_reuse()
 

@@ -343,11 +343,11 @@ def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
     assert all(row["steps_factor"] <= 1.05 for row in chosen["choose"])
     assert chosen["H"] == min(chosen["choose"], key=lambda r: r["time_to_loss_factor"])["H"]
     assert chosen["H"] <= 6
-    # with a codec too a run lands late: the chosen H's row is priced at lag 1, as its schedule is
+    # with a codec a run lands at once: the chosen H's row is priced at lag 0, as its schedule is
     slow_link = _profile() | {"allreduce": {"alpha_s": 0.001, "beta_s_per_byte": 4e-5}}
     coded = make_plan(slow_link, None, ChooseConfig(budget=1.05, penalty=0.01), compress="int8")
     row = next(r for r in coded["choose"] if r["H"] == coded["H"])
-    assert coded["schedule"]["lag"] == 1
+    assert coded["schedule"]["lag"] == 0
     assert row["predicted_step_s"] == pytest.approx(coded["predicted_s"]["dreamddp"], rel=1e-6)
     with pytest.raises(ValueError, match="number of layers"):
         make_plan(_profile(), H=13)
@@ -669,7 +669,7 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     assert profiled > 0 and sync._models is not None and sync.reprofiles == 0
     compute, _ = sync._models
     sync._models = (compute, LinkModel(0.001, 1e-8))  # as if profiled on a link with some cost
-    sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations, sync.config.lag)
+    sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations, sync.lag)
     measured = 3 * sync.predicted_step_s  # the link is slower than it was
     before = [list(it) for it in sync.schedule.iterations]
     for _ in range(2):  # two periods running
@@ -678,7 +678,7 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     assert sync.replans == 1 and sync.reprofiles == 0 and len(calls) == profiled
     # The refitted models predict the measured step for the schedule that made it; the schedule
     # is searched again on them (it may move layers where they now hide better).
-    assert predict_schedule(*sync._models, before, sync.config.lag) == pytest.approx(measured, rel=1e-4)
+    assert predict_schedule(*sync._models, before, sync.lag) == pytest.approx(measured, rel=1e-4)
     sync.schedule.validate(len(sync.layers))
     for _ in range(2):  # steps as the new plan predicts: no drift, no second re-plan
         sync._period_s = sync.predicted_step_s * 2
@@ -816,7 +816,7 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
     assert plain_run._models[0].nbytes == compute.nbytes and not plain_run._models[0].tail_bytes
     schedule = [[plan["schedule"]["layers"].index(n) for n in it] for it in plan["schedule"]["iterations"]]
     link = LinkModel(**plan["models"]["link"])
-    assert plain_run.predicted_step_s == predict_schedule(compute, link, schedule, plain_run.config.lag)
+    assert plain_run.predicted_step_s == predict_schedule(compute, link, schedule, plain_run.lag)
     plain_run.close()
     assert plan["parameters"] == plain["parameters"] == sum(compute.nbytes) // 4
     # the buckets are cut on the fp32 sizes, as a run cuts them: as many latencies as without

@@ -39,7 +39,7 @@ ALIASES = {"plan": "plan_path"}
 # lr_scale: "sqrt" runs a local method's own optimizer steps at sqrt(N) times the learning rate
 # (SyncAlgorithm.local_lr_factor), "auto" at the factor the measured gradient noise calls for,
 # between 1 and sqrt(N) (geotrain.sync.noise), "1" leaves it as given; "" (the default) is the
-# algorithm's own (SyncConfig.default_lr_scale: auto for dreamddp, 1 for the others).
+# algorithm's own (SyncConfig.default_lr_scale: 1 for every algorithm today).
 LR_SCALES = ("auto", "sqrt", "1")
 LR_SCALE_DEFAULT = ""
 
@@ -241,8 +241,8 @@ def wrap(
     synchronous step at the learning rate given where gradient noise dominates; "auto" at the
     factor between 1 and sqrt(N) that the noise measured across the workers at each sync calls
     for (``geotrain.sync.noise``: localsgd, diloco, dreamddp, co2 without eager, sparseloco
-    without overlap; 1 for the others); "1" leaves it as given. By default each algorithm's own:
-    "auto" for dreamddp, "1" for the others (``SyncConfig.default_lr_scale``)."""
+    without overlap; 1 for the others); "1" leaves it as given. By default each algorithm's own
+    (``SyncConfig.default_lr_scale``): "1" for every algorithm today."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"wrap takes a torch.nn.Module as the model, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -505,7 +505,6 @@ def _cmd_profile(argv: list[str]) -> int:
 def _cmd_plan(argv: list[str]) -> int:
     import json
 
-    from geotrain.plan.cost import DEFAULT_LAG
     from geotrain.plan.gather import Accelerator
     from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
 
@@ -606,9 +605,10 @@ def _cmd_plan(argv: list[str]) -> int:
         "--lag",
         type=int,
         choices=(0, 1),
-        default=DEFAULT_LAG,
-        help="DreamDDP's schedule for a run's --lag: 1 (its default) lands a layer's average at its "
-        "next forward, 0 before the update (the paper's)",
+        default=None,
+        help="DreamDDP's schedule for a run's --lag: 1 (its default without --compress) lands a "
+        "layer's average at its next forward, 0 before the update (the paper's; the default with "
+        "--compress)",
     )
     p.add_argument(
         "--fill-in",

@@ -142,7 +142,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine: after the warm-up, over the planned --steps
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
-    lr_scale: str = LR_SCALE_DEFAULT  # "": the algorithm's (auto for dreamddp, else 1); api.py
+    lr_scale: str = LR_SCALE_DEFAULT  # "": the algorithm's own (1 for every one today); api.py
     H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20); AUTO_H: dreamddp chooses
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
@@ -593,8 +593,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "the period's schedule",
         "lag": "dreamddp: where a layer's average lands: 0 (the paper's: before this step's update) "
         "or 1 (the default: at the layer's next forward, its all-reduce running on under the update "
-        "and the forward below it; a period's last iteration lands at once; with --compress, the "
-        "codec's second phase runs there)",
+        "and the forward below it; a period's last iteration lands at once); with --compress 0 by "
+        "default (at 1 the codec's second phase runs under the update and the forward, measured "
+        "slower on CPU workers)",
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",
@@ -685,7 +686,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # What --help says --lr-scale is when left out ("": each algorithm's own default).
-LR_SCALE_SHOWN = "the algorithm's: auto for dreamddp, 1 for the others"
+LR_SCALE_SHOWN = "the algorithm's own: 1 for every algorithm today"
 
 
 def _lr_scale_arg(text: str) -> str:

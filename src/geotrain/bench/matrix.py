@@ -378,7 +378,7 @@ class Bench:
         if not path.exists():
             return
         old, new = json.loads(path.read_text()), self.recorded()
-        # A bench made before dreamddp's default became auto ran every cell at 1.
+        # A bench made without the record ran every cell at 1 (dreamddp's was auto for one stop).
         was_scales, now_scales = old.pop("lr_scales", {}), new.pop("lr_scales")
         differ = sorted(a for a in now_scales if was_scales.get(a, "1") != now_scales[a])
         if differ and set(differ) & {split_entry(e)[0] for e in old.get("algos", [])}:

@@ -302,6 +302,15 @@ PLAN_HEADROOM = 0.25
 DEFAULT_LAG = 1
 
 
+def default_lag(codec: bool) -> int:
+    """DreamDDP's lag where none is given: 1, or 0 with a codec. A codec's second phase at lag 1
+    runs under the update and the forward, which on CPU workers it slows more than it saves:
+    on W1 at 100 Mbit/s (int4, H=2) 2.756 s a step at lag 1 against 2.458 s at lag 0 (nosync
+    2.089), and the plan predicted the same order (2.62 against 2.38 s: the interference its
+    profile measured). An accelerator's compute does not share the cores with the transfers."""
+    return 0 if codec else DEFAULT_LAG
+
+
 def lands_late(lag: int, h: int, H: int) -> bool:
     """Whether iteration h of a period's averages land at the next forward: with ``lag`` 1, all
     but the period's last, which lands its own at once so that a period ends with none in flight."""

@@ -17,10 +17,10 @@ from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.cost import (
-    DEFAULT_LAG,
     PLAN_HEADROOM,
     ComputeModel,
     LinkModel,
+    default_lag,
     exposed_for_layers,
     guarded_link,
     lands_late,
@@ -277,7 +277,7 @@ def make_plan(
     compress: str = "",
     H_schedule: str = "",
     steps: int = 1000,
-    lag: int = DEFAULT_LAG,
+    lag: int | None = None,
     fill_in: bool = False,
 ) -> dict[str, Any]:
     """The plan for ``workers`` hosts on ``rates_bps`` links (default: as profiled), or on a
@@ -290,7 +290,9 @@ def make_plan(
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
-    # searched as a run searches its own (DreamDDPConfig's defaults: lag, fill-in, the headroom)
+    # searched as a run searches its own (DreamDDPConfig's defaults: lag, 0 with a codec, fill-in,
+    # the headroom)
+    lag = default_lag(bool(compress)) if lag is None else lag
     searched = {"lag": lag, "fill_in": fill_in, "headroom": PLAN_HEADROOM}
     auto = checked == "auto"
     if auto:  # the schedule's line: unchecked (auto checks DreamDDP's means at no cost, and

@@ -28,10 +28,11 @@ The period's last iteration lands its own at once, so a period ends with nothing
 (snapshots, re-plans and regroups happen there); a snapshot inside a period lands what flies
 first (the same values: no update comes between). The schedule is searched for these deadlines
 (``plan.cost.deadlines``). Measured on W1 at 100 Mbit/s (GPT ``mini``, 4 workers): 1.86-1.90 s a
-step against 1.98 s at lag 0 (nosync 1.72-1.74 s). With a codec, what lands late is the mean
-change (x_l <- x_l + mean change - change sent); its first collective runs under backward, and
-its second (the quantisers' all-gather of the averaged shards) is launched in ``before_step``
-and runs under the update and the forward (``plan.cost.exposed_for_layers`` prices that).
+step against 1.98 s at lag 0 (nosync 1.72-1.74 s). With a codec a run lands at once by default
+(``plan.cost.default_lag``: lag 1 measured slower on CPU workers); at ``lag`` 1 what lands late
+is the mean change (x_l <- x_l + mean change - change sent), its first collective runs under
+backward, and its second (the quantisers' all-gather of the averaged shards) is launched in
+``before_step`` and runs under the update and the forward (``plan.cost.exposed_for_layers``).
 
 The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
@@ -49,17 +50,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.compress.codec import ConfigError
 from geotrain.plan.cost import (
-    DEFAULT_LAG,
     PLAN_HEADROOM,
     ComputeModel,
     LinkModel,
+    default_lag,
     fit_link_scale,
     predict_schedule,
     priced_for_codec,
@@ -107,16 +108,18 @@ MIN_SNAPSHOT_EVERY = 10  # steps: snapshots at the first period boundary this fa
 
 @dataclass
 class DreamDDPConfig(SyncConfig):
-    # Its local AdamW steps at the factor the measured gradient noise calls for (sync/noise.py):
-    # on W1 over 2,000 steps DreamDDP with it needed 0.96x (int4, H=2) and ~1.13x (int4, H=4)
-    # DDP's tokens for DDP's loss, where H=10 without it needed 1.17x; on `tiny` at H=10 it ends
-    # 4.8% lower (README, "Reaching DDP's loss").
-    default_lr_scale: ClassVar[str] = "auto"
+    # Its local AdamW steps at 1x, as the base's: --lr-scale auto (sync/noise.py) was its default
+    # for one stop, and on W1 over 2,000 steps at H=10 it needed ~1.28x DDP's tokens for DDP's
+    # loss where 1x needed 1.17x (one seed each; its measure counts the layers' staggered
+    # averaging as noise and runs near sqrt(N), 1.97 at the end). With int4 at H=2 it needed
+    # 0.96x (no 1x run there on W1); on `tiny` at H=10 it ends 4.8% lower (README).
 
     H: int | str = 10  # "auto": the period with the shortest predicted time to a loss (choose_period)
     plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up
     fill_in: bool = False  # measured: no loss gained, 5-10% of the step lost on W1 (see the docstring)
-    lag: int = DEFAULT_LAG  # 1: a layer's average lands at its next forward; 0: before the update
+    # 1: a layer's average lands at its next forward; 0: before the update; None: 1, or 0 with a
+    # codec (``plan.cost.default_lag``, measured)
+    lag: int | None = None
     replan_threshold: float = 0.25  # relative drift of measured from predicted time; 0: never re-plan
     compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
 
@@ -126,7 +129,7 @@ class DreamDDPConfig(SyncConfig):
             f"H (the schedule's period in iterations) must be an integer >= 1 or 'auto', got {self.H!r}",
         )
         require(
-            self.lag in (0, 1),
+            self.lag in (None, 0, 1),
             f"lag (iterations before a layer's average lands) must be 0 or 1, got {self.lag}",
         )
         require(
@@ -201,15 +204,18 @@ class DreamDDP(SyncAlgorithm):
 
     @property
     def lag(self) -> int:
-        """The lag this run lands at (``config.lag``). With a codec, lag 1 still issues every
-        collective in ``before_step``: each average is advanced there (its first phase waited
-        for, its second, the quantisers' all-gather or PowerSGD's Q, launched: ``Pending``), in
-        forward order, and only waited for at its layer's next forward, so the second phases
-        run under the update and the forward instead of before them. But a checked codec
-        (``--max-norm-ratio``, ``--aggregate``; off for dreamddp by default) lands at once: its
-        second phase's verdicts count towards the step that sent them, as the membership layer
-        reads them (``--max-rejections``)."""
-        return 0 if self.codec is not None and self.comm.checking else self.config.lag
+        """The lag this run lands at: ``config.lag``, by default 1, or 0 with a codec
+        (``plan.cost.default_lag``: measured slower at lag 1 on CPU workers). With a codec at
+        lag 1 every collective is still issued in ``before_step``: each average is advanced
+        there (its first phase waited for, its second, the quantisers' all-gather or PowerSGD's
+        Q, launched: ``Pending``), in forward order, and only waited for at its layer's next
+        forward, so the second phases run under the update and the forward instead of before
+        them. But a checked codec (``--max-norm-ratio``, ``--aggregate``; off for dreamddp by
+        default) lands at once: its second phase's verdicts count towards the step that sent
+        them, as the membership layer reads them (``--max-rejections``)."""
+        if self.codec is not None and self.comm.checking:
+            return 0
+        return default_lag(self.codec is not None) if self.config.lag is None else self.config.lag
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
@@ -586,7 +592,11 @@ class DreamDDP(SyncAlgorithm):
             self._observer.close()
 
     def resolved_options(self) -> dict[str, Any]:
-        return {"H": f"auto ({self.schedule.H})"} if self.period_choice and self.schedule else {}
+        """H where ``auto`` chose it; the lag where none was given (1, or 0 with a codec)."""
+        chosen: dict[str, Any] = {"lag": self.lag} if self.config.lag is None else {}
+        if self.period_choice and self.schedule:
+            chosen["H"] = f"auto ({self.schedule.H})"
+        return chosen
 
     def default_snapshot_every(self) -> int:
         """The first period boundary (where the replicas share the most) at least
