@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
+from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into, wait_all
 from geotrain.compress.codec import ConfigError
 from geotrain.plan.cost import (
     PLAN_HEADROOM,
@@ -461,16 +461,17 @@ class DreamDDP(SyncAlgorithm):
         if self.codec is not None:
             # Every collective of this iteration issued now, in one order on every worker: the
             # second phases in forward order (the first layer the next forward needs, first).
-            for i in sorted(self._inflight, reverse=True):
-                self._inflight[i][0].advance()
+            order = sorted(self._inflight, reverse=True)
+            messages = [self._inflight[i][0] for i in order]
             if not self._lands_now():  # each waited for at its layer's next forward
+                for message in messages:
+                    message.advance()
                 self._late, self._inflight = self._inflight, {}
                 return
-            with torch.no_grad():
-                for i, (message, (deltas, _)) in sorted(self._inflight.items(), reverse=True):
-                    message.wait()
-                    params = [p.data for p in self.layers[i].params]
-                    adopt_mean_change(params, self._ref[self.layers[i].name], deltas)
+            wait_all(messages)
+            for i in order:
+                layer, (deltas, _) = self.layers[i], self._inflight[i][1]
+                adopt_mean_change([p.data for p in layer.params], self._ref[layer.name], deltas)
             self._inflight = {}
             return
         if not self._lands_now():  # held until the next iteration, with what was sent
@@ -554,8 +555,6 @@ class DreamDDP(SyncAlgorithm):
             self.replans += 1
             self.reprofiles += 1
             self._replan()
-        elif self.schedule is not None and self._plan["schedule"].get("lag", 0) != self.lag:
-            self.set_plan(self._plan)  # the group's check came or went: predicted at the new lag
         if self.schedule is not None:
             self._begin_iteration()
 
