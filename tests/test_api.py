@@ -135,9 +135,9 @@ def test_on_a_real_group_local_sgd_averages_every_h_steps_and_counts_its_bytes()
     assert ranks[0]["stats"]["calls"] == 2
 
 
-def _dreamddp_planning_from_its_first_steps(rank: int, world_size: int) -> dict:
+def _dreamddp_planning_from_its_first_steps(rank: int, world_size: int, compress: str = "") -> dict:
     model, opt = _model_and_optimizer()
-    sync = geotrain.wrap(model, opt, algo="dreamddp", H=2)  # no plan, no loss function
+    sync = geotrain.wrap(model, opt, algo="dreamddp", H=2, compress=compress)  # no plan, no loss function
     synced, equal_after = [], []
     for step in range(8):
         gen = torch.Generator().manual_seed(100 * rank + step)
@@ -153,17 +153,26 @@ def _dreamddp_planning_from_its_first_steps(rank: int, world_size: int) -> dict:
         "after": equal_after,
         "H": schedule.H,
         "observed": sync.algorithm.profile["observed_steps"],
+        "timed_codecs": sorted(sync.algorithm.profile.get("codecs", {})),
+        "codec_choice": sync.algorithm.codec_choice,
         "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
     }
 
 
-def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them():
+@pytest.mark.parametrize("compress", ["", "auto"])
+def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them(compress):
     """wrap(algo="dreamddp") with neither plan= nor profile=: the first 4 steps are timed as the
     loop runs them, each averaging every layer (the replicas stay equal), then the schedule is
-    planned from the 3 after the warm-up and the loop goes on with it; finish() leaves one model."""
-    ranks = run_workers(_dreamddp_planning_from_its_first_steps, 2)
+    planned from the 3 after the warm-up and the loop goes on with it; finish() leaves one model.
+    With compress="auto" the candidate codecs are timed then too, and the codec chosen."""
+    ranks = run_workers(_dreamddp_planning_from_its_first_steps, 2, compress)
     for r in ranks:
         assert r["synced"][:4] == [True] * 4 and r["H"] == 2 and r["observed"] == 3
+        if compress:
+            assert r["timed_codecs"] == ["int4:warmup=0,block=256", "int8:warmup=0,block=256"]
+            assert {row["codec"] for row in r["codec_choice"]} == {"", "int8", "int4"}
+        else:
+            assert r["timed_codecs"] == [] and r["codec_choice"] is None
     for step in range(4):
         assert torch.equal(ranks[0]["after"][step], ranks[1]["after"][step])
     assert torch.equal(ranks[0]["final"], ranks[1]["final"])

@@ -272,6 +272,71 @@ def test_H_auto_chooses_the_period_at_start_up_and_every_worker_takes_rank_0s():
     assert a["snapshot_every"] % a["H"] == 0 and 10 <= a["snapshot_every"] < 10 + a["H"]
 
 
+def _auto_codec(rank, world_size):
+    import geotrain.sync.dreamddp as dreamddp_module
+
+    real = dreamddp_module.choose_codec
+    seen = {}
+
+    def forced(candidates, link, H, choose, **kw):  # rank 0 takes int4, whatever its own search says
+        seen["candidates"] = {spec: lag for spec, (_, lag) in candidates.items()}
+        seen["encoding_priced"] = all(c.codec_s for spec, (c, _) in candidates.items() if spec)
+        table = real(candidates, link, H, choose, **kw)[2]
+        return ("int4", H or 2, table) if rank == 0 else ("", 1, [])
+
+    dreamddp_module.choose_codec = forced
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"H": "auto", "compress": "auto", "replan_threshold": 0.0}
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
+    assert sync.codec is None  # nothing chosen before the plan
+    sync.prepare(lambda: model(*_batch(rank, 99))[1])
+    out = {
+        "codec": sync.codec.spec(),
+        "H": sync.schedule.H,
+        "lag": sync.lag,
+        "options": sync.resolved_options(),
+        "choice": sync.codec_choice,
+        "period_rows": sync.period_choice,
+        "seen": seen,
+    }
+    _train_steps(sync, opt, rank, 5)
+    state = sync.state_dict()
+    out["refs"] = [t.clone() for ts in sync._ref.values() for t in ts]
+    sync._plan_with(*sync._models)  # a re-plan keeps the codec
+    out["replanned_codec"] = sync.codec.spec()
+    sync.close()
+    # A fresh run resumed from the snapshot: the plan's codec, its residuals and references back.
+    resumed = build_sync("dreamddp", _model(), torch.optim.AdamW(model.parameters()), Communicator(), options)
+    resumed.load_state_dict(state)
+    out["resumed_codec"] = resumed.codec.spec()
+    refs = [(a, b) for name, ts in state["ref"].items() for a, b in zip(resumed._ref[name], ts, strict=True)]
+    out["refs_back"] = all(torch.equal(a, b) for a, b in refs)
+    out["residual_back"] = resumed.codec.state_dict().keys() == sync.codec.state_dict().keys()
+    out["resumed_H"] = resumed.schedule.H
+    resumed.close()
+    return out
+
+
+def test_compress_auto_chooses_the_codec_at_start_up_rank_0s_everywhere_and_keeps_it():
+    """``--compress auto``: every candidate priced with its encoding timed (the profile times
+    each quantiser) at the lag a run with it lands at; rank 0's choice taken by every worker
+    (rank 1's stand-in would choose none); kept through a re-plan and a resume from a snapshot."""
+    a, b = run_workers(_auto_codec, 2)
+    assert a["codec"] == b["codec"] == a["replanned_codec"] == a["resumed_codec"] == "int4:warmup=0,block=256"
+    assert a["H"] == b["H"] == a["resumed_H"] and a["lag"] == b["lag"] == 0  # a codec lands at once
+    assert a["seen"]["candidates"] == {"": 1, "int8": 0, "int4": 0} and a["seen"]["encoding_priced"]
+    assert a["choice"] == b["choice"] and {r["codec"] for r in a["choice"]} == {"", "int8", "int4"}
+    assert a["period_rows"] == b["period_rows"] and all("codec" not in r for r in a["period_rows"])
+    assert a["options"]["compress"] == "auto (int4:warmup=0,block=256)" and a["options"]["H"].startswith(
+        "auto"
+    )
+    # one codec on both: the references its changes are sent from stay one (and moved: it averaged)
+    assert all(torch.equal(x, y) for x, y in zip(a["refs"], b["refs"], strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a["refs"], _model().parameters(), strict=True))
+    assert a["refs_back"] and a["residual_back"]
+
+
 def _train_steps(sync, opt, rank: int, steps: int) -> None:
     """``steps`` steps of ``sync``'s model on this worker's batches."""
     for step in range(steps):

@@ -1041,3 +1041,65 @@ def test_choose_period_weighs_link_time_against_the_steps_a_longer_period_needs(
     assert [chosen(b) for b in (1e-9, 4e-8, 1e-7, 4e-7)] == [1, 4, 8, 12]
     assert chosen(1e-7, penalty=0.0) == 12  # steps free: the period that exposes least
     assert chosen(1e-7, penalty=0.2) < 8 and chosen(1e-7, max_H=3) == 3
+
+
+def test_compress_auto_takes_a_codec_only_where_it_reaches_the_loss_sooner_by_the_margin():
+    """``choose_codec``: the codec with the least predicted time to a loss, a codec's score
+    carrying ``CODEC_MARGIN`` (lossless wins the near-ties); ``make_plan(compress="auto")``
+    prices each candidate with its timed encoding at a run's lag and plans the one chosen."""
+    from geotrain.plan.codec_time import codec_key
+    from geotrain.plan.profile import models_from_profile
+    from geotrain.plan.schedule import CODEC_MARGIN, choose_codec
+
+    compute, link = models_from_profile(_profile())
+    picks = {}
+    for scale in (0.5, 0.9, 0.97, 0.99, 1.0):  # the codec's messages, as a fraction of fp32's
+        smaller = replace(compute, nbytes=tuple(int(n * scale) for n in compute.nbytes))
+        candidates = {"": (compute, 0), "c": (smaller, 0)}
+        spec, H, table = choose_codec(candidates, link, 4, ChooseConfig(), time_budget_s=60)
+        f = {row["codec"]: row["time_to_loss_factor"] for row in table}
+        assert H == 4 and spec == ("c" if f["c"] * (1 + CODEC_MARGIN) < f[""] else "")
+        picks[scale] = (spec, f["c"] < f[""])
+    assert picks[0.5] == ("c", True) and picks[0.99] == ("", True)  # sooner, but inside the margin
+    with pytest.raises(ValueError, match="at least one candidate"):
+        choose_codec({}, link, 4, ChooseConfig())
+
+    names = compute.names
+    int8, int4 = codec_key("int8"), codec_key("int4")
+
+    def timed(seconds):
+        return {key: {"workers": 2, "layers": dict.fromkeys(names, seconds)} for key in (int8, int4)}
+
+    slow = _profile() | {"codecs": timed(0.0005)}  # 20 Mbit/s: fp32 cannot hide at H=4
+    plan = make_plan(slow, H=4, compress="auto")
+    assert plan["codec"] == plan["target"]["compress"] == int4
+    assert plan["models"]["codec"] == f"{int4} x2"  # priced as a run with int4 prices its own
+    rows = {row["codec"]: row for row in plan["codec_choice"]}
+    assert set(rows) == {"", int8, int4} and {row["H"] for row in rows.values()} == {4}
+    assert (rows[""]["lag"], rows[int8]["lag"], rows[int4]["lag"]) == (1, 0, 0)  # each as a run lands it
+    assert rows[int4]["predicted_step_s"] == pytest.approx(plan["predicted_s"]["dreamddp"], rel=0.02)
+    shown = format_plan(plan)
+    assert "--compress auto" in shown and f"{int4:<28}" in shown and "<- chosen" in shown
+    fast = slow | {"allreduce": {"alpha_s": 0.0001, "beta_s_per_byte": 1e-10}}  # fp32 hides: none
+    assert make_plan(fast, H=4, compress="auto")["codec"] == ""
+    costly = _profile() | {"codecs": timed(0.2)}  # its encoding costs more than the link saves
+    assert make_plan(costly, H=4, compress="auto")["codec"] == ""
+    # with --choose, the period too: the chosen codec's best row is the plan's H
+    both = make_plan(slow, None, ChooseConfig(budget=float("inf")), compress="auto")
+    best = min(both["codec_choice"], key=lambda r: r["time_to_loss_factor"] * (1.02 if r["codec"] else 1))
+    assert (both["codec"], both["H"]) == (best["codec"], best["H"])
+    assert len(both["codec_choice"]) > 3
+    with pytest.raises(ValueError, match="give --H or --choose"):
+        make_plan(slow, None, compress="auto")
+
+
+def test_compress_auto_is_refused_by_the_algorithms_that_do_not_plan():
+    from geotrain.compress.codec import ConfigError
+    from geotrain.sync import sync_config
+
+    assert sync_config("dreamddp", {"compress": "auto"}).compress == "auto"
+    for algo in ("ssgd", "diloco", "localsgd"):
+        with pytest.raises(
+            ConfigError, match="--compress auto lets a planner choose the codec, which dreamddp"
+        ):
+            sync_config(algo, {"compress": "auto"})

@@ -461,6 +461,9 @@ def _cmd_profile(argv: list[str]) -> int:
         "Measure per-layer backward times and the link's all-reduce cost on the emulated cluster."
     )
     parser.add_argument("--out", default="profile.json", help="where the profile JSON goes")
+    if not any(a == "--algo" or a.startswith("--algo=") for a in argv):
+        # a profile is no algorithm's; --compress auto (every candidate timed) is dreamddp's
+        argv = [*argv, "--algo", "dreamddp"]
     args, cfg, rates = _parse_cluster_job(argv, parser)
     out = Path(args.out).resolve()
     launch = _launch_config(args, rates, "profile")
@@ -587,7 +590,8 @@ def _cmd_plan(argv: list[str]) -> int:
     p.add_argument(
         "--compress",
         default="",
-        help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ...): the DreamDDP "
+        help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ..., or auto: "
+        "none, int8 or int4, as a run's --compress auto chooses, with the table it chose from): the DreamDDP "
         "schedule is searched on its messages (a run with that codec and worker count takes the plan "
         "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
         "own messages. Its encoding and decoding are priced where the profile timed them (`geotrain "
@@ -667,7 +671,8 @@ def _cmd_plan(argv: list[str]) -> int:
             profile, workers if topology else args.workers, rates, args.compute_scale,
             aggregate=aggregate, checked=False if checked == "auto" else checked,
         )  # fmt: skip
-        compute = codec_priced(profile, compute, args.compress, workers or int(profile["workers"]))[0]
+        codec = plan["target"]["compress"]  # --compress auto: the codec it chose
+        compute = codec_priced(profile, compute, codec, workers or int(profile["workers"]))[0]
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))
     print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))

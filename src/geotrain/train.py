@@ -80,6 +80,7 @@ from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models import MODEL_SIZES, ModelError, ModelSpec, build_model, describe, parameter_count
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.plan.network import collective_timeout_s
+from geotrain.plan.schedule import AUTO_CODEC, AUTO_CODECS
 from geotrain.sync import ALGORITHMS, ConfigError, build_sync, sync_config
 from geotrain.sync.periods import resolve_every
 
@@ -352,7 +353,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
         codec = self.compress.partition(":")[0]
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
-        covered = self.algo in GUARDED_ALGOS and codec in GUARDED_CODECS
+        codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
+        covered = self.algo in GUARDED_ALGOS and all(c in GUARDED_CODECS for c in codecs)
         need(
             covered or not checking,
             f"--max-norm-ratio and --aggregate check the averages of {', '.join(GUARDED_ALGOS)}, "
@@ -586,7 +588,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (empty: uncompressed; "
-        "ssgd, ddp, localsgd, diloco, dreamddp)",
+        "ssgd, ddp, localsgd, diloco, dreamddp); dreamddp also takes auto: its planner chooses "
+        "none, int8 or int4 with the schedule, by predicted time to a loss",
         "plan": "dreamddp: a plan JSON from `geotrain plan` (empty: profile and plan at start-up)",
         "fill_in": "dreamddp (off by default: no loss gained, 5-10%% of the step lost on W1): each "
         "iteration also averages the layers whose all-reduce fits in the link's idle time, beyond "
@@ -1377,6 +1380,7 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
     }
     # --compress: the codec's encoding is timed too, for the plans that price it
     codecs = [cfg.compress] if cfg.compress else []
+    codecs = [c for c in AUTO_CODECS if c] if cfg.compress == AUTO_CODEC else codecs
     profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta, codecs=codecs)
     if ctx.is_main:
         Path(cfg.profile_out).parent.mkdir(parents=True, exist_ok=True)
@@ -1459,6 +1463,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "reprofiles": getattr(sync, "reprofiles", None),  # of them, those that profiled again
         # dreamddp --H auto: each period weighed (predicted step, steps factor) and the one chosen
         "period_choice": getattr(sync, "period_choice", None),
+        # dreamddp --compress auto: each codec weighed (with its periods under --H auto)
+        "codec_choice": getattr(sync, "codec_choice", None),
         "codec_info": sync.info(),
     }
 

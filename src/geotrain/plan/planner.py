@@ -10,12 +10,14 @@ only the H whose factor stays within ``budget`` (1.25: at most 25% more steps th
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, replace
 from typing import Any
 
 from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
+from geotrain.plan.codec_time import codec_key
 from geotrain.plan.cost import (
     PLAN_HEADROOM,
     ComputeModel,
@@ -44,8 +46,12 @@ from geotrain.plan.gather import (
 from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import codec_times, models_from_profile
 from geotrain.plan.schedule import (
+    AUTO_CODEC,
+    AUTO_CODECS,
+    CODEC_MARGIN,
     ChooseConfig,
     Schedule,
+    choose_codec,
     choose_period,
     schedule_to_json,
     search_schedule,
@@ -290,6 +296,13 @@ def make_plan(
     ``compress``: a codec spec; the schedule is searched on its messages (``codec_priced``), and
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
+    codec_table = None
+    if compress == AUTO_CODEC:  # a run's --compress auto: the codec chosen first, then priced as named
+        if topology is not None:
+            workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
+        compress, codec_table = choose_plan_codec(
+            profile, H, choose, workers, rates_bps, compute_scale, lag, fill_in, aggregate, checked
+        )
     # searched as a run searches its own (DreamDDPConfig's defaults: lag, 0 with a codec, fill-in,
     # the headroom)
     lag = default_lag(bool(compress)) if lag is None else lag
@@ -364,11 +377,52 @@ def make_plan(
             compress,
         ),  # fmt: skip
         "choose": table,
+        # --compress auto: the codec chosen (a run with --compress auto takes it) and those weighed
+        **({"codec": compress, "codec_choice": codec_table} if codec_table is not None else {}),
         # the site averages send fp32 parameters, whatever codec the table prices
         "sites": None
         if topology is None
         else plan_sites(profile, plain_compute, topology, speed, site_options),
     }
+
+
+def choose_plan_codec(
+    profile: dict[str, Any],
+    H: int | None,
+    choose: ChooseConfig | None,
+    workers: int | None,
+    rates_bps: list[int] | None,
+    compute_scale: float,
+    lag: int | None,
+    fill_in: bool,
+    aggregate: str | None,
+    checked: bool | str | None,
+) -> tuple[str, list[dict]]:
+    """``--compress auto`` as a run chooses it (``DreamDDP._choose_codec``): each of
+    ``AUTO_CODECS`` priced on the target (its encoding where the profile timed it: `geotrain
+    profile --compress auto` times them all), DreamDDP's schedule searched at the lag a run with
+    it lands at, at ``H`` or, with ``choose``, at each period; the codec (its full spec, "" for
+    none) with the shortest predicted time to a loss, and the table it was chosen from."""
+    if H is None and choose is None:
+        raise ValueError("give --H or --choose")
+    compute, link = retarget(
+        profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked is True
+    )
+    group = int(workers or profile["workers"])
+    if H is not None and not 1 <= H <= compute.n_layers:
+        raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
+    candidates = {}
+    for spec in AUTO_CODECS:
+        priced = codec_priced(profile, compute, spec, group)[0]
+        candidates[codec_key(spec) if spec else ""] = (
+            priced,
+            default_lag(bool(spec)) if lag is None else lag,
+        )
+    ranking = choose or ChooseConfig(budget=math.inf, max_H=compute.n_layers)
+    spec, _, table = choose_codec(
+        candidates, link, None if choose else H, ranking, fill_in=fill_in, headroom=PLAN_HEADROOM
+    )
+    return spec, table
 
 
 def plan_sites(
@@ -489,6 +543,26 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
             mark = "  <- chosen" if row["H"] == plan["H"] else ""
             lines.append(
                 f"{row['H']:>4} {row['predicted_step_s']:>9.3f} {row['steps_factor']:>8.2f} "
+                f"{row['time_to_loss_factor']:>22.3f}{mark}"
+            )
+    if plan.get("codec_choice"):
+        lines += [
+            "",
+            "--compress auto: each codec's best period (a codec must be "
+            f"{CODEC_MARGIN:.0%} sooner than fp32 to be taken)",
+            f"{'codec':<28} {'H':>4} {'lag':>4} {'step s':>9} {'time-to-loss x nosync':>22}",
+        ]
+        best: dict[str, dict] = {}
+        for row in plan["codec_choice"]:
+            if (
+                row["codec"] not in best
+                or row["time_to_loss_factor"] < best[row["codec"]]["time_to_loss_factor"]
+            ):
+                best[row["codec"]] = row
+        for name, row in best.items():
+            mark = "  <- chosen" if name == plan.get("codec") else ""
+            lines.append(
+                f"{name or 'none (fp32)':<28} {row['H']:>4} {row['lag']:>4} {row['predicted_step_s']:>9.3f} "
                 f"{row['time_to_loss_factor']:>22.3f}{mark}"
             )
     return "\n".join(lines)

@@ -247,11 +247,7 @@ def build_profile(
     started = time.perf_counter()
     barrier = comm.barrier if comm.world_size > 1 else None
     local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
-    shapes = [[tuple(p.shape) for p in layer.params] for layer in layers]
-    timed_codecs = {
-        key: time_codec(spec, shapes, comm.world_size, 1, _device(layers), barrier)
-        for key, spec in {codec_key(spec): spec for spec in codecs}.items()  # each codec once
-    }
+    timed_codecs = time_codecs(layers, comm, codecs) if codecs else {}
     order, averaged, link = _shared(local, layers, comm)
     n = len(order)
     interference, slowdown, extra = 0.0, 1.0, 0.0
@@ -282,11 +278,7 @@ def build_profile(
         interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
     profile = _profile(order, averaged, link, layers, comm, meta)
     if timed_codecs:
-        names = [layer.name for layer in layers]
-        profile["codecs"] = {
-            key: {"workers": comm.world_size, "layers": dict(zip(names, times, strict=True))}
-            for key, times in _codec_means(timed_codecs, comm).items()
-        }
+        profile["codecs"] = timed_codecs
     profile["interference_s_per_byte"] = interference
     profile["comm_slowdown_in_backward"] = slowdown
     profile["contention_measured"] = bool(contention and comm.world_size > 1)
@@ -299,10 +291,21 @@ def _device(layers: list[Layer]) -> torch.device:
     return next((p.device for layer in layers for p in layer.params), torch.device("cpu"))
 
 
-def _codec_means(timed: dict[str, list[float]], comm: Communicator) -> dict[str, list[float]]:
-    """Each codec's per-layer times averaged over workers (one exchange for all of them)."""
+def time_codecs(layers: list[Layer], comm: Communicator, codecs: Sequence[str]) -> dict[str, Any]:
+    """The ``codecs`` entry of a profile: each codec's seconds per layer (``time_codec``, every
+    worker at once after a barrier), averaged over workers in one exchange, under the codec's
+    key (``codec_key``: each codec once). Collective."""
+    barrier = comm.barrier if comm.world_size > 1 else None
+    shapes = [[tuple(p.shape) for p in layer.params] for layer in layers]
+    timed = {
+        key: time_codec(spec, shapes, comm.world_size, 1, _device(layers), barrier)
+        for key, spec in {codec_key(spec): spec for spec in codecs}.items()
+    }
     flat = iter(comm.mean_scalars([t for times in timed.values() for t in times]))
-    return {key: [next(flat) for _ in times] for key, times in timed.items()}
+    names = [layer.name for layer in layers]
+    return {
+        key: {"workers": comm.world_size, "layers": {name: next(flat) for name in names}} for key in timed
+    }
 
 
 def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, meta) -> dict[str, Any]:

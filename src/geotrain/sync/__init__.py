@@ -52,7 +52,14 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
             takers = [a for a, (_, c) in ALGORITHMS.items() if option in c.__dataclass_fields__]
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{name} does not take {flag}{why}; algorithms that do: {', '.join(takers)}")
-    if options.get("compress"):
+    if options.get("compress") == "auto":
+        if not ALGORITHMS[name][0].chooses_codec:
+            choosers = [a for a, (cls, _) in ALGORITHMS.items() if cls.chooses_codec]
+            raise ConfigError(
+                f"--compress auto lets a planner choose the codec, which {', '.join(choosers)} has and "
+                f"{name} has not: name a codec (int8, int4, powersgd:rank=4, ...) or leave it out"
+            )
+    elif options.get("compress"):
         make_codec(options["compress"])  # a bad spec fails here, before any worker starts
     return config_cls.from_options(options)
 

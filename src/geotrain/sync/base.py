@@ -89,9 +89,10 @@ def require_warm_start(warm_start: int) -> None:
 
 
 def codec_from_config(config: SyncConfig) -> Codec | None:
-    """The codec named by ``config.compress`` ("" or absent: send uncompressed)."""
+    """The codec named by ``config.compress`` ("" or absent: send uncompressed; "auto": none
+    yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
     spec = getattr(config, "compress", "")
-    return make_codec(spec) if spec else None
+    return make_codec(spec) if spec and spec != "auto" else None
 
 
 def adopt_mean_change(
@@ -118,6 +119,8 @@ class SyncAlgorithm:
     # False where communication happens inside a library call that cannot be timed apart from
     # compute (PyTorch DDP waits for its all-reduces inside backward).
     measures_blocked_time: ClassVar[bool] = True
+    # True where ``compress="auto"`` is accepted: the algorithm's planner chooses the codec.
+    chooses_codec: ClassVar[bool] = False
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator, config: SyncConfig

@@ -34,6 +34,12 @@ is the mean change (x_l <- x_l + mean change - change sent), its first collectiv
 backward, and its second (the quantisers' all-gather of the averaged shards) is launched in
 ``before_step`` and runs under the update and the forward (``plan.cost.exposed_for_layers``).
 
+``compress="auto"`` (beyond the paper): the planner chooses the codec with the period, among
+uncompressed and the quantisers (``plan.schedule.AUTO_CODECS``), by predicted time to a loss:
+each codec's messages and its encoding (timed by the profile) priced, at the lag a run with it
+lands at; a codec must come out ``CODEC_MARGIN`` sooner than fp32. Chosen once, at the first
+plan, like ``H="auto"``; re-plans and a resumed run keep it (the plan records it).
+
 The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up from a quick
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
 compared with the plan's prediction, and if they differ by more than ``replan_threshold`` (the link
@@ -55,7 +61,8 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into, wait_all
-from geotrain.compress.codec import ConfigError
+from geotrain.compress.codec import Codec, ConfigError, make_codec
+from geotrain.plan.codec_time import codec_key
 from geotrain.plan.cost import (
     PLAN_HEADROOM,
     ComputeModel,
@@ -67,10 +74,19 @@ from geotrain.plan.cost import (
     unpriced,
 )
 from geotrain.plan.layers import layer_groups, order_layers
-from geotrain.plan.profile import StepObserver, build_profile, codec_times, models_from_profile
+from geotrain.plan.profile import (
+    StepObserver,
+    build_profile,
+    codec_times,
+    models_from_profile,
+    time_codecs,
+)
 from geotrain.plan.schedule import (
+    AUTO_CODEC,
+    AUTO_CODECS,
     ChooseConfig,
     Schedule,
+    choose_codec,
     choose_period,
     schedule_from_json,
     search_schedule,
@@ -121,7 +137,7 @@ class DreamDDPConfig(SyncConfig):
     # codec (``plan.cost.default_lag``, measured)
     lag: int | None = None
     replan_threshold: float = 0.25  # relative drift of measured from predicted time; 0: never re-plan
-    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
+    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed; "auto": the planner's
 
     def __post_init__(self) -> None:
         require(
@@ -149,6 +165,7 @@ class DreamDDP(SyncAlgorithm):
     # --lr-scale auto: measured from a period's first step, where each layer was averaged within
     # the last period (not all at once: the measure includes their small drift since), at its end
     measures_noise = True
+    chooses_codec = True  # --compress auto: chosen with the schedule (choose_codec)
     name = "dreamddp"
 
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
@@ -164,6 +181,7 @@ class DreamDDP(SyncAlgorithm):
         self.predicted_step_s: float | None = None
         self.replans = 0
         self.period_choice: list[dict] | None = None  # H="auto": the periods weighed (choose_period)
+        self.codec_choice: list[dict] | None = None  # compress="auto": the codecs weighed (choose_codec)
         self.reprofiles = 0  # re-plans that profiled again (a new group, or a drift no refit explains)
         self._models: tuple[ComputeModel, LinkModel] | None = None  # what the plan was searched on
         self._drifted = 0  # consecutive periods off the prediction by more than replan_threshold
@@ -213,14 +231,19 @@ class DreamDDP(SyncAlgorithm):
         them. But a checked codec (``--max-norm-ratio``, ``--aggregate``; off for dreamddp by
         default) lands at once: its second phase's verdicts count towards the step that sent
         them, as the membership layer reads them (``--max-rejections``)."""
-        if self.codec is not None and self.comm.checking:
+        return self._lag_with(self.codec)
+
+    def _lag_with(self, codec: Codec | None) -> int:
+        if codec is not None and self.comm.checking:
             return 0
-        return default_lag(self.codec is not None) if self.config.lag is None else self.config.lag
+        return default_lag(codec is not None) if self.config.lag is None else self.config.lag
 
     # -- planning -----------------------------------------------------------------------------
     def set_plan(self, plan: dict[str, Any]) -> None:
         """Adopt a plan (``geotrain plan`` output): the backward order of layers and the schedule."""
         schedule, names = schedule_from_json(plan["schedule"])
+        if self.config.compress == AUTO_CODEC:
+            self._adopt_codec(plan)
         if self._observer is not None:  # a plan came (a restored state): no steps to time
             self._observer.close()
             self._observer = None
@@ -274,6 +297,8 @@ class DreamDDP(SyncAlgorithm):
         self._profiling = True
         try:
             codecs = [self.codec.spec()] if self.codec is not None else []
+            if self._choosing_codec():
+                codecs = [spec for spec in AUTO_CODECS if spec]
             profile = build_profile(
                 self.module, self.layers, self._profile_fn, self.optimizer, self.comm, codecs=codecs
             )
@@ -283,23 +308,81 @@ class DreamDDP(SyncAlgorithm):
 
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
-        self._plan_with(self._priced(compute, profile), link)
+        H = self._choose_codec(compute, link, profile) if self._choosing_codec() else None
+        self._plan_with(self._priced(compute, profile), link, H)
         self.profile = profile
+
+    def _choosing_codec(self) -> bool:
+        return self.config.compress == AUTO_CODEC and self.codec_choice is None
+
+    def _choose_codec(self, compute: ComputeModel, link: LinkModel, profile: dict[str, Any]) -> int | None:
+        """``compress="auto"``: choose the codec (and with ``H="auto"`` the period, returned;
+        else None) by predicted time to a loss (``choose_codec``), rank 0's choice on every
+        worker, and adopt it. Codecs the profile did not time (steps observed, not profiled)
+        are timed here first: without their encoding a codec would look free."""
+        specs = [spec for spec in AUTO_CODECS if spec]
+        if not all(codec_key(spec) in profile.get("codecs", {}) for spec in specs):
+            profile.setdefault("codecs", {}).update(time_codecs(self.layers, self.comm, specs))
+        candidates = {}
+        for spec in AUTO_CODECS:
+            codec = make_codec(spec) if spec else None
+            candidates[spec] = (self._priced(compute, profile, codec), self._lag_with(codec))
+        H = None if self.config.H == "auto" else min(int(self.config.H), compute.n_layers)
+        spec, chosen_H, table = choose_codec(
+            candidates,
+            link,
+            H,
+            ChooseConfig(budget=math.inf, max_H=compute.n_layers),
+            fill_in=self.config.fill_in,
+            headroom=PLAN_HEADROOM,
+        )
+        spec, chosen_H, table = self.comm.all_gather_object((spec, chosen_H, table))[0]
+        self.codec_choice = table
+        self._adopt_codec({"codec": spec})
+        if H is not None:
+            return None
+        mine = [row for row in table if row["codec"] == spec]
+        self.period_choice = [{k: v for k, v in row.items() if k != "codec"} for row in mine]
+        return chosen_H
+
+    def _adopt_codec(self, plan: dict[str, Any]) -> None:
+        """Send through the codec a plan chose (``plan["codec"]``, "" for none), with its own
+        reference copy of each layer: taken now, where the replicas are one (a first plan, or
+        a state about to be loaded over it)."""
+        spec = plan.get("codec")
+        if spec is None:  # `geotrain plan`'s: the codec it priced ("int4:... x4"), or none
+            spec = str(plan.get("models", {}).get("codec", "")).rsplit(" x", 1)[0]
+        if self.codec_choice is None:  # a restored plan: chosen, never again (the replicas differ now)
+            self.codec_choice = plan.get("codec_choice") or []
+        if self._codec_spec() == (codec_key(spec) if spec else ""):
+            return
+        self.codec = make_codec(spec) if spec else None
+        self._ref = (
+            {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
+            if self.codec
+            else {}
+        )
+
+    def _codec_spec(self) -> str:
+        return self.codec.spec() if self.codec is not None else ""
 
     def _codec_key(self) -> str:
         """What the models a plan holds were priced for: this codec among this many workers."""
         return f"{self.codec.spec()} x{self.comm.world_size}" if self.codec is not None else ""
 
-    def _priced(self, compute: ComputeModel, profile: dict[str, Any] | None = None) -> ComputeModel:
-        """A profile's compute model (plain all-reduces) with this run's codec messages priced,
-        and its encoding where ``profile`` timed it."""
-        if self.codec is None:
+    def _priced(
+        self, compute: ComputeModel, profile: dict[str, Any] | None = None, codec: Any = "this run's"
+    ) -> ComputeModel:
+        """A profile's compute model (plain all-reduces) with this run's codec messages priced
+        (or ``codec``'s, None for none), and its encoding where ``profile`` timed it."""
+        codec = self.codec if codec == "this run's" else codec
+        if codec is None:
             return compute
         by_name = {layer.name: layer for layer in self.layers}
         shapes = [[tuple(p.shape) for p in by_name[name].params] for name in compute.names]
         workers = self.comm.world_size
-        timed = codec_times(profile, compute, self.codec.spec(), workers) if profile is not None else ()
-        return priced_for_codec(compute, self.codec, shapes, workers, timed)
+        timed = codec_times(profile, compute, codec.spec(), workers) if profile is not None else ()
+        return priced_for_codec(compute, codec, shapes, workers, timed)
 
     def _refit(self, measured_s: float) -> None:
         """A re-plan from the steps already measured (``measured_s``, the slowest worker's mean
@@ -315,9 +398,13 @@ class DreamDDP(SyncAlgorithm):
         compute, link = models
         self._plan_with(compute, link.scaled(k))
 
-    def _plan_with(self, compute: ComputeModel, link: LinkModel) -> None:
+    def _plan_with(self, compute: ComputeModel, link: LinkModel, H: int | None = None) -> None:
+        """The schedule searched on these models, broadcast from rank 0 and adopted; ``H``: a
+        period already chosen (``--compress auto`` with ``--H auto`` chooses both at once)."""
         choice = self.period_choice  # --H auto's table, kept through re-plans
-        if self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
+        if H is not None:
+            pass
+        elif self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
             H, choice = self._choose_period(compute, link)
         else:
             H = min(self.config.H, compute.n_layers)
@@ -344,6 +431,9 @@ class DreamDDP(SyncAlgorithm):
             # what the schedule was searched on (a codec's messages priced): a re-plan refits these
             "models": {"compute": asdict(compute), "link": asdict(link), "codec": self._codec_key()},
             "period_choice": choice,  # --H auto: the periods weighed (rank 0's table)
+            # --compress auto: what was chosen (a resumed run takes it) and what was weighed
+            **({"codec": self._codec_spec()} if self.config.compress == AUTO_CODEC else {}),
+            **({"codec_choice": self.codec_choice} if self.codec_choice else {}),
         }
         self.set_plan(plan)
 
@@ -591,10 +681,13 @@ class DreamDDP(SyncAlgorithm):
             self._observer.close()
 
     def resolved_options(self) -> dict[str, Any]:
-        """H where ``auto`` chose it; the lag where none was given (1, or 0 with a codec)."""
+        """H and the codec where ``auto`` chose them; the lag where none was given (1, or 0
+        with a codec)."""
         chosen: dict[str, Any] = {"lag": self.lag} if self.config.lag is None else {}
         if self.period_choice and self.schedule:
             chosen["H"] = f"auto ({self.schedule.H})"
+        if self.config.compress == AUTO_CODEC and self.schedule:
+            chosen["compress"] = f"auto ({self._codec_spec() or 'none'})"
         return chosen
 
     def default_snapshot_every(self) -> int:
@@ -621,6 +714,8 @@ class DreamDDP(SyncAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The plan and the position in its period come back with the step: no re-profiling."""
         self._drop_in_flight()  # a mean taken before the restore must not land on it
+        if self.config.compress == AUTO_CODEC and state.get("plan") is not None:
+            self._adopt_codec(state["plan"])  # the codec chosen, for its state to load into
         super().load_state_dict(state)
         self.replans = int(state.get("replans", 0))
         self.reprofiles = int(state.get("reprofiles", 0))
