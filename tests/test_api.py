@@ -155,6 +155,7 @@ def _dreamddp_planning_from_its_first_steps(rank: int, world_size: int, compress
         "observed": sync.algorithm.profile["observed_steps"],
         "timed_codecs": sorted(sync.algorithm.profile.get("codecs", {})),
         "codec_choice": sync.algorithm.codec_choice,
+        "codec": sync.algorithm.codec.spec() if sync.algorithm.codec else "",
         "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
     }
 
@@ -166,11 +167,12 @@ def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them(compr
     planned from the 3 after the warm-up and the loop goes on with it; finish() leaves one model.
     With compress="auto" the candidate codecs are timed then too, and the codec chosen."""
     ranks = run_workers(_dreamddp_planning_from_its_first_steps, 2, compress)
+    assert ranks[0]["codec_choice"] == ranks[1]["codec_choice"] and ranks[0]["codec"] == ranks[1]["codec"]
     for r in ranks:
         assert r["synced"][:4] == [True] * 4 and r["H"] == 2 and r["observed"] == 3
         if compress:
             assert r["timed_codecs"] == ["int4:warmup=0,block=256", "int8:warmup=0,block=256"]
-            assert {row["codec"] for row in r["codec_choice"]} == {"", "int8", "int4"}
+            assert {row["codec"] for row in r["codec_choice"]} == {"", *r["timed_codecs"]}
         else:
             assert r["timed_codecs"] == [] and r["codec_choice"] is None
     for step in range(4):

@@ -272,17 +272,31 @@ def test_H_auto_chooses_the_period_at_start_up_and_every_worker_takes_rank_0s():
     assert a["snapshot_every"] % a["H"] == 0 and 10 <= a["snapshot_every"] < 10 + a["H"]
 
 
+INT4 = "int4:warmup=0,block=256"
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """Every tensor in a nested state, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in _tensors(state[key])]
+    if isinstance(state, list | tuple):
+        return [t for item in state for t in _tensors(item)]
+    return []
+
+
 def _auto_codec(rank, world_size):
     import geotrain.sync.dreamddp as dreamddp_module
 
     real = dreamddp_module.choose_codec
     seen = {}
 
-    def forced(candidates, link, H, choose, **kw):  # rank 0 takes int4, whatever its own search says
-        seen["candidates"] = {spec: lag for spec, (_, lag) in candidates.items()}
-        seen["encoding_priced"] = all(c.codec_s for spec, (c, _) in candidates.items() if spec)
-        table = real(candidates, link, H, choose, **kw)[2]
-        return ("int4", H or 2, table) if rank == 0 else ("", 1, [])
+    def forced(candidates, H, choose, **kw):  # rank 0 takes int4, whatever its own search says
+        seen["candidates"] = {spec: lag for spec, (_, _, lag) in candidates.items()}
+        seen["encoding_priced"] = all(c.codec_s for spec, (c, _, _) in candidates.items() if spec)
+        table = real(candidates, H, choose, **kw)[2]
+        return (INT4, H or 2, table) if rank == 0 else ("", 1, [])
 
     dreamddp_module.choose_codec = forced
     model = _model()
@@ -291,6 +305,7 @@ def _auto_codec(rank, world_size):
     sync = build_sync("dreamddp", model, opt, Communicator(), options)
     assert sync.codec is None  # nothing chosen before the plan
     sync.prepare(lambda: model(*_batch(rank, 99))[1])
+    first_refs = [t.clone() for ts in sync._ref.values() for t in ts]
     out = {
         "codec": sync.codec.spec(),
         "H": sync.schedule.H,
@@ -303,6 +318,7 @@ def _auto_codec(rank, world_size):
     _train_steps(sync, opt, rank, 5)
     state = sync.state_dict()
     out["refs"] = [t.clone() for ts in sync._ref.values() for t in ts]
+    out["refs_moved"] = not all(torch.equal(a, b) for a, b in zip(first_refs, out["refs"], strict=True))
     sync._plan_with(*sync._models)  # a re-plan keeps the codec
     out["replanned_codec"] = sync.codec.spec()
     sync.close()
@@ -312,7 +328,10 @@ def _auto_codec(rank, world_size):
     out["resumed_codec"] = resumed.codec.spec()
     refs = [(a, b) for name, ts in state["ref"].items() for a, b in zip(resumed._ref[name], ts, strict=True)]
     out["refs_back"] = all(torch.equal(a, b) for a, b in refs)
-    out["residual_back"] = resumed.codec.state_dict().keys() == sync.codec.state_dict().keys()
+    residuals = [_tensors(c.state_dict()["streams"]) for c in (resumed.codec, sync.codec)]
+    out["residual_back"] = len(residuals[0]) > 0 and all(
+        torch.equal(a, b) for a, b in zip(*residuals, strict=True)
+    )
     out["resumed_H"] = resumed.schedule.H
     resumed.close()
     return out
@@ -323,18 +342,36 @@ def test_compress_auto_chooses_the_codec_at_start_up_rank_0s_everywhere_and_keep
     each quantiser) at the lag a run with it lands at; rank 0's choice taken by every worker
     (rank 1's stand-in would choose none); kept through a re-plan and a resume from a snapshot."""
     a, b = run_workers(_auto_codec, 2)
-    assert a["codec"] == b["codec"] == a["replanned_codec"] == a["resumed_codec"] == "int4:warmup=0,block=256"
+    assert a["codec"] == b["codec"] == a["replanned_codec"] == a["resumed_codec"] == INT4
     assert a["H"] == b["H"] == a["resumed_H"] and a["lag"] == b["lag"] == 0  # a codec lands at once
-    assert a["seen"]["candidates"] == {"": 1, "int8": 0, "int4": 0} and a["seen"]["encoding_priced"]
-    assert a["choice"] == b["choice"] and {r["codec"] for r in a["choice"]} == {"", "int8", "int4"}
+    int8 = "int8:warmup=0,block=256"
+    assert a["seen"]["candidates"] == {"": 1, int8: 0, INT4: 0} and a["seen"]["encoding_priced"]
+    assert a["choice"] == b["choice"] and {r["codec"] for r in a["choice"]} == {"", int8, INT4}
     assert a["period_rows"] == b["period_rows"] and all("codec" not in r for r in a["period_rows"])
     assert a["options"]["compress"] == "auto (int4:warmup=0,block=256)" and a["options"]["H"].startswith(
         "auto"
     )
     # one codec on both: the references its changes are sent from stay one (and moved: it averaged)
     assert all(torch.equal(x, y) for x, y in zip(a["refs"], b["refs"], strict=True))
-    assert not all(torch.equal(x, y) for x, y in zip(a["refs"], _model().parameters(), strict=True))
-    assert a["refs_back"] and a["residual_back"]
+    assert a["refs_moved"] and a["refs_back"] and a["residual_back"]
+
+
+def test_compress_auto_refuses_a_plan_that_chose_no_codec(tmp_path):
+    """A plan made for a named codec or none (``geotrain plan`` without ``--compress auto``) is
+    not a choice: a run with ``--compress auto`` says how to make one, rather than run with it."""
+    from geotrain.compress.codec import ConfigError
+
+    model = _model()
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(_plan(model, 3)))
+    options = {"compress": "auto", "plan_path": str(path)}
+    with pytest.raises(ConfigError, match="geotrain plan --compress auto"):
+        build_sync("dreamddp", model, torch.optim.SGD(model.parameters(), lr=LR), Communicator(), options)
+    chosen = _plan(model, 3) | {"codec": INT4}  # one that chose: taken
+    path.write_text(__import__("json").dumps(chosen))
+    sync = build_sync("dreamddp", model, torch.optim.SGD(model.parameters(), lr=LR), Communicator(), options)
+    assert sync.codec.spec() == INT4 and sync.codec_choice == [] and len(sync._ref) == len(sync.layers)
+    sync.close()
 
 
 def _train_steps(sync, opt, rank: int, steps: int) -> None:

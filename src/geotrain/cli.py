@@ -19,6 +19,7 @@ and nothing is created before the input is known to be good.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -461,7 +462,10 @@ def _cmd_profile(argv: list[str]) -> int:
         "Measure per-layer backward times and the link's all-reduce cost on the emulated cluster."
     )
     parser.add_argument("--out", default="profile.json", help="where the profile JSON goes")
-    if not any(a == "--algo" or a.startswith("--algo=") for a in argv):
+    auto = any(a == "--compress=auto" for a in argv) or any(
+        a == "--compress" and b == "auto" for a, b in itertools.pairwise(argv)
+    )
+    if auto and not any(a == "--algo" or a.startswith("--algo=") for a in argv):
         # a profile is no algorithm's; --compress auto (every candidate timed) is dreamddp's
         argv = [*argv, "--algo", "dreamddp"]
     args, cfg, rates = _parse_cluster_job(argv, parser)

@@ -234,7 +234,7 @@ class Bench:
     def run_curve(self, w: int, bw: str, algo: str) -> None:
         """The cell's configuration for ``horizon`` steps on loopback, unshaped."""
         cfg = replace(self.cfg.train_config(algo), steps=self.cfg.horizon)
-        if cfg.algo == "dreamddp":
+        if cfg.algo == "dreamddp" and cfg.compress != "auto":  # auto: the run chooses, and plans
             cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
         launch = replace(self._launch(w, bw, self.curve_dir(w, bw, algo)), rates_bps=None, netem=False)
         run_local_cluster(replace(launch, timeout_s=7 * 24 * 3600.0), cfg)
@@ -274,8 +274,8 @@ class Bench:
         whose plan is not made yet. A codec is priced where the algorithm takes one (``codec_priced``:
         its wire bytes and phases; its encoding time is not in the profile)."""
         algo, codec = split_entry(entry)
-        if algo not in PREDICTED or (codec and algo not in CODEC_ALGOS):
-            return None
+        if algo not in PREDICTED or (codec and algo not in CODEC_ALGOS) or codec == "auto":
+            return None  # (auto: what the run will choose is its own start-up profile's to say)
         base = profiled_at or w
         profile = self.profile(base, bw)
         compute, link = retarget(
@@ -326,7 +326,7 @@ class Bench:
     def run_cell(self, w: int, bw: str, algo: str) -> None:
         run_dir = group_dir(self.out, w, bw) / cell_name(algo)
         cfg = self.cfg.train_config(algo)
-        if cfg.algo == "dreamddp":
+        if cfg.algo == "dreamddp" and cfg.compress != "auto":  # auto: the run chooses, and plans
             cfg = replace(cfg, plan=str(self.plan(w, bw).resolve()))
         run_local_cluster(self._launch(w, bw, run_dir), cfg)
         self._drop_states(run_dir)

@@ -405,22 +405,29 @@ def choose_plan_codec(
     none) with the shortest predicted time to a loss, and the table it was chosen from."""
     if H is None and choose is None:
         raise ValueError("give --H or --choose")
-    compute, link = retarget(
-        profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked is True
-    )
+    checked = False if checked == "auto" else checked  # auto leaves DreamDDP's averages unchecked
     group = int(workers or profile["workers"])
-    if H is not None and not 1 <= H <= compute.n_layers:
-        raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
     candidates = {}
     for spec in AUTO_CODECS:
-        priced = codec_priced(profile, compute, spec, group)[0]
-        candidates[codec_key(spec) if spec else ""] = (
-            priced,
-            default_lag(bool(spec)) if lag is None else lag,
+        # priced as make_plan prices the one it plans: a quantiser's verdict is a round trip
+        quantised = spec.partition(":")[0] in QUANTISED_CODECS if spec else False
+        compute, link = retarget(
+            profile,
+            workers,
+            rates_bps,
+            compute_scale,
+            aggregate=aggregate,
+            checked=checked,
+            round_trip=quantised,
         )
+        if H is not None and not 1 <= H <= compute.n_layers:
+            raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
+        priced = codec_priced(profile, compute, spec, group)[0]
+        lands = default_lag(bool(spec)) if lag is None else lag
+        candidates[codec_key(spec) if spec else ""] = (priced, link, lands)
     ranking = choose or ChooseConfig(budget=math.inf, max_H=compute.n_layers)
     spec, _, table = choose_codec(
-        candidates, link, None if choose else H, ranking, fill_in=fill_in, headroom=PLAN_HEADROOM
+        candidates, None if choose else H, ranking, fill_in=fill_in, headroom=PLAN_HEADROOM
     )
     return spec, table
 

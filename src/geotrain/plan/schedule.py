@@ -302,8 +302,7 @@ CODEC_MARGIN = 0.02
 
 
 def choose_codec(
-    candidates: dict[str, tuple[ComputeModel, int]],
-    link: LinkModel,
+    candidates: dict[str, tuple[ComputeModel, LinkModel, int]],
     H: int | None,
     choose: ChooseConfig,
     *,
@@ -313,13 +312,14 @@ def choose_codec(
     """``--compress auto``: the codec (a key of ``candidates``, "" for none) and the period with
     the shortest predicted time to a loss, and the table they were chosen from (one row per
     codec and period weighed). ``candidates`` holds each codec's compute model with its messages
-    and encoding priced, and the lag a run with it lands at. ``H``: the period, or None to choose
+    and encoding priced, the link, and the lag a run with it lands at. ``H``: the period, or None to choose
     it too (``choose_period``, per codec). A codec's score carries ``CODEC_MARGIN``; ties go to
-    the first candidate (uncompressed first)."""
+    the first candidate (uncompressed first). Each candidate comes with its link line (a checked
+    quantiser's verdict is a round trip more) and its lag."""
     if not candidates:
         raise ValueError("--compress auto needs at least one candidate codec")
     table = []
-    for spec, (compute, lag) in candidates.items():
+    for spec, (compute, link, lag) in candidates.items():
         if H is None:
             rows = choose_period(compute, link, choose, time_budget_s=time_budget_s, lag=lag, **search)[1]
         else:

@@ -88,10 +88,14 @@ def require_warm_start(warm_start: int) -> None:
     )
 
 
-def codec_from_config(config: SyncConfig) -> Codec | None:
+def codec_from_config(config: SyncConfig, chooses: bool = False) -> Codec | None:
     """The codec named by ``config.compress`` ("" or absent: send uncompressed; "auto": none
     yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
     spec = getattr(config, "compress", "")
+    if spec == "auto" and not chooses:
+        raise ConfigError(
+            f"--compress auto lets a planner choose the codec; {type(config).__name__} has none: name a codec"
+        )
     return make_codec(spec) if spec and spec != "auto" else None
 
 
@@ -130,7 +134,7 @@ class SyncAlgorithm:
         self.comm = comm
         self.config = config
         # Algorithms whose config has ``compress`` send their messages through this codec.
-        self.codec = codec_from_config(config)
+        self.codec = codec_from_config(config, self.chooses_codec)
         self.step_count = 0
         self.syncs = 0
         # --lr-scale auto: this worker's measure of its gradients' noise (set by geotrain.wrap's Sync)

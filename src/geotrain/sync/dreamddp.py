@@ -214,6 +214,8 @@ class DreamDDP(SyncAlgorithm):
         if self.config.plan_path:
             try:
                 self.set_plan(json.loads(Path(self.config.plan_path).read_text()))
+            except ConfigError:
+                raise
             except (KeyError, TypeError, ValueError) as e:
                 raise ConfigError(
                     f"plan {self.config.plan_path!r} does not fit this model ({type(e).__name__}: {e}); "
@@ -323,14 +325,14 @@ class DreamDDP(SyncAlgorithm):
         specs = [spec for spec in AUTO_CODECS if spec]
         if not all(codec_key(spec) in profile.get("codecs", {}) for spec in specs):
             profile.setdefault("codecs", {}).update(time_codecs(self.layers, self.comm, specs))
-        candidates = {}
+        candidates = {}  # keyed by the full spec, as `geotrain plan --compress auto` names them
         for spec in AUTO_CODECS:
             codec = make_codec(spec) if spec else None
-            candidates[spec] = (self._priced(compute, profile, codec), self._lag_with(codec))
+            key = codec.spec() if codec is not None else ""
+            candidates[key] = (self._priced(compute, profile, codec), link, self._lag_with(codec))
         H = None if self.config.H == "auto" else min(int(self.config.H), compute.n_layers)
         spec, chosen_H, table = choose_codec(
             candidates,
-            link,
             H,
             ChooseConfig(budget=math.inf, max_H=compute.n_layers),
             fill_in=self.config.fill_in,
@@ -350,9 +352,15 @@ class DreamDDP(SyncAlgorithm):
         reference copy of each layer: taken now, where the replicas are one (a first plan, or
         a state about to be loaded over it)."""
         spec = plan.get("codec")
-        if spec is None:  # `geotrain plan`'s: the codec it priced ("int4:... x4"), or none
-            spec = str(plan.get("models", {}).get("codec", "")).rsplit(" x", 1)[0]
-        if self.codec_choice is None:  # a restored plan: chosen, never again (the replicas differ now)
+        if spec is None:
+            raise ConfigError(
+                "--compress auto takes its codec from a plan that chose one, and this plan was made for "
+                "a named codec or none: make it with `geotrain plan --compress auto`, give the run that "
+                "codec (--compress CODEC), or leave --plan out and let the run plan itself"
+            )
+        # The plan's table where it has one (a joiner's own, made alone before it joined, is not
+        # what the group chose); chosen, never again: the replicas differ from here on.
+        if plan.get("codec_choice") or self.codec_choice is None:
             self.codec_choice = plan.get("codec_choice") or []
         if self._codec_spec() == (codec_key(spec) if spec else ""):
             return
