@@ -250,14 +250,15 @@ def test_the_disk_estimate_counts_each_hosts_state_and_the_checkpoint():
     diloco --compress int4 6.0), and the bytes a finished and a stopped run write."""
     from geotrain.launch.disk import NoRoom, check_room, disk_need, state_copies
 
-    assert state_copies("nosync") == state_copies("dreamddp") == 3
+    assert state_copies("nosync") == state_copies("dreamddp", "none") == 3
     assert state_copies("diloco") == 5 and state_copies("diloco", "int4") == 6
     assert state_copies("dreamddp", "int4") == 5 and state_copies("diloco", lora=True) == 1
-    need = disk_need(10_893_312, 4, "dreamddp")
+    assert state_copies("dreamddp") == 5  # its default, --compress auto: what a codec would keep
+    need = disk_need(10_893_312, 4, "dreamddp", "none")
     assert need.state_bytes == 4 * 10_893_312 * 3  # 130.7 MB, as the run's snapshot file (130.8 MB)
     assert need.finished == 5 * need.state_bytes and need.stopped == 9 * need.state_bytes
     # --checkpoint-every: each keeper keeps its two newest states on disk, finished or not
-    assert disk_need(10_893_312, 4, "dreamddp", periodic=True).finished == need.stopped
+    assert disk_need(10_893_312, 4, "dreamddp", "none", periodic=True).finished == need.stopped
     assert check_room(Path("runs/x"), need, free=need.stopped) == ""
     assert "a run stopped unfinished writes up to 1.2 GB" in check_room(
         Path("runs/x"), need, free=need.stopped - 1

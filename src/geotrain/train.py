@@ -144,7 +144,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
     lr_scale: str = LR_SCALE_DEFAULT  # "": the algorithm's own (1 for every one today); api.py
-    H: int = 0  # 0: the algorithm's default (10; sparseloco, streaming, co2 20); AUTO_H: dreamddp chooses
+    H: int = 0  # 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20); AUTO_H: chosen
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
@@ -351,7 +351,7 @@ class TrainConfig:
             faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
-        codec = self.compress.partition(":")[0]
+        codec = "" if self.compress == "none" else self.compress.partition(":")[0]
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
         codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
         covered = self.algo in GUARDED_ALGOS and all(c in GUARDED_CODECS for c in codecs)
@@ -471,8 +471,8 @@ class TrainConfig:
             opts["site_H"] = self.site_H
         if self.plan:
             opts["plan_path"] = self.plan
-        if self.compress:
-            opts["compress"] = self.compress
+        if self.compress:  # "none": fp32, where an algorithm's default is a codec (dreamddp's auto)
+            opts["compress"] = "" if self.compress == "none" else self.compress
         opts["replan_threshold"] = self.replan_threshold
         if self.fill_in is not None:
             opts["fill_in"] = self.fill_in
@@ -546,7 +546,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp; auto: the period with the shortest predicted time "
         "to a loss, chosen at start-up from the profile, up to one layer per iteration: see the "
-        "README); 0: the algorithm's default (10; sparseloco, streaming, co2 20)",
+        "README); 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20)",
         "outer_lr": "the outer learning rate of diloco, streaming and co2 (0.7); 0: the algorithm's default",
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see the README), "
@@ -587,9 +587,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "without overlap, workers with it (each measured the better there; see the README)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
-        "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (empty: uncompressed; "
-        "ssgd, ddp, localsgd, diloco, dreamddp); dreamddp also takes auto: its planner chooses "
-        "none, int8 or int4 with the schedule, by predicted time to a loss",
+        "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (ssgd, ddp, localsgd, diloco, "
+        "dreamddp; empty: the algorithm's default, uncompressed but for dreamddp's auto; none: "
+        "uncompressed); auto (dreamddp's default): its planner chooses fp32, int8 or int4 with the "
+        "schedule, by predicted time to a loss",
         "plan": "dreamddp: a plan JSON from `geotrain plan` (empty: profile and plan at start-up)",
         "fill_in": "dreamddp (off by default: no loss gained, 5-10%% of the step lost on W1): each "
         "iteration also averages the layers whose all-reduce fits in the link's idle time, beyond "

@@ -50,7 +50,11 @@ def state_copies(algo: str, compress: str = "", lora: bool = False) -> float:
     if lora:
         return 1.0
     copies = 3 + ALGORITHM_COPIES.get(algo, 0)
-    if compress:
+    if not compress:  # the algorithm's default: dreamddp's chooses one (--compress auto)
+        from geotrain.sync import ALGORITHMS
+
+        compress = getattr(ALGORITHMS[algo][1](), "compress", "") if algo in ALGORITHMS else ""
+    if compress and compress != "none":
         copies += 1  # the codec's error-feedback residual
         if algo == "dreamddp":
             copies += 1  # each layer's reference point for the codec's deltas

@@ -297,6 +297,7 @@ def make_plan(
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
     codec_table = None
+    compress = "" if compress == "none" else compress
     if compress == AUTO_CODEC:  # a run's --compress auto: the codec chosen first, then priced as named
         if topology is not None:
             workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers

@@ -59,7 +59,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
                 f"--compress auto lets a planner choose the codec, which {', '.join(choosers)} has and "
                 f"{name} has not: name a codec (int8, int4, powersgd:rank=4, ...) or leave it out"
             )
-    elif options.get("compress"):
+    elif options.get("compress") and options["compress"] != "none":
         make_codec(options["compress"])  # a bad spec fails here, before any worker starts
     return config_cls.from_options(options)
 

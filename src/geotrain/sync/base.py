@@ -89,9 +89,10 @@ def require_warm_start(warm_start: int) -> None:
 
 
 def codec_from_config(config: SyncConfig, chooses: bool = False) -> Codec | None:
-    """The codec named by ``config.compress`` ("" or absent: send uncompressed; "auto": none
-    yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
+    """The codec named by ``config.compress`` ("", "none" or absent: send uncompressed; "auto":
+    none yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
     spec = getattr(config, "compress", "")
+    spec = "" if spec == "none" else spec
     if spec == "auto" and not chooses:
         raise ConfigError(
             f"--compress auto lets a planner choose the codec; {type(config).__name__} has none: name a codec"

@@ -128,16 +128,21 @@ class DreamDDPConfig(SyncConfig):
     # for one stop, and on W1 over 2,000 steps at H=10 it needed ~1.28x DDP's tokens for DDP's
     # loss where 1x needed 1.17x (one seed each; its measure counts the layers' staggered
     # averaging as noise and runs near sqrt(N), 1.97 at the end). With int4 at H=2 it needed
-    # 0.96x (no 1x run there on W1); on `tiny` at H=10 it ends 4.8% lower (README).
+    # 0.96x, and 0.99x at 1x (README): the period, not the rate, closes the gap.
+    #
+    # H=2 with the codec chosen (int4 on W1 at 100 Mbit/s) by default since: on W1 it reaches
+    # DDP's loss at 2,000 steps in 0.99x DDP's tokens where H=10 uncompressed needed 1.17x, and
+    # int4 at H=2 sends 4.2 MB a step where fp32 at H=10 sends 6.5 (README, "Reaching DDP's loss").
 
-    H: int | str = 10  # "auto": the period with the shortest predicted time to a loss (choose_period)
+    H: int | str = 2  # "auto": the period with the shortest predicted time to a loss (choose_period)
     plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up
     fill_in: bool = False  # measured: no loss gained, 5-10% of the step lost on W1 (see the docstring)
     # 1: a layer's average lands at its next forward; 0: before the update; None: 1, or 0 with a
     # codec (``plan.cost.default_lag``, measured)
     lag: int | None = None
     replan_threshold: float = 0.25  # relative drift of measured from predicted time; 0: never re-plan
-    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed; "auto": the planner's
+    # a codec spec (geotrain.compress); "auto": the planner's (choose_codec); "" or "none": fp32
+    compress: str = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -352,12 +357,21 @@ class DreamDDP(SyncAlgorithm):
         reference copy of each layer: taken now, where the replicas are one (a first plan, or
         a state about to be loaded over it)."""
         spec = plan.get("codec")
-        if spec is None:
-            raise ConfigError(
-                "--compress auto takes its codec from a plan that chose one, and this plan was made for "
-                "a named codec or none: make it with `geotrain plan --compress auto`, give the run that "
-                "codec (--compress CODEC), or leave --plan out and let the run plan itself"
-            )
+        if spec is None:  # `geotrain plan` without --compress auto: the codec it priced, if a candidate
+            spec = str(plan.get("models", {}).get("codec", "")).rsplit(" x", 1)[0]
+            if spec not in {codec_key(c) if c else "" for c in AUTO_CODECS}:
+                raise ConfigError(
+                    f"--compress auto (dreamddp's default) chooses among fp32, int8 and int4, and this plan "
+                    f"was priced for {spec}: give the run --compress {spec}, or make the plan with "
+                    "`geotrain plan --compress auto`"
+                )
+            if self.comm.rank == 0 and self.codec_choice is None:
+                print(
+                    f"geotrain: --compress auto takes the plan's codec ({spec or 'none: fp32'}); "
+                    "`geotrain plan --compress auto` makes a plan that chooses",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # The plan's table where it has one (a joiner's own, made alone before it joined, is not
         # what the group chose); chosen, never again: the replicas differ from here on.
         if plan.get("codec_choice") or self.codec_choice is None:
