@@ -284,6 +284,8 @@ def test_a_run_whose_files_would_not_fit_on_the_disk_is_refused_before_anything_
             "mini",
             "--algo",
             "dreamddp",
+            "--compress",
+            "none",  # fp32: the states measured (its default's codec adds a residual and references)
             "--steps",
             "5",
             "--run-dir",

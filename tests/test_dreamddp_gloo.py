@@ -251,7 +251,8 @@ def _auto_period(rank, world_size):
         dreamddp_module.choose_period = lambda *a, **k: (7, [{"H": 7, "time_to_loss_factor": 0.5}])
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": "auto", "replan_threshold": 0.0})
+    options = {"H": "auto", "replan_threshold": 0.0, "compress": ""}  # fp32 (auto: the next test)
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
     sync.prepare(lambda: model(*_batch(rank, 99))[1])
     chosen = {"H": sync.schedule.H, "config_H": sync.config.H, "rows": sync.period_choice}
     chosen["snapshot_every"] = sync.default_snapshot_every()
@@ -356,22 +357,33 @@ def test_compress_auto_chooses_the_codec_at_start_up_rank_0s_everywhere_and_keep
     assert a["refs_moved"] and a["refs_back"] and a["residual_back"]
 
 
-def test_compress_auto_refuses_a_plan_that_chose_no_codec(tmp_path):
-    """A plan made for a named codec or none (``geotrain plan`` without ``--compress auto``) is
-    not a choice: a run with ``--compress auto`` says how to make one, rather than run with it."""
+def test_compress_auto_takes_a_plans_priced_codec_and_refuses_one_it_would_not_choose(tmp_path, capsys):
+    """A plan made without ``--compress auto`` (``geotrain plan``'s, priced for fp32 or a named
+    codec) gives a run at dreamddp's default the codec it was priced for, and the run says so;
+    one priced for a codec auto never chooses (topk) is refused with the fix; one that chose is
+    taken as it chose."""
+    import json
+
     from geotrain.compress.codec import ConfigError
 
     model = _model()
     path = tmp_path / "plan.json"
-    path.write_text(__import__("json").dumps(_plan(model, 3)))
-    options = {"compress": "auto", "plan_path": str(path)}
-    with pytest.raises(ConfigError, match="geotrain plan --compress auto"):
-        build_sync("dreamddp", model, torch.optim.SGD(model.parameters(), lr=LR), Communicator(), options)
-    chosen = _plan(model, 3) | {"codec": INT4}  # one that chose: taken
-    path.write_text(__import__("json").dumps(chosen))
-    sync = build_sync("dreamddp", model, torch.optim.SGD(model.parameters(), lr=LR), Communicator(), options)
-    assert sync.codec.spec() == INT4 and sync.codec_choice == [] and len(sync._ref) == len(sync.layers)
-    sync.close()
+
+    def built(plan):
+        path.write_text(json.dumps(plan))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        return build_sync("dreamddp", model, opt, Communicator(), {"plan_path": str(path)})  # the default
+
+    plain = built(_plan(model, 3))  # no models: priced for plain all-reduces
+    assert plain.config.compress == "auto" and plain.codec is None and plain.codec_choice == []
+    assert "--compress auto takes the plan's codec (none: fp32)" in capsys.readouterr().err
+    plain.close()
+    with pytest.raises(ConfigError, match="give the run --compress topk"):
+        built(_plan(model, 3) | {"models": {"codec": "topk:warmup=0,ratio=0.01 x2"}})
+    chosen = built(_plan(model, 3) | {"codec": INT4, "codec_choice": [{"codec": INT4}]})
+    assert chosen.codec.spec() == INT4 and chosen.codec_choice == [{"codec": INT4}]
+    assert len(chosen._ref) == len(chosen.layers)
+    chosen.close()
 
 
 def _train_steps(sync, opt, rank: int, steps: int) -> None:
