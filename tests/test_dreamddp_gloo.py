@@ -503,3 +503,26 @@ def test_a_regroup_gives_every_worker_one_reference_for_a_codecs_changes():
     assert mended1 >= nbytes
     for a, b in zip(refs0, refs1, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved", ["", "int8"])
+def test_a_run_saved_before_auto_was_the_default_resumes_sending_what_it_sent(saved):
+    """A state saved with ``compress`` "" (fp32, the default before) or a named codec, loaded
+    into a run at today's default (``auto``): it goes on with what it sent, its codec's
+    residuals and references restored, and chooses nothing."""
+    model = _model()
+    old = build_sync(
+        "dreamddp", model, torch.optim.SGD(model.parameters(), lr=LR), Communicator(), {"compress": saved}
+    )
+    old.set_plan(_plan(model, 3))
+    state = old.state_dict()
+    old.close()
+    new = build_sync("dreamddp", _model(), torch.optim.SGD(model.parameters(), lr=LR), Communicator(), {})
+    assert new.config.compress == "auto"
+    new.load_state_dict(state)
+    assert new.config.compress == saved and new.codec_choice is None
+    assert (new.codec.spec() if new.codec else "") == (old.codec.spec() if old.codec else "")
+    if saved:
+        refs = [(a, b) for name, ts in state["ref"].items() for a, b in zip(new._ref[name], ts, strict=True)]
+        assert refs and all(torch.equal(a, b) for a, b in refs)
+    new.close()

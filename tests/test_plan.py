@@ -1098,6 +1098,11 @@ def test_compress_auto_is_refused_by_the_algorithms_that_do_not_plan():
     from geotrain.sync import sync_config
 
     assert sync_config("dreamddp", {"compress": "auto"}).compress == "auto"
+    assert sync_config("dreamddp").compress == "auto"  # its default
+    from geotrain.comm.guard import default_norm_ratio
+
+    for algo in ("diloco", "localsgd", "dreamddp"):  # none is fp32: checked as uncompressed is
+        assert default_norm_ratio(algo, "none") == default_norm_ratio(algo, "")
     for algo in ("ssgd", "diloco", "localsgd"):
         with pytest.raises(
             ConfigError, match="--compress auto lets a planner choose the codec, which dreamddp"

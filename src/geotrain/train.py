@@ -596,10 +596,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "iteration also averages the layers whose all-reduce fits in the link's idle time, beyond "
         "the period's schedule",
         "lag": "dreamddp: where a layer's average lands: 0 (the paper's: before this step's update) "
-        "or 1 (the default: at the layer's next forward, its all-reduce running on under the update "
-        "and the forward below it; a period's last iteration lands at once); with --compress 0 by "
-        "default (at 1 the codec's second phase runs under the update and the forward, measured "
-        "slower on CPU workers)",
+        "or 1 (the default uncompressed: at the layer's next forward, its all-reduce running on "
+        "under the update and the forward below it; a period's last iteration lands at once); with "
+        "a codec (the one --compress auto chooses included) 0 by default (at 1 the codec's second "
+        "phase runs under the update and the forward, measured slower on CPU workers)",
         "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",
@@ -1380,7 +1380,7 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
         "optimizer": cfg.optimizer,
     }
     # --compress: the codec's encoding is timed too, for the plans that price it
-    codecs = [cfg.compress] if cfg.compress else []
+    codecs = [cfg.compress] if cfg.compress not in ("", "none") else []
     codecs = [c for c in AUTO_CODECS if c] if cfg.compress == AUTO_CODEC else codecs
     profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta, codecs=codecs)
     if ctx.is_main:

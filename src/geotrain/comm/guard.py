@@ -103,7 +103,7 @@ def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_
     disagree a ratio cannot say which is wrong, and would leave out the larger, an honest one as
     often as not (against a joiner's first short delta, say). Off for ``ddp``, the reference:
     checked, its buckets leave PyTorch's all-reduce for a hook."""
-    codec = compress.partition(":")[0]
+    codec = "" if compress == "none" else compress.partition(":")[0]
     free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time" and not warm_start
     return DEFAULT_NORM_RATIO if free else 0.0
 

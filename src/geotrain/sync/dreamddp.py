@@ -91,7 +91,7 @@ from geotrain.plan.schedule import (
     schedule_from_json,
     search_schedule,
 )
-from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, require
+from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, codec_from_config, require
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
@@ -736,6 +736,17 @@ class DreamDDP(SyncAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The plan and the position in its period come back with the step: no re-profiling."""
         self._drop_in_flight()  # a mean taken before the restore must not land on it
+        saved = state.get("config", {}).get("compress")
+        if self.config.compress == AUTO_CODEC and saved is not None and saved != AUTO_CODEC:
+            # A run saved before auto was the default (its config says "", fp32) or with a named
+            # codec, resumed at the default: it goes on sending what it sent.
+            self.config.compress = saved
+            self.codec = codec_from_config(self.config, self.chooses_codec)
+            self._ref = (
+                {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
+                if self.codec
+                else {}
+            )
         if self.config.compress == AUTO_CODEC and state.get("plan") is not None:
             self._adopt_codec(state["plan"])  # the codec chosen, for its state to load into
         super().load_state_dict(state)
