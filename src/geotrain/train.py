@@ -43,6 +43,7 @@ from geotrain.comm.guard import (
     norm_ratio_arg,
     parse_aggregate,
 )
+from geotrain.compress import plain_spec
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import atomic_file, write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
@@ -351,7 +352,7 @@ class TrainConfig:
             faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
-        codec = "" if self.compress == "none" else self.compress.partition(":")[0]
+        codec = plain_spec(self.compress).partition(":")[0]
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
         codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
         covered = self.algo in GUARDED_ALGOS and all(c in GUARDED_CODECS for c in codecs)
@@ -471,8 +472,8 @@ class TrainConfig:
             opts["site_H"] = self.site_H
         if self.plan:
             opts["plan_path"] = self.plan
-        if self.compress:  # "none": fp32, where an algorithm's default is a codec (dreamddp's auto)
-            opts["compress"] = "" if self.compress == "none" else self.compress
+        if self.compress:  # "none": fp32, where an algorithm's default is a codec (sync_config)
+            opts["compress"] = self.compress
         opts["replan_threshold"] = self.replan_threshold
         if self.fill_in is not None:
             opts["fill_in"] = self.fill_in
@@ -1380,7 +1381,7 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
         "optimizer": cfg.optimizer,
     }
     # --compress: the codec's encoding is timed too, for the plans that price it
-    codecs = [cfg.compress] if cfg.compress not in ("", "none") else []
+    codecs = [plain_spec(cfg.compress)] if plain_spec(cfg.compress) else []
     codecs = [c for c in AUTO_CODECS if c] if cfg.compress == AUTO_CODEC else codecs
     profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta, codecs=codecs)
     if ctx.is_main:

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
+from geotrain.compress import plain_spec
+
 # What the check covers (mean all-reduces, CO2's weighted sums, the codecs' own collectives and
 # the frontier methods' gathers, PyTorch's PowerSGD hook): where --max-norm-ratio and --chaos
 # corrupt apply. Not: nosync (nothing is averaged).
@@ -103,7 +105,7 @@ def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_
     disagree a ratio cannot say which is wrong, and would leave out the larger, an honest one as
     often as not (against a joiner's first short delta, say). Off for ``ddp``, the reference:
     checked, its buckets leave PyTorch's all-reduce for a hook."""
-    codec = "" if compress == "none" else compress.partition(":")[0]
+    codec = plain_spec(compress).partition(":")[0]
     free = algo in CHECKED_BY_DEFAULT and codec in GUARDED_CODECS and pace != "time" and not warm_start
     return DEFAULT_NORM_RATIO if free else 0.0
 

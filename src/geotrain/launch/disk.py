@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from geotrain.compress import plain_spec
 from geotrain.metrics import format_bytes
 
 # fp32 copies of the model an algorithm keeps besides the parameters and the optimizer's moments
@@ -54,7 +55,7 @@ def state_copies(algo: str, compress: str = "", lora: bool = False) -> float:
         from geotrain.sync import ALGORITHMS
 
         compress = getattr(ALGORITHMS[algo][1](), "compress", "") if algo in ALGORITHMS else ""
-    if compress and compress != "none":
+    if plain_spec(compress):
         copies += 1  # the codec's error-feedback residual
         if algo == "dreamddp":
             copies += 1  # each layer's reference point for the codec's deltas

@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
+from geotrain.compress import plain_spec
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.codec_time import codec_key
@@ -297,7 +298,7 @@ def make_plan(
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
     codec_table = None
-    compress = "" if compress == "none" else compress
+    compress = plain_spec(compress)
     if compress == AUTO_CODEC:  # a run's --compress auto: the codec chosen first, then priced as named
         if topology is not None:
             workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers

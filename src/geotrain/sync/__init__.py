@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from geotrain.comm.communicator import Communicator
+from geotrain.compress import NO_CODEC
 from geotrain.compress.codec import make_codec
 from geotrain.sync.base import ConfigError, SyncAlgorithm, SyncConfig
 from geotrain.sync.co2 import CO2, CO2Config
@@ -52,6 +53,8 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
             takers = [a for a, (_, c) in ALGORITHMS.items() if option in c.__dataclass_fields__]
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{name} does not take {flag}{why}; algorithms that do: {', '.join(takers)}")
+    if options.get("compress") == NO_CODEC:  # fp32 spelled out: for the config, as ""
+        options = {**options, "compress": ""}
     if options.get("compress") == "auto":
         if not ALGORITHMS[name][0].chooses_codec:
             choosers = [a for a, (cls, _) in ALGORITHMS.items() if cls.chooses_codec]
@@ -59,7 +62,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
                 f"--compress auto lets a planner choose the codec, which {', '.join(choosers)} has and "
                 f"{name} has not: name a codec (int8, int4, powersgd:rank=4, ...) or leave it out"
             )
-    elif options.get("compress") and options["compress"] != "none":
+    elif options.get("compress"):
         make_codec(options["compress"])  # a bad spec fails here, before any worker starts
     return config_cls.from_options(options)
 

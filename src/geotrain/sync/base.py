@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into
 from geotrain.comm.communicator import Communicator
+from geotrain.compress import plain_spec
 from geotrain.compress.codec import Codec, ConfigError, make_codec
 from geotrain.sync.pace import PACES, TimePace
 from geotrain.sync.periods import periods_for
@@ -91,8 +92,7 @@ def require_warm_start(warm_start: int) -> None:
 def codec_from_config(config: SyncConfig, chooses: bool = False) -> Codec | None:
     """The codec named by ``config.compress`` ("", "none" or absent: send uncompressed; "auto":
     none yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
-    spec = getattr(config, "compress", "")
-    spec = "" if spec == "none" else spec
+    spec = plain_spec(getattr(config, "compress", ""))
     if spec == "auto" and not chooses:
         raise ConfigError(
             f"--compress auto lets a planner choose the codec; {type(config).__name__} has none: name a codec"

@@ -176,12 +176,8 @@ class DreamDDP(SyncAlgorithm):
     def __init__(self, model, optimizer, comm, config: DreamDDPConfig | None = None) -> None:
         super().__init__(model, optimizer, comm, config or DreamDDPConfig())
         self.layers = layer_groups(model)
-        # Keyed by layer name: a re-plan reorders the layers.
-        self._ref = (
-            {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
-            if self.codec
-            else {}
-        )
+        self._ref: dict[str, list[torch.Tensor]] = {}
+        self._use_codec(self.codec)
         self.schedule: Schedule | None = None
         self.predicted_step_s: float | None = None
         self.replans = 0
@@ -277,7 +273,7 @@ class DreamDDP(SyncAlgorithm):
                     )
                 compute, priced_for = unpriced(compute), ""
             if not priced_for and self.codec is not None:  # `geotrain plan`'s: plain all-reduces
-                compute, priced_for = self._priced(compute), mine
+                compute, priced_for = self._priced(compute, self.codec), mine
             if priced_for != models.get("codec", "") or schedule.lag != self.lag:
                 self.predicted_step_s = predict_schedule(compute, link, schedule.iterations, self.lag)
             # priced for what cannot be undone (a plan older than raw sizes): a re-plan profiles again
@@ -316,7 +312,7 @@ class DreamDDP(SyncAlgorithm):
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
         H = self._choose_codec(compute, link, profile) if self._choosing_codec() else None
-        self._plan_with(self._priced(compute, profile), link, H)
+        self._plan_with(self._priced(compute, self.codec, profile), link, H)
         self.profile = profile
 
     def _choosing_codec(self) -> bool:
@@ -334,7 +330,7 @@ class DreamDDP(SyncAlgorithm):
         for spec in AUTO_CODECS:
             codec = make_codec(spec) if spec else None
             key = codec.spec() if codec is not None else ""
-            candidates[key] = (self._priced(compute, profile, codec), link, self._lag_with(codec))
+            candidates[key] = (self._priced(compute, codec, profile), link, self._lag_with(codec))
         H = None if self.config.H == "auto" else min(int(self.config.H), compute.n_layers)
         spec, chosen_H, table = choose_codec(
             candidates,
@@ -353,9 +349,8 @@ class DreamDDP(SyncAlgorithm):
         return chosen_H
 
     def _adopt_codec(self, plan: dict[str, Any]) -> None:
-        """Send through the codec a plan chose (``plan["codec"]``, "" for none), with its own
-        reference copy of each layer: taken now, where the replicas are one (a first plan, or
-        a state about to be loaded over it)."""
+        """Send through the codec a plan chose (``plan["codec"]``, "" for none; ``_use_codec``),
+        or, from a plan that chose none, the codec it was priced for where auto could choose it."""
         spec = plan.get("codec")
         if spec is None:  # `geotrain plan` without --compress auto: the codec it priced, if a candidate
             spec = str(plan.get("models", {}).get("codec", "")).rsplit(" x", 1)[0]
@@ -376,12 +371,17 @@ class DreamDDP(SyncAlgorithm):
         # what the group chose); chosen, never again: the replicas differ from here on.
         if plan.get("codec_choice") or self.codec_choice is None:
             self.codec_choice = plan.get("codec_choice") or []
-        if self._codec_spec() == (codec_key(spec) if spec else ""):
-            return
-        self.codec = make_codec(spec) if spec else None
+        if self._codec_spec() != (codec_key(spec) if spec else ""):
+            self._use_codec(make_codec(spec) if spec else None)
+
+    def _use_codec(self, codec: Codec | None) -> None:
+        """Send through ``codec`` (None: fp32), with its reference copy of each layer, keyed by
+        name (a re-plan reorders the layers), taken now: where the replicas are one, or where a
+        state is about to be loaded over it."""
+        self.codec = codec
         self._ref = (
             {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
-            if self.codec
+            if codec is not None
             else {}
         )
 
@@ -393,11 +393,10 @@ class DreamDDP(SyncAlgorithm):
         return f"{self.codec.spec()} x{self.comm.world_size}" if self.codec is not None else ""
 
     def _priced(
-        self, compute: ComputeModel, profile: dict[str, Any] | None = None, codec: Any = "this run's"
+        self, compute: ComputeModel, codec: Codec | None, profile: dict[str, Any] | None = None
     ) -> ComputeModel:
-        """A profile's compute model (plain all-reduces) with this run's codec messages priced
-        (or ``codec``'s, None for none), and its encoding where ``profile`` timed it."""
-        codec = self.codec if codec == "this run's" else codec
+        """A profile's compute model (plain all-reduces) with ``codec``'s messages priced (None:
+        as it is), and its encoding where ``profile`` timed it."""
         if codec is None:
             return compute
         by_name = {layer.name: layer for layer in self.layers}
@@ -424,11 +423,9 @@ class DreamDDP(SyncAlgorithm):
         """The schedule searched on these models, broadcast from rank 0 and adopted; ``H``: a
         period already chosen (``--compress auto`` with ``--H auto`` chooses both at once)."""
         choice = self.period_choice  # --H auto's table, kept through re-plans
-        if H is not None:
-            pass
-        elif self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
+        if H is None and self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
             H, choice = self._choose_period(compute, link)
-        else:
+        elif H is None:
             H = min(self.config.H, compute.n_layers)
         schedule = search_schedule(
             compute, link, H, fill_in=self.config.fill_in, lag=self.lag, headroom=PLAN_HEADROOM
@@ -741,12 +738,7 @@ class DreamDDP(SyncAlgorithm):
             # A run saved before auto was the default (its config says "", fp32) or with a named
             # codec, resumed at the default: it goes on sending what it sent.
             self.config.compress = saved
-            self.codec = codec_from_config(self.config, self.chooses_codec)
-            self._ref = (
-                {layer.name: [p.detach().clone() for p in layer.params] for layer in self.layers}
-                if self.codec
-                else {}
-            )
+            self._use_codec(codec_from_config(self.config, self.chooses_codec))
         if self.config.compress == AUTO_CODEC and state.get("plan") is not None:
             self._adopt_codec(state["plan"])  # the codec chosen, for its state to load into
         super().load_state_dict(state)
