@@ -167,6 +167,46 @@ def test_lag_1_lands_each_average_at_the_layers_next_forward_where_lag_0_takes_i
                 assert set(a["in_flight"]) == set(b["averaged"]), f"step {step}"
 
 
+def _advanced_after_backward(rank, world_size, compress, lag):
+    """Per step: whether each average in flight when backward returns has its second phase out."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    options = {"H": 2, "replan_threshold": 0.0, "lag": lag, "compress": compress}
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
+    sync.set_plan(_plan(model, 2))
+    out = []
+    for step in range(4):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        out.append([message.advanced for message, _ in sync._inflight.values()])
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("compress", ["int4", "powersgd:rank=2"])
+def test_a_codecs_second_phases_go_out_under_backward_where_its_averages_land_at_once(compress):
+    """Landing at once (lag 0, or lag 1's last iteration of a period), each layer's second phase
+    is launched when the first of the layer ``ADVANCE_DEPTH`` launches later goes out: after
+    backward only the last ``ADVANCE_DEPTH`` launched are left to advance. Landing late, none
+    is (they go out under the update and the forward)."""
+    from geotrain.plan.cost import ADVANCE_DEPTH
+
+    for lag in (0, 1):
+        steps = run_workers(_advanced_after_backward, 2, compress, lag)
+        assert steps[0] == steps[1]
+        for step, advanced in enumerate(steps[0]):
+            assert len(advanced) > ADVANCE_DEPTH, f"step {step}: too few layers to tell"
+            if lag == 0 or step % 2 == 1:
+                expected = [True] * (len(advanced) - ADVANCE_DEPTH) + [False] * ADVANCE_DEPTH
+                assert advanced == expected, f"lag {lag}, step {step}"
+            else:
+                assert not any(advanced), f"lag {lag}, step {step}"
+
+
 def _late_state(rank, world_size, compress=""):
     """Two steps at lag 1, then a snapshot's state_dict inside the period: it lands what flies."""
     model = _model()

@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geotrain.plan.cost import (
+    ADVANCE_DEPTH,
     ComputeModel,
     LinkModel,
+    codec_exposed,
     deadlines,
     exposed_for_layers,
     iteration_overhead,
@@ -591,8 +593,10 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
 def test_a_codecs_messages_are_priced_by_their_wire_bytes_and_phases():
     """The profile's line is a plain ring all-reduce: a codec's message costs what an all-reduce
     putting its wire bytes on the link costs (w N / (2 (N - 1)) payload bytes). int4's first
-    phase (its all-to-all) queues under backward; its all-gather runs after backward, one layer
-    after another, each with its own latency; fp16 is one all-reduce of half the bytes."""
+    phase (its all-to-all) goes out when its layer is ready, its all-gather when the next
+    layer's first phase does (each with its own latency): here layer 0's all-gather hides under
+    backward but delays layer 2's all-to-all by as much, so the iteration exposes what it would
+    with every all-gather after backward. fp16 is one all-reduce of half the bytes."""
     from geotrain.compress.codec import make_codec
     from geotrain.plan.cost import priced_for_codec
 
@@ -700,7 +704,12 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
 def test_a_codecs_second_phases_landing_late_run_under_the_update_and_the_forward():
     """lag 1 with a codec: the update waits for the last first phase (0.35 - 0.30), then the
     second phases go out in forward order (layer 2 first), 0.1 s each, due at each layer's
-    forward (0.3 + 0.06 + 1.0 * (0.3 - finish)): each 0.04 late. At lag 0 all of it waits."""
+    forward (0.3 + 0.06 + 1.0 * (0.3 - finish)): each 0.04 late. At lag 0 with every second
+    phase advanced after backward (3 layers at depth 3) all of it waits (0.05 + 0.3). Advanced
+    one launch later (depth 1): layer 0's second phase at 0.2 (to 0.3), layer 1's first phase
+    behind it (to 0.35), for which backward waits at 0.3 before layer 2's goes out (a 0.05
+    stall); layer 1's second phase (0.35-0.45), layer 2's first (to 0.5), and after backward
+    its second (to 0.6): 0.3 past backward's end."""
     compute = ComputeModel(
         names=("a", "b", "c"),
         backward_s=(0.1, 0.1, 0.1),
@@ -711,7 +720,17 @@ def test_a_codecs_second_phases_landing_late_run_under_the_update_and_the_forwar
     )
     link = LinkModel(0.0, 1e-6)
     assert iteration_overhead(compute, link, [0, 1, 2], late=True) == pytest.approx(0.05 + 0.04)
-    assert iteration_overhead(compute, link, [0, 1, 2], late=False) == pytest.approx(0.05 + 0.3)
+    assert codec_exposed(compute, link, [0, 1, 2], depth=3) == pytest.approx(0.05 + 0.3)
+    assert codec_exposed(compute, link, [0, 1, 2], depth=1) == pytest.approx(0.3)
+    assert iteration_overhead(compute, link, [0, 1, 2]) == pytest.approx(
+        codec_exposed(compute, link, [0, 1, 2], depth=ADVANCE_DEPTH)
+    )
+    # a link with room under backward, each phase 0.02 s: at depth 1 every second phase but the
+    # last hides (layer 2's first phase 0.32-0.34, its second after it); at depth 2 layer 0's
+    # second phase (0.3-0.32) delays layer 2's first (to 0.34), then layer 2's and 1's follow
+    quick = replace(compute, nbytes=(20_000,) * 3, tail_bytes=(20_000,) * 3)
+    assert codec_exposed(quick, link, [0, 1, 2], depth=1) == pytest.approx(0.34 + 0.02 - 0.3)
+    assert codec_exposed(quick, link, [0, 1, 2], depth=2) == pytest.approx(0.34 + 0.04 - 0.3)
     # one layer: its second phase (0.3 to 0.4) lands before layer 0's forward begins (0.56)
     assert iteration_overhead(compute, link, [0], late=True) == pytest.approx(0.0)
     assert iteration_overhead(compute, link, [0], late=False) == pytest.approx(0.1)

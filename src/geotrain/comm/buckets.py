@@ -71,6 +71,11 @@ class Pending:
         self._abandon = abandon
         self._done = False
 
+    @property
+    def advanced(self) -> bool:
+        """Whether its second collective (if it has one) is launched: ``wait`` issues none."""
+        return self._advance is None or self._done
+
     def advance(self) -> None:
         if self._advance is not None and not self._done:
             self._advance()

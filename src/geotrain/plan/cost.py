@@ -182,13 +182,23 @@ def deadlines(compute: ComputeModel, late: bool) -> list[float]:
     return [end + compute.optimizer_s + share * (end - t) for t in finish]
 
 
+# DreamDDP with a codec, landing at once: before a layer's first phase goes out, the second
+# phase of the one launched this many launches earlier does (``codec_exposed``). Not the one
+# just before: waiting for a first phase is waiting for the slowest worker to reach that layer,
+# and workers sharing cores drift apart by a few layers (measured on W1: below)
+ADVANCE_DEPTH = 3
+
+
 def exposed_for_layers(
     compute: ComputeModel, link: LinkModel, layers: Iterable[int], late: bool = False
 ) -> float:
     """Exposed communication of one iteration that averages ``layers``, each launched when ready:
     how far the last of them lands after the end of backward, or ``late`` (see ``deadlines``)
     how far the most overdue one makes the next forward wait (a wait there shifts the later
-    layers' deadlines with it, so the largest lateness is the wait)."""
+    layers' deadlines with it, so the largest lateness is the wait). A codec's two phases
+    landing at once: ``codec_exposed``."""
+    if compute.tail_bytes and not late:
+        return codec_exposed(compute, link, layers)
     finish = compute.finish_times()
     chosen = sorted(layers)
     spans = queue_spans(
@@ -200,7 +210,7 @@ def exposed_for_layers(
     if not spans:
         return 0.0
     due = deadlines(compute, late)
-    if not (late and compute.tail_bytes):
+    if not compute.tail_bytes:
         return max(0.0, max(end - due[i] for (_, end), i in zip(spans, chosen, strict=True)))
     # A codec's averages landing late: the update waits for every first phase (``before_step``
     # advances them all), then the second phases go out in forward order, each due at its
@@ -213,24 +223,66 @@ def exposed_for_layers(
     return wait + overdue
 
 
+def codec_exposed(
+    compute: ComputeModel, link: LinkModel, layers: Iterable[int], depth: int | None = None
+) -> float:
+    """Exposure of a codec's averages of ``layers`` landing at once, whose second phase
+    (``tail_bytes``) is computed from the first's result and goes out under backward
+    (DreamDDP's ``_advance_launched``): each layer's first phase goes out when it is ready, and
+    before it the one launched ``depth`` (``ADVANCE_DEPTH``) launches earlier is advanced:
+    backward waits for its first phase (a stall where the link is behind) and queues its
+    second. After backward the rest are advanced, the last launched first, and the update waits
+    for every second phase. One link, first queued first served, ``comm_slowdown`` times slower
+    under backward."""
+    depth = ADVANCE_DEPTH if depth is None else depth
+    chosen = sorted(layers)
+    if not chosen:
+        return 0.0
+    finish = compute.finish_times()
+    end = finish[-1]
+    slowdown = compute.comm_slowdown
+    stall, free = 0.0, 0.0  # backward's waits so far; when the link is next free
+
+    def serve(ready: float, c: float) -> float:
+        nonlocal free
+        start, backward_end = max(free, ready), end + stall
+        if start >= backward_end:
+            free = start + c
+        elif c * slowdown <= backward_end - start:
+            free = start + c * slowdown
+        else:  # part of it under backward, the rest at full speed after
+            free = backward_end + c - (backward_end - start) / slowdown
+        return free
+
+    first: list[float] = []  # when each launched layer's first phase lands
+    for k, i in enumerate(chosen):
+        ready = finish[i] + stall
+        if k >= depth:
+            if first[k - depth] > ready:  # backward waits for that one's first phase
+                stall += first[k - depth] - ready
+                ready = first[k - depth]
+            serve(ready, link.time(compute.tail_bytes[chosen[k - depth]]))
+        first.append(serve(ready, link.time(compute.nbytes[i])))
+    # after backward: the rest advanced, the last launched first (waiting for every first phase)
+    t = max(end + stall, first[-1])
+    for i in reversed(chosen[max(0, len(chosen) - depth) :]):
+        t = serve(t, link.time(compute.tail_bytes[i]))
+    return t - end
+
+
 def iteration_overhead(
     compute: ComputeModel, link: LinkModel, layers: Iterable[int], late: bool = False
 ) -> float:
-    """What averaging ``layers`` during backward adds to an iteration: exposure plus interference,
-    plus their second phases after backward, one after another (``tail_bytes``), plus the
-    codec's compute (``codec_s``). ``late``: the averages land at the layers' next forward, and
-    the second phases run under the update and the forward (priced in the exposure)."""
+    """What averaging ``layers`` during backward adds to an iteration: exposure (a codec's
+    second phases in it: under backward, ``codec_exposed``, or ``late`` under the update and
+    the forward) plus interference, plus the codec's compute (``codec_s``)."""
     chosen = list(layers)
     sent = sum(compute.nbytes[i] for i in chosen)
-    tails = 0.0
-    if compute.tail_bytes and not late:
-        tails = sum(link.time(compute.tail_bytes[i]) for i in chosen)
-    elif compute.tail_bytes:  # sent under the update and the forward: interfering as under backward
+    if compute.tail_bytes:
         sent += sum(compute.tail_bytes[i] for i in chosen)
     return (
         exposed_for_layers(compute, link, chosen, late)
         + compute.interference_s_per_byte * sent
-        + tails
         + compute.codec_total_s(chosen)
     )
 
@@ -307,7 +359,10 @@ def default_lag(codec: bool) -> int:
     runs under the update and the forward, which on CPU workers it slows more than it saves:
     on W1 at 100 Mbit/s (int4, H=2) 2.756 s a step at lag 1 against 2.458 s at lag 0 (nosync
     2.089), and the plan predicted the same order (2.62 against 2.38 s: the interference its
-    profile measured). An accelerator's compute does not share the cores with the transfers."""
+    profile measured). With the second phases under backward at lag 0 (``codec_exposed``) the
+    two measured the same (2.217 s at lag 0, 2.212 s at lag 1; nosync 1.899), and lag 1's
+    prediction is the further off (13% under, against 6%). An accelerator's compute does not
+    share the cores with the transfers."""
     return 0 if codec else DEFAULT_LAG
 
 

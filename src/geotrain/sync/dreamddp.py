@@ -29,7 +29,9 @@ The period's last iteration lands its own at once, so a period ends with nothing
 first (the same values: no update comes between). The schedule is searched for these deadlines
 (``plan.cost.deadlines``). Measured on W1 at 100 Mbit/s (GPT ``mini``, 4 workers): 1.86-1.90 s a
 step against 1.98 s at lag 0 (nosync 1.72-1.74 s). With a codec a run lands at once by default
-(``plan.cost.default_lag``: lag 1 measured slower on CPU workers); at ``lag`` 1 what lands late
+(``plan.cost.default_lag``: lag 1 measured slower on CPU workers), and each layer's second phase
+(the quantisers' all-gather, PowerSGD's Q) goes out under backward, a few layers after its first
+(``_advance_launched``), so the update waits only for the last few; at ``lag`` 1 what lands late
 is the mean change (x_l <- x_l + mean change - change sent), its first collective runs under
 backward, and its second (the quantisers' all-gather of the averaged shards) is launched in
 ``before_step`` and runs under the update and the forward (``plan.cost.exposed_for_layers``).
@@ -64,6 +66,7 @@ from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into, wait_
 from geotrain.compress.codec import Codec, ConfigError, make_codec
 from geotrain.plan.codec_time import codec_key
 from geotrain.plan.cost import (
+    ADVANCE_DEPTH,
     PLAN_HEADROOM,
     ComputeModel,
     LinkModel,
@@ -227,7 +230,8 @@ class DreamDDP(SyncAlgorithm):
     def lag(self) -> int:
         """The lag this run lands at: ``config.lag``, by default 1, or 0 with a codec
         (``plan.cost.default_lag``: measured slower at lag 1 on CPU workers). With a codec at
-        lag 1 every collective is still issued in ``before_step``: each average is advanced
+        lag 1 an iteration landing late issues its second phases in ``before_step`` (at once,
+        they go out under backward: ``_advance_launched``): each average is advanced
         there (its first phase waited for, its second, the quantisers' all-gather or PowerSGD's
         Q, launched: ``Pending``), in forward order, and only waited for at its layer's next
         forward, so the second phases run under the update and the forward instead of before
@@ -507,6 +511,8 @@ class DreamDDP(SyncAlgorithm):
             self._land_late(i)
         params = [p.detach() for p in self.layers[i].params]
         if self.codec is not None:
+            if self._lands_now():
+                self._advance_launched()
             name = self.layers[i].name
             deltas = [p - ref for p, ref in zip(params, self._ref[name], strict=True)]
             # the codec writes the mean change into ``deltas``; landing late needs what was sent
@@ -519,6 +525,22 @@ class DreamDDP(SyncAlgorithm):
                 message = message.clone()  # which the update would write while the mean lands
             self._sent[i] = message.clone()
         self._inflight[i] = self.comm.all_reduce(message, op="mean", async_op=True)
+
+    def _advance_launched(self) -> None:
+        """Where a codec's averages land at once, their second phases go out under backward:
+        before a layer's first phase is launched, the one launched ``ADVANCE_DEPTH`` launches
+        before it is advanced (its first phase waited for, its shard of the mean re-quantised
+        and all-gathered). Waiting after backward for them all left every second phase exposed.
+        A fixed one, not any found finished: every worker must issue its collectives in one
+        order, and the order of launches is the backward's, the same everywhere. Its first
+        phase has had some layers' backward to finish under; where the link cannot keep up,
+        backward waits here for what the update would have waited for
+        (``plan.cost.codec_exposed``). Landing late, the second phases go out in
+        ``before_step``, under the update and the forward, leaving backward's link to the first
+        phases, whose results the update needs."""
+        if len(self._inflight) >= ADVANCE_DEPTH:
+            message, _ = list(self._inflight.values())[-ADVANCE_DEPTH]
+            message.advance()
 
     def _lands_now(self) -> bool:
         """Whether this iteration's averages land in its own before_step: always at lag 0, and
