@@ -151,14 +151,19 @@ def queue_spans(
     spans, queue = [], 0.0
     for ready, c in zip(ready_s, comm_s, strict=True):
         start = max(queue, ready)
-        if start >= end_s:
-            queue = start + c
-        elif c * slowdown <= end_s - start:
-            queue = start + c * slowdown
-        else:  # part of it under backward, the rest at full speed after
-            queue = end_s + c - (end_s - start) / slowdown
+        queue = _finish(start, c, end_s, slowdown)
         spans.append((start, queue))
     return spans
+
+
+def _finish(start: float, c: float, end_s: float, slowdown: float) -> float:
+    """When a message started at ``start`` that takes ``c`` on an idle link ends, ``slowdown``
+    times slower before ``end_s`` (while backward runs)."""
+    if start >= end_s:
+        return start + c
+    if c * slowdown <= end_s - start:
+        return start + c * slowdown
+    return end_s + c - (end_s - start) / slowdown  # part under backward, the rest at full speed
 
 
 def simulate_backward(
@@ -245,13 +250,7 @@ def codec_exposed(
 
     def serve(ready: float, c: float) -> float:
         nonlocal free
-        start, backward_end = max(free, ready), end + stall
-        if start >= backward_end:
-            free = start + c
-        elif c * slowdown <= backward_end - start:
-            free = start + c * slowdown
-        else:  # part of it under backward, the rest at full speed after
-            free = backward_end + c - (backward_end - start) / slowdown
+        free = _finish(max(free, ready), c, end + stall, slowdown)
         return free
 
     first: list[float] = []  # when each launched layer's first phase lands
