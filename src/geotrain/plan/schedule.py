@@ -186,9 +186,8 @@ def search_schedule(
         # favours iterations that alternate large and small layers. Refined under that exact
         # cost, from the search's assignment and from round-robin, the better kept.
         seeds = [best, [i % H for i in range(L)]]
-        refined = [_refine(compute, link, seed, late) for seed in seeds]
-        best = min(refined, key=lambda a: _period_overhead(compute, link, a, late))
-    iterations = [[i for i in range(L) if best[i] == h] for h in range(H)]
+        best = min((_refine(compute, link, seed, late) for seed in seeds), key=lambda r: r[1])[0]
+    iterations = _members(best, H)
     if fill_in:
         iterations = [_fill(compute, link, it, late[h]) for h, it in enumerate(iterations)]
     return Schedule(
@@ -207,19 +206,12 @@ def _members(assignment: Sequence[int], H: int) -> list[list[int]]:
     return [[i for i, a in enumerate(assignment) if a == h] for h in range(H)]
 
 
-def _period_overhead(
-    compute: ComputeModel, link: LinkModel, assignment: Sequence[int], late: list[bool]
-) -> float:
-    return sum(
-        iteration_overhead(compute, link, it, late[h]) for h, it in enumerate(_members(assignment, len(late)))
-    )
-
-
 def _refine(
     compute: ComputeModel, link: LinkModel, assignment: Sequence[int], late: list[bool], rounds: int = 6
-) -> list[int]:
+) -> tuple[list[int], float]:
     """Move one layer at a time to the iteration where the period's overhead falls most, while
-    any move lowers it (every iteration keeps at least one layer)."""
+    any move lowers it (every iteration keeps at least one layer). The assignment and its
+    period's overhead."""
     H = len(late)
     best = list(assignment)
     members = _members(best, H)
@@ -245,7 +237,7 @@ def _refine(
                 moved = True
         if not moved:
             break
-    return best
+    return best, sum(cost)
 
 
 def _fill(compute: ComputeModel, link: LinkModel, layers: list[int], late: bool = False) -> list[int]:

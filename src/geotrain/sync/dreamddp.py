@@ -51,6 +51,7 @@ got slower, a worker got busier) in two periods running, the workers profile aga
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import sys
@@ -538,8 +539,8 @@ class DreamDDP(SyncAlgorithm):
         (``plan.cost.codec_exposed``). Landing late, the second phases go out in
         ``before_step``, under the update and the forward, leaving backward's link to the first
         phases, whose results the update needs."""
-        if len(self._inflight) >= ADVANCE_DEPTH:
-            message, _ = list(self._inflight.values())[-ADVANCE_DEPTH]
+        if len(self._inflight) >= ADVANCE_DEPTH:  # launch order is the dict's: the earlier ones advanced
+            message, _ = next(itertools.islice(reversed(self._inflight.values()), ADVANCE_DEPTH - 1, None))
             message.advance()
 
     def _lands_now(self) -> bool:
