@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,31 @@ import geotrain
 import geotrain.api
 
 
+def worker_device() -> torch.device:
+    """This worker's GPU (several workers share one round-robin: run them with --backend gloo), or CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def owns_gpu(device: torch.device) -> bool:
+    """Whether every worker on this machine has a GPU of its own, as NCCL needs."""
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return device.type == "cuda" and workers <= torch.cuda.device_count()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algo", default="diloco")
     parser.add_argument("--H", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--backend", default="", help="gloo, nccl or cpu:gloo,cuda:nccl (default: NCCL on a GPU of its own)"
+    )
+    parser.add_argument("--autocast", action="store_true", help="forward passes in bf16 (torch.autocast)")
     args = parser.parse_args()
     try:
         from peft import LoraConfig, get_peft_model
@@ -34,7 +54,9 @@ def main() -> None:
     except ImportError as e:
         raise SystemExit(f"this example needs transformers and peft: pip install -e '.[hf]' ({e})") from None
 
-    dist.init_process_group("gloo")
+    device = worker_device()
+    backend = args.backend or ("cpu:gloo,cuda:nccl" if owns_gpu(device) else "gloo")
+    dist.init_process_group(backend, device_id=device if "nccl" in backend else None)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -44,7 +66,7 @@ def main() -> None:
         model = get_peft_model(
             model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0)
         )
-    model.train()
+    model.to(device).train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     options = {"H": args.H} if "H" in geotrain.api.accepted_options(args.algo) else {}
@@ -52,15 +74,16 @@ def main() -> None:
 
     data = torch.Generator().manual_seed(1 + rank)  # this worker's shard of (random) token streams
     for _ in range(args.steps):
-        tokens = torch.randint(0, 256, (4, 32), generator=data)
-        loss = sync.model(input_ids=tokens, labels=tokens).loss
+        tokens = torch.randint(0, 256, (4, 32), generator=data).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast):
+            loss = sync.model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         sync.step()
         sync.zero_grad()
     sync.finish()
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
     sent = sync.stats["sent_bytes"]
     print(
         f"rank {rank}: trainable {trainable} sent {sent} loss {loss.item():.4f} digest {digest}", flush=True

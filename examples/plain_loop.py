@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -26,6 +27,21 @@ import geotrain
 import geotrain.api
 
 
+def worker_device() -> torch.device:
+    """This worker's GPU (several workers share one round-robin: run them with --backend gloo), or CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def owns_gpu(device: torch.device) -> bool:
+    """Whether every worker on this machine has a GPU of its own, as NCCL needs."""
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return device.type == "cuda" and workers <= torch.cuda.device_count()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algo", default="diloco")
@@ -33,13 +49,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--pace", default="steps", help="localsgd, diloco: steps or time")
     parser.add_argument("--slow", type=int, default=-1, help="this rank sleeps 20 ms per step")
+    parser.add_argument(
+        "--backend", default="", help="gloo, nccl or cpu:gloo,cuda:nccl (default: NCCL on a GPU of its own)"
+    )
+    parser.add_argument("--autocast", action="store_true", help="forward passes in bf16 (torch.autocast)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # NCCL on GPUs; torchrun sets the rendezvous
+    device = worker_device()
+    # NCCL for CUDA tensors, gloo for the few CPU numbers geotrain exchanges; torchrun sets the rendezvous
+    backend = args.backend or ("cpu:gloo,cuda:nccl" if owns_gpu(device) else "gloo")
+    dist.init_process_group(backend, device_id=device if "nccl" in backend else None)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same model everywhere (wrap starts all from rank 0's anyway)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1 + rank)  # this worker's shard
     true_w = torch.linspace(-1, 1, 8)
@@ -68,15 +91,16 @@ def main() -> None:
             continue
         if rank == args.slow:
             time.sleep(0.02)
-        x, y = batch()
-        loss = nn.functional.mse_loss(sync.model(x), y)
+        x, y = (t.to(device) for t in batch())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast):
+            loss = nn.functional.mse_loss(sync.model(x).float(), y)
         loss.backward()
         sync.step()
         sync.zero_grad()
     sync.finish()
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
     print(
         f"rank {rank}: loss {loss.item():.4f} sent {sync.stats['sent_bytes']} bytes digest {digest} "
         f"skipped {skipped}",

@@ -210,6 +210,18 @@ def accepted_options(algo: str) -> list[str]:
     return [next((k for k, v in ALIASES.items() if v == n), n) for n in names]
 
 
+def _with_cpu_backend(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, or where it is NCCL's alone (``init_process_group("nccl")``), a group of the
+    same ranks that pairs NCCL with gloo: geotrain exchanges a few CPU numbers (losses, digests,
+    the norm check's verdicts), which NCCL refuses. Collective: every rank calls ``wrap``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return group
+    if str(dist.get_backend(group)) != "nccl":
+        return group
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return dist.new_group(ranks, backend="cpu:gloo,cuda:nccl")
+
+
 def wrap(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -271,6 +283,7 @@ def wrap(
         auto_min_workers = AUTO_MIN_WORKERS
     else:
         auto_min_workers = 0
+    group = _with_cpu_backend(group)
     try:
         comm = Communicator(
             group=group, max_norm_ratio=max_norm_ratio, aggregate=aggregate, auto_min_workers=auto_min_workers

@@ -71,11 +71,13 @@ from geotrain.launch.admission import Pass, Refused, eviction, prove, read_token
 from geotrain.launch.agent import TRAINER_LOG_ONLY
 from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import (
+    BACKENDS,
     DistContext,
     init_distributed,
     init_from_broker,
     init_joiner,
     shutdown_distributed,
+    uses_nccl,
 )
 from geotrain.metrics import MetricsWriter, metrics_up_to, summary_table
 from geotrain.models import MODEL_SIZES, ModelError, ModelSpec, build_model, describe, parameter_count
@@ -87,6 +89,7 @@ from geotrain.sync.periods import resolve_every
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
+AUTOCASTS = ("off", "bf16")
 EVAL_MODELS = ("auto", "average", "replicas")
 
 
@@ -187,6 +190,8 @@ class TrainConfig:
     link: str = "unshaped"  # a description of the links, recorded in the summary
     network_mode: str = "none"  # netns | loopback | none: how the links were made
     threads: int = 0  # 0: cores divided by workers on this machine
+    backend: str = "auto"  # auto | nccl | gloo (launch/dist.py choose_backend)
+    autocast: str = "off"  # off | bf16: forward passes under torch.autocast, parameters stay fp32
     timeout_s: float = 0.0  # 0: derived from the model's size and link_rate (collective_timeout_s)
     link_rate: str = ""  # the slowest host's link, e.g. 10mbit ("": unshaped or unknown)
     sites: str = ""  # the site of each host, e.g. 0,0,1,1 ("": one site; geotrain run --topology sets it)
@@ -283,6 +288,8 @@ class TrainConfig:
         need(self.latency_ms >= 0, f"--latency must be >= 0, got {self.latency_ms} ms")
         need(self.bucket_mb >= 0, f"--bucket-mb must be >= 0 (0 = default), got {self.bucket_mb}")
         need(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+        need(self.backend in BACKENDS, f"--backend takes {', '.join(BACKENDS)}; got {self.backend!r}")
+        need(self.autocast in AUTOCASTS, f"--autocast takes {', '.join(AUTOCASTS)}; got {self.autocast!r}")
         try:
             parse_aggregate(self.aggregate)
         except ValueError as e:
@@ -615,6 +622,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "tokenizer": "a tokenizers JSON file, or a directory with tokenizer.json (a Hugging Face model's): "
         "--data is tokenized with it once, cached next to the data (empty: bytes, vocabulary 256)",
         "threads": "torch threads per worker (0: cores / workers on this machine)",
+        "backend": "the process group's: nccl (CUDA tensors; gloo carries the CPU control numbers), "
+        "gloo (CPU or CUDA tensors), auto (nccl where every worker on a machine has a GPU of its own, "
+        "gloo otherwise: NCCL refuses two ranks on one GPU)",
+        "autocast": "bf16: forward passes (training, profiling, validation) under torch.autocast in "
+        "bfloat16 on the worker's device; parameters, gradients and what is averaged stay fp32 (off: fp32)",
         "timeout_s": "seconds a collective (and a membership rendezvous) may wait for the other workers "
         "before the run fails (0: twice what the slowest link, --link-rate, needs for three copies of "
         "the model, plus a minute, at least 600)",
@@ -732,17 +744,29 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
+def forward_precision(device: torch.device, autocast: str):
+    """Where forward passes run: under torch.autocast in bfloat16 with ``--autocast bf16`` (on
+    CUDA and CPU alike); a no-op context otherwise. Backward follows the forward's casts."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bf16")
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
+def evaluate(model: torch.nn.Module, batches, device: torch.device, autocast: str = "off") -> float:
     was_training = model.training
     model.eval()
-    losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
+    with forward_precision(device, autocast):
+        losses = [model(x.to(device), y.to(device))[1].float().item() for x, y in batches]
     model.train(was_training)
     return sum(losses) / len(losses)
 
 
 def evaluate_run(
-    model: torch.nn.Module, batches, device: torch.device, comm: Communicator, average: bool
+    model: torch.nn.Module,
+    batches,
+    device: torch.device,
+    comm: Communicator,
+    average: bool,
+    autocast: str = "off",
 ) -> tuple[float, float | None]:
     """A mid-run validation: ``(val_loss, val_loss_replicas)``.
 
@@ -753,7 +777,7 @@ def evaluate_run(
     score; the second is still the replicas'. The mean is evaluated in place and the replica's
     own parameters are put back bitwise, so training goes on exactly as without the evaluation.
     """
-    replicas = comm.mean_scalars([evaluate(model, batches, device)])[0]
+    replicas = comm.mean_scalars([evaluate(model, batches, device, autocast)])[0]
     if not average or comm.world_size == 1:
         return replicas, None
     trained = [p.data for p in model.parameters() if p.requires_grad]
@@ -762,7 +786,7 @@ def evaluate_run(
         return replicas, None  # already one model (a sync step, or a synchronous method)
     try:
         unflatten_into(comm.mean_control(own.to(torch.float32, copy=True)), trained)
-        mean_loss = comm.mean_scalars([evaluate(model, batches, device)])[0]
+        mean_loss = comm.mean_scalars([evaluate(model, batches, device, autocast)])[0]
     finally:
         unflatten_into(own, trained)
     return mean_loss, replicas
@@ -804,7 +828,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     beyond = sorted(h for h in cfg.slow_factors() if h >= ctx.world_size)
     if beyond:
         raise ConfigError(f"--slow names host {beyond[0]}; the run's hosts are 0 to {ctx.world_size - 1}")
-    if cfg.hierarchy != "off" and ctx.backend == "nccl":
+    if cfg.hierarchy != "off" and uses_nccl(ctx.backend):
         raise ConfigError(
             f"--hierarchy {cfg.hierarchy} runs its groups on gloo, not NCCL yet: use --hierarchy off on GPUs"
         )
@@ -833,7 +857,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     def profile_loss() -> torch.Tensor:
         x, y = profile_sampler.next_train()
-        return model(x.to(device), y.to(device))[1]
+        with forward_precision(device, cfg.autocast):
+            return model(x.to(device), y.to(device))[1]
 
     if cfg.profile_out:
         return _write_profile(cfg, ctx, model, optimizer, comm, profile_loss)
@@ -978,7 +1003,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     flush=True,
                 )
         t_forward = compute_clock()
-        _, loss = sync.model(x.to(device), y.to(device))
+        with forward_precision(device, cfg.autocast):
+            _, loss = sync.model(x.to(device), y.to(device))
         if slow > 1:  # a straggler (--slow): its forward's time, the compute without communication
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -1196,7 +1222,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             # On the same batches everywhere: the replicas' mean model, or each replica (--eval-model).
             t_eval = time.perf_counter()
             try:
-                val_loss, replicas_loss = evaluate_run(model, val_batches, device, comm, eval_average)
+                val_loss, replicas_loss = evaluate_run(
+                    model, val_batches, device, comm, eval_average, cfg.autocast
+                )
                 record["val_loss"] = val_loss
                 if replicas_loss is not None:
                     record["val_loss_replicas"] = replicas_loss
@@ -1259,7 +1287,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 finalized = True
             final_s = time.perf_counter() - t_final
             final_spent = comm.stats.delta(before)
-            val_loss = comm.mean_scalars([evaluate(model, val_batches, device)])[0]
+            val_loss = comm.mean_scalars([evaluate(model, val_batches, device, cfg.autocast)])[0]
             break
         except RuntimeError as e:  # a member lost in the last average: average the survivors
             # A member whose last average completed reports a step past every sync, so the ones
@@ -1430,6 +1458,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "sites": comm.site_of_host,  # with --hierarchy sites or auto: the site of each host
         "latency_ms": cfg.latency_ms,
         "backend": ctx.backend,
+        "device": str(ctx.device),
+        "autocast": cfg.autocast,
         "steps": cfg.steps,
         # --lr-scale: the local steps' factor on the schedule's lr (in the last group, at the end)
         "lr_scale": cfg.lr_scale,
@@ -1720,10 +1750,10 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         return 2
     where = ":".join(map(str, heartbeat.address)) if heartbeat is not None else ""
     if cfg.join:
-        ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s)
+        ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s, cfg.backend)
     elif cfg.broker:
         try:
-            ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s)
+            ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s, cfg.backend)
         except Exception as e:
             print(
                 f"geotrain train: error: the run's {hosts} hosts did not all join at {where} within "
@@ -1732,7 +1762,11 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
             )
             return 1
     else:
-        ctx = init_distributed(timeout_s=cfg.timeout_s)
+        try:
+            ctx = init_distributed(timeout_s=cfg.timeout_s, backend=cfg.backend)
+        except ValueError as e:  # --backend nccl without a GPU per worker
+            print(f"geotrain train: error: {e}", file=sys.stderr)
+            return 2
     ok = False
     try:
         if heartbeat is not None and heartbeat.host != ctx.rank:

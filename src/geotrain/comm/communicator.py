@@ -57,6 +57,7 @@ from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_su
 from geotrain.ft.membership import FORMATION_S, MembershipChanged, retire
 
 INTERRUPT_POLL = timedelta(milliseconds=50)
+NCCL_POLL_S = 0.001
 
 
 class CollectiveTimeout(Exception):
@@ -126,11 +127,12 @@ def peer_lost_line(error: BaseException, rank: int) -> str | None:
     return f"host {rank}: a collective failed, a peer gone ({gone}); that peer's failure is reported apart"
 
 
-def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
+def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = True) -> None:
     """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
 
     A wait with a timeout returns the moment the work completes, so polling costs no latency;
-    a timed-out wait leaves the work as it was (gloo)."""
+    a timed-out wait leaves the work as it was (gloo). NCCL aborts its communicator when a timed
+    wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead."""
     if interrupt is None:
         work.wait()
         return
@@ -138,13 +140,16 @@ def wait_work(work, interrupt: Callable[[], bool] | None) -> None:
         if work.is_completed():
             work.wait()  # its result, or its error
             return
-        try:
-            work.wait(timeout=INTERRUPT_POLL)
-            return
-        except RuntimeError:
-            if work.is_completed():  # it finished (or failed) as the wait timed out
-                work.wait()  # its result, or its own error
+        if not timed_waits:
+            time.sleep(NCCL_POLL_S)
+        else:
+            try:
+                work.wait(timeout=INTERRUPT_POLL)
                 return
+            except RuntimeError:
+                if work.is_completed():  # it finished (or failed) as the wait timed out
+                    work.wait()  # its result, or its own error
+                    return
         if interrupt():
             raise MembershipChanged("the group lost a member while this collective waited")
 
@@ -270,7 +275,7 @@ class Handle:
         start = time.perf_counter()
         with self._comm.naming_timeouts(self._op, self._nbytes):
             for work in self._works:
-                wait_work(work, self._interrupt)
+                wait_work(work, self._interrupt, not getattr(self._comm, "nccl", False))
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -340,6 +345,8 @@ class Communicator:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
+        # NCCL carries the CUDA tensors (gloo, in the same group, the CPU control numbers)
+        self.nccl = self.distributed and "nccl" in str(dist.get_backend(self.group))
         if self.auto_min_workers:
             # Below the minimum a ratio cannot say which of two is wrong, but what is not finite
             # is wrong wherever it comes from: a ratio of inf leaves out only that.
@@ -870,8 +877,7 @@ class Communicator:
         self.stats.sent_bytes += (self.world_size - 1) * sizes[self.rank] * itemsize
         self.stats.recv_bytes += (sum(sizes) - sizes[self.rank]) * itemsize
         parts = [
-            tensor.contiguous() if j == self.rank else torch.empty(size, dtype=tensor.dtype)
-            for j, size in enumerate(sizes)
+            tensor.contiguous() if j == self.rank else tensor.new_empty(size) for j, size in enumerate(sizes)
         ]
         # group_src: j is a rank in this communicator's group, which need not be the default one
         works = [
@@ -897,14 +903,16 @@ class Communicator:
             self, work, tensor, 1, time.perf_counter(), "receive", tensor.numel() * tensor.element_size()
         )
 
-    def probe_broadcast_s(self, nbytes: int) -> list[float]:
-        """Seconds for each worker in turn to broadcast ``nbytes`` (the slowest receiver's view).
+    def probe_broadcast_s(self, nbytes: int, device: torch.device | None = None) -> list[float]:
+        """Seconds for each worker in turn to broadcast ``nbytes`` from ``device`` (the
+        training's: on a GPU, NCCL's link) to the others (the slowest receiver's view).
 
         A measurement of each worker's upload, on the control channel (not training traffic).
         """
         if self.world_size == 1:
             return [0.0]
-        probe = torch.zeros(max(nbytes // 4, 1))
+        probe = torch.zeros(max(nbytes // 4, 1), device=device)
+        cuda = probe.device.type == "cuda"
         mine = [0.0] * self.world_size
         for j in range(self.world_size):
             self.barrier()
@@ -912,6 +920,8 @@ class Communicator:
             self._wait(
                 dist.broadcast(probe, group_src=j, group=self.group, async_op=True), "link probe", nbytes
             )
+            if cuda:
+                torch.cuda.synchronize(probe.device)  # NCCL's wait only orders the stream
             mine[j] = time.perf_counter() - start
         self.control_calls += self.world_size
         # A broadcast is done when its slowest receiver has it.
@@ -996,7 +1006,7 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         self.control_calls += 1
-        if dist.get_backend(self.group) != "gloo":  # NCCL: torch's own, on the device
+        if "gloo" not in str(dist.get_backend(self.group)):  # NCCL alone: torch's own, on the device
             out = [None] * self.world_size
             dist.all_gather_object(out, obj, group=self.group)
             return out
@@ -1044,7 +1054,7 @@ class Communicator:
 
     def _wait(self, work, op: str, nbytes: int) -> None:
         with self.naming_timeouts(op, nbytes):
-            wait_work(work, self.interrupt_after_now())
+            wait_work(work, self.interrupt_after_now(), not self.nccl)
 
     def interrupt_after_now(self) -> Callable[[], bool] | None:
         """True once an epoch newer than the current one loses members (None: never). An epoch

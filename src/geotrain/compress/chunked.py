@@ -76,20 +76,23 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative integer codes < 2**bits -> uint8, ``bits`` bits each, little-endian bit order."""
     require(1 <= bits <= 16, f"pack_bits: bits must be in [1, 16], got {bits}")
     codes = codes.reshape(-1).to(torch.int32)
-    planes = ((codes.unsqueeze(1) >> torch.arange(bits, dtype=torch.int32)) & 1).to(torch.uint8)
+    device = codes.device
+    shifts = torch.arange(bits, dtype=torch.int32, device=device)
+    planes = ((codes.unsqueeze(1) >> shifts) & 1).to(torch.uint8)
     stream = planes.reshape(-1)
     pad = -stream.numel() % 8
     if pad:
-        stream = torch.cat([stream, torch.zeros(pad, dtype=torch.uint8)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+        stream = torch.cat([stream, torch.zeros(pad, dtype=torch.uint8, device=device)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
     return (stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The inverse of ``pack_bits``: ``count`` int64 codes."""
-    stream = (packed.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    device = packed.device
+    stream = (packed.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
     planes = stream.reshape(-1)[: count * bits].reshape(count, bits).to(torch.int64)
-    return (planes << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
+    return (planes << torch.arange(bits, dtype=torch.int64, device=device)).sum(dim=1)
 
 
 class TensorChunks:
@@ -100,15 +103,20 @@ class TensorChunks:
 
     Moves in and out of the layout are copies of one slice per tensor: a boolean-mask gather or
     scatter of the whole vector took 0.45-0.6 s on GPT ``mini`` (11M entries) on this machine's
-    CPU, a slice copy a memcpy's time, and SparseLoCo makes several a period."""
+    CPU, a slice copy a memcpy's time, and SparseLoCo makes several a period.
 
-    def __init__(self, sizes: list[int], chunk: int) -> None:
+    ``device``: where ``mask`` and a new vector from ``flatten`` are made (default: the CPU,
+    whatever the tensors' device: a caller keeps its vectors there); ``padded_from_real`` makes
+    its vector on the device of the one it is given."""
+
+    def __init__(self, sizes: list[int], chunk: int, device: torch.device | str | None = None) -> None:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.sizes = list(sizes)
         self.padded = [-(-n // chunk) * chunk for n in self.sizes]
         self.numel = sum(self.padded)
         self.real = sum(self.sizes)
         self.offsets = [0, *itertools.accumulate(self.padded)][:-1]  # each tensor's, in the layout
-        self.mask = torch.zeros(self.numel, dtype=torch.bool)
+        self.mask = torch.zeros(self.numel, dtype=torch.bool, device=self.device)
         for offset, n in zip(self.offsets, self.sizes, strict=True):
             self.mask[offset : offset + n] = True
 
@@ -122,7 +130,7 @@ class TensorChunks:
     def flatten(self, tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """``tensors`` in the layout: into a new vector, or into ``out`` (its padding zeroed)."""
         if out is None:
-            out = torch.zeros(self.numel)
+            out = torch.zeros(self.numel, device=self.device)
         for (offset, _, n), padded, t in zip(self._spans(), self.padded, tensors, strict=True):
             out[offset : offset + n].copy_(t.detach().reshape(-1))
             out[offset + n : offset + padded].zero_()
@@ -134,7 +142,7 @@ class TensorChunks:
             t.copy_(flat[offset : offset + n].view(t.shape))
 
     def padded_from_real(self, real: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(self.numel)
+        out = torch.zeros(self.numel, device=real.device)
         for offset, start, n in self._spans():
             out[offset : offset + n].copy_(real[start : start + n])
         return out
@@ -176,7 +184,7 @@ class ChunkTopK(Codec):
         if n == c * self.chunk:  # DeMo's blocks tile their parameters: no padded copy
             rows = v.reshape(c, self.chunk)
         else:
-            rows = torch.zeros(c * self.chunk)
+            rows = torch.zeros(c * self.chunk, device=v.device)
             rows[:n] = v
             rows = rows.reshape(c, self.chunk)
         idx = rows.abs().topk(self.k, dim=1, sorted=False).indices
@@ -218,7 +226,7 @@ class ChunkTopK(Codec):
         return (2 * codes.float() - top) / top * scales
 
     def _scatter(self, scales: torch.Tensor, codes: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-        dense = torch.zeros(scales.shape[0], self.chunk)
+        dense = torch.zeros(scales.shape[0], self.chunk, device=scales.device)
         dense.scatter_(1, idx, self._values(scales, codes))
         return dense.reshape(-1)[:n]
 
@@ -283,10 +291,10 @@ class ChunkTopK(Codec):
         Summed in rank order on every worker, so every replica gets the same bits. ``out``: a
         vector of ``chunks(n) * chunk`` values to sum into (a caller's work vector), not a new one."""
         if out is None:
-            total = torch.zeros(self.chunks(n), self.chunk)
+            total = torch.zeros(self.chunks(n), self.chunk, device=payloads.device)
         else:
             total = out.view(self.chunks(n), self.chunk).zero_()
-        counts = torch.zeros(self.chunks(n), self.chunk) if per_sender else None
+        counts = torch.zeros(self.chunks(n), self.chunk, device=total.device) if per_sender else None
         senders = 0
         # Indices within one payload are distinct: scatter-add is exact.
         for r, payload in enumerate(payloads):
@@ -298,7 +306,7 @@ class ChunkTopK(Codec):
             values = self._values(scales, codes)
             total.scatter_add_(1, idx, values if weight == 1 else values * weight)
             if counts is not None:  # a sender counts once, its weight (a clip) stays on its values
-                counts.scatter_add_(1, idx, torch.ones(idx.shape))
+                counts.scatter_add_(1, idx, torch.ones(idx.shape, device=idx.device))
         if counts is not None:
             return total.div_(counts.clamp_(min=1)).reshape(-1)[:n]
         return total.reshape(-1)[:n].div_(max(1, senders))

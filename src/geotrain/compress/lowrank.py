@@ -85,9 +85,10 @@ class _LowRank(Codec):
                 m += state[f"e{i}"]
             mats[i] = m
             if f"q{i}" not in state:
-                # The same seed on every worker: the first Q must be shared.
+                # The same seed on every worker: the first Q must be shared. Drawn on the CPU
+                # (the same numbers whatever the device), then moved to the matrices' device.
                 gen = torch.Generator().manual_seed(self.seed * 100003 + i)
-                state[f"q{i}"] = torch.randn(lay[1], lay[2], generator=gen)
+                state[f"q{i}"] = torch.randn(lay[1], lay[2], generator=gen).to(m.device)
         rest = [t for t, lay in zip(tensors, layout, strict=True) if lay is None]
         return state, mats, rest
 

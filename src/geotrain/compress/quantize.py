@@ -70,6 +70,9 @@ class _BlockQuantizer(Codec):
     bits: ClassVar[int] = 8
     block: int = 256
 
+    def state_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu")  # it encodes on the CPU (``_encode_rows``): its residuals live there
+
     def __post_init__(self) -> None:
         super().__post_init__()
         require(

@@ -85,7 +85,7 @@ class TopK(Codec):
                 weights = comm.weigh_gathered([message_norm(v, _distinct_in(i, n)) for v, i in parts])
                 if not any(weights):  # nothing to average: each worker keeps its own
                     return
-            total = torch.zeros(n)
+            total = torch.zeros(n, device=message.device)  # where the gathered values are
             for (v, idx), weight in zip(parts, weights, strict=True):
                 if weight:
                     total.index_add_(0, idx, v if weight == 1 else v * weight)

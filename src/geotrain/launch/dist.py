@@ -36,22 +36,60 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> DistContext:
-    """Join the process group torchrun prepared (gloo on CPU, NCCL when CUDA is present)."""
+# NCCL moves only CUDA tensors; the control traffic (losses, digests, verdicts, pickled
+# state) is a few CPU floats, so GPU groups pair it with gloo for CPU tensors (torch's
+# per-device backends) rather than copying each number to the GPU and back.
+NCCL = "cpu:gloo,cuda:nccl"
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def choose_backend(requested: str, cuda_devices: int, local_workers: int) -> str:
+    """The process-group backend for ``requested`` (auto, nccl or gloo) on a machine with
+    ``cuda_devices`` GPUs running ``local_workers`` workers. auto: NCCL (with gloo for CPU
+    tensors) where every worker has a GPU of its own; gloo, which moves CUDA tensors too, where
+    several share one, since NCCL refuses two ranks on one GPU; gloo without a GPU."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend takes {', '.join(BACKENDS)}; got {requested!r}")
+    if requested == "gloo" or cuda_devices == 0:
+        if requested == "nccl":
+            raise ValueError("backend nccl needs a CUDA GPU, and none is visible: use gloo")
+        return "gloo"
+    if requested == "nccl" and local_workers > cuda_devices:
+        raise ValueError(
+            f"backend nccl needs a GPU per worker: {local_workers} workers on this machine share "
+            f"{cuda_devices} GPU(s) (NCCL refuses two ranks on one GPU); use gloo or fewer workers"
+        )
+    return NCCL if local_workers <= cuda_devices else "gloo"
+
+
+def uses_nccl(backend: str | None) -> bool:
+    return backend is not None and "nccl" in backend
+
+
+def worker_device(local_rank: int) -> torch.device:
+    """This worker's device: its GPU (workers beyond the GPUs share them round-robin), else CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(timeout_s: float = 600.0, backend: str = "auto") -> DistContext:
+    """Join the process group torchrun prepared: NCCL where each worker has a GPU of its own
+    (with gloo for CPU tensors), gloo otherwise (``choose_backend``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = worker_device(local_rank)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    backend = choose_backend(backend, gpus, local_world_size)
     if world_size == 1:
         return DistContext(0, 1, 0, None, device, local_world_size)
-    backend = backend or ("nccl" if cuda else "gloo")
     dist.init_process_group(
         backend=backend,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
+        device_id=device if uses_nccl(backend) else None,
     )
     snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return DistContext(
@@ -59,21 +97,15 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     )
 
 
-def _device() -> torch.device:
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return device
-
-
-def init_from_broker(addr: str, port: int, host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
+def init_from_broker(
+    addr: str, port: int, host: int, hosts: int, timeout_s: float = 600.0, backend: str = "auto"
+) -> DistContext:
     """Join the first epoch on the broker's store (one worker per machine, no torchrun): host
     ``host`` of ``hosts`` is rank ``host``. The rendezvous lives in the broker, not in a trainer,
     so losing any trainer (the first one included) loses nothing, and no torchrun agent waits at
     exit for the agent of a lost machine."""
-    device = _device()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device = worker_device(0)
+    backend = choose_backend(backend, torch.cuda.device_count() if device.type == "cuda" else 0, 1)
     store = dist.TCPStore(
         addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -83,21 +115,22 @@ def init_from_broker(addr: str, port: int, host: int, hosts: int, timeout_s: flo
         rank=host,
         world_size=hosts,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
+        device_id=device if uses_nccl(backend) else None,
     )
     snapshot_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return DistContext(host, hosts, 0, backend, device, 1, snapshot_group)
 
 
-def init_joiner(host: int, hosts: int, timeout_s: float = 600.0) -> DistContext:
+def init_joiner(host: int, hosts: int, timeout_s: float = 600.0, backend: str = "auto") -> DistContext:
     """A replacement worker (``--join``): a world of one of its own until the members admit it
     (``ft/membership.py``), so that its model, optimizer and algorithm are built as everywhere.
     ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
-    device = _device()
+    device = worker_device(0)
     cuda = device.type == "cuda"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    return DistContext(host, hosts, 0, "nccl" if cuda else "gloo", device, 1, None)
+    backend = choose_backend(backend, torch.cuda.device_count() if cuda else 0, 1)
+    return DistContext(host, hosts, 0, backend, device, 1, None)
 
 
 def shutdown_distributed(together: bool = True) -> None:

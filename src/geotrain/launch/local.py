@@ -82,6 +82,7 @@ class LaunchConfig:
     spares: int = 0  # with continue: hosts waiting in a backup pool to take a lost host's place
     topology: str = ""  # sites (netem/topology.py): hosts on LANs, each site behind one WAN uplink
     token: str = ""  # the run token (launch/admission.py); run_local_cluster makes one if empty
+    gpus: tuple[str, ...] = ()  # CUDA devices of this machine, dealt to its hosts (run_local_cluster)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -381,10 +382,13 @@ class _Hosts:
         self.logs = []
 
 
-def _host_env(cluster: EmulatedCluster | None, threads: int, token: str = "") -> dict[str, str]:
+def _host_env(
+    cluster: EmulatedCluster | None, threads: int, token: str = "", gpu: str = ""
+) -> dict[str, str]:
     return dict(
         os.environ,
         **({TOKEN_ENV: token} if token else {}),  # in the environment, never on a command line
+        **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}),  # each host its GPU, as on a machine of its own
         OMP_NUM_THREADS=str(threads),
         PYTHONUNBUFFERED="1",
         GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
@@ -392,6 +396,10 @@ def _host_env(cluster: EmulatedCluster | None, threads: int, token: str = "") ->
         # c10d warns that namespace addresses have no reverse DNS name; harmless.
         TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
+
+
+def _gpu_of(launch: LaunchConfig, machine: int) -> str:
+    return launch.gpus[machine % len(launch.gpus)] if launch.gpus else ""
 
 
 def _spawn(hosts: _Hosts, launch: LaunchConfig, cluster, i: int, cmd: list[str], threads: int, mode: str):
@@ -404,7 +412,7 @@ def _spawn(hosts: _Hosts, launch: LaunchConfig, cluster, i: int, cmd: list[str],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=_host_env(cluster, threads, launch.token),
+        env=_host_env(cluster, threads, launch.token, _gpu_of(launch, i)),
         preexec_fn=_die_with_parent,
     )
     t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
@@ -699,9 +707,35 @@ def wire_bytes(traffic: dict[str, list[int]], steps: int) -> dict:
     }
 
 
+def visible_gpus() -> tuple[str, ...]:
+    """The CUDA devices this machine shows its processes, as ``CUDA_VISIBLE_DEVICES`` names them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return tuple(named or map(str, range(torch.cuda.device_count())))[: torch.cuda.device_count()]
+
+
+def backend_for_hosts(cfg: TrainConfig, machines: int, gpus: int) -> TrainConfig:
+    """``cfg`` with the backend for ``machines`` emulated hosts (spares included) on ``gpus`` GPUs:
+    each host gets a GPU of its own where there are enough (NCCL); where they must share, gloo,
+    which moves CUDA tensors too, since NCCL refuses two ranks on one GPU."""
+    if not gpus or machines <= gpus or cfg.backend == "gloo":
+        return cfg
+    if cfg.backend == "nccl":
+        raise RunFailed(
+            f"--backend nccl needs a GPU per host: {machines} hosts would share {gpus} GPU(s) "
+            "(NCCL refuses two ranks on one GPU); use --backend gloo or auto, or fewer --workers"
+        )
+    return replace(cfg, backend="gloo")
+
+
 def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     """Start the hosts, wait for them, clean up. Returns the summary rank 0 wrote."""
     run_dir = launch.run_dir
+    launch = replace(launch, gpus=visible_gpus())
+    train_cfg = backend_for_hosts(train_cfg, launch.workers + launch.spares, len(launch.gpus))
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not launch.token:  # the user's $GEOTRAIN_TOKEN, else one of this run's own (kept for a resume)
         launch = replace(launch, token=read_token(train_cfg.token_file) or write_token(run_dir / "token"))

@@ -28,6 +28,20 @@ from geotrain.plan.layers import Layer
 PROFILE_VERSION = 1
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter`` for a profile on ``device``: on a GPU after the device has finished
+    what was queued, since kernels (and NCCL's collectives) run behind the CPU, which would
+    otherwise time their launches. A profile's steps are serialised by it; training is not."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized
+
+
 def profile_compute(
     model: nn.Module,
     layers: list[Layer],
@@ -50,9 +64,10 @@ def profile_compute(
     together, they are what a loop's are (``step_s``, ``contention_scale``)."""
     done: dict[int, float] = {}
     owner = {id(p): i for i, layer in enumerate(layers) for p in layer.params}
+    now = clock(_device(layers))
 
     def on_grad(p: torch.Tensor) -> None:
-        done[owner[id(p)]] = time.perf_counter()  # the last parameter of a layer sets its time
+        done[owner[id(p)]] = now()  # the last parameter of a layer sets its time
 
     if reps < 1:
         raise ValueError(f"the profile needs at least one timed step (reps >= 1), got {reps}")
@@ -64,18 +79,18 @@ def profile_compute(
         if barrier is not None:
             barrier()
         for rep in range(reps + 1):
-            t0 = time.perf_counter()
+            t0 = now()
             model.zero_grad(set_to_none=True)
             done.clear()
-            t1 = time.perf_counter()
+            t1 = now()
             loss = loss_fn()
-            t2 = time.perf_counter()
+            t2 = now()
             loss.backward()
-            t3 = time.perf_counter()
+            t3 = now()
             for p, clone in clones:
                 clone.grad = p.grad
             copy_opt.step()
-            t4 = time.perf_counter()
+            t4 = now()
             if rep == 0:
                 continue  # warm-up (and the copy's optimizer state allocated)
             forward.append(t2 - t1)
@@ -168,7 +183,9 @@ def probe_sizes(layers: list[Layer]) -> list[int]:
 BURST_BYTES = 2**20
 
 
-def profile_link(comm: Communicator, sizes: list[int], reps: int = 2) -> dict[str, Any]:
+def profile_link(
+    comm: Communicator, sizes: list[int], reps: int = 2, device: torch.device | None = None
+) -> dict[str, Any]:
     """Per-message all-reduce time of each size (the slowest worker's), fitted as ``alpha + beta * bytes``.
 
     Each sample is a run of back-to-back all-reduces of at least ``BURST_BYTES`` in all, timed per
@@ -176,17 +193,19 @@ def profile_link(comm: Communicator, sizes: list[int], reps: int = 2) -> dict[st
     which a lone small message would ride at far above the sustained rate.
     """
     samples = []
-    comm.all_reduce(torch.zeros(1024))  # connection warm-up
+    device = device or torch.device("cpu")  # the model's: on a GPU, NCCL's link, not gloo's
+    now = clock(device)
+    comm.all_reduce(torch.zeros(1024, device=device))  # connection warm-up
     for nbytes in sizes:
         count = max(1, min(16, BURST_BYTES // nbytes))
-        tensors = [torch.zeros(nbytes // 4) for _ in range(count)]
+        tensors = [torch.zeros(nbytes // 4, device=device) for _ in range(count)]
         times = []
         for _ in range(reps):
             comm.barrier()
-            t0 = time.perf_counter()
+            t0 = now()
             for h in [comm.all_reduce(t, async_op=True) for t in tensors]:
                 h.wait()
-            times.append((time.perf_counter() - t0) / count)
+            times.append((now() - t0) / count)
         samples.append([nbytes, comm.max_scalars([statistics.median(times)])[0]])
     alpha, beta = fit_link(samples)
     residuals = [abs(alpha + beta * n - s) / s for n, s in samples]
@@ -362,7 +381,7 @@ def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
     ]
     averaged = comm.mean_scalars(scalars)
     link = (
-        profile_link(comm, probe_sizes(layers))
+        profile_link(comm, probe_sizes(layers), device=_device(layers))
         if comm.world_size > 1
         else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
     )
@@ -388,7 +407,7 @@ class StepObserver:
     step's forward, the moment backward reaches the model's output (so the loss and the loop's
     own code between forward and ``backward()`` do not count) and the moment each layer's
     gradient is complete; the caller marks the optimizer update around it. The first step
-    observed is a warm-up. (On a GPU the times are of kernel launches, as the profiler's are.)"""
+    observed is a warm-up. On a GPU each time is read once the GPU has finished what was queued."""
 
     def __init__(self, model: nn.Module, layers: list[Layer]) -> None:
         self.layers = layers
@@ -397,18 +416,19 @@ class StepObserver:
         self._forward = (0.0, 0.0)
         self._update_start = self._backward_start = 0.0
         self.steps: list[dict[str, Any]] = []
+        self._now = now = clock(_device(layers))  # on a GPU: after its queued kernels
 
         def on_grad(p: torch.Tensor) -> None:
-            self._done[owner[id(p)]] = time.perf_counter()
+            self._done[owner[id(p)]] = now()
 
         def started(module, args) -> None:
             if module.training and torch.is_grad_enabled():  # not an evaluation between steps
-                self._forward = (time.perf_counter(), 0.0)
+                self._forward = (now(), 0.0)
                 self._done.clear()
 
         def ended(module, args, output) -> None:
             if module.training and torch.is_grad_enabled():
-                self._forward = (self._forward[0], time.perf_counter())
+                self._forward = (self._forward[0], now())
                 out = _first_tensor(output)
                 if out is not None and out.requires_grad:  # backward reaches the model here: after
                     out.register_hook(self._backward_starts)  # the loss and the loop's own code
@@ -419,10 +439,10 @@ class StepObserver:
         self._hooks += [model.register_forward_pre_hook(started), model.register_forward_hook(ended)]
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
-        self._backward_start = time.perf_counter()
+        self._backward_start = self._now()
 
     def update_starts(self) -> None:
-        self._update_start = time.perf_counter()
+        self._update_start = self._now()
 
     def update_ended(self) -> None:
         """A step is recorded on every worker alike (they must agree on how many were seen):
@@ -432,7 +452,7 @@ class StepObserver:
         seen = sorted(done, key=done.get)
         order = seen + [i for i in range(len(self.layers)) if i not in done]
         start = self._backward_start if self._backward_start >= t1 > 0 else t1
-        backward, previous = dict.fromkeys(range(len(self.layers)), 0.0), start or time.perf_counter()
+        backward, previous = dict.fromkeys(range(len(self.layers)), 0.0), start or self._now()
         for i in seen:
             backward[i], previous = max(0.0, done[i] - previous), done[i]
         self.steps.append(
@@ -441,7 +461,7 @@ class StepObserver:
                 "forward_s": t1 - t0 if t1 else 0.0,
                 "backward": backward,
                 "backward_total_s": max(0.0, previous - start) if t1 else 0.0,
-                "optimizer_s": time.perf_counter() - self._update_start,
+                "optimizer_s": self._now() - self._update_start,
             }
         )
         self._done.clear()

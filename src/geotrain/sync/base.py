@@ -272,13 +272,19 @@ class SyncAlgorithm:
             **({"own": {"noise_sample": self.noise.pending}} if self.noise else {}),
         }
 
+    @property
+    def device(self) -> torch.device:
+        """The model's device (its first parameter's), where restored state goes back to:
+        snapshots and checkpoints hold it on the CPU."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"checkpoint is for {state.get('name')!r}, not {self.name!r}")
         self.step_count = int(state["step"])
         self.syncs = int(state["syncs"])
         if self.codec and "codec" in state:
-            self.codec.load_state_dict(state["codec"])
+            self.codec.load_state_dict(state["codec"], self.device)
         if self.noise is not None:
             if "noise" in state:
                 self.noise.load_state_dict(state["noise"])
@@ -610,6 +616,7 @@ class InFlight:
     def saved(self) -> torch.Tensor | None:
         return self._resend if self._resend is not None else self._payload
 
-    def restore(self, payload: torch.Tensor | None) -> None:
+    def restore(self, payload: torch.Tensor | None, device: torch.device | None = None) -> None:
+        """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU)."""
         self._handle = self._payload = None
-        self._resend = payload
+        self._resend = payload.to(device) if payload is not None and device is not None else payload

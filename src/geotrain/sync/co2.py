@@ -127,7 +127,7 @@ class CO2(PeriodicSync):
         if self.contributes():
             self.in_flight.launch(delta)
         else:  # a copy of the leader's (an average redone after a regroup): it weighs nothing
-            self.in_flight.launch_weighted(torch.zeros(delta.numel() + 1))
+            self.in_flight.launch_weighted(delta.new_zeros(delta.numel() + 1))
         self._start = self._eager_start(delta)
         self._set_params(self._start)
         self.syncs += 1
@@ -188,6 +188,6 @@ class CO2(PeriodicSync):
         super().load_state_dict(state)
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
-        self.in_flight.restore(state["in_flight"])
-        flying = state["in_flight"]
+        self.in_flight.restore(state["in_flight"], self.device)
+        flying = self.in_flight.saved()
         self._start = self._anchor if flying is None else self._eager_start(flying[:-1])

@@ -65,16 +65,17 @@ def block_size(n: int, target: int) -> int:
 
 
 class BlockDCT:
-    """The DCT of one parameter in blocks; coefficients laid out block after block."""
+    """The DCT of one parameter in blocks; coefficients laid out block after block. Its bases are
+    made on the CPU (the same bits on every device) and kept on ``device``, the parameter's."""
 
-    def __init__(self, shape: tuple[int, ...], chunk: int) -> None:
+    def __init__(self, shape: tuple[int, ...], chunk: int, device: torch.device | str | None = None) -> None:
         self.shape = shape
         rows = shape[0] if len(shape) >= 2 else 1
         cols = math.prod(shape) // rows
         self.b1 = block_size(rows, chunk) if rows > 1 else 1
         self.b2 = block_size(cols, chunk)
         self.rows, self.cols = rows, cols
-        self.d1, self.d2 = dct_matrix(self.b1), dct_matrix(self.b2)
+        self.d1, self.d2 = dct_matrix(self.b1).to(device), dct_matrix(self.b2).to(device)
 
     @property
     def block(self) -> int:
@@ -122,7 +123,7 @@ class DeMo(SyncAlgorithm):
         super().__init__(model, optimizer, comm, config or DeMoConfig())
         cfg = self.config
         self._params = self.parameters()
-        self._transforms = [BlockDCT(tuple(p.shape), cfg.chunk) for p in self._params]
+        self._transforms = [BlockDCT(tuple(p.shape), cfg.chunk, p.device) for p in self._params]
         self._codecs = [
             # Blocks of one coefficient (a one-value tensor, a 1-d tensor whose length has no
             # divisor up to --chunk): chunks of 2, the codec's least, both sent, as every
@@ -244,4 +245,4 @@ class DeMo(SyncAlgorithm):
         super().load_state_dict(state)
         for dst, src in zip(self._momentum, state["momentum"], strict=True):
             dst.copy_(src)
-        self.in_flight.restore(state.get("in_flight"))
+        self.in_flight.restore(state.get("in_flight"), self.device)

@@ -134,8 +134,12 @@ class NoiseScale:
                 self.pending = None
                 return
             v, beta2, correction = moment
-            # A parameter this step did not use has no gradient: zeros, on every worker alike.
-            g = torch.zeros(idx.numel()) if p.grad is None else p.grad.detach().reshape(-1)[idx].float()
+            # A parameter this step did not use has no gradient: zeros, on every worker alike
+            # (on the parameter's device, as the others' samples).
+            if p.grad is None:
+                g = p.new_zeros(idx.numel(), dtype=torch.float32)
+            else:
+                g = p.grad.detach().reshape(-1)[idx].float()
             v_now = v.detach().reshape(-1)[idx].float().mul(beta2).add_(g.square(), alpha=1 - beta2)
             v_now.div_(correction + (1 - beta2) * (1 - correction))  # this step's 1 - beta2^(t+1)
             picked.append(torch.where(v_now > 0, g / v_now.sqrt(), torch.zeros_like(g)))
@@ -149,11 +153,13 @@ class NoiseScale:
             self.pending = None
             return
         # In half precision: every value is at most 1 / sqrt(1 - beta2) (``record``), the
-        # squared norm is sent per coordinate, and the weight is exact.
+        # squared norm is sent per coordinate, and the weight is exact. On the CPU on every
+        # worker, whatever the model's device (a few KB, read back as Python floats below).
         message = torch.zeros(self.samples + 2, dtype=torch.float16)
         if self.pending is not None:
-            message[: self.samples] = self.pending
-            message[-2] = self.pending.square().mean()
+            pending = self.pending.to(message.device)  # the model's device, or a snapshot's CPU
+            message[: self.samples] = pending
+            message[-2] = pending.square().mean()
             message[-1] = 1.0
         comm.all_reduce(message, op="sum")  # a sum: the norm check judges averages only
         self.pending = None

@@ -182,24 +182,31 @@ class StreamingDiLoCo(SyncAlgorithm):
 
     # -- messages -------------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> torch.Tensor:
+        """The message of ``delta``, on ``delta``'s device (the model's, on every worker alike: a
+        restored or an adopter's empty message is made there too); quantised on the CPU, where
+        the quantiser works."""
         if self.quantizer is None:
             return delta
         block, chunk = self.quantizer.layout(delta.numel(), 1)
         padded = torch.zeros(chunk)
-        padded[: delta.numel()] = delta
-        return self.quantizer.encode(padded.unsqueeze(0), block)[0]
+        padded[: delta.numel()] = delta.detach().cpu()
+        return self.quantizer.encode(padded.unsqueeze(0), block)[0].to(delta.device)
 
     def _mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
         """The fp32 mean of the decoded messages (rows in rank order) over the workers that sent
         one: an adopter's empty message (all zero bytes, ``InFlight.adopted``) is left out. A
         real 4- or 8-bit message is never all zero bytes (its scales are not zero unless its
-        values are, and int4 codes zero as 8), nor, in practice, an fp32 pseudo-gradient."""
+        values are, and int4 codes zero as 8), nor, in practice, an fp32 pseudo-gradient.
+        On the device of the messages, or the CPU where they are quantised (decoded there)."""
+        if self.quantizer is not None:
+            gathered = gathered.cpu()
         sent = gathered.reshape(gathered.shape[0], -1).ne(0).any(dim=1)
         if self.quantizer is not None:
             block, chunk = self.quantizer.layout(n, 1)
             gathered = self.quantizer.decode(gathered, chunk, block)[:, :n]
         if self.comm.checking:  # the norm check on the decoded messages: no communication
-            weights = torch.tensor(self.comm.weigh_gathered([message_norm(row) for row in gathered]))
+            judged = self.comm.weigh_gathered([message_norm(row) for row in gathered])
+            weights = torch.tensor(judged, device=gathered.device)
             sent &= weights > 0
             gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
         return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
@@ -217,7 +224,8 @@ class StreamingDiLoCo(SyncAlgorithm):
         if gathered is None:  # nothing in flight (a resumed run's first landing, say)
             return
         theta = self._global[f]
-        theta.grad = self._mean(gathered, theta.numel())
+        # The mean in theta's device and dtype (a grad must match its tensor's: bf16 parameters)
+        theta.grad = self._mean(gathered, theta.numel()).to(theta)
         self.outer_optimizers[f].step()
         theta.grad = None
         merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
@@ -265,7 +273,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             theta = self._global[f]
             if not self.in_flight.flying:
                 self.in_flight.launch(self._encode(theta - self._local(f)))
-            mean = self._mean(self.in_flight.land(), theta.numel())
+            mean = self._mean(self.in_flight.land(), theta.numel()).to(theta.device)
             with torch.no_grad():
                 unflatten_into(theta - mean, [p.data for p in self.fragments[f]])
             self._final_stage += 1
@@ -310,4 +318,4 @@ class StreamingDiLoCo(SyncAlgorithm):
             dst.copy_(src)
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
-        self.in_flight.restore(state["in_flight"])
+        self.in_flight.restore(state["in_flight"], self.device)

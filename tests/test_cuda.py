@@ -1,0 +1,165 @@
+"""The CUDA path: every algorithm and codec on a model whose parameters live on a GPU.
+
+Skipped without CUDA (CI has none); run where a GPU is lent (``benchmarks/gpu_check.sh``). With
+one GPU, NCCL cannot hold two ranks (it refuses two on one device), so the groups of 2 here
+are gloo's, which moves CUDA tensors too: what is checked is that no computation mixes devices,
+that every replica ends bitwise equal, and that each run lands where the same run on the CPU
+does. A world of one runs the examples under NCCL (with gloo for CPU tensors), as
+``geotrain.wrap`` users on one GPU per process start them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (none visible)", allow_module_level=True)
+
+import geotrain  # noqa: E402
+from helpers import run_workers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+# (algorithm, its options): every algorithm, and every codec through one that sends it
+CASES = [
+    ("ssgd", {}),
+    ("ddp", {}),
+    ("localsgd", {"H": 3}),
+    ("diloco", {"H": 3}),
+    ("dreamddp", {"H": 3}),
+    ("dreamddp", {"H": 2, "compress": "int4"}),
+    ("dreamddp", {"H": 2, "compress": "powersgd:rank=2"}),
+    ("streaming", {"H": 4, "fragments": 2}),
+    ("co2", {"H": 3}),
+    ("sparseloco", {"H": 3, "chunk": 64, "k": 8}),
+    ("demo", {"chunk": 8, "k": 4}),
+    ("ssgd", {"compress": "int8"}),
+    ("ssgd", {"compress": "acpsgd:rank=2"}),
+    ("ssgd", {"compress": "topk:ratio=0.1"}),
+    ("ssgd", {"compress": "adatopk:ratio=0.1"}),
+    ("ssgd", {"compress": "fp16"}),
+    ("ddp", {"compress": "bf16"}),
+    ("localsgd", {"H": 3, "compress": "sign"}),
+    ("diloco", {"H": 3, "compress": "chunktopk:chunk=64,k=8"}),
+]
+
+
+def _run(rank: int, world_size: int, device: str, algo: str, options: dict, autocast: bool) -> dict:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)]
+    model = nn.Sequential(*layers).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def batch(step: int):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(32, 16, generator=gen)
+        return x.to(dev), x.sum(dim=1, keepdim=True).to(dev)
+
+    profile = None
+    if algo == "dreamddp":
+
+        def profile() -> torch.Tensor:  # noqa: E306
+            x, y = batch(10_000)
+            return nn.functional.mse_loss(model(x), y)
+
+    sync = geotrain.wrap(model, opt, algo=algo, profile=profile, **options)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.mse_loss(sync.model(x).float(), y)
+        loss.backward()
+        sync.step()
+        sync.zero_grad()
+        losses.append(loss.item())
+    sync.finish()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {
+        "params": flat.cpu(),
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+        "losses": losses,
+        "sent": sync.stats["sent_bytes"],
+    }
+
+
+@pytest.mark.parametrize("algo, options", CASES, ids=[f"{a}-{o.get('compress', 'fp32')}" for a, o in CASES])
+def test_every_algorithm_and_codec_runs_on_cuda_and_lands_where_the_cpu_does(algo, options):
+    gpu = run_workers(_run, 2, "cuda:0", algo, options, False, timeout=240)
+    cpu = run_workers(_run, 2, "cpu", algo, options, False, timeout=240)
+    assert gpu[0]["devices"] == ["cuda:0"]
+    assert torch.equal(gpu[0]["params"], gpu[1]["params"]), "the replicas differ after finish()"
+    assert torch.isfinite(gpu[0]["params"]).all()
+    if algo != "dreamddp" and "adatopk" not in options.get("compress", ""):  # those plan from timings
+        assert gpu[0]["sent"] == cpu[0]["sent"], "the GPU run sent other bytes than the CPU run"
+    # Float sums run in another order on the GPU: close, not bitwise; a top-k or a sign can
+    # flip on such a difference, so the codecs that select are held to the loss only.
+    codec = options.get("compress", "")
+    selects = "topk" in codec or "sign" in codec or algo in ("sparseloco", "demo")
+    if selects:
+        assert abs(gpu[0]["losses"][-1] - cpu[0]["losses"][-1]) < 0.25 * max(1.0, cpu[0]["losses"][-1])
+    else:
+        assert torch.allclose(gpu[0]["params"], cpu[0]["params"], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("algo, options", [("diloco", {"H": 3}), ("dreamddp", {"H": 2, "compress": "int4"})])
+def test_bf16_autocast_trains_on_cuda_with_fp32_parameters(algo, options):
+    ranks = run_workers(_run, 2, "cuda:0", algo, options, True, timeout=240)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert ranks[0]["params"].dtype == torch.float32
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+def _torchrun(args: list[str], nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("algo", ["diloco", "dreamddp", "sparseloco", "ddp"])
+def test_the_example_runs_under_nccl_with_one_process_per_gpu(algo):
+    proc = _torchrun(["examples/plain_loop.py", "--algo", algo, "--steps", "12"], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0: loss" in proc.stdout
+
+
+def test_the_lora_example_runs_on_two_ranks_sharing_a_gpu_through_gloo_with_autocast():
+    proc = _torchrun(["examples/hf_lora.py", "--algo", "dreamddp", "--steps", "8", "--autocast"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = {line.split("digest ")[1] for line in proc.stdout.splitlines() if "digest" in line}
+    assert len(digests) == 1, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--algo", "dreamddp", "--autocast", "bf16"],
+        ["--algo", "dreamddp", "--compress", "int4", "--H", "2"],
+        ["--algo", "diloco", "--H", "4", "--compress", "powersgd:rank=2"],
+        ["--algo", "streaming", "--H", "8"],
+        ["--algo", "co2", "--H", "4"],
+    ],
+    ids=lambda a: "-".join(a[1::2]),
+)
+def test_the_cli_trains_two_hosts_on_one_gpu(tmp_path, args):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "geotrain", "run", "--workers", "2", "--no-netem", "--model", "tiny",
+           "--steps", "16", "--no-progress", "--run-dir", str(run_dir), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["backend"] == "gloo"  # two ranks on one GPU: NCCL would refuse them
+    assert summary["device"] == "cuda:0"
+    assert summary["final_val_loss"] < summary["first_train_loss"]
