@@ -25,17 +25,17 @@ workers=${WORKERS:-8}
 } 2>&1 | tee "$out/env.txt"
 
 echo "== tests/test_cuda.py"
-timeout 300 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 280 -rA tests/test_cuda.py \
+timeout 200 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 180 -rA tests/test_cuda.py \
     2>&1 | tail -n 60 | tee "$out/test_cuda.txt"
 
 echo "== end-to-end modules on the GPU"
-timeout 240 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 200 -rfE \
-    tests/test_api.py tests/test_models.py tests/test_dreamddp_e2e.py tests/test_cli.py \
+timeout 120 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 110 -rfE \
+    tests/test_api.py tests/test_models.py tests/test_dreamddp_e2e.py \
     2>&1 | tail -n 80 | tee "$out/e2e.txt"
 
 echo "== mini on the GPU: steps of one worker"
 for cast in off bf16; do
-    timeout 90 $py -m geotrain run --workers 1 --no-netem --model mini --batch-size 8 --steps 60 \
+    timeout 45 $py -m geotrain run --workers 1 --no-netem --model mini --batch-size 8 --steps 60 \
         --algo nosync --autocast "$cast" --no-progress --run-dir "$out/mini-$cast" 2>&1 \
         | grep -E "step time|tokens/s|compute|error" | sed "s/^/$cast: /" | tee -a "$out/mini.txt"
 done
