@@ -104,9 +104,10 @@ def test_every_algorithm_and_codec_runs_on_cuda_and_lands_where_the_cpu_does(alg
     if algo != "dreamddp" and "adatopk" not in options.get("compress", ""):  # those plan from timings
         assert gpu[0]["sent"] == cpu[0]["sent"], "the GPU run sent other bytes than the CPU run"
     # Float sums run in another order on the GPU: close, not bitwise; a top-k or a sign can
-    # flip on such a difference, so the codecs that select are held to the loss only.
+    # flip on such a difference, and DreamDDP plans its layers from timings, which differ by
+    # device: those are held to the loss only.
     codec = options.get("compress", "")
-    selects = "topk" in codec or "sign" in codec or algo in ("sparseloco", "demo")
+    selects = "topk" in codec or "sign" in codec or algo in ("sparseloco", "demo", "dreamddp")
     if selects:
         assert abs(gpu[0]["losses"][-1] - cpu[0]["losses"][-1]) < 0.25 * max(1.0, cpu[0]["losses"][-1])
     else:
