@@ -10,6 +10,7 @@ does. A world of one runs the examples under NCCL (with gloo for CPU tensors), a
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -164,3 +165,79 @@ def test_the_cli_trains_two_hosts_on_one_gpu(tmp_path, args):
     assert summary["backend"] == "gloo"  # two ranks on one GPU: NCCL would refuse them
     assert summary["device"] == "cuda:0"
     assert summary["final_val_loss"] < summary["first_train_loss"]
+
+
+def _resumed(rank: int, world_size: int, algo: str, options: dict) -> dict:
+    """12 steps in one go, and 5 steps, the state through torch.save onto the CPU (as a snapshot
+    holds it), then 7 more in a fresh model, optimizer and wrap: both on cuda:0."""
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(dev)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(sync, steps: range) -> None:
+        for step in steps:
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(32, 16, generator=gen).to(dev)
+            nn.functional.mse_loss(sync.model(x), x.sum(dim=1, keepdim=True)).backward()
+            sync.step()
+            sync.zero_grad()
+
+    model, opt = build(0)
+    whole = geotrain.wrap(model, opt, algo=algo, **options)
+    train(whole, range(12))
+    whole.finish()
+    model2, opt2 = build(0)
+    first = geotrain.wrap(model2, opt2, algo=algo, **options)
+    train(first, range(5))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    model3, opt3 = build(5)  # different: everything comes from the state
+    second = geotrain.wrap(model3, opt3, algo=algo, **options)
+    second.load_state_dict(torch.load(buffer, map_location="cpu", weights_only=False))
+    train(second, range(5, 12))
+    second.finish()
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]).cpu() for m in (model, model3)]
+    return {"whole": flat[0], "resumed": flat[1]}
+
+
+@pytest.mark.parametrize(
+    "algo, options",
+    [
+        ("ssgd", {"compress": "powersgd:rank=2"}),
+        ("ssgd", {"compress": "int8"}),
+        ("diloco", {"H": 3, "compress": "chunktopk:chunk=64,k=8"}),
+        ("co2", {"H": 3}),
+        ("streaming", {"H": 4, "fragments": 2}),
+        ("demo", {"chunk": 8, "k": 4}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.get("compress", "fp32"),
+)
+def test_a_state_restored_from_the_cpu_resumes_on_cuda_where_the_run_would_have_been(algo, options):
+    ranks = run_workers(_resumed, 2, algo, options, timeout=240)
+    for r in ranks:
+        assert torch.allclose(r["whole"], r["resumed"], rtol=1e-5, atol=1e-6)
+
+
+def test_wrap_pairs_a_plain_nccl_group_with_gloo_for_its_cpu_numbers(tmp_path):
+    script = tmp_path / "plain_nccl.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, torch.nn as nn, geotrain\n"
+        "dist.init_process_group('nccl', device_id=torch.device('cuda', 0))\n"
+        "model = nn.Linear(4, 1).cuda()\n"
+        "sync = geotrain.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algo='diloco', H=2)\n"
+        "for _ in range(4):\n"
+        "    model(torch.randn(8, 4, device='cuda')).pow(2).mean().backward()\n"
+        "    sync.step()\n"
+        "    sync.zero_grad()\n"
+        "sync.finish()\n"
+        "print('backend', dist.get_backend(sync.algorithm.comm.group))\n"
+        "dist.destroy_process_group()\n"
+    )
+    proc = _torchrun([str(script)], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend cpu:gloo,cuda:nccl" in proc.stdout
