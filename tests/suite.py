@@ -26,6 +26,7 @@ from pathlib import Path
 CLUSTER_MODULES = [
     "test_continue_cli", "test_broker_cli", "test_rollback_cli", "test_resume_cli", "test_spares",
     "test_cli", "test_admission", "test_guard", "test_api", "test_models", "test_dreamddp_e2e",
+    "test_devices",
 ]  # fmt: skip
 # ...then, once it is done, those that compare measured times (a straggler, shaped links)
 TIMED_MODULES = ["test_netem", "test_pace", "test_topology", "test_bench"]

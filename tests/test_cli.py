@@ -116,6 +116,8 @@ BAD_INPUTS = [
     (["--algo", "localsgd", "--H-schedule", "2x"], "--H-schedule takes grow[:every=STEPS,start=P] or"),
     (["--algo", "ssgd", "--H-schedule", "grow"], "ssgd does not take --H-schedule"),
     (["--algo", "nosync", "--compress", "int8"], "nosync does not take --compress; algorithms that do: ssgd"),
+    (["--backend", "mpi"], "--backend takes auto, nccl, gloo; got 'mpi'"),
+    (["--autocast", "fp8"], "--autocast takes off, bf16; got 'fp8'"),
 ]
 
 
