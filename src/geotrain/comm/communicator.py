@@ -394,12 +394,9 @@ class Communicator:
         old_sites = [sites[members[r]] for r in old]
         if not joiners or len(set(old_sites)) < 2:  # one site left: nothing to tell them from
             return
-        t0, stats = time.perf_counter(), self.stats.copy()
-        try:  # control traffic, like the regroup's agreement: not the training step's bytes
+        t0 = time.perf_counter()
+        with self.control_traffic():  # like the regroup's agreement: not the training step's bytes
             matrix = measure(self, schedule=joiner_rounds(joiners, old))
-        finally:
-            self.control_calls += self.stats.calls - stats.calls
-            self.stats = stats
         said, fresh = [], max(sites) + 1
         for j in joiners:
             site, best = site_of_joiner([matrix[j][r] for r in old], old_sites)
@@ -434,6 +431,17 @@ class Communicator:
             yield
         finally:
             self.left_out = previous
+
+    @contextlib.contextmanager
+    def control_traffic(self):
+        """Inside, collectives are measurements (a link probe, a profile), not training: counted
+        in ``control_calls``, left out of the bytes and seconds of ``stats``."""
+        stats = self.stats.copy()
+        try:
+            yield
+        finally:
+            self.control_calls += self.stats.calls - stats.calls
+            self.stats = stats
 
     @contextlib.contextmanager
     def naming_timeouts(self, op: str, nbytes: int):

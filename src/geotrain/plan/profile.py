@@ -10,6 +10,7 @@ spread. It takes seconds: 1 warm-up and ``reps`` timed passes, 3 message sizes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -263,6 +264,26 @@ def build_profile(
 ) -> dict[str, Any]:
     """The whole profile, identical on every worker (times averaged over workers). ``codecs``:
     specs whose encoding and decoding are timed per layer too (``codecs`` in the profile)."""
+    with _as_control(comm):  # a measurement: not in the training's bytes and seconds
+        return _build_profile(model, layers, loss_fn, optimizer, comm, meta, reps, contention, codecs)
+
+
+def _as_control(comm: Communicator):
+    control = getattr(comm, "control_traffic", None)
+    return control() if control is not None else contextlib.nullcontext()
+
+
+def _build_profile(
+    model: nn.Module,
+    layers: list[Layer],
+    loss_fn: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    comm: Communicator,
+    meta: dict[str, Any] | None,
+    reps: int,
+    contention: bool,
+    codecs: Sequence[str],
+) -> dict[str, Any]:
     started = time.perf_counter()
     barrier = comm.barrier if comm.world_size > 1 else None
     local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
@@ -488,8 +509,9 @@ class StepObserver:
             "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
             "optimizer_s": statistics.fmean(s["optimizer_s"] for s in timed),
         }
-        order, averaged, link = _shared(local, self.layers, comm)
-        return {**_profile(order, averaged, link, self.layers, comm, meta), "observed_steps": len(timed)}
+        with _as_control(comm):  # a measurement: not in the training's bytes and seconds
+            order, averaged, link = _shared(local, self.layers, comm)
+            return {**_profile(order, averaged, link, self.layers, comm, meta), "observed_steps": len(timed)}
 
 
 def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkModel]:
