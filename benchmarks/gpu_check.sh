@@ -11,7 +11,8 @@
 # 3. The mini model's step on the GPU (fp32 and bf16 autocast), one worker under NCCL's set-up.
 # Uses the machine's python3 and its torch (the pins are for CPU machines); needs pytest,
 # pytest-timeout and pytest-xdist there.
-set -u
+set -u -o pipefail
+failed=0
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -26,12 +27,12 @@ workers=${WORKERS:-8}
 
 echo "== tests/test_cuda.py"
 timeout 200 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 180 -rA tests/test_cuda.py \
-    2>&1 | tail -n 60 | tee "$out/test_cuda.txt"
+    2>&1 | tail -n 60 | tee "$out/test_cuda.txt" || failed=1
 
 echo "== end-to-end modules on the GPU"
 timeout 120 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 110 -rfE \
     tests/test_api.py tests/test_models.py tests/test_dreamddp_e2e.py \
-    2>&1 | tail -n 80 | tee "$out/e2e.txt"
+    2>&1 | tail -n 80 | tee "$out/e2e.txt" || failed=1
 
 echo "== mini on the GPU: steps of one worker"
 for cast in off bf16; do
@@ -40,3 +41,4 @@ for cast in off bf16; do
         | grep -E "step time|tokens/s|compute|error" | sed "s/^/$cast: /" | tee -a "$out/mini.txt"
 done
 rm -rf "$out"/mini-*/  # their summaries are in mini.txt; $OUT takes files two folders deep
+exit $failed  # the tests' verdict: 1 if either pytest run failed

@@ -118,9 +118,11 @@ def test_every_algorithm_and_codec_runs_on_cuda_and_lands_where_the_cpu_does(alg
 @pytest.mark.parametrize("algo, options", [("diloco", {"H": 3}), ("dreamddp", {"H": 2, "compress": "int4"})])
 def test_bf16_autocast_trains_on_cuda_with_fp32_parameters(algo, options):
     ranks = run_workers(_run, 2, "cuda:0", algo, options, True, timeout=240)
+    fp32 = run_workers(_run, 2, "cuda:0", algo, options, False, timeout=240)
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert ranks[0]["params"].dtype == torch.float32
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    assert ranks[0]["losses"][0] != fp32[0]["losses"][0]  # the forward ran in bfloat16
 
 
 def _torchrun(args: list[str], nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:

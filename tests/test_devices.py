@@ -59,6 +59,12 @@ def test_the_launcher_gives_each_host_a_gpu_and_gloo_where_they_must_share():
     assert backend_for_hosts(cfg, 3, 2).backend == "gloo"
     with pytest.raises(RunFailed, match="--backend nccl needs a GPU per host: 3 hosts would share 2 GPU"):
         backend_for_hosts(TrainConfig(backend="nccl"), 3, 2)
+    with pytest.raises(RunFailed, match="this machine shows none: use gloo"):
+        backend_for_hosts(TrainConfig(backend="nccl"), 2, 0)
+    # regrouping after a loss has not run on NCCL: an elastic run's auto is gloo
+    assert TrainConfig(elastic=True).process_backend() == "gloo"
+    assert TrainConfig(elastic=True, backend="nccl").process_backend() == "nccl"
+    assert TrainConfig().process_backend() == "auto"
 
     class Launch:
         gpus = ("2", "5")  # as CUDA_VISIBLE_DEVICES names them
@@ -126,12 +132,19 @@ def test_a_profile_clock_is_the_wall_clock_on_the_cpu():
 
 
 def test_a_run_under_bf16_autocast_keeps_fp32_parameters_and_says_so(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = geotrain(["run", "--workers", "2", "--no-netem", "--model", "tiny", "--steps", "4",
-                     "--algo", "diloco", "--H", "2", "--autocast", "bf16", "--no-progress",
-                     "--run-dir", str(run_dir)])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["autocast"], summary["backend"], summary["device"]) == ("bf16", "gloo", "cpu")
-    model = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
-    assert all(t.dtype == torch.float32 for t in model.values() if t.is_floating_point())
+    """The same run with and without ``--autocast bf16``: both fp32 parameters, other losses
+    (the forwards ran in bfloat16)."""
+    summaries = {}
+    for cast in ("bf16", "off"):
+        run_dir = tmp_path / cast
+        proc = geotrain(["run", "--workers", "2", "--no-netem", "--model", "tiny", "--steps", "4",
+                         "--algo", "diloco", "--H", "2", "--autocast", cast, "--no-progress",
+                         "--run-dir", str(run_dir)])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summaries[cast] = json.loads((run_dir / "summary.json").read_text())
+        model = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+        assert all(t.dtype == torch.float32 for t in model.values() if t.is_floating_point())
+    bf16, off = summaries["bf16"], summaries["off"]
+    assert (bf16["autocast"], bf16["backend"], bf16["device"]) == ("bf16", "gloo", "cpu")
+    assert bf16["first_train_loss"] != off["first_train_loss"]
+    assert abs(bf16["final_val_loss"] - off["final_val_loss"]) < 0.05 * off["final_val_loss"]

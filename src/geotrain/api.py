@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import AUTO_MIN_WORKERS, default_norm_ratio
+from geotrain.launch.dist import NCCL
 from geotrain.sync import ALGORITHMS, ConfigError, SyncAlgorithm, sync_config
 from geotrain.sync.noise import NoiseScale
 
@@ -216,10 +217,11 @@ def _with_cpu_backend(group: dist.ProcessGroup | None) -> dist.ProcessGroup | No
     the norm check's verdicts), which NCCL refuses. Collective: every rank calls ``wrap``."""
     if not (dist.is_available() and dist.is_initialized()):
         return group
-    if str(dist.get_backend(group)) != "nccl":
+    if str(dist.get_backend(group)) not in ("nccl", "cuda:nccl"):
         return group
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return dist.new_group(ranks, backend="cpu:gloo,cuda:nccl")
+    # only the group's own ranks take part (a subgroup's wrap is not called by the others)
+    return dist.new_group(ranks, backend=NCCL, use_local_synchronization=True)
 
 
 def wrap(

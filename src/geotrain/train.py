@@ -73,6 +73,7 @@ from geotrain.launch.coordinator import Heartbeat
 from geotrain.launch.dist import (
     BACKENDS,
     DistContext,
+    choose_backend,
     init_distributed,
     init_from_broker,
     init_joiner,
@@ -454,6 +455,11 @@ class TrainConfig:
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec(self.model, self.model_config, self.lora, self.lora_fa)
+
+    def process_backend(self) -> str:
+        """``--backend``, with auto resolved to gloo for an elastic run: regrouping after a lost
+        member has not run on NCCL, whose watchdog ends a process whose collective failed."""
+        return "gloo" if self.backend == "auto" and self.elastic else self.backend
 
     def sync_options(self) -> dict[str, Any]:
         # None (H 0, overlap unset): the algorithm's default, which from_options leaves in place
@@ -1749,11 +1755,17 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         )
         return 2
     where = ":".join(map(str, heartbeat.address)) if heartbeat is not None else ""
+    backend = cfg.process_backend()
+    try:
+        choose_backend(backend, torch.cuda.device_count(), 1)  # nccl without a GPU: one line, now
+    except ValueError as e:
+        print(f"geotrain train: error: {e}", file=sys.stderr)
+        return 2
     if cfg.join:
-        ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s, cfg.backend)
+        ctx = init_joiner(heartbeat.host, hosts, cfg.timeout_s, backend)
     elif cfg.broker:
         try:
-            ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s, cfg.backend)
+            ctx = init_from_broker(*heartbeat.address, heartbeat.host, hosts, cfg.timeout_s, backend)
         except Exception as e:
             print(
                 f"geotrain train: error: the run's {hosts} hosts did not all join at {where} within "
@@ -1763,7 +1775,7 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
             return 1
     else:
         try:
-            ctx = init_distributed(timeout_s=cfg.timeout_s, backend=cfg.backend)
+            ctx = init_distributed(timeout_s=cfg.timeout_s, backend=backend)
         except ValueError as e:  # --backend nccl without a GPU per worker
             print(f"geotrain train: error: {e}", file=sys.stderr)
             return 2

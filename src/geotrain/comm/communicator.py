@@ -435,7 +435,10 @@ class Communicator:
     @contextlib.contextmanager
     def control_traffic(self):
         """Inside, collectives are measurements (a link probe, a profile), not training: counted
-        in ``control_calls``, left out of the bytes and seconds of ``stats``."""
+        in ``control_calls``, left out of the bytes and seconds of ``stats`` (and so of a step's
+        record where DreamDDP re-profiles in it; the emulated links' own counters still see
+        them). For the training thread's collectives: whatever another thread counts meanwhile
+        is left out too (none runs during a profile: DDP's hooks run in its backward)."""
         stats = self.stats.copy()
         try:
             yield
@@ -912,8 +915,8 @@ class Communicator:
         )
 
     def probe_broadcast_s(self, nbytes: int, device: torch.device | None = None) -> list[float]:
-        """Seconds for each worker in turn to broadcast ``nbytes`` from ``device`` (the
-        training's: on a GPU, NCCL's link) to the others (the slowest receiver's view).
+        """Seconds for each worker in turn to broadcast ``nbytes`` from ``device`` (default the
+        CPU: under NCCL, gloo's half of the group) to the others (the slowest receiver's view).
 
         A measurement of each worker's upload, on the control channel (not training traffic).
         """

@@ -127,9 +127,9 @@ def init_joiner(host: int, hosts: int, timeout_s: float = 600.0, backend: str = 
     ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
     device = worker_device(0)
     cuda = device.type == "cuda"
+    backend = choose_backend(backend, torch.cuda.device_count() if cuda else 0, 1)  # before any group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    backend = choose_backend(backend, torch.cuda.device_count() if cuda else 0, 1)
     return DistContext(host, hosts, 0, backend, device, 1, None)
 
 

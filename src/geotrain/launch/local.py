@@ -721,6 +721,8 @@ def backend_for_hosts(cfg: TrainConfig, machines: int, gpus: int) -> TrainConfig
     """``cfg`` with the backend for ``machines`` emulated hosts (spares included) on ``gpus`` GPUs:
     each host gets a GPU of its own where there are enough (NCCL); where they must share, gloo,
     which moves CUDA tensors too, since NCCL refuses two ranks on one GPU."""
+    if cfg.backend == "nccl" and not gpus:
+        raise RunFailed("--backend nccl needs a CUDA GPU per host, and this machine shows none: use gloo")
     if not gpus or machines <= gpus or cfg.backend == "gloo":
         return cfg
     if cfg.backend == "nccl":

@@ -32,7 +32,8 @@ PROFILE_VERSION = 1
 def clock(device: torch.device) -> Callable[[], float]:
     """``time.perf_counter`` for a profile on ``device``: on a GPU after the device has finished
     what was queued, since kernels (and NCCL's collectives) run behind the CPU, which would
-    otherwise time their launches. A profile's steps are serialised by it; training is not."""
+    otherwise time their launches. The steps it times are serialised by it: a profile's, and the
+    few training steps DreamDDP observes to plan from (``StepObserver``), not the others."""
     if device.type != "cuda":
         return time.perf_counter
 
