@@ -354,3 +354,37 @@ def test_a_validation_scores_the_replicas_mean_model_and_puts_each_replica_back(
         assert r["same"] == (r["mean_loss"], None)  # one model: no average to take
         assert r["local_only"] == (r["mean_loss"], None)
         assert r["training"] == (0, 0, 0)  # the mean moved, as a measurement, not training traffic
+
+
+def _ssgd_advanced_after_backward(rank, world_size, compress):
+    """Per step: each bucket's message, in launch order, whether its second phase is out when
+    backward returns; and the parameters after the steps."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("ssgd", model, opt, Communicator(), {"compress": compress, "bucket_mb": 0.01})
+    out = []
+    for step in range(3):
+        x, y = _batch(rank, step)
+        sync.model(x, y)[1].backward()
+        out.append([sync._launched[b].advanced for b in sync._order])
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+    sync.close()
+    return {"advanced": out, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("compress", ["int4", "powersgd:rank=2"])
+def test_ssgd_sends_a_codecs_second_phases_under_backward(compress):
+    """Each bucket's second phase goes out when the bucket ``ADVANCE_DEPTH`` launches later is
+    launched: after backward only the last ``ADVANCE_DEPTH`` are left; replicas stay equal."""
+    from geotrain.plan.cost import ADVANCE_DEPTH
+
+    ranks = run_workers(_ssgd_advanced_after_backward, 2, compress)
+    assert ranks[0]["advanced"] == ranks[1]["advanced"]
+    for step, advanced in enumerate(ranks[0]["advanced"]):
+        assert len(advanced) > ADVANCE_DEPTH, f"step {step}: too few buckets to tell"
+        assert advanced == [True] * (len(advanced) - ADVANCE_DEPTH) + [False] * ADVANCE_DEPTH
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)

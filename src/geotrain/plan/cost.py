@@ -239,33 +239,50 @@ def codec_exposed(
     second. After backward the rest are advanced, the last launched first, and the update waits
     for every second phase. One link, first queued first served, ``comm_slowdown`` times slower
     under backward."""
-    depth = ADVANCE_DEPTH if depth is None else depth
     chosen = sorted(layers)
     if not chosen:
         return 0.0
     finish = compute.finish_times()
-    end = finish[-1]
-    slowdown = compute.comm_slowdown
+    return advanced_under_backward(
+        [finish[i] for i in chosen],
+        [link.time(compute.nbytes[i]) for i in chosen],
+        [link.time(compute.tail_bytes[i]) for i in chosen],
+        finish[-1],
+        compute.comm_slowdown,
+        ADVANCE_DEPTH if depth is None else depth,
+    )
+
+
+def advanced_under_backward(
+    ready: list[float], first_s: list[float], tail_s: list[float], end: float, slowdown: float, depth: int
+) -> float:
+    """How far past ``end`` (backward's) messages of two phases land, launched at ``ready`` in
+    that order, each one's second phase (``tail_s``) queued when the one launched ``depth``
+    later goes out (backward waiting for its first phase where it is not in), the last
+    ``depth`` after backward, the last launched first (``codec_exposed``: DreamDDP's layers;
+    ``predict_ssgd``: a codec's buckets)."""
     stall, free = 0.0, 0.0  # backward's waits so far; when the link is next free
 
-    def serve(ready: float, c: float) -> float:
+    def serve(at: float, c: float) -> float:
         nonlocal free
-        free = _finish(max(free, ready), c, end + stall, slowdown)
+        free = _finish(max(free, at), c, end + stall, slowdown)
         return free
 
-    first: list[float] = []  # when each launched layer's first phase lands
-    for k, i in enumerate(chosen):
-        ready = finish[i] + stall
+    first: list[float] = []  # when each launched message's first phase lands
+    for k, r in enumerate(ready):
+        r += stall
         if k >= depth:
-            if first[k - depth] > ready:  # backward waits for that one's first phase
-                stall += first[k - depth] - ready
-                ready = first[k - depth]
-            serve(ready, link.time(compute.tail_bytes[chosen[k - depth]]))
-        first.append(serve(ready, link.time(compute.nbytes[i])))
+            if first[k - depth] > r:  # backward waits for that one's first phase
+                stall += first[k - depth] - r
+                r = first[k - depth]
+            serve(r, tail_s[k - depth])
+        first.append(serve(r, first_s[k]))
+    if not first:
+        return 0.0
     # after backward: the rest advanced, the last launched first (waiting for every first phase)
     t = max(end + stall, first[-1])
-    for i in reversed(chosen[max(0, len(chosen) - depth) :]):
-        t = serve(t, link.time(compute.tail_bytes[i]))
+    for k in reversed(range(max(0, len(ready) - depth), len(ready))):
+        t = serve(t, tail_s[k])
     return t - end
 
 
@@ -317,14 +334,30 @@ def _bucket_tails_s(compute: ComputeModel, link: LinkModel, bucket_mb: float) ->
     return sum(link.time(sum(compute.tail_bytes[i] for i in b)) for b in buckets)
 
 
-def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
+def predict_ssgd(
+    compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0, advance: bool = True
+) -> float:
+    """A step of bucketed all-reduces under backward. With ``advance`` (``ssgd``), a codec's
+    second phases go out under it too, each bucket's when the one launched ``ADVANCE_DEPTH``
+    later does (``sync/ssgd.py``); without (``ddp``'s comm hook), all after backward."""
     ready, sizes = _bucketed(compute, bucket_mb * 2**20)
-    exposed = simulate_backward(
-        ready, [link.time(s) for s in sizes], compute.finish_times()[-1], compute.comm_slowdown
-    )
-    tails = _bucket_tails_s(compute, link, bucket_mb)
+    end = compute.finish_times()[-1]
+    if not advance:
+        exposed = simulate_backward(ready, [link.time(s) for s in sizes], end, compute.comm_slowdown)
+        tails = _bucket_tails_s(compute, link, bucket_mb)
+        interference = compute.interference_s_per_byte * sum(sizes)
+        return compute.compute_s + exposed + tails + interference + compute.codec_total_s()
+    if compute.tail_bytes:
+        tails = [sum(compute.tail_bytes[i] for i in b) for b in _buckets(compute, bucket_mb * 2**20)]
+        exposed = advanced_under_backward(
+            ready, [link.time(s) for s in sizes], [link.time(t) for t in tails], end,
+            compute.comm_slowdown, ADVANCE_DEPTH,
+        )  # fmt: skip
+        sizes = [s + t for s, t in zip(sizes, tails, strict=True)]
+    else:
+        exposed = simulate_backward(ready, [link.time(s) for s in sizes], end, compute.comm_slowdown)
     interference = compute.interference_s_per_byte * sum(sizes)
-    return compute.compute_s + exposed + tails + interference + compute.codec_total_s()
+    return compute.compute_s + exposed + interference + compute.codec_total_s()
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:

@@ -1,7 +1,10 @@
 """``ssgd``: synchronous data parallel SGD with bucketed gradient all-reduce overlapped with backward.
 
 With ``compress`` (``--compress int8``, ``acpsgd:rank=4``, ...), each bucket's mean is taken by
-that codec, launched from the same hook, so compression keeps bucketing and overlap.
+that codec, launched from the same hook, so compression keeps bucketing and overlap. A codec of
+two phases (int8's all-to-all, then the all-gather of the re-quantised shards) sends the second
+under backward too: before a bucket is launched, the one launched ``ADVANCE_DEPTH`` launches
+earlier is advanced, as DreamDDP does its layers (``plan.cost.codec_exposed``).
 
 Each parameter's post-accumulate-grad hook marks it ready; when every parameter of a bucket
 (buckets of ``bucket_mb`` in backward order) is ready, the bucket's gradients are flattened and
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, make_buckets, mean_async, wait_all
+from geotrain.plan.cost import ADVANCE_DEPTH
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 
@@ -43,6 +47,7 @@ class SSGD(SyncAlgorithm):
                 self._bucket_of[id(self._params[i])] = b
         self._ready = [0] * len(self._buckets)
         self._launched: list = [None] * len(self._buckets)
+        self._order: list[int] = []  # buckets in the order launched this step
         self._hooks = []
         if comm.world_size > 1:
             for p in self._params:
@@ -66,9 +71,15 @@ class SSGD(SyncAlgorithm):
     def _launch(self, b: int) -> None:
         grads = self._grads(b)
         if self.codec is not None:
+            # A fixed earlier one, not any found finished: every worker issues its collectives
+            # in one order (the backward's); depth 3, as waiting for a first phase is waiting
+            # for the slowest worker to reach that bucket.
+            if len(self._order) >= ADVANCE_DEPTH:
+                self._launched[self._order[-ADVANCE_DEPTH]].advance()
             self._launched[b] = self.codec.reduce(self.comm, ("grad", b), grads)
         else:
             self._launched[b] = mean_async(self.comm, grads)
+        self._order.append(b)
 
     def before_step(self) -> None:
         if self.comm.world_size == 1:
@@ -78,15 +89,20 @@ class SSGD(SyncAlgorithm):
         for b in range(len(self._buckets)):
             if self._launched[b] is None:
                 self._launch(b)
-        wait_all(self._launched)  # writes each mean into its bucket's gradients
-        self._ready = [0] * len(self._buckets)
-        self._launched = [None] * len(self._buckets)
+        # Each mean written into its bucket's gradients; a codec's remaining second phases
+        # advanced the last launched first, as the cost model prices them (``codec_exposed``)
+        order = reversed(self._order) if self.codec is not None else range(len(self._buckets))
+        wait_all([self._launched[b] for b in order])
+        self._reset()
         self.syncs += 1
 
-    def rebind(self) -> None:
-        # The failed step is redone from its backward: nothing of it is kept.
+    def _reset(self) -> None:
         self._ready = [0] * len(self._buckets)
         self._launched = [None] * len(self._buckets)
+        self._order = []
+
+    def rebind(self) -> None:
+        self._reset()  # the failed step is redone from its backward: nothing of it is kept
 
     def close(self) -> None:
         for h in self._hooks:
