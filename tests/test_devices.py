@@ -108,15 +108,14 @@ def test_a_wait_on_nccl_polls_and_never_times_out_a_wait():
 
 
 def test_restored_state_goes_back_to_the_models_device():
-    """A snapshot holds state on the CPU; restored, a codec keeps its per-stream state where it
-    works (the model's device; the quantisers' on the CPU, where they encode), and a message in
-    flight is sent again from the model's device."""
+    """A snapshot holds state on the CPU; restored, a codec's per-stream state goes back to the
+    model's device, where it encodes, and a message in flight is sent again from there."""
     meta = torch.device("meta")
-    for spec, where in [("powersgd:rank=2", meta), ("fp16", meta), ("int8", torch.device("cpu"))]:
+    for spec in ("powersgd:rank=2", "fp16", "int8", "int4", "sign", "chunktopk"):
         codec = make_codec(spec)
         state = {"spec": codec.spec(), "streams": [("layer", {"residual": torch.ones(4)})]}
         codec.load_state_dict(state, meta)
-        assert codec.state("layer")["residual"].device == where, spec
+        assert codec.state("layer")["residual"].device == meta, spec
         codec.load_state_dict(state)  # no device: as saved
         assert codec.state("layer")["residual"].device.type == "cpu"
     flying = InFlight(comm=None)

@@ -140,18 +140,13 @@ class Codec(ABC):
         # under the key it will look it up by.
         return {"spec": self.spec(), "streams": [(k, dict(v)) for k, v in self._state.items()]}
 
-    def state_device(self, device: torch.device) -> torch.device:
-        """Where this codec keeps its per-stream state for a model on ``device``."""
-        return device
-
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore the streams' state; ``device``: the model's (a snapshot holds it on the CPU)."""
         require(
             state.get("spec") == self.spec(), f"checkpoint codec {state.get('spec')!r} != {self.spec()!r}"
         )
-        where = self.state_device(device) if device is not None else None
         self._state = {
-            k: {name: t.to(where) if where is not None else t for name, t in v.items()}
+            k: {name: t.to(device) if device is not None else t for name, t in v.items()}
             for k, v in state["streams"]
         }
 

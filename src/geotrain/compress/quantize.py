@@ -70,9 +70,6 @@ class _BlockQuantizer(Codec):
     bits: ClassVar[int] = 8
     block: int = 256
 
-    def state_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu")  # it encodes on the CPU (``_encode_rows``): its residuals live there
-
     def __post_init__(self) -> None:
         super().__post_init__()
         require(
@@ -106,7 +103,7 @@ class _BlockQuantizer(Codec):
         values, scales, decoded = self._quantize(x)
         if not torch.isfinite(scales).all():  # a non-finite block: what its bytes say, exactly
             decoded = self._dequantize(values, scales)
-        data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8)
+        data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8, device=rows.device)
         nvalue = chunk * self.bits // 8
         data[:, :nvalue] = values.reshape(r, -1)
         data[:, nvalue:] = scales.reshape(r, -1).view(torch.uint8)
@@ -129,7 +126,7 @@ class _BlockQuantizer(Codec):
     def roundtrip(self, v: torch.Tensor) -> torch.Tensor:
         """What the receiver decodes from ``v`` (1-d), for tests and error-feedback checks."""
         block, chunk = self.layout(v.numel(), 1)
-        padded = torch.zeros(chunk)
+        padded = v.new_zeros(chunk, dtype=torch.float32)
         padded[: v.numel()] = v
         return self.decode(self.encode(padded.unsqueeze(0), block), chunk, block)[0, : v.numel()]
 
@@ -138,16 +135,17 @@ class _BlockQuantizer(Codec):
         state = self.state(key)
         n, world = sum(t.numel() for t in tensors), comm.world_size
         block, chunk = self.layout(n, world)
-        # flattened and padded to whole chunks in one copy, on the CPU (where the codec works)
-        pad = torch.zeros(world * chunk - n, dtype=tensors[0].dtype)
-        v = torch.cat([*(t.detach().reshape(-1).cpu() for t in tensors), pad]).float()
+        # flattened and padded to whole chunks in one copy, on the tensors' device (a GPU's
+        # gradients are quantised there; the uint8 rows travel by NCCL)
+        pad = tensors[0].new_zeros(world * chunk - n)
+        v = torch.cat([*(t.detach().reshape(-1) for t in tensors), pad]).float()
         if "residual" in state:
             residual = state["residual"]
             if residual.numel() != v.numel():
                 # The group changed size (a lost worker): the padding changes with it. This
                 # worker's own error carries over; its share of the mean (the server residual)
                 # was another chunk, and is dropped.
-                residual = torch.cat([residual[:n], torch.zeros(v.numel() - n)])
+                residual = torch.cat([residual[:n], v.new_zeros(v.numel() - n)])
                 state.pop("server_residual", None)
             v += residual
         # The norm check judges what is sent, before it is quantised (``screen`` zeroes a message
@@ -175,7 +173,7 @@ class _BlockQuantizer(Codec):
             if verdict is None:
                 mean = rows.mean(dim=0)
             else:  # this worker's shard of every kept contribution: the mean or a robust statistic
-                kept = rows[torch.tensor(verdict.kept)]
+                kept = rows[torch.tensor(verdict.kept, device=rows.device)]
                 kind, f = comm.aggregate_kind
                 mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
             if "server_residual" in state:
@@ -249,7 +247,7 @@ class Int4(_BlockQuantizer):
         return packed, scales, q.sub_(8).mul_(scales)
 
     def _dequantize(self, values, scales):
-        q = torch.empty(*values.shape, 2)
+        q = torch.empty(*values.shape, 2, device=values.device)
         q[..., 0] = values & 15
         q[..., 1] = values >> 4
         return q.view(*values.shape[:-1], -1).sub_(8).mul_(scales)
@@ -269,10 +267,10 @@ class Sign(_BlockQuantizer):
         scales = x.abs().mean(dim=-1, keepdim=True)
         positive = x >= 0
         bits = positive.to(torch.uint8).view(*x.shape[:-1], -1, 8)
-        packed = (bits * _BIT_WEIGHTS).sum(dim=-1, dtype=torch.uint8)
+        packed = (bits * _BIT_WEIGHTS.to(bits.device)).sum(dim=-1, dtype=torch.uint8)
         return packed, scales, positive.float().mul_(2).sub_(1).mul_(scales)
 
     def _dequantize(self, values, scales):
-        bits = (values.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        bits = (values.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=values.device)) & 1
         signs = bits.reshape(*values.shape[:-1], -1).float().mul_(2).sub_(1)
         return signs.mul_(scales)

@@ -182,24 +182,21 @@ class StreamingDiLoCo(SyncAlgorithm):
 
     # -- messages -------------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> torch.Tensor:
-        """The message of ``delta``, on ``delta``'s device (the model's, on every worker alike: a
-        restored or an adopter's empty message is made there too); quantised on the CPU, where
-        the quantiser works."""
+        """The message of ``delta``, quantised on ``delta``'s device (the model's, on every worker
+        alike: a restored or an adopter's empty message is made there too)."""
         if self.quantizer is None:
             return delta
         block, chunk = self.quantizer.layout(delta.numel(), 1)
-        padded = torch.zeros(chunk)
-        padded[: delta.numel()] = delta.detach().cpu()
-        return self.quantizer.encode(padded.unsqueeze(0), block)[0].to(delta.device)
+        padded = delta.new_zeros(chunk, dtype=torch.float32)
+        padded[: delta.numel()] = delta.detach()
+        return self.quantizer.encode(padded.unsqueeze(0), block)[0]
 
     def _mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
         """The fp32 mean of the decoded messages (rows in rank order) over the workers that sent
         one: an adopter's empty message (all zero bytes, ``InFlight.adopted``) is left out. A
         real 4- or 8-bit message is never all zero bytes (its scales are not zero unless its
         values are, and int4 codes zero as 8), nor, in practice, an fp32 pseudo-gradient.
-        On the device of the messages, or the CPU where they are quantised (decoded there)."""
-        if self.quantizer is not None:
-            gathered = gathered.cpu()
+        On the messages' device."""
         sent = gathered.reshape(gathered.shape[0], -1).ne(0).any(dim=1)
         if self.quantizer is not None:
             block, chunk = self.quantizer.layout(n, 1)
