@@ -101,7 +101,11 @@ class _BlockQuantizer(Codec):
         r, chunk = rows.shape
         x = rows.reshape(r, chunk // block, block)
         values, scales, decoded = self._quantize(x)
-        if not torch.isfinite(scales).all():  # a non-finite block: what its bytes say, exactly
+        # A non-finite block: what its bytes say, exactly. On a GPU without asking (a question
+        # about a GPU tensor waits for everything queued before it, in the backward's hooks).
+        if x.device.type != "cpu":
+            decoded = torch.where(torch.isfinite(scales), decoded, self._dequantize(values, scales))
+        elif not torch.isfinite(scales).all():
             decoded = self._dequantize(values, scales)
         data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8, device=rows.device)
         nvalue = chunk * self.bits // 8
@@ -140,7 +144,7 @@ class _BlockQuantizer(Codec):
         pad = tensors[0].new_zeros(world * chunk - n)
         v = torch.cat([*(t.detach().reshape(-1) for t in tensors), pad]).float()
         if "residual" in state:
-            residual = state["residual"]
+            residual = state["residual"].to(v.device)  # restored without a device: from the CPU
             if residual.numel() != v.numel():
                 # The group changed size (a lost worker): the padding changes with it. This
                 # worker's own error carries over; its share of the mean (the server residual)
@@ -173,11 +177,11 @@ class _BlockQuantizer(Codec):
             if verdict is None:
                 mean = rows.mean(dim=0)
             else:  # this worker's shard of every kept contribution: the mean or a robust statistic
-                kept = rows[torch.tensor(verdict.kept, device=rows.device)]
+                kept = rows.index_select(0, _kept_index(verdict.kept, rows.device))
                 kind, f = comm.aggregate_kind
                 mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
             if "server_residual" in state:
-                mean += state["server_residual"]
+                mean += state["server_residual"].to(mean.device)
             mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
             server_residual = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
             spoil = comm.corrupt_shard
@@ -240,8 +244,7 @@ class Int4(_BlockQuantizer):
         scales = x.abs().amax(dim=-1, keepdim=True).div_(7)
         q = x / torch.where(scales > 0, scales, 1)
         q.round_().clamp_(-7, 7).add_(8)  # 1..15: two to a byte, unsigned
-        if not torch.isfinite(scales).all():
-            q.nan_to_num_(nan=8.0)  # inf / inf: the level 0, as the cast before the shift gave
+        q.nan_to_num_(nan=8.0)  # inf / inf: the level 0, as the cast before the shift gave (none else)
         pairs = q.to(torch.uint8).view(*q.shape[:-1], -1, 2)
         packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16)  # low | high << 4
         return packed, scales, q.sub_(8).mul_(scales)
@@ -253,7 +256,19 @@ class Int4(_BlockQuantizer):
         return q.view(*values.shape[:-1], -1).sub_(8).mul_(scales)
 
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_BIT_WEIGHTS = {torch.device("cpu"): torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """A byte's bit weights on ``device``, copied there once."""
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = _BIT_WEIGHTS[torch.device("cpu")].to(device)
+    return _BIT_WEIGHTS[device]
+
+
+def _kept_index(kept: list[bool], device: torch.device) -> torch.Tensor:
+    """The rows a verdict keeps, as indices on ``device`` (a mask would ask the GPU their count)."""
+    return torch.tensor([r for r, k in enumerate(kept) if k], dtype=torch.long, device=device)
 
 
 @dataclass
@@ -267,7 +282,7 @@ class Sign(_BlockQuantizer):
         scales = x.abs().mean(dim=-1, keepdim=True)
         positive = x >= 0
         bits = positive.to(torch.uint8).view(*x.shape[:-1], -1, 8)
-        packed = (bits * _BIT_WEIGHTS.to(bits.device)).sum(dim=-1, dtype=torch.uint8)
+        packed = (bits * _bit_weights(bits.device)).sum(dim=-1, dtype=torch.uint8)
         return packed, scales, positive.float().mul_(2).sub_(1).mul_(scales)
 
     def _dequantize(self, values, scales):

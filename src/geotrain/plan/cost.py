@@ -339,7 +339,8 @@ def predict_ssgd(
 ) -> float:
     """A step of bucketed all-reduces under backward. With ``advance`` (``ssgd``), a codec's
     second phases go out under it too, each bucket's when the one launched ``ADVANCE_DEPTH``
-    later does (``sync/ssgd.py``); without (``ddp``'s comm hook), all after backward."""
+    later does (``sync/ssgd.py``); without, all after backward (``ddp`` with a codec is priced
+    apart, by ``planner.predict``: its hook waits for each bucket in turn)."""
     ready, sizes = _bucketed(compute, bucket_mb * 2**20)
     end = compute.finish_times()[-1]
     if not advance:

@@ -54,6 +54,8 @@ class SSGD(SyncAlgorithm):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.comm.world_size == 1:  # a group shrunk to this worker: nothing to average
+            return
         b = self._bucket_of[id(param)]
         self._ready[b] += 1
         if self._ready[b] == len(self._buckets[b]):
@@ -69,6 +71,8 @@ class SSGD(SyncAlgorithm):
         return grads
 
     def _launch(self, b: int) -> None:
+        # Every worker launches its buckets in one order as long as their backward graphs are
+        # the same (a parameter unused on one worker only would pair different buckets).
         grads = self._grads(b)
         if self.codec is not None:
             # A fixed earlier one, not any found finished: every worker issues its collectives
