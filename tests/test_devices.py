@@ -147,3 +147,22 @@ def test_a_run_under_bf16_autocast_keeps_fp32_parameters_and_says_so(tmp_path):
     assert (bf16["autocast"], bf16["backend"], bf16["device"]) == ("bf16", "gloo", "cpu")
     assert bf16["first_train_loss"] != off["first_train_loss"]
     assert abs(bf16["final_val_loss"] - off["final_val_loss"]) < 0.05 * off["final_val_loss"]
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign"])
+def test_the_quantisers_gpu_path_decodes_non_finite_blocks_as_the_cpus(spec, monkeypatch):
+    """On a GPU the quantisers ask nothing mid-backward: a non-finite block's decoded values are
+    taken with ``torch.where`` instead of a branch. Forced on the CPU, that path gives the same
+    bytes and values, bit for bit, finite blocks and not."""
+    import geotrain.compress.quantize as quantize
+
+    codec = make_codec(spec)
+    rows = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0))
+    rows[0, 5] = float("inf")
+    rows[1, 3000] = float("nan")
+    block = codec.layout(4096, 1)[0]
+    asked = codec.encode_with_values(rows.clone(), block)
+    monkeypatch.setattr(quantize, "_may_ask", lambda device: False)
+    unasked = codec.encode_with_values(rows.clone(), block)
+    assert torch.equal(asked[0], unasked[0])
+    assert torch.equal(asked[1].view(torch.int32), unasked[1].view(torch.int32))  # NaNs too

@@ -103,7 +103,7 @@ class _BlockQuantizer(Codec):
         values, scales, decoded = self._quantize(x)
         # A non-finite block: what its bytes say, exactly. On a GPU without asking (a question
         # about a GPU tensor waits for everything queued before it, in the backward's hooks).
-        if x.device.type != "cpu":
+        if not _may_ask(x.device):
             decoded = torch.where(torch.isfinite(scales), decoded, self._dequantize(values, scales))
         elif not torch.isfinite(scales).all():
             decoded = self._dequantize(values, scales)
@@ -264,6 +264,12 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     if device not in _BIT_WEIGHTS:
         _BIT_WEIGHTS[device] = _BIT_WEIGHTS[torch.device("cpu")].to(device)
     return _BIT_WEIGHTS[device]
+
+
+def _may_ask(device: torch.device) -> bool:
+    """Whether a value of a tensor on ``device`` may be read on the host mid-backward (the CPU's:
+    free; a GPU's: a wait for its queue)."""
+    return device.type == "cpu"
 
 
 def _kept_index(kept: list[bool], device: torch.device) -> torch.Tensor:
