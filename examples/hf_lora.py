@@ -13,28 +13,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
 
 import geotrain
 import geotrain.api
-
-
-def worker_device() -> torch.device:
-    """This worker's GPU (several workers share one round-robin: run them with --backend gloo), or CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
-def owns_gpu(device: torch.device) -> bool:
-    """Whether every worker on this machine has a GPU of its own, as NCCL needs."""
-    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return device.type == "cuda" and workers <= torch.cuda.device_count()
+from geotrain.launch.dist import device_and_backend, uses_nccl
 
 
 def main() -> None:
@@ -44,7 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
-        "--backend", default="", help="gloo, nccl or cpu:gloo,cuda:nccl (default: NCCL on a GPU of its own)"
+        "--backend", default="auto", help="auto (NCCL where each worker has a GPU of its own), nccl or gloo"
     )
     parser.add_argument("--autocast", action="store_true", help="forward passes in bf16 (torch.autocast)")
     args = parser.parse_args()
@@ -54,9 +39,10 @@ def main() -> None:
     except ImportError as e:
         raise SystemExit(f"this example needs transformers and peft: pip install -e '.[hf]' ({e})") from None
 
-    device = worker_device()
-    backend = args.backend or ("cpu:gloo,cuda:nccl" if owns_gpu(device) else "gloo")
-    dist.init_process_group(backend, device_id=device if "nccl" in backend else None)
+    # This worker's GPU (else the CPU); NCCL for CUDA tensors paired with gloo for the few CPU
+    # numbers geotrain exchanges, or gloo alone; torchrun sets the rendezvous.
+    device, backend = device_and_backend(args.backend)
+    dist.init_process_group(backend, device_id=device if uses_nccl(backend) else None)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import time
 
 import torch
@@ -25,21 +24,7 @@ import torch.nn as nn
 
 import geotrain
 import geotrain.api
-
-
-def worker_device() -> torch.device:
-    """This worker's GPU (several workers share one round-robin: run them with --backend gloo), or CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
-def owns_gpu(device: torch.device) -> bool:
-    """Whether every worker on this machine has a GPU of its own, as NCCL needs."""
-    workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return device.type == "cuda" and workers <= torch.cuda.device_count()
+from geotrain.launch.dist import device_and_backend, uses_nccl
 
 
 def main() -> None:
@@ -50,15 +35,15 @@ def main() -> None:
     parser.add_argument("--pace", default="steps", help="localsgd, diloco: steps or time")
     parser.add_argument("--slow", type=int, default=-1, help="this rank sleeps 20 ms per step")
     parser.add_argument(
-        "--backend", default="", help="gloo, nccl or cpu:gloo,cuda:nccl (default: NCCL on a GPU of its own)"
+        "--backend", default="auto", help="auto (NCCL where each worker has a GPU of its own), nccl or gloo"
     )
     parser.add_argument("--autocast", action="store_true", help="forward passes in bf16 (torch.autocast)")
     args = parser.parse_args()
 
-    device = worker_device()
-    # NCCL for CUDA tensors, gloo for the few CPU numbers geotrain exchanges; torchrun sets the rendezvous
-    backend = args.backend or ("cpu:gloo,cuda:nccl" if owns_gpu(device) else "gloo")
-    dist.init_process_group(backend, device_id=device if "nccl" in backend else None)
+    # This worker's GPU (else the CPU); NCCL for CUDA tensors paired with gloo for the few CPU
+    # numbers geotrain exchanges, or gloo alone; torchrun sets the rendezvous.
+    device, backend = device_and_backend(args.backend)
+    dist.init_process_group(backend, device_id=device if uses_nccl(backend) else None)
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same model everywhere (wrap starts all from rank 0's anyway)

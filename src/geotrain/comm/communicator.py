@@ -275,7 +275,7 @@ class Handle:
         start = time.perf_counter()
         with self._comm.naming_timeouts(self._op, self._nbytes):
             for work in self._works:
-                wait_work(work, self._interrupt, not getattr(self._comm, "nccl", False))
+                wait_work(work, self._interrupt, not self._comm.nccl)
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

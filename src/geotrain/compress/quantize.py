@@ -144,7 +144,7 @@ class _BlockQuantizer(Codec):
         pad = tensors[0].new_zeros(world * chunk - n)
         v = torch.cat([*(t.detach().reshape(-1) for t in tensors), pad]).float()
         if "residual" in state:
-            residual = state["residual"].to(v.device)  # restored without a device: from the CPU
+            residual = state["residual"]
             if residual.numel() != v.numel():
                 # The group changed size (a lost worker): the padding changes with it. This
                 # worker's own error carries over; its share of the mean (the server residual)
@@ -181,7 +181,7 @@ class _BlockQuantizer(Codec):
                 kind, f = comm.aggregate_kind
                 mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
             if "server_residual" in state:
-                mean += state["server_residual"].to(mean.device)
+                mean += state["server_residual"]
             mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
             server_residual = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
             spoil = comm.corrupt_shard

@@ -75,15 +75,29 @@ def worker_device(local_rank: int) -> torch.device:
     return device
 
 
+def device_and_backend(
+    requested: str = "auto", local_rank: int | None = None, local_workers: int | None = None
+) -> tuple[torch.device, str]:
+    """This worker's device (``worker_device``) and its group's backend (``choose_backend``);
+    ``local_rank`` and ``local_workers`` default to torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE``. A script of one's own under torchrun can start with it too:
+    ``dist.init_process_group(backend, device_id=device if uses_nccl(backend) else None)``."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_workers is None:
+        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = worker_device(local_rank)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return device, choose_backend(requested, gpus, local_workers)
+
+
 def init_distributed(timeout_s: float = 600.0, backend: str = "auto") -> DistContext:
     """Join the process group torchrun prepared: NCCL where each worker has a GPU of its own
     (with gloo for CPU tensors), gloo otherwise (``choose_backend``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device = worker_device(local_rank)
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    backend = choose_backend(backend, gpus, local_world_size)
+    device, backend = device_and_backend(backend, local_rank, local_world_size)
     if world_size == 1:
         return DistContext(0, 1, 0, None, device, local_world_size)
     dist.init_process_group(
@@ -104,8 +118,7 @@ def init_from_broker(
     ``host`` of ``hosts`` is rank ``host``. The rendezvous lives in the broker, not in a trainer,
     so losing any trainer (the first one included) loses nothing, and no torchrun agent waits at
     exit for the agent of a lost machine."""
-    device = worker_device(0)
-    backend = choose_backend(backend, torch.cuda.device_count() if device.type == "cuda" else 0, 1)
+    device, backend = device_and_backend(backend, local_rank=0, local_workers=1)
     store = dist.TCPStore(
         addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -125,9 +138,7 @@ def init_joiner(host: int, hosts: int, timeout_s: float = 600.0, backend: str = 
     """A replacement worker (``--join``): a world of one of its own until the members admit it
     (``ft/membership.py``), so that its model, optimizer and algorithm are built as everywhere.
     ``rank`` is its host id among the ``hosts`` the run started with (its data shard)."""
-    device = worker_device(0)
-    cuda = device.type == "cuda"
-    backend = choose_backend(backend, torch.cuda.device_count() if cuda else 0, 1)  # before any group
+    device, backend = device_and_backend(backend, local_rank=0, local_workers=1)  # before any group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     return DistContext(host, hosts, 0, backend, device, 1, None)

@@ -10,7 +10,6 @@ spread. It takes seconds: 1 warm-up and ``reps`` timed passes, 3 message sizes.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
@@ -265,67 +264,48 @@ def build_profile(
 ) -> dict[str, Any]:
     """The whole profile, identical on every worker (times averaged over workers). ``codecs``:
     specs whose encoding and decoding are timed per layer too (``codecs`` in the profile)."""
-    with _as_control(comm):  # a measurement: not in the training's bytes and seconds
-        return _build_profile(model, layers, loss_fn, optimizer, comm, meta, reps, contention, codecs)
-
-
-def _as_control(comm: Communicator):
-    control = getattr(comm, "control_traffic", None)
-    return control() if control is not None else contextlib.nullcontext()
-
-
-def _build_profile(
-    model: nn.Module,
-    layers: list[Layer],
-    loss_fn: Callable[[], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    comm: Communicator,
-    meta: dict[str, Any] | None,
-    reps: int,
-    contention: bool,
-    codecs: Sequence[str],
-) -> dict[str, Any]:
-    started = time.perf_counter()
-    barrier = comm.barrier if comm.world_size > 1 else None
-    local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
-    timed_codecs = time_codecs(layers, comm, codecs) if codecs else {}
-    order, averaged, link = _shared(local, layers, comm)
-    n = len(order)
-    interference, slowdown, extra = 0.0, 1.0, 0.0
-    # Off by default: with it on, a worker aborted at exit ("terminate called without an active
-    # exception") in CI runs; until that is understood, profiles assume no contention.
-    if contention and comm.world_size > 1:
-        fit = LinkModel(link["alpha_s"], link["beta_s_per_byte"])
-        # enough traffic to outlast backward (so its end is observed), in layer-sized messages
-        backward_s = averaged[n + 2]
-        total = int(min(64 * 2**20, max(256 * 1024, 1.3 * backward_s / max(fit.beta_s_per_byte, 1e-12))))
-        count = 8
-        message = max(4096, total // count // 4 * 4)
-        measured = measure_interference(loss_fn, comm, message, count)
-        model.zero_grad(set_to_none=True)
-        plain, contended, comm_s, noise = comm.mean_scalars(
-            [measured["plain_s"], measured["contended_s"], measured["comm_s"], measured["noise_s"]]
-        )
-        (comm_s,) = comm.max_scalars([comm_s])
-        idle_s = count * fit.time(message)
-        extra = contended - plain
-        # the all-reduces' slowdown while backward runs: the part of their time inside backward
-        # did the work of less idle-link time
-        if comm_s > contended and idle_s > 0:
-            done_in_backward = max(1e-9, idle_s - (comm_s - contended))
-            slowdown = max(1.0, contended / done_in_backward)
-        sent_in_backward = count * message * min(1.0, contended / comm_s)
-        # below the run-to-run noise it is no measurement: charge nothing
-        interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
-    profile = _profile(order, averaged, link, layers, comm, meta)
-    if timed_codecs:
-        profile["codecs"] = timed_codecs
-    profile["interference_s_per_byte"] = interference
-    profile["comm_slowdown_in_backward"] = slowdown
-    profile["contention_measured"] = bool(contention and comm.world_size > 1)
-    profile["spread"]["interference_extra_backward_s"] = extra
-    profile["profile_s"] = time.perf_counter() - started
-    return profile
+    with comm.control_traffic():  # a measurement: not in the training's bytes and seconds
+        started = time.perf_counter()
+        barrier = comm.barrier if comm.world_size > 1 else None
+        local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
+        timed_codecs = time_codecs(layers, comm, codecs) if codecs else {}
+        order, averaged, link = _shared(local, layers, comm)
+        n = len(order)
+        interference, slowdown, extra = 0.0, 1.0, 0.0
+        # Off by default: with it on, a worker aborted at exit ("terminate called without an active
+        # exception") in CI runs; until that is understood, profiles assume no contention.
+        if contention and comm.world_size > 1:
+            fit = LinkModel(link["alpha_s"], link["beta_s_per_byte"])
+            # enough traffic to outlast backward (so its end is observed), in layer-sized messages
+            backward_s = averaged[n + 2]
+            total = int(min(64 * 2**20, max(256 * 1024, 1.3 * backward_s / max(fit.beta_s_per_byte, 1e-12))))
+            count = 8
+            message = max(4096, total // count // 4 * 4)
+            measured = measure_interference(loss_fn, comm, message, count)
+            model.zero_grad(set_to_none=True)
+            plain, contended, comm_s, noise = comm.mean_scalars(
+                [measured["plain_s"], measured["contended_s"], measured["comm_s"], measured["noise_s"]]
+            )
+            (comm_s,) = comm.max_scalars([comm_s])
+            idle_s = count * fit.time(message)
+            extra = contended - plain
+            # the all-reduces' slowdown while backward runs: the part of their time inside backward
+            # did the work of less idle-link time
+            if comm_s > contended and idle_s > 0:
+                done_in_backward = max(1e-9, idle_s - (comm_s - contended))
+                slowdown = max(1.0, contended / done_in_backward)
+            sent_in_backward = count * message * min(1.0, contended / comm_s)
+            # below the run-to-run noise it is no measurement: charge nothing
+            interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
+        profile = _profile(order, averaged, link, layers, comm, meta)
+        if timed_codecs:
+            profile["codecs"] = timed_codecs
+        profile["interference_s_per_byte"] = interference
+        profile["comm_slowdown_in_backward"] = slowdown
+        profile["contention_measured"] = bool(contention and comm.world_size > 1)
+        profile["spread"]["interference_extra_backward_s"] = extra
+        profile["profile_s"] = time.perf_counter() - started
+        return profile
 
 
 def _device(layers: list[Layer]) -> torch.device:
@@ -510,7 +490,7 @@ class StepObserver:
             "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
             "optimizer_s": statistics.fmean(s["optimizer_s"] for s in timed),
         }
-        with _as_control(comm):  # a measurement: not in the training's bytes and seconds
+        with comm.control_traffic():  # a measurement: not in the training's bytes and seconds
             order, averaged, link = _shared(local, self.layers, comm)
             return {**_profile(order, averaged, link, self.layers, comm, meta), "observed_steps": len(timed)}
 

@@ -95,8 +95,7 @@ class SSGD(SyncAlgorithm):
                 self._launch(b)
         # Each mean written into its bucket's gradients; a codec's remaining second phases
         # advanced the last launched first, as the cost model prices them (``codec_exposed``)
-        order = reversed(self._order) if self.codec is not None else range(len(self._buckets))
-        wait_all([self._launched[b] for b in order])
+        wait_all([self._launched[b] for b in reversed(self._order)])
         self._reset()
         self.syncs += 1
 
