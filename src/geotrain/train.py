@@ -1393,6 +1393,7 @@ def _snapshot_summary(snapshots: Snapshotter, comm, steps_here: int, resumed) ->
         "snapshot_background_s_per_step": background,
         "snapshot_bytes_per_step": snap_bytes,
         "snapshot_full_bytes": st.full_bytes,
+        "snapshot_recycled": st.recycled,  # written into the pages of one the keeper let go
         "snapshot_unique_bytes": st.unique_bytes,
         "redundancy": snapshots.cfg.redundancy if snapshots.scheme is not None else "off",
         "snapshots_shipped": len(snapshots.shipped),
@@ -1499,6 +1500,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "predicted_step_s": getattr(sync, "predicted_step_s", None),
         "replans": getattr(sync, "replans", None),
         "reprofiles": getattr(sync, "reprofiles", None),  # of them, those that profiled again
+        # dreamddp: the link's slowdown under backward, fitted to the run's steps (plan.cost)
+        "comm_slowdown_fitted": getattr(sync, "fitted_slowdown", None),
         # dreamddp --H auto: each period weighed (predicted step, steps factor) and the one chosen
         "period_choice": getattr(sync, "period_choice", None),
         # dreamddp --compress auto: each codec weighed (with its periods under --H auto)

@@ -11,6 +11,15 @@ was handed over, and a restarted one restores from memory instead of disk. The k
 and writes disk checkpoints from its own copy, in a background thread, when a ``put`` asks for
 one (``--checkpoint-every``), so the trainer's critical path never waits on the disk.
 
+A worker's state arrives as a memory file (``put_fd``) whose pages the keeper maps. When such a
+snapshot is let go and its worker asked for recycling, its file goes back to the worker with the
+reply to the worker's next ``put_fd`` (once nothing here reads it: no disk write, no ``get``
+under way), and the worker writes a later snapshot into those pages (unless its own shipping
+thread still reads that file: ``ft.snapshots``). Fresh pages cost a first touch each: zeroing by
+the kernel, and on a virtual machine that returns freed memory to its host (free page
+reporting) a fault in the hypervisor too, about 1 s for the ``mini`` model's 229 MB here, paid
+on the training thread. The keeper never reads a file it handed back.
+
 It holds its copies in its own memory, never in ``/dev/shm`` (shared by every namespace on one
 machine, so removing an emulated host would not lose them). It speaks a tiny protocol on a Unix
 socket (a JSON header line's length, the header, then ``size`` payload bytes), which works across
@@ -130,14 +139,19 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray]:
 def _recv_with_fds(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray, list[int]]:
     """A message, with any file descriptors that came with its first bytes (SCM_RIGHTS)."""
     first, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
-    if not first:
-        raise ConnectionError("peer closed the connection")
-    head = bytes(first) + (
-        bytes(_recv_exact(sock, _LEN.size - len(first))) if len(first) < _LEN.size else b""
-    )
-    (n,) = _LEN.unpack(head)
-    header = json.loads(_recv_exact(sock, n))
-    payload = _recv_exact(sock, header["size"]) if header["size"] else b""  # kept as received
+    try:
+        if not first:
+            raise ConnectionError("peer closed the connection")
+        head = bytes(first) + (
+            bytes(_recv_exact(sock, _LEN.size - len(first))) if len(first) < _LEN.size else b""
+        )
+        (n,) = _LEN.unpack(head)
+        header = json.loads(_recv_exact(sock, n))
+        payload = _recv_exact(sock, header["size"]) if header["size"] else b""  # kept as received
+    except BaseException:
+        for fd in fds:  # descriptors that came with a message never read whole
+            os.close(fd)
+        raise
     return header, payload, list(fds)
 
 
@@ -149,23 +163,90 @@ class Keeper:
         self.directory = Path(directory) if directory else None
         self.keep = keep
         self._blobs: dict[tuple[str, int, int, int], tuple[dict[str, Any], bytes]] = {}
+        self._files: dict[tuple[str, int, int, int], int] = {}  # the memory files behind put_fd's
+        self._spares: dict[int, list[tuple[int, Any, dict[str, Any]]]] = {}  # let go, to hand back
         self._lock = threading.Lock()
         self._disk: queue.Queue = queue.Queue()
         self.last_request = time.monotonic()
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
 
-    def put(self, header: dict[str, Any], blob: bytes) -> None:
+    def put(self, header: dict[str, Any], blob: bytes, fd: int | None = None) -> None:
+        """Hold ``blob``; ``fd``: the memory file it maps (``put_fd``), kept to be handed back."""
         key = (header["kind"], int(header["owner"]), int(header["step"]), int(header.get("index", 0)))
         meta = {k: header[k] for k in ("kind", "owner", "step", "index", "k", "n", "members") if k in header}
         meta["committed"] = bool(header.get("commit"))
         # Being shipped to the peers: it may become the newest complete step, so it stays.
         meta["pending"] = bool(header.get("pending")) and not meta["committed"]
+        disk = bool(header.get("disk")) and self.directory is not None and key[0] == "full"
+        meta["readers"] = int(disk)  # the disk writer reads it: its file is not handed back before
+        meta["recycle"] = bool(header.get("recycle"))  # its worker takes let-go files back
         with self._lock:
+            if key in self._blobs:  # the same step again (a resumed run): the old one is let go
+                self._let_go(key)
             self._blobs[key] = (meta, blob)
+            if fd is not None:
+                self._files[key] = fd
             self._prune(key[0], key[1])
-        if header.get("disk") and self.directory is not None and key[0] == "full":
-            self._disk.put((key[1], key[2], blob, header.get("members")))
+        if disk:
+            self._disk.put((key[1], key[2], blob, header.get("members"), meta))
+
+    def _let_go(self, key: tuple[str, int, int, int]) -> None:
+        """Forget a held item (under the lock). The memory file behind it waits to go back where
+        its worker takes files back; otherwise its pages are freed once nothing reads them."""
+        meta, blob = self._blobs.pop(key)
+        fd = self._files.pop(key, None)
+        if fd is None:
+            return
+        if not meta["recycle"]:
+            os.close(fd)  # the mapping goes with its last reader
+            return
+        waiting = self._spares.setdefault(key[1], [])
+        waiting.append((fd, blob, meta))
+        # One free file to hand back is enough: a worker writes one snapshot at a time.
+        free = [i for i, (_, _, m) in enumerate(waiting) if not m["readers"]]
+        for i in reversed(free[:-1]):
+            extra, mapped, _ = waiting.pop(i)
+            with contextlib.suppress(BufferError):
+                mapped.close()
+            os.close(extra)
+
+    def spare_files(self, owner: int, most: int = 1) -> list[int]:
+        """Memory files of ``owner``'s snapshots let go and read by nobody now, for the worker to
+        write its next snapshots into (at most ``most``; the others are closed). The caller sends
+        them and closes its descriptors."""
+        given: list[int] = []
+        with self._lock:
+            waiting = []
+            for fd, blob, meta in self._spares.pop(owner, []):
+                try:
+                    if meta["readers"]:
+                        raise BufferError
+                    blob.close()  # unmapped: no page of it is read here any more
+                except BufferError:  # still read (a disk write, a get): handed back later
+                    waiting.append((fd, blob, meta))
+                    continue
+                if len(given) < most:
+                    given.append(fd)
+                else:
+                    os.close(fd)
+            if waiting:
+                self._spares[owner] = waiting
+        return given
+
+    @contextlib.contextmanager
+    def reading(self, kind: str, owner: int, step: int, index: int = 0):
+        """The held blob (None if not held), its file kept from its worker while it is read."""
+        with self._lock:
+            item = self._blobs.get((kind, owner, step, index))
+            if item is not None:
+                item[0]["readers"] += 1
+        try:
+            yield item[1] if item else None
+        finally:
+            if item is not None:
+                with self._lock:
+                    item[0]["readers"] -= 1
 
     def commit(self, owner: int, step: int) -> None:
         """Step ``step`` is complete everywhere (the worker's own state and every peer's pieces
@@ -190,7 +271,7 @@ class Keeper:
         # (Not once a newer one is complete: its shipment was abandoned, the membership changed.)
         kept |= {k[2] for k, meta in mine.items() if meta.get("pending") and k[2] > newest}
         for k in [k for k in mine if k[2] not in kept]:
-            del self._blobs[k]
+            self._let_go(k)
 
     def drop_after(self, step: int) -> None:
         """Forget every state and piece past ``step`` (the run resumes there: they are a future
@@ -198,12 +279,7 @@ class Keeper:
         self.flush()
         with self._lock:
             for k in [k for k in self._blobs if k[2] > step]:
-                del self._blobs[k]
-
-    def get(self, kind: str, owner: int, step: int, index: int = 0) -> bytes | None:
-        with self._lock:
-            item = self._blobs.get((kind, owner, step, index))
-        return item[1] if item else None
+                self._let_go(k)
 
     def items(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -230,16 +306,23 @@ class Keeper:
             full = sorted(
                 ((k, item) for k, item in self._blobs.items() if k[0] == "full"), key=lambda x: x[0]
             )
-        for (_, owner, step, _), (meta, blob) in full:
-            if not disk_path(self.directory, owner, step).exists():
-                write_disk_snapshot(self.directory, owner, step, blob, meta.get("members"))
+            for _, (meta, _) in full:  # read until written, even if let go meanwhile
+                meta["readers"] += 1
+        try:
+            for (_, owner, step, _), (meta, blob) in full:
+                if not disk_path(self.directory, owner, step).exists():
+                    write_disk_snapshot(self.directory, owner, step, blob, meta.get("members"))
+        finally:
+            with self._lock:
+                for _, (meta, _) in full:
+                    meta["readers"] -= 1
         for owner in {k[1] for k, _ in full}:
             prune_disk(self.directory, owner, self.keep)
         return [k[2] for k, _ in full]
 
     def _write_loop(self) -> None:
         while True:
-            owner, step, blob, members = self._disk.get()
+            owner, step, blob, members, meta = self._disk.get()
             try:
                 assert self.directory is not None
                 write_disk_snapshot(self.directory, owner, step, blob, members)
@@ -248,6 +331,8 @@ class Keeper:
                 with contextlib.suppress(OSError):  # its log may be on the disk that just filled
                     print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
             finally:
+                with self._lock:
+                    meta["readers"] -= 1
                 self._disk.task_done()
 
 
@@ -273,16 +358,30 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             try:
                 blob = mmap.mmap(fds[0], int(header["length"]), prot=mmap.PROT_READ)
-            finally:
+            except (OSError, ValueError) as e:
                 os.close(fds[0])
-            keeper.put(header, blob)
-            _send(self.request, {"ok": True})
+                _send(self.request, {"ok": False, "error": f"put_fd could not map the file: {e}"})
+                return
+            try:
+                keeper.put(header, blob, fd=fds[0])
+            except (KeyError, TypeError, ValueError) as e:
+                blob.close()
+                os.close(fds[0])
+                _send(self.request, {"ok": False, "error": f"put_fd: bad header: {e!r}"})
+                return
+            spares = keeper.spare_files(int(header["owner"])) if header.get("recycle") else []
+            try:
+                _send(self.request, {"ok": True, "spares": len(spares)}, fds=spares)
+            finally:
+                for fd in spares:
+                    os.close(fd)
         elif op == "get":
-            blob = keeper.get(header["kind"], header["owner"], header["step"], header.get("index", 0))
-            if blob is None:
-                _send(self.request, {"ok": False, "error": "not held"})
-            else:
-                _send(self.request, {"ok": True}, blob)
+            args = (header["kind"], header["owner"], header["step"], header.get("index", 0))
+            with keeper.reading(*args) as blob:
+                if blob is None:
+                    _send(self.request, {"ok": False, "error": "not held"})
+                else:
+                    _send(self.request, {"ok": True}, blob)
         elif op == "adopt":  # a new launcher (a resumed run) takes this keeper over
             self.server.parent_pid = int(header["parent_pid"])  # type: ignore[attr-defined]
             _send(self.request, {"ok": True})
@@ -380,17 +479,30 @@ class KeeperClient:
     def _call(
         self, header: dict[str, Any], payload: bytes | memoryview = b"", fds: list[int] | None = None
     ) -> tuple[dict, bytes]:
+        reply, data, given = self._call_with_fds(header, payload, fds)
+        for fd in given:  # none asked for
+            os.close(fd)
+        return reply, data
+
+    def _call_with_fds(
+        self, header: dict[str, Any], payload: bytes | memoryview = b"", fds: list[int] | None = None
+    ) -> tuple[dict, bytes, list[int]]:
+        given: list[int] = []
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(self.timeout_s)
                 s.connect(self.path)
                 _send(s, header, payload, fds)
-                reply, data = _recv(s)
-        except (OSError, ConnectionError) as e:
+                reply, data, given = _recv_with_fds(s)
+        except (OSError, ConnectionError, ValueError) as e:
+            for fd in given:
+                os.close(fd)
             raise KeeperError(f"keeper at {self.path}: {e}") from None
         if not reply.get("ok"):
+            for fd in given:
+                os.close(fd)
             raise KeeperError(f"keeper at {self.path}: {reply.get('error')}")
-        return reply, data
+        return reply, data, given
 
     def alive(self) -> bool:
         try:
@@ -424,15 +536,18 @@ class KeeperClient:
         commit: bool = False,
         pending: bool = False,
         members: list[int] | None = None,
-    ) -> None:
+        recycle: bool = False,
+    ) -> list[int]:
         """Hand over a sealed memory file (``ft.state.encode_to_memfd``): the keeper maps it.
         ``pending``: it is about to be shipped to the peers and committed. ``members``: the hosts
-        training together at this step, after a membership change (None: every host)."""
+        training together at this step, after a membership change (None: every host).
+        ``recycle``: return the memory file of an earlier snapshot the keeper let go, if any (the
+        caller's to write into and close): the list of descriptors, empty or one."""
         header = {"op": "put_fd", "kind": kind, "owner": owner, "step": step, "index": 0, "length": length}
-        header |= {"disk": disk, "commit": commit, "pending": pending}
+        header |= {"disk": disk, "commit": commit, "pending": pending, "recycle": recycle}
         if members is not None:
             header["members"] = list(members)
-        self._call(header, fds=[fd])
+        return self._call_with_fds(header, fds=[fd])[2]
 
     def commit(self, owner: int, step: int) -> None:
         self._call({"op": "commit", "owner": owner, "step": step})

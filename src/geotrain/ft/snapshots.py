@@ -81,6 +81,7 @@ class SnapshotStats:
     background_s: float = 0.0
     full_bytes: int = 0
     unique_bytes: int = 0
+    recycled: int = 0  # snapshots written into the memory file of one the keeper let go
     errors: list[str] = field(default_factory=list)
     # (step, seconds waiting for the previous one and agreeing to ship, seconds copying) each
     each: list[tuple[int, float, float]] = field(default_factory=list)
@@ -139,6 +140,7 @@ class Snapshotter:
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
         self._next_fd: int | None = None  # the next snapshot's memory file, its pages allocated
+        self._shipping_files: set[int] = set()  # inodes of memory files the shipping thread reads
         self._size_hint = size_hint
         self._store_queue: queue.Queue = queue.Queue()
         self._ship_queue: queue.Queue = queue.Queue()
@@ -283,14 +285,16 @@ class Snapshotter:
             self._write_disk(step, blob, members)
             return
         fd, size = snapshot
+        spares: list[int] = []
         try:
             seal_memfd(fd, size)
             self.stats.full_bytes = size
             try:
-                # Without redundancy a snapshot is complete once the keeper has it.
-                self.client.put_fd(
+                # Without redundancy a snapshot is complete once the keeper has it. The keeper hands
+                # back the file of one it let go: the next snapshot is written into its pages.
+                spares = self.client.put_fd(
                     "full", self.rank, step, fd, size, disk=disk, commit=not route.redundant, pending=ship,
-                    members=members,
+                    members=members, recycle=True,
                 )  # fmt: skip
             except KeeperError as e:
                 if not self.stats.errors:
@@ -300,11 +304,40 @@ class Snapshotter:
                     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
                         self._write_disk(step, mm, members)
             if ship:
-                self._ship_queue.put((step, os.dup(fd), size, route))
+                shipped = os.dup(fd)
+                with self._lock:  # read by the shipping thread: never written into before it is done
+                    self._shipping_files.add(os.fstat(shipped).st_ino)
+                self._ship_queue.put((step, shipped, size, route))
         finally:
             os.close(fd)
-        # The pages of the next one, allocated here rather than while the training thread writes.
-        self._next_fd = new_memfd(f"geotrain-rank{self.rank}", size + (1 << 20))
+        self._next_fd = self._next_file(spares, size + (1 << 20))
+
+    def _next_file(self, spares: list[int], reserve: int) -> int:
+        """The memory file the next snapshot is written into, its pages allocated here rather
+        than while the training thread writes: one the keeper handed back (``spares``: its pages
+        touched already), else a new one. The others, and one the shipping thread still
+        reads, are closed."""
+        reuse = None
+        with self._lock:
+            for fd in spares:
+                if reuse is None and os.fstat(fd).st_ino not in self._shipping_files:
+                    reuse = fd
+                else:
+                    os.close(fd)
+        if reuse is not None:
+            try:
+                os.posix_fallocate(reuse, 0, reserve)  # only what the file lacks is allocated
+                self.stats.recycled += 1
+                return reuse
+            except OSError:
+                os.close(reuse)
+        return new_memfd(f"geotrain-rank{self.rank}", reserve)
+
+    def _done_reading(self, fd: int) -> None:
+        """The shipping thread is done with a snapshot's file: it may be written into again."""
+        with self._lock:
+            self._shipping_files.discard(os.fstat(fd).st_ino)
+        os.close(fd)
 
     def _write_disk(self, step: int, blob, members: list[int] | None = None) -> None:
         if self.cfg.directory is None:
@@ -320,7 +353,7 @@ class Snapshotter:
             try:
                 state = decode_memfd(fd, size, f"rank {self.rank}'s snapshot at step {step}")
             finally:
-                os.close(fd)
+                self._done_reading(fd)
                 fd = -1
             _, unique = split(state)
             del state
@@ -345,7 +378,7 @@ class Snapshotter:
             self.shipped.append(step)
         finally:
             if fd >= 0:
-                os.close(fd)
+                self._done_reading(fd)
             with self._lock:
                 if gen == self._gen:  # a shipment of an earlier epoch says nothing about this one
                     self._shipping = False

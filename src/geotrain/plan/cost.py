@@ -481,3 +481,51 @@ def fit_link_scale(
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if predicted(mid) < measured_s else (lo, mid)
     return math.sqrt(lo * hi)
+
+
+def window_exposure(
+    compute: ComputeModel, link: LinkModel, schedule: Sequence[Iterable[int]], lag: int = 0
+) -> list[float]:
+    """Each iteration's predicted exposure (``exposed_for_layers``) where a run measures it: in
+    the step it lands in. Landing late (``lag`` 1), iteration h's wait falls in step h + 1 (at
+    its forward); the period's last lands at once, so nothing crosses into the next period."""
+    schedule = [list(layers) for layers in schedule]
+    H = len(schedule)
+    out = [0.0] * H
+    for h, layers in enumerate(schedule):
+        late = lands_late(lag, h, H)
+        out[h + 1 if late else h] += exposed_for_layers(compute, link, layers, late)
+    return out
+
+
+SLOWDOWN_GRID = tuple(1 + 0.05 * i for i in range(61))  # sigma from 1 to 4 in steps of 0.05
+
+
+def fit_comm_slowdown(
+    compute: ComputeModel,
+    link: LinkModel,
+    schedule: Sequence[Iterable[int]],
+    measured_s: Sequence[float],
+    lag: int = 0,
+) -> tuple[float, float]:
+    """(sigma, c): the link's slowdown under backward and a constant wait per step (for the
+    slowest worker, who paces every collective) that make each step's predicted exposure
+    (``window_exposure`` + c) closest to ``measured_s``, each step of a period's time blocked in
+    collectives, in least squares. Sigma on ``SLOWDOWN_GRID``, c >= 0; of equal fits the
+    smallest sigma (a period whose exposure does not depend on it says nothing about it, and
+    keeps 1). Where workers share cores the link slows while they compute (measured on W1:
+    sigma about 1.5); a profile measures it only with its contention probe, off by default."""
+    if len(measured_s) != len(schedule):
+        raise ValueError(
+            f"one measured time per iteration of the period ({len(schedule)}), got {len(measured_s)}"
+        )
+    best: tuple[float, float, float] | None = None
+    for sigma in SLOWDOWN_GRID:
+        predicted = window_exposure(replace(compute, comm_slowdown=sigma), link, schedule, lag)
+        residual = [m - p for m, p in zip(measured_s, predicted, strict=True)]
+        c = max(0.0, sum(residual) / len(residual))
+        error = sum((r - c) ** 2 for r in residual)
+        if best is None or error < best[0] * (1 - 1e-9) - 1e-12:
+            best = (error, sigma, c)
+    assert best is not None
+    return best[1], best[2]
