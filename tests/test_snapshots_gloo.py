@@ -20,8 +20,8 @@ def _start_keeper(tmp: str, name: str):
     return KeeperClient(sock)
 
 
-def _train_with_snapshots(snaps, seed: int, members: list[int] | None = None) -> dict:
-    """Six local-SGD steps of the tiny GPT on this worker's data (``seed``), a snapshot at every
+def _train_with_snapshots(snaps, seed: int, members: list[int] | None = None, steps: int = 6) -> dict:
+    """``steps`` local-SGD steps of the tiny GPT on this worker's data (``seed``), a snapshot at every
     step ``snaps`` says is due, each shipped before the next (training would skip a busy one).
     Returns the states taken, by step."""
     from geotrain.comm.communicator import Communicator
@@ -35,7 +35,7 @@ def _train_with_snapshots(snaps, seed: int, members: list[int] | None = None) ->
     sync = build_sync("localsgd", model, opt, Communicator(), {"H": 2})
     gen = torch.Generator().manual_seed(seed)
     states = {}
-    for step in range(1, 7):
+    for step in range(1, steps + 1):
         xy = torch.randint(0, 256, (2, 17), generator=gen)
         _, loss = sync.model(xy[:, :-1], xy[:, 1:])
         loss.backward()
@@ -54,7 +54,7 @@ def _train_with_snapshots(snaps, seed: int, members: list[int] | None = None) ->
     return states
 
 
-def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
+def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int], steps: int = 6):
     import torch.distributed as dist
 
     from geotrain.comm.communicator import Communicator
@@ -70,7 +70,7 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
         snap_comm,
         control=Communicator(),
     )
-    states = _train_with_snapshots(snaps, seed=rank)
+    states = _train_with_snapshots(snaps, seed=rank, steps=steps)
     digests = {
         step: {p: tensor_digest(v) for p, v in sorted(state["parts"].items())}
         for step, state in states.items()
@@ -91,6 +91,8 @@ def _snapshot_then_lose(rank, world_size, tmp: str, spec: str, lost: list[int]):
         "unique_bytes": snaps.stats.unique_bytes,
         "full_bytes": snaps.stats.full_bytes,
         "sent": sent_by_snapshots,
+        "recycled": snaps.stats.recycled,
+        "shipped": list(snaps.shipped),
     }
 
 
@@ -110,6 +112,18 @@ def test_a_lost_host_is_rebuilt_bitwise_from_its_peers(tmp_path, world_size, spe
     # Three snapshots, each sending n pieces of unique/k bytes (plus small framing).
     expected = 3 * results[0]["unique_bytes"] * n / k
     assert expected <= results[0]["sent"] <= expected * 1.05 + 3 * 4096
+
+
+def test_snapshots_written_into_recycled_files_ship_and_rebuild_a_lost_host_bitwise(tmp_path):
+    """Five snapshots with ring redundancy: the keeper hands back the files of those it let go
+    (after their shipments were committed), later snapshots are written into them, shipped
+    from them, and a lost host is rebuilt from its peers' pieces of the last one, bitwise."""
+    results = run_workers(_snapshot_then_lose, 3, str(tmp_path), "ring", [1], 10, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["step"] == 10 and r["shipped"] == [2, 4, 6, 8, 10]
+        assert r["source"] == ("peers" if rank == 1 else "keeper")
+        assert r["equal"], f"rank {rank} restored something other than what it snapshotted"
+        assert r["recycled"] >= 1
 
 
 def _redundancy_after_a_membership_change(rank, world_size, tmp: str, members: list[int]):

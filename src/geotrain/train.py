@@ -614,7 +614,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "under the update and the forward below it; a period's last iteration lands at once); with "
         "a codec (the one --compress auto chooses included) 0 by default (at 1 the codec's second "
         "phase runs under the update and the forward, measured slower on CPU workers)",
-        "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction (0: never)",
+        "replan_threshold": "dreamddp: re-profile and re-plan when step time drifts this fraction, "
+        "and fit the link's slowdown under backward once (0: never re-plan, no fit)",
         "eval_every": "validation every K steps (0: only at the end)",
         "eval_batches": "validation batches per evaluation (the same on every worker)",
         "eval_model": "what a validation during the run scores: average (the mean of the replicas, "

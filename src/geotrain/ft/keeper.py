@@ -283,7 +283,10 @@ class Keeper:
 
     def items(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(meta, size=len(blob)) for meta, blob in self._blobs.values()]
+            return [
+                {k: v for k, v in meta.items() if k not in ("readers", "recycle")} | {"size": len(blob)}
+                for meta, blob in self._blobs.values()
+            ]
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -358,7 +361,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             try:
                 blob = mmap.mmap(fds[0], int(header["length"]), prot=mmap.PROT_READ)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 os.close(fds[0])
                 _send(self.request, {"ok": False, "error": f"put_fd could not map the file: {e}"})
                 return

@@ -140,6 +140,7 @@ class Snapshotter:
         self.shipped: list[int] = []  # steps whose unique state reached the peers
         self._shipping = False
         self._next_fd: int | None = None  # the next snapshot's memory file, its pages allocated
+        self._next_recycled = False  # whether that file is one the keeper handed back
         self._shipping_files: set[int] = set()  # inodes of memory files the shipping thread reads
         self._size_hint = size_hint
         self._store_queue: queue.Queue = queue.Queue()
@@ -210,6 +211,7 @@ class Snapshotter:
         t1 = time.perf_counter()
         if self.client is not None:
             fd, self._next_fd = self._next_fd, None
+            self.stats.recycled += bool(fd is not None and self._next_recycled)
             snapshot = encode_to_memfd(capture(False), f"geotrain-rank{self.rank}", fd)
         else:
             snapshot = capture(True)
@@ -308,15 +310,20 @@ class Snapshotter:
                 with self._lock:  # read by the shipping thread: never written into before it is done
                     self._shipping_files.add(os.fstat(shipped).st_ino)
                 self._ship_queue.put((step, shipped, size, route))
+        except BaseException:
+            for spare in spares:
+                os.close(spare)
+            raise
         finally:
             os.close(fd)
         self._next_fd = self._next_file(spares, size + (1 << 20))
 
     def _next_file(self, spares: list[int], reserve: int) -> int:
-        """The memory file the next snapshot is written into, its pages allocated here rather
-        than while the training thread writes: one the keeper handed back (``spares``: its pages
-        touched already), else a new one. The others, and one the shipping thread still
-        reads, are closed."""
+        """The memory file the next snapshot is written into: one the keeper handed back
+        (``spares``: its pages written before, so the copy pays no first touch), else a new one
+        (its pages allocated here; they are zeroed, and on a virtual machine faulted in, at the
+        copy's first write: ``ft.state.new_memfd``). The others, and one the shipping thread
+        still reads, are closed."""
         reuse = None
         with self._lock:
             for fd in spares:
@@ -327,10 +334,11 @@ class Snapshotter:
         if reuse is not None:
             try:
                 os.posix_fallocate(reuse, 0, reserve)  # only what the file lacks is allocated
-                self.stats.recycled += 1
+                self._next_recycled = True
                 return reuse
             except OSError:
                 os.close(reuse)
+        self._next_recycled = False
         return new_memfd(f"geotrain-rank{self.rank}", reserve)
 
     def _done_reading(self, fd: int) -> None:

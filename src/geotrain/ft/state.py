@@ -250,8 +250,8 @@ def new_memfd(name: str, reserve: int = 0) -> int:
     """An anonymous memory file, with ``reserve`` bytes of pages allocated now.
 
     The pages are zeroed at their first write, and on a virtual machine that hands freed memory
-    back to its host (free page reporting) faulted in by the hypervisor too: 229 MB took 1.1-1.4
-    s to write here, against 0.05-0.1 s into pages written before. Touching them in advance in a
+    back to its host (free page reporting) faulted in by the hypervisor too: 229 MB took 0.9-1.6
+    s to write here, against 0.1-0.2 s into pages written before. Touching them in advance in a
     background thread only moved that CPU time into the next step (measured: 4.1 s against 2.4),
     so after the first few snapshots a worker writes into the pages of one its keeper let go
     (``ft.keeper``'s recycling) and fresh pages are not needed."""

@@ -49,8 +49,8 @@ got slower, a worker got busier) in two periods running, the workers profile aga
 And once, a few periods into the run, the link's slowdown under backward (sigma, which a profile
 assumes 1) is fitted to the time each step of the period spent blocked (``fit_comm_slowdown``),
 and where it differs the schedule is searched again with it: on W1 a plan made at sigma 1 put 36
-of 40 layers in one iteration of two, which exposed 0.35 s where 0.22 s was predicted, and
-alternating layers measured faster (2.23 s against 2.35 s a step).
+of 40 layers in one iteration of two, whose step measured 0.37 s blocked where the model priced
+0.09 s of exposure, and alternating layers measured faster (2.23 s against 2.35 s a step).
 """
 
 from __future__ import annotations
@@ -684,8 +684,11 @@ class DreamDDP(SyncAlgorithm):
     def _end_period(self) -> None:
         if self.noise is not None:
             self.noise.exchange(self.comm)
-        measured = self._period_s / self.schedule.H
-        self.last_period_step_s = measured
+        measured = self.last_period_step_s = self._period_s / self.schedule.H
+        self._period_s = 0.0
+        if self._fit_slowdown():  # a new plan: its prediction is not what this period ran on
+            self._drifted = 0
+            return
         if self.config.replan_threshold and self.predicted_step_s and self._profile_fn is not None:
             drift = abs(measured - self.predicted_step_s) / self.predicted_step_s
             # All workers must agree to re-plan, or their collectives would diverge; they refit
@@ -698,34 +701,36 @@ class DreamDDP(SyncAlgorithm):
                 self._drifted = 0
                 self.replans += 1
                 self._refit(slowest)
-        self._period_s = 0.0
-        self._fit_slowdown()
 
-    def _fit_slowdown(self) -> None:
+    def _fit_slowdown(self) -> bool:
         """Once, ``CALIBRATION_PERIODS`` periods into a plan (after its first): the link's
         slowdown under backward fitted to the seconds each step of the period was blocked
         (``fit_comm_slowdown``; each step's median over the periods, averaged over workers, so
         every worker fits the same), and where it moved by ``CALIBRATION_STEP`` or more, the
         schedule searched again with it. Not with a codec landing late (part of an iteration's
         wait then falls in its own step, part in the next), nor where re-plans are off, nor for a
-        plan without the models it was searched on (one older than them)."""
+        plan without the models it was searched on (one older than them). Called at a period's
+        end before the drift check, so that a re-plan there restarts the count (its plan's first
+        period then warms up). Returns whether it re-planned."""
         self._periods_planned += 1
         if self._periods_planned == 1:  # the plan's first period warms up: not measured
             self._blocked = [[] for _ in range(self.schedule.H)]
         if self._periods_planned != 1 + CALIBRATION_PERIODS or self.fitted_slowdown is not None:
-            return
+            return False
         if not self.config.replan_threshold or self._models is None:
-            return
+            return False
         compute, link = self._models
         if self.lag and compute.tail_bytes:
-            return
+            return False
         medians = [statistics.median(b) if b else 0.0 for b in self._blocked]
         measured = self.comm.mean_scalars(medians)
         sigma, _ = fit_comm_slowdown(compute, link, self.schedule.iterations, measured, self.lag)
         self.fitted_slowdown = sigma
-        if abs(sigma - compute.comm_slowdown) >= CALIBRATION_STEP:
-            self.replans += 1
-            self._plan_with(replace(compute, comm_slowdown=sigma), link, self.schedule.H, self.schedule)
+        if abs(sigma - compute.comm_slowdown) < CALIBRATION_STEP:
+            return False
+        self.replans += 1
+        self._plan_with(replace(compute, comm_slowdown=sigma), link, self.schedule.H, self.schedule)
+        return True
 
     def finalize(self) -> None:
         self._land_all_late()
