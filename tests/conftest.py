@@ -71,3 +71,23 @@ def cleanup_keepers():
     yield run_dirs
     for run_dir, n in run_dirs:
         stop_keepers(run_dir, n)
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    """A keeper serving in a thread of this process (disk under ``tmp_path/snaps``): its client
+    and that folder."""
+    import contextlib
+    import threading
+
+    from geotrain.ft.keeper import KeeperClient, KeeperError, serve, wait_ready
+
+    sock = tmp_path / "k.sock"
+    t = threading.Thread(target=serve, args=(sock, tmp_path / "snaps", 0.0), daemon=True)
+    t.start()
+    wait_ready(sock)
+    client = KeeperClient(sock)
+    yield client, tmp_path / "snaps"
+    with contextlib.suppress(KeeperError):  # a test may have stopped it already
+        client.stop()
+    t.join(timeout=10)

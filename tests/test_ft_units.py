@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -13,7 +12,7 @@ import torch
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.codec import ConfigError
 from geotrain.ft.atomic import write_atomic
-from geotrain.ft.keeper import KeeperClient, KeeperError, disk_members, disk_path, serve, wait_ready
+from geotrain.ft.keeper import KeeperClient, disk_members, disk_path
 from geotrain.ft.redundancy import parse_redundancy
 from geotrain.ft.snapshots import (
     ResumeError,
@@ -309,19 +308,6 @@ def test_admitted_state_hands_over_what_a_joiner_gets():
     assert got["admitted"] and got["step"] == 8 and sorted(got["parts"]) == ["model", "progress", "sync"]
     state["shared"].append("optimizer")  # S-SGD, DDP: every worker's optimizer is the same
     assert "optimizer" in admitted_state(state)["parts"]
-
-
-@pytest.fixture
-def keeper(tmp_path):
-    sock = tmp_path / "k.sock"
-    t = threading.Thread(target=serve, args=(sock, tmp_path / "snaps", 0.0), daemon=True)
-    t.start()
-    wait_ready(sock)
-    client = KeeperClient(sock)
-    yield client, tmp_path / "snaps"
-    with contextlib.suppress(KeeperError):  # a test may have stopped it already
-        client.stop()
-    t.join(timeout=10)
 
 
 def test_keeper_holds_the_newest_two_steps_and_writes_disk_from_its_copy(keeper):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import threading
@@ -10,22 +9,9 @@ import threading
 import pytest
 
 from geotrain.ft import keeper as keeper_module
-from geotrain.ft.keeper import Keeper, KeeperClient, KeeperError, disk_path, serve, wait_ready
+from geotrain.ft.keeper import Keeper, KeeperClient, disk_path
 from geotrain.ft.snapshots import SnapshotConfig, Snapshotter
 from geotrain.ft.state import CorruptSnapshot, decode, decode_memfd, encode_to_memfd, seal_memfd
-
-
-@pytest.fixture
-def keeper(tmp_path):
-    sock = tmp_path / "k.sock"
-    t = threading.Thread(target=serve, args=(sock, tmp_path / "snaps", 0.0), daemon=True)
-    t.start()
-    wait_ready(sock)
-    client = KeeperClient(sock)
-    yield client, tmp_path / "snaps"
-    with contextlib.suppress(KeeperError):
-        client.stop()
-    t.join(timeout=10)
 
 
 def _put(client: KeeperClient, step: int, fd: int | None = None, **kw) -> tuple[int, list[int]]:

@@ -96,6 +96,23 @@ def _plan(model, sigma: float = 1.0, alternating: bool = False) -> dict:
     )
 
 
+def _run(sync, model, opt, comm, steps: int, blocked, check=None) -> None:
+    """``steps`` steps of ``sync``, each blocked ``blocked(step)`` seconds as a worker would be
+    (0 where None), ``check(step)`` after each."""
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        xy = torch.randint(0, 256, (2, 17), generator=g)
+        _, loss = model(xy[:, :-1], xy[:, 1:])
+        loss.backward()
+        comm.stats.blocked_s += blocked(step) or 0.0
+        sync.before_step()
+        opt.step()
+        opt.zero_grad()
+        sync.after_step()
+        if check is not None:
+            check(step)
+
+
 def test_dreamddp_fits_the_slowdown_once_and_searches_its_schedule_again(tmp_path):
     import json
 
@@ -107,19 +124,14 @@ def test_dreamddp_fits_the_slowdown_once_and_searches_its_schedule_again(tmp_pat
     comm = Replicas(world_size=4)
     sync = build_sync("dreamddp", model, opt, comm, {"plan_path": str(path), "compress": "", "lag": 0})
     truth = window_exposure(replace(compute, comm_slowdown=2.0), link, lopsided)
-    g = torch.Generator().manual_seed(0)
-    for step in range(14):
-        xy = torch.randint(0, 256, (2, 17), generator=g)
-        _, loss = model(xy[:, :-1], xy[:, 1:])
-        loss.backward()
-        if sync.schedule.iterations == lopsided:  # blocked as a link twice as slow would leave it
-            comm.stats.blocked_s += truth[step % 2] + 0.01
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
-        if step + 1 < 8:  # a warm-up period, then three measured
-            assert sync.fitted_slowdown is None
+
+    def blocked(step):  # as a link twice as slow would leave it
+        return truth[step % 2] + 0.01 if sync.schedule.iterations == lopsided else 0.0
+
+    def not_yet(step):  # a warm-up period, then three measured
+        assert step + 1 >= 8 or sync.fitted_slowdown is None
+
+    _run(sync, model, opt, comm, 14, blocked, not_yet)
     assert sync.fitted_slowdown == pytest.approx(2.0, abs=0.026)
     assert sync.replans == 1  # once: the later steps are not fitted again
     adopted = sync._plan["models"]["compute"]
@@ -139,16 +151,7 @@ def test_no_fit_where_re_plans_are_off(tmp_path):
     comm = Replicas(world_size=4)
     options = {"plan_path": str(path), "compress": "", "lag": 0, "replan_threshold": 0}
     sync = build_sync("dreamddp", model, opt, comm, options)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(10):
-        xy = torch.randint(0, 256, (2, 17), generator=g)
-        _, loss = model(xy[:, :-1], xy[:, 1:])
-        loss.backward()
-        comm.stats.blocked_s += 0.5
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    _run(sync, model, opt, comm, 10, lambda step: 0.5)
     assert sync.fitted_slowdown is None and sync.replans == 0
 
 
@@ -172,16 +175,7 @@ def test_a_fit_keeps_the_schedule_in_use_where_the_search_finds_none_faster(tmp_
     comm = Replicas(world_size=4)
     sync = build_sync("dreamddp", model, opt, comm, {"plan_path": str(path), "compress": "", "lag": 0})
     truth = window_exposure(replace(compute, comm_slowdown=2.0), link, alternating)
-    g = torch.Generator().manual_seed(0)
-    for step in range(8):
-        xy = torch.randint(0, 256, (2, 17), generator=g)
-        _, loss = model(xy[:, :-1], xy[:, 1:])
-        loss.backward()
-        comm.stats.blocked_s += truth[step % 2] + 0.01
-        sync.before_step()
-        opt.step()
-        opt.zero_grad()
-        sync.after_step()
+    _run(sync, model, opt, comm, 8, lambda step: truth[step % 2] + 0.01)
     assert sync.fitted_slowdown is not None and sync.fitted_slowdown > 1.5 and sync.replans == 1
     assert sync.schedule.iterations == alternating  # the search's lopsided one predicted slower
     assert sync._plan["models"]["compute"]["comm_slowdown"] == sync.fitted_slowdown
