@@ -284,7 +284,7 @@ def test_start_up_profile_gives_every_worker_the_same_schedule():
 
 
 def _auto_period(rank, world_size):
-    import geotrain.sync.dreamddp as dreamddp_module
+    import geotrain.sync.dreamddp_plan as dreamddp_module  # where the choices are made
 
     if rank == 1:  # a worker whose own search would choose otherwise: rank 0's choice is taken
         # (7 is no candidate, so rank 0's own search can never choose it: a loaded machine's profile did 5)
@@ -328,7 +328,7 @@ def _tensors(state) -> list[torch.Tensor]:
 
 
 def _auto_codec(rank, world_size):
-    import geotrain.sync.dreamddp as dreamddp_module
+    import geotrain.sync.dreamddp_plan as dreamddp_module  # where the choices are made
 
     real = dreamddp_module.choose_codec
     seen = {}

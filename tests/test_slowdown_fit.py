@@ -160,7 +160,7 @@ def test_a_fit_keeps_the_schedule_in_use_where_the_search_finds_none_faster(tmp_
     in use, which is then kept (with the fitted models)."""
     import json
 
-    import geotrain.sync.dreamddp as dreamddp_module
+    import geotrain.sync.dreamddp_plan as dreamddp_module  # where the schedule is searched
     from geotrain.plan.schedule import Schedule
 
     model = _tiny()
