@@ -100,13 +100,9 @@ class _BlockQuantizer(Codec):
         again would cost as much as packing them."""
         r, chunk = rows.shape
         x = rows.reshape(r, chunk // block, block)
+        # Each quantiser's decoded values are what its bytes decode to, non-finite blocks too (a
+        # NaN level is set before the cast), so nothing is decoded twice nor asked of a GPU here.
         values, scales, decoded = self._quantize(x)
-        # A non-finite block: what its bytes say, exactly. On a GPU without asking (a question
-        # about a GPU tensor waits for everything queued before it, in the backward's hooks).
-        if not _may_ask(x.device):
-            decoded = torch.where(torch.isfinite(scales), decoded, self._dequantize(values, scales))
-        elif not torch.isfinite(scales).all():
-            decoded = self._dequantize(values, scales)
         data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8, device=rows.device)
         nvalue = chunk * self.bits // 8
         data[:, :nvalue] = values.reshape(r, -1)
@@ -226,6 +222,7 @@ class Int8(_BlockQuantizer):
         scales = x.abs().amax(dim=-1, keepdim=True).div_(127)
         q = x / torch.where(scales > 0, scales, 1)
         q.round_().clamp_(-127, 127)
+        q.nan_to_num_(nan=0.0)  # a non-finite block's inf / inf: the level 0, as its bytes decode
         values = q.to(torch.int8).view(torch.uint8)
         # + 0.0: a value rounded to -0.0 decodes as +0.0 (from the integer 0)
         return values, scales, q.mul_(scales).add_(0.0)
@@ -244,7 +241,7 @@ class Int4(_BlockQuantizer):
         scales = x.abs().amax(dim=-1, keepdim=True).div_(7)
         q = x / torch.where(scales > 0, scales, 1)
         q.round_().clamp_(-7, 7).add_(8)  # 1..15: two to a byte, unsigned
-        q.nan_to_num_(nan=8.0)  # inf / inf: the level 0, as the cast before the shift gave (none else)
+        q.nan_to_num_(nan=8.0)  # a non-finite block's inf / inf: the level 0, as its bytes decode
         pairs = q.to(torch.uint8).view(*q.shape[:-1], -1, 2)
         packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16)  # low | high << 4
         return packed, scales, q.sub_(8).mul_(scales)
@@ -264,12 +261,6 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     if device not in _BIT_WEIGHTS:
         _BIT_WEIGHTS[device] = _BIT_WEIGHTS[torch.device("cpu")].to(device)
     return _BIT_WEIGHTS[device]
-
-
-def _may_ask(device: torch.device) -> bool:
-    """Whether a value of a tensor on ``device`` may be read on the host mid-backward (the CPU's:
-    free; a GPU's: a wait for its queue)."""
-    return device.type == "cpu"
 
 
 def _kept_index(kept: list[bool], device: torch.device) -> torch.Tensor:

@@ -318,20 +318,17 @@ def _buckets(compute: ComputeModel, cap_bytes: float) -> list[list[int]]:
     return buckets
 
 
-def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int]]:
-    """Bucket ready times and (priced) sizes for gradient buckets of ``cap_bytes``."""
+def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int], list[int]]:
+    """Each gradient bucket of ``cap_bytes``: when it is ready, its (priced) size, and the size
+    of a codec's second phase for it (``tail_bytes``; 0 without one)."""
     finish = compute.finish_times()
     buckets = _buckets(compute, cap_bytes)
-    return [finish[b[-1]] for b in buckets], [sum(compute.nbytes[i] for i in b) for b in buckets]
-
-
-def _bucket_tails_s(compute: ComputeModel, link: LinkModel, bucket_mb: float) -> float:
-    """A codec's second phases (``tail_bytes``), one per bucket, run one after another where
-    the step waits for them."""
-    if not compute.tail_bytes:
-        return 0.0
-    buckets = _buckets(compute, bucket_mb * 2**20)
-    return sum(link.time(sum(compute.tail_bytes[i] for i in b)) for b in buckets)
+    tail = compute.tail_bytes or (0,) * compute.n_layers
+    return (
+        [finish[b[-1]] for b in buckets],
+        [sum(compute.nbytes[i] for i in b) for b in buckets],
+        [sum(tail[i] for i in b) for b in buckets],
+    )
 
 
 def predict_ssgd(
@@ -339,33 +336,27 @@ def predict_ssgd(
 ) -> float:
     """A step of bucketed all-reduces under backward. With ``advance`` (``ssgd``), a codec's
     second phases go out under it too, each bucket's when the one launched ``ADVANCE_DEPTH``
-    later does (``sync/ssgd.py``); without, all after backward (``ddp`` with a codec is priced
-    apart, by ``planner.predict``: its hook waits for each bucket in turn)."""
-    ready, sizes = _bucketed(compute, bucket_mb * 2**20)
-    end = compute.finish_times()[-1]
-    if not advance:
-        exposed = simulate_backward(ready, [link.time(s) for s in sizes], end, compute.comm_slowdown)
-        tails = _bucket_tails_s(compute, link, bucket_mb)
-        interference = compute.interference_s_per_byte * sum(sizes)
-        return compute.compute_s + exposed + tails + interference + compute.codec_total_s()
-    if compute.tail_bytes:
-        tails = [sum(compute.tail_bytes[i] for i in b) for b in _buckets(compute, bucket_mb * 2**20)]
-        exposed = advanced_under_backward(
-            ready, [link.time(s) for s in sizes], [link.time(t) for t in tails], end,
-            compute.comm_slowdown, ADVANCE_DEPTH,
-        )  # fmt: skip
-        sizes = [s + t for s, t in zip(sizes, tails, strict=True)]
+    later does (``sync/ssgd.py``); without, all after backward, one after another (``ddp`` with
+    a codec is priced apart, by ``planner.predict``: its hook waits for each bucket in turn)."""
+    ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20)
+    end, first = compute.finish_times()[-1], [link.time(s) for s in sizes]
+    if advance and compute.tail_bytes:
+        second = [link.time(t) for t in tails]
+        exposed = advanced_under_backward(ready, first, second, end, compute.comm_slowdown, ADVANCE_DEPTH)
+        sent_under_compute = sum(sizes) + sum(tails)
     else:
-        exposed = simulate_backward(ready, [link.time(s) for s in sizes], end, compute.comm_slowdown)
-    interference = compute.interference_s_per_byte * sum(sizes)
+        exposed = simulate_backward(ready, first, end, compute.comm_slowdown)
+        exposed += sum(link.time(t) for t in tails)  # the second phases after backward
+        sent_under_compute = sum(sizes)
+    interference = compute.interference_s_per_byte * sent_under_compute
     return compute.compute_s + exposed + interference + compute.codec_total_s()
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
     """All buckets in flight back to back: what a periodic average costs, nothing hidden (a
     codec's second phases after them, and its compute)."""
-    _, sizes = _bucketed(compute, bucket_mb * 2**20)
-    links = sum(link.time(s) for s in sizes) + _bucket_tails_s(compute, link, bucket_mb)
+    _, sizes, tails = _bucketed(compute, bucket_mb * 2**20)
+    links = sum(link.time(s) for s in sizes) + sum(link.time(t) for t in tails)
     return links + compute.codec_total_s()
 
 
