@@ -408,3 +408,84 @@ def test_ssgd_fp16_stays_close_to_uncompressed_ssgd():
     plain = CODEC_RUNS.get("ssgd", "")[0]["synced"][-1]
     for x, y in zip(fp16, plain, strict=True):
         torch.testing.assert_close(x, y, atol=1e-3, rtol=1e-3)
+
+
+# -- PyTorch DDP with a codec: its buckets sent under backward ----------------------------------------
+DDP_BUCKET_MB = 0.02  # GPT tiny in 8 buckets (DDP caps its first at this too)
+
+
+def _ddp_with_codec(rank, world_size, spec, hook):
+    """4 steps of ``ddp --compress spec``: through geotrain's hook (``hook`` "geotrain"), or
+    through a hook of the test's that waits for each bucket's mean before it returns, the
+    behaviour before means went out under backward (the reference: when a mean is launched and
+    waited for changes no bit of it). Geotrain's records, at its last bucket, which of the
+    means before it had their second collective launched."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from geotrain.sync.ddp import NO_INIT_SYNC
+    from test_dreamddp_gloo import _batch, _model
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    comm = Communicator()
+    advanced: list[list[bool]] = []
+    if hook == "geotrain":
+        sync = build_sync("ddp", model, opt, comm, {"compress": spec, "bucket_mb": DDP_BUCKET_MB})
+        land = sync._land_codec_means
+
+        def recording() -> None:
+            advanced.append([mean.advanced for mean, _, _ in sync._in_flight])
+            land()
+
+        sync._land_codec_means = recording
+        wrapped = sync.model
+    else:
+        codec = make_codec(spec)
+        wrapped = DistributedDataParallel(
+            model, process_group=comm.group, bucket_cap_mb=DDP_BUCKET_MB, find_unused_parameters=True,
+            **NO_INIT_SYNC,
+        )  # fmt: skip
+
+        def blocking(_state, bucket):
+            grads = bucket.gradients()
+            key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
+            codec.reduce(comm, key, grads).wait()
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        wrapped.register_comm_hook(None, blocking)
+    for step in range(4):
+        x, y = _batch(rank, step)
+        wrapped(x, y)[1].backward()
+        if hook == "geotrain":
+            sync.before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": [p.detach().clone() for p in model.parameters()], "advanced": advanced}
+
+
+DDP_CODECS = ["int8", "topk:ratio=0.05"]
+DDP_RUNS = Cases(_ddp_with_codec, 2, [(s, hook) for s in DDP_CODECS for hook in ("geotrain", "blocking")])
+
+
+@pytest.mark.parametrize("spec", DDP_CODECS)
+def test_ddp_with_a_codec_sends_under_backward_and_averages_as_if_it_waited_for_each_bucket(spec):
+    from geotrain.plan.cost import ADVANCE_DEPTH
+
+    ours, reference = DDP_RUNS.get(spec, "geotrain"), DDP_RUNS.get(spec, "blocking")
+    for rank in range(2):
+        for x, y in zip(ours[rank]["params"], reference[rank]["params"], strict=True):
+            assert torch.equal(x, y)
+        for x, y in zip(ours[rank]["params"], ours[0]["params"], strict=True):
+            assert torch.equal(x, y)  # one model on every worker
+        # At the last bucket's hook, every mean but the last ADVANCE_DEPTH has gone on to its
+        # second collective (int8's all-gather) under backward; a one-phase codec has none.
+        steps = ours[rank]["advanced"]
+        assert len(steps) == 4
+        for flags in steps:
+            assert len(flags) >= ADVANCE_DEPTH + 2, "too few buckets to see an advance"
+            if spec == "int8":
+                assert flags == [True] * (len(flags) - ADVANCE_DEPTH) + [False] * ADVANCE_DEPTH
+            else:
+                assert all(flags)

@@ -331,22 +331,18 @@ def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], lis
     )
 
 
-def predict_ssgd(
-    compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0, advance: bool = True
-) -> float:
-    """A step of bucketed all-reduces under backward. With ``advance`` (``ssgd``), a codec's
+def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
+    """A step of bucketed all-reduces under backward (``ssgd``, and ``ddp`` at 25 MB). A codec's
     second phases go out under it too, each bucket's when the one launched ``ADVANCE_DEPTH``
-    later does (``sync/ssgd.py``); without, all after backward, one after another (``ddp`` with
-    a codec is priced apart, by ``planner.predict``: its hook waits for each bucket in turn)."""
+    later does, the rest after backward (``sync/ssgd.py``, ``sync/ddp.py``'s codec hook)."""
     ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20)
     end, first = compute.finish_times()[-1], [link.time(s) for s in sizes]
-    if advance and compute.tail_bytes:
+    if compute.tail_bytes:
         second = [link.time(t) for t in tails]
         exposed = advanced_under_backward(ready, first, second, end, compute.comm_slowdown, ADVANCE_DEPTH)
         sent_under_compute = sum(sizes) + sum(tails)
     else:
         exposed = simulate_backward(ready, first, end, compute.comm_slowdown)
-        exposed += sum(link.time(t) for t in tails)  # the second phases after backward
         sent_under_compute = sum(sizes)
     interference = compute.interference_s_per_byte * sent_under_compute
     return compute.compute_s + exposed + interference + compute.codec_total_s()

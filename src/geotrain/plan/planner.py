@@ -76,10 +76,8 @@ def predict_algo(
     n_params = sum(compute.raw_nbytes or compute.nbytes) // 4
     if algo == "nosync":
         return compute.compute_s
-    if algo == "ddp" and compute.raw_nbytes:  # a codec's hook waits for each bucket in turn
-        return compute.compute_s + whole_model_allreduce_s(compute, link, bucket_mb=25.0)
     if algo in ("ddp", "ssgd"):  # their default buckets: DDP's 25 MB, geotrain's 4 MB
-        return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0, advance=algo == "ssgd")
+        return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0)
     if algo in ("localsgd", "diloco"):
         return predict_periodic(compute, link, H)
     if algo == "sparseloco":

@@ -4,8 +4,13 @@ Bytes are accounted from the gradient sizes (DDP all-reduces every gradient ever
 DDP waits for its all-reduces happens inside ``backward`` and cannot be told apart from compute,
 so this algorithm reports no blocked-communication time.
 
-With ``compress``, a DDP communication hook averages each bucket with that codec (the hook runs
-the codec's collectives and hands DDP a finished future, so those buckets do not overlap).
+With ``compress``, a DDP communication hook averages each bucket with that codec, under backward
+as ``ssgd`` does: the hook launches the bucket's first collective and returns a future that is
+not yet done; a codec of two phases (int8's all-to-all, then the all-gather of the re-quantised
+shards) has the bucket launched ``ADVANCE_DEPTH`` hooks earlier advanced before the next is
+launched; the last bucket's hook advances the rest, waits for every mean and completes the
+futures, which DDP then reads. DDP calls its hooks in bucket order, so every worker issues its
+collectives in one order.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from geotrain.comm.buckets import Pending, wait_all
 from geotrain.ft.membership import retire
+from geotrain.plan.cost import ADVANCE_DEPTH
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
 # DDP's own broadcast of every parameter at construction, off where this torch can turn it off
@@ -68,6 +75,8 @@ class DDP(SyncAlgorithm):
             )
         self._grad_tensors = [p for p in self.parameters()]
         self._handles: dict = {}  # this step's buckets through the Communicator, by index
+        # This step's codec means in flight, in launch order: (mean, DDP's future, bucket buffer)
+        self._in_flight: list[tuple[Pending, torch.futures.Future, torch.Tensor]] = []
         # Through the Communicator also with sites: its all-reduce goes in two levels.
         # And with the norm check, which judges every bucket as it is averaged.
         through_comm = comm.membership is not None or comm.two_level is not None or comm.checking
@@ -85,10 +94,26 @@ class DDP(SyncAlgorithm):
         grads = bucket.gradients()  # views into bucket.buffer(): the mean lands in the buffer
         # The key includes the layout: a bucket is known by its place and its gradients.
         key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
-        self.codec.reduce(self.comm, key, grads).wait()
+        if len(self._in_flight) >= ADVANCE_DEPTH:  # a fixed earlier one: the same order everywhere
+            self._in_flight[-ADVANCE_DEPTH][0].advance()
         future: torch.futures.Future = torch.futures.Future()
-        future.set_result(bucket.buffer())
+        self._in_flight.append((self.codec.reduce(self.comm, key, grads), future, bucket.buffer()))
+        if bucket.is_last():  # DDP reads the futures once backward is done: have them done by then
+            self._land_codec_means()
         return future
+
+    def _land_codec_means(self) -> None:
+        """Every codec mean of this step into its bucket's buffer (the second phases advanced
+        the last launched first, as ``ssgd`` and the cost model do), then DDP's futures done."""
+        in_flight, self._in_flight = self._in_flight, []
+        try:
+            wait_all([mean for mean, _, _ in reversed(in_flight)])
+        except BaseException as e:  # raised from backward; the reducer is replaced by rebind
+            for _, future, _ in in_flight:
+                future.set_exception(e)
+            raise
+        for _, future, buffer in in_flight:
+            future.set_result(buffer)
 
     def _interruptible_hook(self, _state, bucket):  # no annotation: DDP checks its runtime type
         buffer = bucket.buffer()
