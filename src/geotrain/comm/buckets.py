@@ -107,6 +107,18 @@ def wait_all(pending: Sequence[Pending]) -> None:
         raise
 
 
+def advance_behind(launched: Sequence[Pending], depth: int) -> None:
+    """Before the next message is launched under backward, advance the one launched ``depth``
+    launches before it (``plan.cost.ADVANCE_DEPTH``; ``launched`` in launch order): its first
+    phase has had some of backward to finish under, and its second goes out under the rest,
+    not all of them after backward. A fixed one, not any found finished: every worker must
+    issue its collectives in one order, and the order of launches is the backward's, the same
+    everywhere (``ssgd``'s buckets, ``ddp``'s codec hook, DreamDDP's layers;
+    ``plan.cost.advanced_under_backward`` prices it)."""
+    if len(launched) >= depth:
+        launched[-depth].advance()
+
+
 def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:
     """Launch the plain (uncompressed) mean of ``tensors`` as one flat all-reduce. Where it may
     be taken again (checked, or leaving a copy out: the redo is a collective) it is waited for

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from geotrain.comm.buckets import Pending, wait_all
+from geotrain.comm.buckets import Pending, advance_behind, wait_all
 from geotrain.ft.membership import retire
 from geotrain.plan.cost import ADVANCE_DEPTH
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
@@ -94,8 +94,7 @@ class DDP(SyncAlgorithm):
         grads = bucket.gradients()  # views into bucket.buffer(): the mean lands in the buffer
         # The key includes the layout: a bucket is known by its place and its gradients.
         key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
-        if len(self._in_flight) >= ADVANCE_DEPTH:  # a fixed earlier one: the same order everywhere
-            self._in_flight[-ADVANCE_DEPTH][0].advance()
+        advance_behind([mean for mean, _, _ in self._in_flight], ADVANCE_DEPTH)
         future: torch.futures.Future = torch.futures.Future()
         self._in_flight.append((self.codec.reduce(self.comm, key, grads), future, bucket.buffer()))
         if bucket.is_last():  # DDP reads the futures once backward is done: have them done by then

@@ -59,7 +59,6 @@ re-plans and the slowdown's fit) is in ``sync.dreamddp_plan``; this module carri
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import sys
@@ -71,7 +70,7 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import flatten, reduce_tensors, unflatten_into, wait_all
+from geotrain.comm.buckets import advance_behind, flatten, reduce_tensors, unflatten_into, wait_all
 from geotrain.compress.codec import Codec, ConfigError
 from geotrain.plan.cost import (
     ADVANCE_DEPTH,
@@ -355,20 +354,13 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         self._inflight[i] = self.comm.all_reduce(message, op="mean", async_op=True)
 
     def _advance_launched(self) -> None:
-        """Where a codec's averages land at once, their second phases go out under backward:
-        before a layer's first phase is launched, the one launched ``ADVANCE_DEPTH`` launches
-        before it is advanced (its first phase waited for, its shard of the mean re-quantised
-        and all-gathered). Waiting after backward for them all left every second phase exposed.
-        A fixed one, not any found finished: every worker must issue its collectives in one
-        order, and the order of launches is the backward's, the same everywhere. Its first
-        phase has had some layers' backward to finish under; where the link cannot keep up,
-        backward waits here for what the update would have waited for
-        (``plan.cost.codec_exposed``). Landing late, the second phases go out in
-        ``before_step``, under the update and the forward, leaving backward's link to the first
-        phases, whose results the update needs."""
-        if len(self._inflight) >= ADVANCE_DEPTH:  # launch order is the dict's: the earlier ones advanced
-            message, _ = next(itertools.islice(reversed(self._inflight.values()), ADVANCE_DEPTH - 1, None))
-            message.advance()
+        """Where a codec's averages land at once, their second phases go out under backward
+        (``advance_behind``; the dict's order is the launch order). Waiting after backward for
+        them all left every second phase exposed; where the link cannot keep up, backward
+        waits here for what the update would have waited for (``plan.cost.codec_exposed``).
+        Landing late, the second phases go out in ``before_step``, under the update and the
+        forward, leaving backward's link to the first phases, whose results the update needs."""
+        advance_behind([message for message, _ in self._inflight.values()], ADVANCE_DEPTH)
 
     def _lands_now(self) -> bool:
         """Whether this iteration's averages land in its own before_step: always at lag 0, and

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geotrain.comm.buckets import DEFAULT_BUCKET_MB, make_buckets, mean_async, wait_all
+from geotrain.comm.buckets import DEFAULT_BUCKET_MB, advance_behind, make_buckets, mean_async, wait_all
 from geotrain.plan.cost import ADVANCE_DEPTH
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, require
 
@@ -75,11 +75,7 @@ class SSGD(SyncAlgorithm):
         # the same (a parameter unused on one worker only would pair different buckets).
         grads = self._grads(b)
         if self.codec is not None:
-            # A fixed earlier one, not any found finished: every worker issues its collectives
-            # in one order (the backward's); depth 3, as waiting for a first phase is waiting
-            # for the slowest worker to reach that bucket.
-            if len(self._order) >= ADVANCE_DEPTH:
-                self._launched[self._order[-ADVANCE_DEPTH]].advance()
+            advance_behind([self._launched[c] for c in self._order], ADVANCE_DEPTH)
             self._launched[b] = self.codec.reduce(self.comm, ("grad", b), grads)
         else:
             self._launched[b] = mean_async(self.comm, grads)
