@@ -843,7 +843,7 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
 
     assert len(_bucketed(priced, 2**12)[1]) == len(_bucketed(compute, 2**12)[1]) > 1
     # DDP's codec hook sends under backward as ssgd does, in DDP's 25 MB buckets
-    assert plan["predicted_s"]["ddp"] == pytest.approx(predict_ssgd(priced, link, bucket_mb=25.0))
+    assert plan["predicted_s"]["ddp"] == pytest.approx(predict_ssgd(priced, link, bucket_mb=25.0, ddp=True))
     # (this model is one 25 MB bucket: in buckets of 4 KB, some of it hides under backward)
     kb4 = 2**12 / 2**20
     assert predict_ssgd(priced, link, kb4) < compute.compute_s + whole_model_allreduce_s(priced, link, kb4)
@@ -1128,3 +1128,17 @@ def test_compress_auto_is_refused_by_the_algorithms_that_do_not_plan():
             ConfigError, match="--compress auto lets a planner choose the codec, which dreamddp"
         ):
             sync_config(algo, {"compress": "auto"})
+
+
+def test_ddp_buckets_are_priced_as_pytorch_ddp_cuts_them():
+    """DDP cuts from the input end (registration order), closing a bucket once it reaches the
+    cap, then reverses the list: the partial bucket is the one backward fills first. geotrain's
+    own buckets are cut from the output end, none over the cap. Layer sizes in backward order."""
+    from geotrain.plan.cost import _buckets
+
+    compute = _compute([0.1] * 5, [10, 10, 10, 30, 5])
+    assert _buckets(compute, 20, ddp=True) == [[0], [1, 2], [3, 4]]
+    assert _buckets(compute, 20) == [[0, 1], [2], [3], [4]]
+    # DDP's last bucket is the larger (35 bytes against 5): more is left after backward
+    link = LinkModel(0.0, 0.002)  # 0.2 s per 100 bytes: each bucket done before the next is ready
+    assert predict_ssgd(compute, link, 20 / 2**20, ddp=True) > predict_ssgd(compute, link, 20 / 2**20)

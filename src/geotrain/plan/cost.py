@@ -303,10 +303,24 @@ def iteration_overhead(
     )
 
 
-def _buckets(compute: ComputeModel, cap_bytes: float) -> list[list[int]]:
+def _buckets(compute: ComputeModel, cap_bytes: float, ddp: bool = False) -> list[list[int]]:
     """The layers of each bucket of ``cap_bytes`` in backward order, cut on the layers' fp32
-    sizes as a run cuts them (``raw_nbytes`` where a codec is priced)."""
+    sizes as a run cuts them (``raw_nbytes`` where a codec is priced): from the output end,
+    none over the cap but a layer larger than it (``comm.buckets.make_buckets``). ``ddp``: as
+    PyTorch DDP cuts them, from the input end in registration order, each closed once it
+    reaches the cap, then the list reversed, so the bucket backward fills first is the
+    partial one (``DistributedDataParallel._ddp_init_helper``)."""
     raw = compute.raw_nbytes or compute.nbytes
+    if ddp:
+        cut: list[list[int]] = [[]]
+        size = 0
+        for i in reversed(range(len(raw))):
+            cut[-1].append(i)
+            size += raw[i]
+            if size >= cap_bytes:
+                cut.append([])
+                size = 0
+        return [sorted(b) for b in reversed(cut) if b]
     buckets: list[list[int]] = [[]]
     size = 0
     for i, nbytes in enumerate(raw):
@@ -318,11 +332,13 @@ def _buckets(compute: ComputeModel, cap_bytes: float) -> list[list[int]]:
     return buckets
 
 
-def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], list[int], list[int]]:
-    """Each gradient bucket of ``cap_bytes``: when it is ready, its (priced) size, and the size
-    of a codec's second phase for it (``tail_bytes``; 0 without one)."""
+def _bucketed(
+    compute: ComputeModel, cap_bytes: float, ddp: bool = False
+) -> tuple[list[float], list[int], list[int]]:
+    """Each gradient bucket of ``cap_bytes`` (cut as ``_buckets`` does): when it is ready, its
+    (priced) size, and the size of a codec's second phase for it (``tail_bytes``; 0 without one)."""
     finish = compute.finish_times()
-    buckets = _buckets(compute, cap_bytes)
+    buckets = _buckets(compute, cap_bytes, ddp)
     tail = compute.tail_bytes or (0,) * compute.n_layers
     return (
         [finish[b[-1]] for b in buckets],
@@ -331,11 +347,12 @@ def _bucketed(compute: ComputeModel, cap_bytes: float) -> tuple[list[float], lis
     )
 
 
-def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
-    """A step of bucketed all-reduces under backward (``ssgd``, and ``ddp`` at 25 MB). A codec's
-    second phases go out under it too, each bucket's when the one launched ``ADVANCE_DEPTH``
-    later does, the rest after backward (``sync/ssgd.py``, ``sync/ddp.py``'s codec hook)."""
-    ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20)
+def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0, ddp: bool = False) -> float:
+    """A step of bucketed all-reduces under backward (``ssgd``; ``ddp``: PyTorch DDP's buckets,
+    its default 25 MB). A codec's second phases go out under it too, each bucket's when the one
+    launched ``ADVANCE_DEPTH`` later does, the rest after backward (``sync/ssgd.py``,
+    ``sync/ddp.py``'s codec hook)."""
+    ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
     end, first = compute.finish_times()[-1], [link.time(s) for s in sizes]
     if compute.tail_bytes:
         second = [link.time(t) for t in tails]

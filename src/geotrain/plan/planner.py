@@ -77,7 +77,7 @@ def predict_algo(
     if algo == "nosync":
         return compute.compute_s
     if algo in ("ddp", "ssgd"):  # their default buckets: DDP's 25 MB, geotrain's 4 MB
-        return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0)
+        return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0, ddp=algo == "ddp")
     if algo in ("localsgd", "diloco"):
         return predict_periodic(compute, link, H)
     if algo == "sparseloco":
