@@ -517,13 +517,18 @@ class _TimedGather(Communicator):
         return super().all_gather(tensor, async_op)
 
 
-@pytest.mark.parametrize("gather_s, overlap", [(0.04, False), (0.4, False), (0.6, True), (30.0, True)])
+@pytest.mark.parametrize(
+    "gather_s, overlap, landing",
+    [(0.04, False, 10), (0.4, False, 10), (0.6, True, 1), (4.0, True, 6), (30.0, True, 10)],
+)
 def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather_took_over_5_percent(
-    gather_s, overlap
+    gather_s, overlap, landing
 ):
     """H=10 steps of 1 s each (one of them 20 s: a validation, which the median ignores): the
     first outer step runs synchronously, then the verdict holds for the run and its snapshots,
-    with the mean and alpha that go with it."""
+    with the step its gathers land at (1.5 times the gather's steps: 0.9 -> 1, 6 -> 6, 45 -> H)
+    and the mean and alpha that go with it (over senders, alpha 1, landing in the period's first
+    half; over workers, alpha 2, after it)."""
     comm = _TimedGather(gather_s)
     model, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
@@ -549,20 +554,26 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
             assert sync.overlap is overlap and f"--overlap auto: {'on' if overlap else 'off'}" in sync.info()
             assert f"{100 * gather_s / 10:.1f}%" in sync.decision
     assert sync.in_flight.flying is overlap  # the second outer step, at 20, overlapped or not
-    assert sync.alpha == (2.0 if overlap else 1.0)
-    assert sync.resolved_options() == {
-        "alpha": 2.0 if overlap else 1.0,
+    assert sync.landing == landing
+    late = overlap and 2 * landing >= 10
+    assert sync.alpha == (2.0 if late else 1.0)
+    options = {
+        "alpha": 2.0 if late else 1.0,
         "overlap": f"auto ({'on' if overlap else 'off'})",
-        "mean_over": "workers" if overlap else "senders",
+        "mean_over": "workers" if late else "senders",
     }
+    if overlap:
+        options["tau"] = landing
+        assert f"landing {landing} of 10 steps later" in sync.decision
+    assert sync.resolved_options() == options
     state = sync.state_dict()
-    assert state["overlap"] is overlap
+    assert state["overlap"] is overlap and state["landing"] == landing
     _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
     again.load_state_dict(state)
-    assert again.overlap is overlap
-    del state["overlap"]  # saved before --overlap auto: on, the default then
+    assert again.overlap is overlap and again.landing == landing
+    del state["overlap"], state["landing"]  # saved before --overlap auto: on, a period late
     again.load_state_dict(state)
-    assert again.overlap is True
+    assert again.overlap is True and again.landing == 10 and again.alpha == 2.0
     sync.close()
     again.close()
 
@@ -578,3 +589,46 @@ def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():
     assert torch.equal(codec.mean_of(gathered, 200), sent)
     both = torch.stack([payload, payload])
     assert torch.equal(codec.mean_of(both, 200), sent)
+
+
+class _WithAPeer(Communicator):
+    """A world of one whose gathers hold a second worker's message too (``peer``, encoded from a
+    fixed vector), so that a mean differs from this worker's own message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peer: torch.Tensor | None = None
+
+    def all_gather(self, tensor, async_op=False):
+        handle = super().all_gather(tensor, async_op=True)
+        handle._tensor = torch.stack([tensor, self.peer])  # what Handle.wait returns
+        return handle if async_op else handle.wait()
+
+
+def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
+    """H=4, tau=1: the outer step at 4 launches its gather and starts the period from the anchor
+    moved by this worker's own message; after step 5 the mean lands: the anchor moves by it,
+    the start becomes the new anchor, and the parameters move by the same change (new anchor -
+    old start), exactly; nothing is in flight until the outer step at 8."""
+    comm = _WithAPeer()
+    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 1}, comm)
+    comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=torch.Generator().manual_seed(5)) * 1e-2)[0]
+    assert sync.landing == 1 and sync.alpha == 1.0 and sync._per_sender()  # lands in the first half
+    for step in range(1, 9):
+        x, y = _batch(0, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 5:
+            anchor, start, stepped = sync._anchor.clone(), sync._start.clone(), sync._local()
+            gathered = sync.in_flight._handle._tensor
+        synced = sync.after_step()
+        assert synced == (step % 4 == 0)
+        assert sync.in_flight.flying == (step in (4, 8)), step
+        if step == 5:
+            assert not torch.equal(start, anchor)  # the period started off the anchor: own message
+            mean = sync.chunker.mean_of(gathered, sync.n, per_sender=True)
+            assert torch.equal(sync._anchor, torch.sub(anchor, mean.mul_(1.0)).mul_(sync._real))
+            assert torch.equal(sync._start, sync._anchor)
+            assert torch.equal(sync._local(), stepped + (sync._anchor - start))
+    sync.close()

@@ -33,6 +33,8 @@ CASES = [
     ("dreamddp", "acpsgd:rank=2"),
     ("dreamddp", "topk:ratio=0.05"),
     ("sparseloco", "overlap"),  # stops with its outer step's message in flight
+    ("sparseloco", "tau1"),  # its message landed at step 5, inside the period, where it stops
+    ("sparseloco", "tau2"),  # stops with it in flight, to land at step 6 in the resumed run
     ("demo", ""),
     ("demo", "overlap"),  # stops with a step's message in flight
     ("diloco", "chunktopk:chunk=256,k=16"),
@@ -75,10 +77,11 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         plan = _plan(base.with_suffix(f".plan{rank}.json"), 4) if algo == "dreamddp" else ""
         common = dict(
             algo=algo,
-            compress="" if codec in ("overlap", "warm", "lrauto", "grow") else codec,
+            compress="" if codec in ("overlap", "tau1", "tau2", "warm", "lrauto", "grow") else codec,
             H_schedule="1x3,2x2" if codec == "grow" else "",
             lr_scale="auto" if codec == "lrauto" else "1",
-            overlap=True if codec == "overlap" else None,
+            overlap=True if codec in ("overlap", "tau1", "tau2") else None,
+            tau=int(codec[-1]) if codec.startswith("tau") else -1,
             warm_start=7 if codec == "warm" else 0,
             fragments=2 if algo == "streaming" else 0,
             model="tiny",

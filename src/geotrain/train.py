@@ -584,21 +584,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
         "alpha": "sparseloco: outer learning rate (default 1 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",
-        "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none)",
+        "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none); "
+        "sparseloco with overlap: steps into the next period at which an outer step's gather lands, 1 to H "
+        "(0, the default: 1.5 times the first gather's length under --overlap auto, H under --overlap)",
         "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1] (0.5)",
         "gap_penalty": "co2: the staleness gap penalty lambda >= 1 dividing the stale "
         "pseudo-gradient (1: none)",
         "clip": "co2: clamp the outer momentum element-wise to +-this (1.0; 0: off)",
         "eager": "co2 (on by default): each period starts from the anchor moved by this worker's own "
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
-        "overlap": "sparseloco: each outer step lands one period late, its all-gather under the next "
-        "H steps (--no-overlap: never; unset or --overlap auto: on where the first outer step's "
-        "gather took over 5%% of the period's compute); demo (on only with --overlap, auto is off: "
-        "the loss suffers, see the README): each step's update lands one step late, its all-gather "
-        "under the next step's compute",
+        "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
+        "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where the first "
+        "outer step's gather took over 5%% of the period's compute); demo (on only with --overlap, "
+        "auto is off: the loss suffers, see the README): each step's update lands one step late, its "
+        "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
         "sent it (senders, the reference code's) or over every worker (workers); auto: senders "
-        "without overlap, workers with it (each measured the better there; see the README)",
+        "without overlap or landing in the period's first half (--tau), workers landing later (each "
+        "measured the better there; see the README)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (ssgd, ddp, localsgd, diloco, "
