@@ -414,6 +414,8 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
     [
         ("sparseloco", ["--k", "5000"], "--chunk=4096"),
         ("sparseloco", ["--bits", "3"], "--bits"),
+        ("sparseloco", ["--tau", "21"], "--tau (steps after an outer step"),
+        ("sparseloco", ["--tau", "3", "--no-overlap"], "drop one of them"),
         ("demo", ["--beta", "1"], "--beta (momentum decay)"),
         ("demo", ["--compress", "int8"], "demo does not take --compress"),
     ],

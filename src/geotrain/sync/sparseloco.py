@@ -135,6 +135,11 @@ class SparseLoCoConfig(SyncConfig):
             f"integer in [1, H={self.H}], or 0 for auto; got {self.tau}",
         )
         require(
+            not (self.tau and self.overlap is False),
+            f"--tau {self.tau} sets when an overlapped outer step lands, and --no-overlap overlaps none: "
+            "drop one of them",
+        )
+        require(
             self.alpha >= 0, f"--alpha (outer learning rate) must be > 0 (0: --mean-over's), got {self.alpha}"
         )
 
