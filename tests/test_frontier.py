@@ -634,3 +634,38 @@ def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
             assert torch.equal(sync._start, sync._anchor)
             assert torch.equal(sync._local(), stepped + (sync._anchor - start))
     sync.close()
+
+
+def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_see_it():
+    """tau=1 of H=4: the wait at step 5 fails (a member lost); after the regroup (``rebind``)
+    ``retry_sync`` sends the message again and lands it then, as the step would have. And the
+    landing is a collective point for the regroup's agreement: a survivor past it and one
+    before it may not go on each from its own step (``collective_period``)."""
+    comm = _WithAPeer()
+    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 1}, comm)
+    comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=torch.Generator().manual_seed(5)) * 1e-2)[0]
+    assert sync.collective_period() == 1
+    for step in range(1, 6):
+        x, y = _batch(0, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 5:
+
+            def lost():
+                raise RuntimeError("a member was lost")
+
+            sync.in_flight._handle.wait = lost
+            with pytest.raises(RuntimeError, match="lost"):
+                sync.after_step()
+        else:
+            sync.after_step()
+    assert sync.in_flight.flying and not torch.equal(sync._start, sync._anchor)
+    sync.rebind()
+    sync.retry_sync()
+    assert not sync.in_flight.flying and torch.equal(sync._start, sync._anchor)
+    _, _, late = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True})
+    _, _, off = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": False, "tau": 0})
+    assert late.collective_period() == off.collective_period() == 4  # landing at the outer step
+    for s in (sync, late, off):
+        s.close()

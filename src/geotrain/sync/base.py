@@ -538,8 +538,8 @@ class PeriodicSync(SyncAlgorithm):
 
 
 class InFlight:
-    """This worker's message whose collective lands later (SparseLoCo's outer step one period
-    late, DeMo's step one step late, CO2's average one period late, a Streaming DiLoCo fragment
+    """This worker's message whose collective lands later (SparseLoCo's outer step tau steps or
+    a period late, DeMo's step one step late, CO2's average one period late, a Streaming DiLoCo fragment
     tau steps late), under compute, and what a regroup, a snapshot and an adoption do with it.
     ``op`` is the collective: ``"gather"`` (every worker's message, stacked in rank order) or
     ``"mean"`` (their mean, an all-reduce of the message with a weight of 1 appended, so that

@@ -83,6 +83,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,7 +188,7 @@ class SparseLoCo(PeriodicSync):
         self._scratch = torch.zeros(self.n)
         self._spare = torch.zeros(self.n)
         self._start = self._anchor.clone()  # where this period started (overlap)
-        self.in_flight = InFlight(comm)  # this worker's message, landing a period late
+        self.in_flight = InFlight(comm)  # this worker's message, landing later (``landing``)
         # Overlap on or off; None: auto, not yet decided (the steps so far ran synchronously).
         self.overlap: bool | None = None if self.config.overlap == "auto" else bool(self.config.overlap)
         # With overlap: steps into a period at which the last outer step's gather lands (H: at
@@ -275,9 +276,26 @@ class SparseLoCo(PeriodicSync):
             self._stepped_at.append(self.clock())
         self._since_outer += 1
         synced = super().after_step()
-        if not synced and self.overlap and self._since_outer == self.landing and self.in_flight.flying:
+        if not synced and self._lands_now():
             self._land_early()
         return synced
+
+    def _lands_now(self) -> bool:
+        return bool(self.overlap) and self._since_outer == self.landing and self.in_flight.flying
+
+    def collective_period(self) -> int:
+        # Landing inside a period waits for the gather, or sends it again after a regroup: a
+        # survivor past it and one before it must not go on each from its own step (one would
+        # gather alone), so the regroup treats the landing as a collective too.
+        period = super().collective_period()
+        if self.overlap and self.landing < self.config.H:
+            return math.gcd(period, self.landing)
+        return period
+
+    def retry_sync(self, adopters: Collection[int] = ()) -> None:
+        super().retry_sync(adopters)
+        if self._lands_now():  # this step's landing failed with the group: land on the new one
+            self._land_early()
 
     def _land_early(self) -> None:
         """``tau`` steps into the period: the last outer step's mean lands in the anchor, and
@@ -443,8 +461,8 @@ class SparseLoCo(PeriodicSync):
             self.decision = state.get("overlap_decision", "")
             self._stepped_at = [self.clock()]
             # one saved before the gather could land inside a period landed a period late
-            self.landing = state.get("landing", self.config.H)
-        self._since_outer = state.get("since_outer", 0)
+            self.landing = self.config.tau or state.get("landing", self.config.H)
+        self._since_outer = state.get("since_outer", self.step_count % self.config.H)
         if self.overlap and resend is not None:
             sent = self.chunker.decode(resend, self.n).mul_(self._real)
             self._start = self._anchor - self.alpha * sent
