@@ -607,20 +607,30 @@ class _WithAPeer(Communicator):
         return handle if async_op else handle.wait()
 
 
+def _tau_sync_with_a_peer():
+    """H=4, tau=1 in a world of one whose gathers hold a second worker's message too."""
+    comm = _WithAPeer()
+    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 1}, comm)
+    comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=torch.Generator().manual_seed(5)) * 1e-2)[0]
+    return model, opt, sync
+
+
+def _local_step(sync, opt, step: int) -> None:
+    x, y = _batch(0, step)
+    sync.model(x, y)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
     """H=4, tau=1: the outer step at 4 launches its gather and starts the period from the anchor
     moved by this worker's own message; after step 5 the mean lands: the anchor moves by it,
     the start becomes the new anchor, and the parameters move by the same change (new anchor -
     old start), exactly; nothing is in flight until the outer step at 8."""
-    comm = _WithAPeer()
-    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 1}, comm)
-    comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=torch.Generator().manual_seed(5)) * 1e-2)[0]
+    _, opt, sync = _tau_sync_with_a_peer()
     assert sync.landing == 1 and sync.alpha == 1.0 and sync._per_sender()  # lands in the first half
     for step in range(1, 9):
-        x, y = _batch(0, step)
-        sync.model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _local_step(sync, opt, step)
         if step == 5:
             anchor, start, stepped = sync._anchor.clone(), sync._start.clone(), sync._local()
             gathered = sync.in_flight._handle._tensor
@@ -641,15 +651,10 @@ def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_s
     ``retry_sync`` sends the message again and lands it then, as the step would have. And the
     landing is a collective point for the regroup's agreement: a survivor past it and one
     before it may not go on each from its own step (``collective_period``)."""
-    comm = _WithAPeer()
-    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 1}, comm)
-    comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=torch.Generator().manual_seed(5)) * 1e-2)[0]
+    _, opt, sync = _tau_sync_with_a_peer()
     assert sync.collective_period() == 1
     for step in range(1, 6):
-        x, y = _batch(0, step)
-        sync.model(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _local_step(sync, opt, step)
         if step == 5:
 
             def lost():

@@ -56,7 +56,7 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("co2", {"gap_penalty": 0.5}, "stale pseudo-gradient) must be >= 1"),
         ("co2", {"clip": -1.0}, "--clip (outer momentum threshold; 0: off) must be >= 0"),
         ("co2", {"outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
-        ("diloco", {"tau": 2}, "diloco does not take --tau; algorithms that do: streaming"),
+        ("diloco", {"tau": 2}, "diloco does not take --tau; algorithms that do: sparseloco, streaming"),
         ("sparseloco", {"clip": 0.0}, "sparseloco does not take --clip; algorithms that do: co2"),
     ],
 )  # fmt: skip
