@@ -514,7 +514,7 @@ def test_the_keepers_disk_writer_outlives_a_full_disk_and_a_log_it_cannot_write(
     monkeypatch.setattr(keeper_module, "write_disk_snapshot", no_space)
     monkeypatch.setattr(sys, "stderr", FullDisk())
     for step in (1, 2):
-        keeper._disk.put((0, step, b"x", None, {"readers": 1}))
+        keeper._disk.put((0, step, keeper_module._Held({}, b"x", readers=1)))
     done = threading.Event()
     threading.Thread(target=lambda: (keeper.flush(), done.set()), daemon=True).start()
     assert done.wait(10), "the disk writer died: flush waits forever"

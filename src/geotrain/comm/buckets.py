@@ -8,7 +8,9 @@ flight at once, which is how periodic (parameter) averaging is pipelined.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Reversible, Sequence
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -107,16 +109,20 @@ def wait_all(pending: Sequence[Pending]) -> None:
         raise
 
 
-def advance_behind(launched: Sequence[Pending], depth: int) -> None:
+def advance_behind(
+    launched: Reversible[Any], depth: int, pending: Callable[[Any], Pending] = lambda m: m
+) -> None:
     """Before the next message is launched under backward, advance the one launched ``depth``
-    launches before it (``plan.cost.ADVANCE_DEPTH``; ``launched`` in launch order): its first
+    launches before it (``plan.cost.ADVANCE_DEPTH``; ``launched`` in launch order, each entry's
+    mean given by ``pending``): its first
     phase has had some of backward to finish under, and its second goes out under the rest,
     not all of them after backward. A fixed one, not any found finished: every worker must
     issue its collectives in one order, and the order of launches is the backward's, the same
     everywhere (``ssgd``'s buckets, ``ddp``'s codec hook, DreamDDP's layers;
     ``plan.cost.advanced_under_backward`` prices it)."""
-    if len(launched) >= depth:
-        launched[-depth].advance()
+    behind = next(itertools.islice(reversed(launched), depth - 1, None), None)
+    if behind is not None:
+        pending(behind).advance()
 
 
 def mean_async(comm: Communicator, tensors: Sequence[torch.Tensor]) -> Pending:

@@ -45,6 +45,7 @@ import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,6 @@ def _send(
         sock.sendall(payload)
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray]:
-    header, payload, _ = _recv_with_fds(sock)
-    return header, payload
-
-
 def _recv_with_fds(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearray, list[int]]:
     """A message, with any file descriptors that came with its first bytes (SCM_RIGHTS)."""
     first, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
@@ -156,15 +152,37 @@ def _recv_with_fds(sock: socket.socket) -> tuple[dict[str, Any], bytes | bytearr
 
 
 # -- server ----------------------------------------------------------------------------------
+@dataclass(eq=False)  # each one is itself: let go by identity
+class _Held:
+    """One item a keeper holds: what ``list`` reports of it (``meta``), its bytes, and for a
+    ``put_fd`` the memory file they map, with whether its worker takes let-go files back and how
+    many read it now (the disk writer, a ``get``, ``persist``: its file is not handed back
+    meanwhile)."""
+
+    meta: dict[str, Any]
+    blob: Any  # bytes, or an mmap of ``fd``
+    fd: int | None = None
+    recycle: bool = False
+    readers: int = 0
+
+    def unmap(self) -> None:
+        with contextlib.suppress(BufferError):  # a view still out: the mapping goes with it
+            self.blob.close()
+
+    def release(self) -> None:
+        self.unmap()
+        if self.fd is not None:
+            os.close(self.fd)
+
+
 class Keeper:
     """The store behind the socket: blobs by (kind, owner, step, index), the newest steps kept."""
 
     def __init__(self, directory: Path | None, keep: int = KEEP_STEPS) -> None:
         self.directory = Path(directory) if directory else None
         self.keep = keep
-        self._blobs: dict[tuple[str, int, int, int], tuple[dict[str, Any], bytes]] = {}
-        self._files: dict[tuple[str, int, int, int], int] = {}  # the memory files behind put_fd's
-        self._spares: dict[int, list[tuple[int, Any, dict[str, Any]]]] = {}  # let go, to hand back
+        self._blobs: dict[tuple[str, int, int, int], _Held] = {}
+        self._spares: dict[int, list[_Held]] = {}  # let go, their files to hand back, by owner
         self._lock = threading.Lock()
         self._disk: queue.Queue = queue.Queue()
         self.last_request = time.monotonic()
@@ -179,82 +197,74 @@ class Keeper:
         # Being shipped to the peers: it may become the newest complete step, so it stays.
         meta["pending"] = bool(header.get("pending")) and not meta["committed"]
         disk = bool(header.get("disk")) and self.directory is not None and key[0] == "full"
-        meta["readers"] = int(disk)  # the disk writer reads it: its file is not handed back before
-        meta["recycle"] = bool(header.get("recycle"))  # its worker takes let-go files back
+        # the disk writer reads it from here: its file is not handed back before
+        held = _Held(meta, blob, fd, recycle=bool(header.get("recycle")), readers=int(disk))
         with self._lock:
             if key in self._blobs:  # the same step again (a resumed run): the old one is let go
                 self._let_go(key)
-            self._blobs[key] = (meta, blob)
-            if fd is not None:
-                self._files[key] = fd
+            self._blobs[key] = held
             self._prune(key[0], key[1])
         if disk:
-            self._disk.put((key[1], key[2], blob, header.get("members"), meta))
+            self._disk.put((key[1], key[2], held))
+
+    def _unpin(self, held: _Held) -> None:
+        with self._lock:
+            held.readers -= 1
 
     def _let_go(self, key: tuple[str, int, int, int]) -> None:
         """Forget a held item (under the lock). The memory file behind it waits to go back where
         its worker takes files back; otherwise its pages are freed once nothing reads them."""
-        meta, blob = self._blobs.pop(key)
-        fd = self._files.pop(key, None)
-        if fd is None:
+        held = self._blobs.pop(key)
+        if held.fd is None:
             return
-        if not meta["recycle"]:
-            os.close(fd)  # the mapping goes with its last reader
+        if not held.recycle:
+            os.close(held.fd)  # the mapping goes with its last reader
             return
         waiting = self._spares.setdefault(key[1], [])
-        waiting.append((fd, blob, meta))
+        waiting.append(held)
         # One free file to hand back is enough: a worker writes one snapshot at a time.
-        free = [i for i, (_, _, m) in enumerate(waiting) if not m["readers"]]
-        for i in reversed(free[:-1]):
-            extra, mapped, _ = waiting.pop(i)
-            with contextlib.suppress(BufferError):
-                mapped.close()
-            os.close(extra)
+        free = [h for h in waiting if not h.readers]
+        for extra in free[:-1]:
+            waiting.remove(extra)
+            extra.release()
 
-    def spare_files(self, owner: int, most: int = 1) -> list[int]:
-        """Memory files of ``owner``'s snapshots let go and read by nobody now, for the worker to
-        write its next snapshots into (at most ``most``; the others are closed). The caller sends
-        them and closes its descriptors."""
-        given: list[int] = []
+    def spare_files(self, owner: int) -> list[int]:
+        """The memory file of one of ``owner``'s snapshots let go and read by nobody now (none if
+        there is none), for the worker to write its next snapshot into; any other free one is
+        closed. The caller sends it and closes its descriptor."""
         with self._lock:
-            waiting = []
-            for fd, blob, meta in self._spares.pop(owner, []):
-                try:
-                    if meta["readers"]:
-                        raise BufferError
-                    blob.close()  # unmapped: no page of it is read here any more
-                except BufferError:  # still read (a disk write, a get): handed back later
-                    waiting.append((fd, blob, meta))
-                    continue
-                if len(given) < most:
-                    given.append(fd)
-                else:
-                    os.close(fd)
-            if waiting:
-                self._spares[owner] = waiting
-        return given
+            waiting = self._spares.pop(owner, [])
+            busy = [h for h in waiting if h.readers]  # a disk write, a get: handed back later
+            free = [h for h in waiting if not h.readers]
+            if busy:
+                self._spares[owner] = busy
+        for extra in free[1:]:
+            extra.release()
+        if not free:
+            return []
+        free[0].unmap()  # no page of it is read here any more
+        return [free[0].fd]
 
     @contextlib.contextmanager
     def reading(self, kind: str, owner: int, step: int, index: int = 0):
         """The held blob (None if not held), its file kept from its worker while it is read."""
         with self._lock:
-            item = self._blobs.get((kind, owner, step, index))
-            if item is not None:
-                item[0]["readers"] += 1
+            held = self._blobs.get((kind, owner, step, index))
+            if held is not None:
+                held.readers += 1
         try:
-            yield item[1] if item else None
+            yield held.blob if held else None
         finally:
-            if item is not None:
-                with self._lock:
-                    item[0]["readers"] -= 1
+            if held is not None:
+                self._unpin(held)
 
     def commit(self, owner: int, step: int) -> None:
         """Step ``step`` is complete everywhere (the worker's own state and every peer's pieces
         arrived): mark what this keeper holds of it, and let older steps go."""
         with self._lock:
-            for (kind, o, s, _), (meta, _) in self._blobs.items():
+            for (kind, o, s, _), held in self._blobs.items():
                 if s == step and (kind == "piece" or o == owner):
-                    meta["committed"], meta["pending"] = True, False
+                    held.meta["committed"], held.meta["pending"] = True, False
             for kind, o in {(k[0], k[1]) for k in self._blobs}:
                 self._prune(kind, o)
 
@@ -263,7 +273,7 @@ class Keeper:
         whose pieces are still travelling never pushes out the last one that is complete. One
         being shipped (``pending``) is kept too: newer snapshots taken while its pieces travel
         (shipments are skipped meanwhile) must not push it out before it is committed."""
-        mine = {k: meta for k, (meta, _) in self._blobs.items() if k[0] == kind and k[1] == owner}
+        mine = {k: h.meta for k, h in self._blobs.items() if k[0] == kind and k[1] == owner}
         committed = sorted({k[2] for k, meta in mine.items() if meta["committed"]})
         kept = set(committed[-self.keep :])
         newest = committed[-1] if committed else -1
@@ -283,14 +293,13 @@ class Keeper:
 
     def items(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [
-                {k: v for k, v in meta.items() if k not in ("readers", "recycle")} | {"size": len(blob)}
-                for meta, blob in self._blobs.values()
-            ]
+            return [dict(h.meta, size=len(h.blob)) for h in self._blobs.values()]
 
     def held_bytes(self) -> int:
+        """The bytes held: the items, and the files let go that wait to be handed back."""
         with self._lock:
-            return sum(len(blob) for _, blob in self._blobs.values())
+            spares = [h for waiting in self._spares.values() for h in waiting]
+            return sum(len(h.blob) for h in [*self._blobs.values(), *spares])
 
     def flush(self) -> None:
         self._disk.join()
@@ -306,36 +315,32 @@ class Keeper:
             return []
         self.flush()  # a checkpoint on its way lands first
         with self._lock:
-            full = sorted(
-                ((k, item) for k, item in self._blobs.items() if k[0] == "full"), key=lambda x: x[0]
-            )
-            for _, (meta, _) in full:  # read until written, even if let go meanwhile
-                meta["readers"] += 1
+            full = sorted(((k, h) for k, h in self._blobs.items() if k[0] == "full"), key=lambda x: x[0])
+            for _, held in full:  # read until written, even if let go meanwhile
+                held.readers += 1
         try:
-            for (_, owner, step, _), (meta, blob) in full:
+            for (_, owner, step, _), held in full:
                 if not disk_path(self.directory, owner, step).exists():
-                    write_disk_snapshot(self.directory, owner, step, blob, meta.get("members"))
+                    write_disk_snapshot(self.directory, owner, step, held.blob, held.meta.get("members"))
         finally:
-            with self._lock:
-                for _, (meta, _) in full:
-                    meta["readers"] -= 1
+            for _, held in full:
+                self._unpin(held)
         for owner in {k[1] for k, _ in full}:
             prune_disk(self.directory, owner, self.keep)
         return [k[2] for k, _ in full]
 
     def _write_loop(self) -> None:
         while True:
-            owner, step, blob, members, meta = self._disk.get()
+            owner, step, held = self._disk.get()
             try:
                 assert self.directory is not None
-                write_disk_snapshot(self.directory, owner, step, blob, members)
+                write_disk_snapshot(self.directory, owner, step, held.blob, held.meta.get("members"))
                 prune_disk(self.directory, owner, self.keep)
             except Exception as e:  # noqa: BLE001 - the writer must outlive any one write (flush waits on it)
                 with contextlib.suppress(OSError):  # its log may be on the disk that just filled
                     print(f"geotrain keeper: disk checkpoint failed: {e}", file=sys.stderr, flush=True)
             finally:
-                with self._lock:
-                    meta["readers"] -= 1
+                self._unpin(held)
                 self._disk.task_done()
 
 

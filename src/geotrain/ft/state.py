@@ -282,13 +282,9 @@ def encode_to_memfd(obj: Any, name: str, fd: int | None = None) -> tuple[int, in
 
 def seal_memfd(fd: int, size: int) -> None:
     """Write the header (magic, length, CRC32 of the payload) into a file from ``encode_to_memfd``."""
-    with mmap.mmap(fd, size) as mm:
-        view = memoryview(mm)
-        try:
-            digest = _checksum(MAGIC_CRC, view[_HEADER.size :])
-            view[: _HEADER.size] = _HEADER.pack(MAGIC_CRC, size - _HEADER.size, digest)
-        finally:
-            view.release()
+    with mmap.mmap(fd, size) as mm, memoryview(mm) as view:
+        digest = _checksum(MAGIC_CRC, view[_HEADER.size :])
+        view[: _HEADER.size] = _HEADER.pack(MAGIC_CRC, size - _HEADER.size, digest)
 
 
 def decode_memfd(fd: int, size: int, what: str = "snapshot") -> Any:

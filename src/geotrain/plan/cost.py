@@ -309,7 +309,8 @@ def _buckets(compute: ComputeModel, cap_bytes: float, ddp: bool = False) -> list
     none over the cap but a layer larger than it (``comm.buckets.make_buckets``). ``ddp``: as
     PyTorch DDP cuts them, from the input end in registration order, each closed once it
     reaches the cap, then the list reversed, so the bucket backward fills first is the
-    partial one (``DistributedDataParallel._ddp_init_helper``)."""
+    partial one (``DistributedDataParallel._ddp_init_helper``; DDP keeps that cut while
+    ``sync/ddp.py`` passes ``find_unused_parameters=True``, else it cuts again after a step)."""
     raw = compute.raw_nbytes or compute.nbytes
     if ddp:
         cut: list[list[int]] = [[]]

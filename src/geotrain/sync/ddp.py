@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import threading
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -94,7 +95,7 @@ class DDP(SyncAlgorithm):
         grads = bucket.gradients()  # views into bucket.buffer(): the mean lands in the buffer
         # The key includes the layout: a bucket is known by its place and its gradients.
         key = ("ddp", bucket.index(), tuple(tuple(g.shape) for g in grads))
-        advance_behind([mean for mean, _, _ in self._in_flight], ADVANCE_DEPTH)
+        advance_behind(self._in_flight, ADVANCE_DEPTH, itemgetter(0))
         future: torch.futures.Future = torch.futures.Future()
         self._in_flight.append((self.codec.reduce(self.comm, key, grads), future, bucket.buffer()))
         if bucket.is_last():  # DDP reads the futures once backward is done: have them done by then

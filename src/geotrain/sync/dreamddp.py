@@ -65,6 +65,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ from geotrain.plan.schedule import (
     schedule_from_json,
 )
 from geotrain.sync.base import SyncAlgorithm, SyncConfig, adopt_mean_change, codec_from_config, require
-from geotrain.sync.dreamddp_plan import CALIBRATION_PERIODS, DreamDDPPlanning
+from geotrain.sync.dreamddp_plan import DreamDDPPlanning
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
@@ -360,7 +361,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         waits here for what the update would have waited for (``plan.cost.codec_exposed``).
         Landing late, the second phases go out in ``before_step``, under the update and the
         forward, leaving backward's link to the first phases, whose results the update needs."""
-        advance_behind([message for message, _ in self._inflight.values()], ADVANCE_DEPTH)
+        advance_behind(self._inflight.values(), ADVANCE_DEPTH, itemgetter(0))
 
     def _lands_now(self) -> bool:
         """Whether this iteration's averages land in its own before_step: always at lag 0, and
@@ -439,7 +440,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
             return self._observed_step()
         super().after_step()
         self._period_s += time.perf_counter() - self._iteration_start
-        if self.fitted_slowdown is None and self._periods_planned <= CALIBRATION_PERIODS:
+        if self._measuring_slowdown():
             self._blocked[(self.step_count - 1) % self.schedule.H].append(
                 self.comm.stats.blocked_s - self._blocked_mark
             )

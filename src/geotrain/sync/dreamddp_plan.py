@@ -175,13 +175,11 @@ class DreamDDPPlanning:
         compute, link = models
         self._plan_with(compute, link.scaled(k))
 
-    def _plan_with(
-        self, compute: ComputeModel, link: LinkModel, H: int | None = None, incumbent: Schedule | None = None
-    ) -> None:
+    def _plan_with(self, compute: ComputeModel, link: LinkModel, H: int | None = None) -> None:
         """The schedule searched on these models, broadcast from rank 0 and adopted; ``H``: a
-        period already chosen (``--compress auto`` with ``--H auto`` chooses both at once).
-        ``incumbent``: the schedule in use, kept where the search (its time budget spent) found
-        none predicted faster on these models."""
+        period already chosen (``--compress auto`` with ``--H auto`` chooses both at once). A
+        re-plan at the period in use keeps the schedule in use where the search (its time budget
+        spent) found none predicted faster on these models."""
         choice = self.period_choice  # --H auto's table, kept through re-plans
         if H is None and self.config.H == "auto":  # chosen once, at the first plan; a re-plan keeps it
             H, choice = self._choose_period(compute, link)
@@ -190,12 +188,13 @@ class DreamDDPPlanning:
         schedule = search_schedule(
             compute, link, H, fill_in=self.config.fill_in, lag=self.lag, headroom=PLAN_HEADROOM
         )
-        if incumbent is not None and incumbent.H == H:
-            kept = [list(layers) for layers in incumbent.iterations]
+        in_use = self.schedule
+        if in_use is not None and in_use.H == H and self._plan["schedule"]["layers"] == list(compute.names):
+            kept = [list(layers) for layers in in_use.iterations]
             if predict_schedule(compute, link, kept, self.lag) <= predict_schedule(
                 compute, link, schedule.iterations, self.lag
             ):
-                schedule = Schedule(H, list(incumbent.assignment), kept, lag=self.lag)
+                schedule = Schedule(H, list(in_use.assignment), kept, lag=self.lag)
         # The search has a time budget, so workers could differ: everyone takes rank 0's schedule.
         matrix = torch.zeros(H, compute.n_layers, dtype=torch.uint8)
         for h, layers in enumerate(schedule.iterations):
@@ -248,15 +247,9 @@ class DreamDDPPlanning:
         end before the drift check, so that a re-plan there restarts the count (its plan's first
         period then warms up). Returns whether it re-planned."""
         self._periods_planned += 1
-        if self._periods_planned == 1:  # the plan's first period warms up: not measured
-            self._blocked = [[] for _ in range(self.schedule.H)]
-        if self._periods_planned != 1 + CALIBRATION_PERIODS or self.fitted_slowdown is not None:
-            return False
-        if not self.config.replan_threshold or self._models is None:
+        if self._periods_planned != 1 + CALIBRATION_PERIODS or not self._slowdown_fits():
             return False
         compute, link = self._models
-        if self.lag and compute.tail_bytes:
-            return False
         medians = [statistics.median(b) if b else 0.0 for b in self._blocked]
         measured = self.comm.mean_scalars(medians)
         sigma, _ = fit_comm_slowdown(compute, link, self.schedule.iterations, measured, self.lag)
@@ -264,5 +257,21 @@ class DreamDDPPlanning:
         if abs(sigma - compute.comm_slowdown) < CALIBRATION_STEP:
             return False
         self.replans += 1
-        self._plan_with(replace(compute, comm_slowdown=sigma), link, self.schedule.H, self.schedule)
+        self._plan_with(replace(compute, comm_slowdown=sigma), link)
         return True
+
+    def _slowdown_fits(self) -> bool:
+        """Whether the slowdown's fit can run on this plan (``_fit_slowdown``): once per run,
+        with re-plans on, the plan's models at hand and no codec landing late."""
+        models = self._models
+        return (
+            self.fitted_slowdown is None
+            and bool(self.config.replan_threshold)
+            and models is not None
+            and not (self.lag and models[0].tail_bytes)
+        )
+
+    def _measuring_slowdown(self) -> bool:
+        """Whether this step's blocked seconds count towards the fit: in the
+        ``CALIBRATION_PERIODS`` periods after a plan's first, which warms up."""
+        return 1 <= self._periods_planned <= CALIBRATION_PERIODS and self._slowdown_fits()

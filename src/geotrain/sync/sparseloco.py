@@ -196,7 +196,6 @@ class SparseLoCo(PeriodicSync):
         # With overlap: steps into a period at which the last outer step's gather lands (H: at
         # the next outer step); under auto, set with the verdict.
         self.landing = self.config.tau or self.config.H
-        self._since_outer = 0  # steps since the last outer step (or the start)
         self.decision = ""  # what auto measured, for the summary
         self.clock = time.perf_counter  # tests set their own
         self._stepped_at = [self.clock()]  # auto: when each step of the first period ended
@@ -276,14 +275,17 @@ class SparseLoCo(PeriodicSync):
     def after_step(self) -> bool:
         if self.overlap is None:
             self._stepped_at.append(self.clock())
-        self._since_outer += 1
         synced = super().after_step()
         if not synced and self._lands_now():
             self._land_early()
         return synced
 
     def _lands_now(self) -> bool:
-        return bool(self.overlap) and self._since_outer == self.landing and self.in_flight.flying
+        # outer steps are at every H-th step (sparseloco has no warm start or H schedule), so
+        # the steps since the last one are the step count's remainder; H itself lands there
+        return (
+            bool(self.overlap) and self.step_count % self.config.H == self.landing and self.in_flight.flying
+        )
 
     def collective_period(self) -> int:
         # Landing inside a period waits for the gather, or sends it again after a regroup: a
@@ -312,7 +314,6 @@ class SparseLoCo(PeriodicSync):
         self._set_params(local.add_(change))
 
     def outer_step(self) -> None:
-        self._since_outer = 0
         if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
             deciding = self.overlap is None
             payload, _, error = self._message(self._delta(self._anchor))
@@ -446,7 +447,6 @@ class SparseLoCo(PeriodicSync):
         state["in_flight"] = self.in_flight.saved()
         state["overlap"] = self.overlap  # None: auto, not yet decided
         state["landing"] = self.landing
-        state["since_outer"] = self._since_outer
         state["overlap_decision"] = self.decision
         return state
 
@@ -464,7 +464,6 @@ class SparseLoCo(PeriodicSync):
             self._stepped_at = [self.clock()]
             # one saved before the gather could land inside a period landed a period late
             self.landing = self.config.tau or state.get("landing", self.config.H)
-        self._since_outer = state.get("since_outer", self.step_count % self.config.H)
         if self.overlap and resend is not None:
             sent = self.chunker.decode(resend, self.n).mul_(self._real)
             self._start = self._anchor - self.alpha * sent

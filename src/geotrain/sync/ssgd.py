@@ -75,7 +75,7 @@ class SSGD(SyncAlgorithm):
         # the same (a parameter unused on one worker only would pair different buckets).
         grads = self._grads(b)
         if self.codec is not None:
-            advance_behind([self._launched[c] for c in self._order], ADVANCE_DEPTH)
+            advance_behind(self._order, ADVANCE_DEPTH, self._launched.__getitem__)
             self._launched[b] = self.codec.reduce(self.comm, ("grad", b), grads)
         else:
             self._launched[b] = mean_async(self.comm, grads)
