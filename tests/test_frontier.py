@@ -16,6 +16,7 @@ from geotrain.compress.chunked import ChunkTopK, index_bits, pack_bits, unpack_b
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.sync.demo import BlockDCT, dct_matrix
+from geotrain.sync.sparseloco import next_landing
 from helpers import Cases, refused
 
 
@@ -578,6 +579,96 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     assert again.overlap is True and again.landing == 10 and again.alpha == 2.0
     sync.close()
     again.close()
+
+
+@pytest.mark.parametrize(
+    "landing, arrivals, moved",
+    [
+        (4, [], 4),  # no figures (the first overlapped message carries none)
+        (4, [0.0, 0.0], 4),  # adopters' empty messages: no say
+        (4, [3.0, 4.0], 4),  # there by the landing: stays
+        (4, [4.05], 4),  # a wait under a tenth of a step is let go
+        (4, [2.0, 6.4, 0.0], 7),  # the slowest was there 2.4 steps late: later at once
+        (4, [30.0], 10),  # never past H
+        (4, [1e30], 10),
+        (4, [float("inf"), float("nan"), 3.0], 4),  # figures that cannot be right have no say
+        (4, [3.0], 4),  # one step to spare is kept
+        (7, [1.0, 2.0], 3),  # sooner: to a step after the slowest
+        (2, [1.0], 2),
+        (1, [1.0], 1),
+    ],
+)
+def test_the_landing_follows_the_slowest_arrival_later_at_once_sooner_with_a_step_to_spare(
+    landing, arrivals, moved
+):
+    assert next_landing(landing, arrivals, 10) == moved
+
+
+class _ClockedGather(Communicator):
+    """A world of one on a clock of the test's, whose gathers complete ``gather_s`` after their
+    launch on that clock: polled before, they have not; waited for, the clock moves to then."""
+
+    def __init__(self, gather_s: float) -> None:
+        super().__init__()
+        self.now, self.gather_s = 0.0, gather_s
+
+    def clock(self) -> float:
+        return self.now
+
+    def all_gather(self, tensor, async_op=False):
+        handle = super().all_gather(tensor, async_op=True)
+        due, landed = self.now + self.gather_s, handle.wait
+
+        def wait():
+            self.now = max(self.now, due)
+            return landed()
+
+        handle.is_completed = lambda: self.now >= due
+        handle.wait = wait
+        return handle if async_op else handle.wait()
+
+
+def test_under_auto_the_landing_follows_when_the_gathers_arrive():
+    """H=10 steps of 1 s. The first gather (2.5 s, timed alone) sets the landing at 4 (1.5
+    times its steps). Each worker notes when each later gather was there and sends it in 4
+    bytes after its next message, and every worker moves the landing from the figures the
+    gathers carry: the link slows (gathers of 6.4 s) and the landing moves to 7, two landings
+    on; it speeds up (0.5 s) and the landing comes back to 2. A snapshot with a message in
+    flight holds the figure and restarts from the same start point. A landing moves only at an
+    outer step: inside a period every worker, wherever it is, sees the landing it lands at (the
+    regroup's collective points)."""
+    comm = _ClockedGather(2.5)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._stepped_at = [comm.now]
+    payload = sync.chunker.payload_bytes(sync.n)
+    landings, arrivals = {}, {}
+    for step in range(1, 81):
+        comm.now += 1.0
+        comm.gather_s = 6.4 if step < 50 and step >= 30 else 0.5 if step >= 50 else 2.5
+        _local_step(sync, opt, step)
+        sync.after_step()
+        if step % 10 == 0 and step > 10:  # an overlapped message: the figure after it
+            assert sync.in_flight.saved().numel() == payload + 4
+            assert sync.in_flight.saved()[payload:].view(torch.float32).item() == pytest.approx(sync._arrival)
+        landings[step], arrivals[step] = sync.landing, sync._arrival
+        if step == 45:  # a snapshot with a message in flight: the figure and the start point
+            _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
+            again.load_state_dict(sync.state_dict())
+            assert again.landing == 4 and again._next_landing == 7 and again._arrival == sync._arrival
+            assert torch.equal(again._start, sync._start)
+            assert sync.collective_period() == again.collective_period() == 2  # gcd(10, 4) to step 50
+            again.close()
+    assert sync.overlap and sync.follows_link
+    assert landings[20] == 4  # auto's: 1.5 x 2.5 steps
+    assert arrivals[24] == 3.0  # seen complete at the end of step 23 of the gather launched at 20
+    assert landings[34] == 4 and arrivals[34] == pytest.approx(6.4)  # waited 2.4 steps at 34
+    assert landings[44] == landings[49] == 4 and sync.config.per_sender(True, 7) is False
+    assert landings[50] == 7  # asked for by 40's figure at the landing at 44, taken at 50
+    assert arrivals[57] == 1.0 and landings[57] == 7  # there after a step, figure sent at 60
+    assert landings[67] == 7 and landings[70] == 2 and landings[80] == 2
+    assert "moved 2 times, now 2 of 10 steps" in sync.info()  # the summary's codec line
+    sync.close()
 
 
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():

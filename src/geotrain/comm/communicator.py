@@ -267,7 +267,13 @@ class Handle:
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        """Done, as ``wait`` would see it: every work completed and the emulated latency
+        (``min_collective_s``) past."""
+        if self._done:
+            return True
+        if time.perf_counter() < self._launched + self._comm.min_collective_s:
+            return False
+        return all(w.is_completed() for w in self._works)
 
     def wait(self) -> torch.Tensor:
         if self._done:

@@ -568,6 +568,16 @@ class InFlight:
     def flying(self) -> bool:
         return self._handle is not None or self._resend is not None
 
+    @property
+    def resending(self) -> bool:
+        """The next ``land`` sends the message again (after a regroup or a resume) first."""
+        return self._resend is not None
+
+    def arrived(self) -> bool:
+        """The collective in flight has completed: ``land`` would not wait (False if none flies
+        or it is still to be sent again)."""
+        return self._handle is not None and self._handle.is_completed()
+
     def launch(self, payload: torch.Tensor) -> None:
         if self.op == "gather":
             self._handle, self._payload = self.comm.all_gather(payload, async_op=True), payload

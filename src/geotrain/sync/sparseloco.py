@@ -74,6 +74,15 @@ largest ratio measured), and snapshots keep it. Overlap costs loss (above), so a
 enough to hide nothing behind is better used synchronously. ``--overlap`` without ``--tau``
 lands a period late, as before ``tau`` was built.
 
+Under auto the landing then follows the link (``next_landing``): each worker notes when its
+gather was there (the first step boundary at which it had completed, or, where the landing had
+to wait, the landing plus the wait in steps) and sends that figure in 4 bytes after its next
+message; at that message's landing every worker reads the same figures and moves the landing to
+the step the slowest worker's gather was there by (later at once; sooner only with a step to
+spare, so that it does not flap between two steps). The first gather is timed alone, and later
+ones share the cores with compute and take longer; a link that slows or speeds up mid-run moves
+the landing with it.
+
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
 work vectors of the same size (snapshots hold theta and e; the start is rebuilt from the message
 in flight).
@@ -85,6 +94,7 @@ import math
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +111,28 @@ MEAN_OVER = ("auto", "senders", "workers")
 # --overlap auto lands a gather this many times its measured duration (in steps) after it was
 # launched: the first gather was timed alone, later ones share the link and the cores with compute
 LAND_MARGIN = 1.5
+# The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
+ARRIVAL_BYTES = 4
+# A landing may wait this fraction of a step before the next one lands a step later
+WAIT_SLACK = 0.1
+
+
+def next_landing(landing: int, arrivals: list[float], H: int) -> int:
+    """The landing for the gathers to come, from the workers' arrival figures of the last one
+    (steps after its launch at which each worker had it; 0: no figure, a worker that adopted
+    another's state). Later at once to the slowest's (a wait under ``WAIT_SLACK`` of a step
+    is let go); sooner only where every gather was there two steps before the landing, to one
+    step after the slowest: the figures are whole step boundaries there, and a landing set to
+    the slowest's boundary exactly would flap between it and the next. Within [1, H]."""
+    known = [a for a in arrivals if math.isfinite(a) and a > 0]  # (4 bytes from any peer)
+    if not known:
+        return landing
+    needed = max(1, math.ceil(round(min(max(known), H + 1) - WAIT_SLACK, 6)))
+    if needed > landing:
+        return min(H, needed)
+    if needed < landing - 1:
+        return needed + 1
+    return landing
 
 
 @dataclass
@@ -199,6 +231,15 @@ class SparseLoCo(PeriodicSync):
         self.decision = ""  # what auto measured, for the summary
         self.clock = time.perf_counter  # tests set their own
         self._stepped_at = [self.clock()]  # auto: when each step of the first period ended
+        # Auto's landing follows the link: the steps after its launch at which the gather in
+        # flight was seen complete (0: not yet), this worker's arrival figure for the last
+        # landing (sent after its next message), and the last few step intervals (a wait in steps)
+        self._seen = 0
+        self._arrival = 0.0
+        self._next_landing = 0  # the landing the last figures asked for, taken at the next outer step
+        self.landing_moves = 0
+        self._intervals: deque[float] = deque(maxlen=5)
+        self._last_at: float | None = None
 
     @property
     def alpha(self) -> float:
@@ -251,9 +292,10 @@ class SparseLoCo(PeriodicSync):
             payload = self.chunker.encode(spoiled)[0]
         return payload, sent, error.sub_(sent)
 
-    def _land(self, gathered: torch.Tensor) -> None:
+    def _land(self, gathered: torch.Tensor) -> list[float] | None:
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
-        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike)."""
+        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike).
+        Returns the check's weights by rank (None: unchecked)."""
         weights = None
         if self.comm.checking:
             weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n))
@@ -262,19 +304,78 @@ class SparseLoCo(PeriodicSync):
             gathered, self.n, weights, per_sender=self._per_sender(), out=self._scratch
         )
         self._anchor.sub_(mean.mul_(self.alpha)).mul_(self._real)
+        return weights
+
+    @property
+    def follows_link(self) -> bool:
+        """The landing moves with the measured arrivals: auto chose it (``--tau`` not given)."""
+        return bool(self.overlap) and self.config.overlap == "auto" and not self.config.tau
+
+    def _with_arrival(self, payload: torch.Tensor) -> torch.Tensor:
+        if not self.follows_link:
+            return payload
+        figure = torch.tensor([self._arrival], dtype=torch.float32).view(torch.uint8)
+        return torch.cat([payload, figure])
+
+    def _message_part(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """Gathered messages (or one) without the arrival figures after them, and the figures
+        (none where the messages carry none: sent without auto, or saved before it had them)."""
+        if rows.shape[-1] != self.chunker.payload_bytes(self.n) + ARRIVAL_BYTES:
+            return rows, []
+        figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
+        return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
 
     def _land_in_flight(self) -> None:
+        """The gather in flight lands in the anchor; under auto the landing for the next ones
+        follows the arrival figures it carried, and this worker's own figure for this one is
+        noted (none for a gather sent again after a regroup: its wait is the regroup's)."""
+        flying, timed = self.in_flight.flying, not self.in_flight.resending
+        started = self.clock()
         gathered = self.in_flight.land()
-        if gathered is not None:
-            self._land(gathered)
+        waited = self.clock() - started
+        if gathered is None:
+            return
+        gathered, arrivals = self._message_part(gathered)
+        weights = self._land(gathered)
+        if not (flying and self.follows_link):
+            return
+        if weights is not None:  # a message the check left out has no say in the landing either
+            arrivals = [a for a, w in zip(arrivals, weights, strict=False) if w > 0]
+        step_s = statistics.median(self._intervals) if self._intervals else 0.0
+        late = waited / step_s if step_s > 0 else 0.0
+        self._arrival = float(self._seen or self.landing + late) if timed else 0.0
+        self._seen = 0
+        # Taken at the next outer step: until then every worker must see this period's landing
+        # (``collective_period``, a landing redone after a regroup), wherever it is in the period.
+        self._next_landing = next_landing(self.landing, arrivals, self.config.H)
+
+    def _take_next_landing(self) -> None:
+        moved, self._next_landing = self._next_landing, 0
+        if not moved or moved == self.landing:
+            return
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: sparseloco: the last gathers arrived later or sooner than they landed; "
+                f"landing moved from {self.landing} to {moved} of {self.config.H} steps",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.landing = moved
+        self.landing_moves += 1
 
     def _set_params(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
             self.layout.copy_into(flat, [p.data for p in self.parameters()])
 
     def after_step(self) -> bool:
+        now = self.clock()
         if self.overlap is None:
-            self._stepped_at.append(self.clock())
+            self._stepped_at.append(now)
+        if self._last_at is not None:
+            self._intervals.append(now - self._last_at)
+        self._last_at = now
+        if self.follows_link and not self._seen and self.in_flight.arrived():
+            self._seen = (self.step_count + 1) % self.config.H or self.config.H  # this step's end
         synced = super().after_step()
         if not synced and self._lands_now():
             self._land_early()
@@ -331,8 +432,9 @@ class SparseLoCo(PeriodicSync):
         else:
             payload, sent, error = self._message(self._delta(self._start))
             self._land_in_flight()  # the last period's; if it fails, nothing here has changed
+            self._take_next_landing()  # before alpha is read: it follows the landing
             self._keep_error(error)
-            self.in_flight.launch(payload)
+            self.in_flight.launch(self._with_arrival(payload))
             # Eager: this worker's own message stands in for the mean until the mean lands.
             torch.sub(self._anchor, sent.mul_(self.alpha), out=self._start)
             self._set_params(self._start)
@@ -404,6 +506,7 @@ class SparseLoCo(PeriodicSync):
         # unsent residual and message in flight are its own, and would count twice here.
         self._error.zero_()
         self.in_flight.adopted()
+        self._arrival, self._seen = 0.0, 0  # the other worker's timing, not this one's
 
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]
@@ -432,6 +535,9 @@ class SparseLoCo(PeriodicSync):
                     f"({4 * real / payload:.0f}x less than fp32)",
                     warning,
                     self.decision,
+                    self.landing_moves
+                    and f"the landing followed the gathers' arrivals: moved {self.landing_moves} times, "
+                    f"now {self.landing} of {self.config.H} steps",
                 ],
             )
         )
@@ -447,6 +553,9 @@ class SparseLoCo(PeriodicSync):
         state["in_flight"] = self.in_flight.saved()
         state["overlap"] = self.overlap  # None: auto, not yet decided
         state["landing"] = self.landing
+        state["arrival"] = self._arrival
+        state["next_landing"] = self._next_landing
+        state["landing_moves"] = self.landing_moves
         state["overlap_decision"] = self.decision
         return state
 
@@ -464,8 +573,11 @@ class SparseLoCo(PeriodicSync):
             self._stepped_at = [self.clock()]
             # one saved before the gather could land inside a period landed a period late
             self.landing = self.config.tau or state.get("landing", self.config.H)
+        self._arrival, self._seen = state.get("arrival", 0.0), 0
+        self._next_landing = state.get("next_landing", 0)
+        self.landing_moves = state.get("landing_moves", 0)
         if self.overlap and resend is not None:
-            sent = self.chunker.decode(resend, self.n).mul_(self._real)
+            sent = self.chunker.decode(self._message_part(resend)[0], self.n).mul_(self._real)
             self._start = self._anchor - self.alpha * sent
         else:
             self._start = self._anchor.clone()
