@@ -57,9 +57,14 @@ def test_the_launcher_gives_each_host_a_gpu_and_gloo_where_they_must_share():
     assert backend_for_hosts(cfg, 4, 0) is cfg  # CPU: the trainers choose gloo themselves
     assert backend_for_hosts(cfg, 2, 2) is cfg  # a GPU each: NCCL, chosen by each trainer
     assert backend_for_hosts(cfg, 3, 2).backend == "gloo"
-    with pytest.raises(RunFailed, match="--backend nccl needs a GPU per host: 3 hosts would share 2 GPU"):
+    assert backend_for_hosts(TrainConfig(backend="gloo"), 3, 2).backend == "gloo"
+    assert backend_for_hosts(TrainConfig(backend="nccl"), 2, 2).backend == "nccl"
+    with pytest.raises(
+        RunFailed,
+        match=re.escape("--backend nccl needs a GPU per host: 3 hosts on this machine share 2 GPU(s)"),
+    ):
         backend_for_hosts(TrainConfig(backend="nccl"), 3, 2)
-    with pytest.raises(RunFailed, match="this machine shows none: use gloo"):
+    with pytest.raises(RunFailed, match="--backend nccl needs a CUDA GPU, and none is visible: use gloo"):
         backend_for_hosts(TrainConfig(backend="nccl"), 2, 0)
     # regrouping after a loss has not run on NCCL: an elastic run's auto is gloo
     assert TrainConfig(elastic=True).process_backend() == "gloo"

@@ -134,20 +134,28 @@ def test_after_a_regroup_each_heads_for_its_own_periods_next_boundary():
 
 def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
     """At H=50 the momentum that follows H is 0.74; the stages of 2 and 10 before it are
-    stepped at their own (0.5). A momentum given stays as given."""
-    from geotrain.sync.diloco import outer_momentum_for
+    stepped at their own (0.5); with the ramp (the default), each outer step's is that value
+    ramped by the outer steps taken. A momentum given stays as given."""
+    from geotrain.sync.diloco import outer_momentum_for, ramped_momentum
 
-    model = _tiny()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = build_sync("diloco", model, opt, FakeCommunicator(), {"H": 50, "H_schedule": "2x2,10x10"})
-    seen = []
-    for s in range(100):
-        if _step(sync, opt, s):
-            seen.append((s + 1, sync.outer_optimizer.param_groups[0]["momentum"]))
-    # 2 to step 10 (where 2 and 10 both sync), 10 to 50 (where 10 and 50 do), then 50
-    assert [step for step, _ in seen] == [2, 4, 6, 8, 10, 20, 30, 40, 50, 100]
-    assert seen[0][1] == outer_momentum_for(2) and seen[8][1] == outer_momentum_for(10) == 0.5
-    assert seen[-1][1] == outer_momentum_for(50) == 0.74
+    for ramp in (0, 4):
+        model = _tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        options = {"H": 50, "H_schedule": "2x2,10x10", "momentum_ramp": ramp}
+        sync = build_sync("diloco", model, opt, FakeCommunicator(), options)
+        seen = []
+        for s in range(100):
+            if _step(sync, opt, s):
+                seen.append((s + 1, sync.outer_optimizer.param_groups[0]["momentum"]))
+        # 2 to step 10 (where 2 and 10 both sync), 10 to 50 (where 10 and 50 do), then 50
+        assert [step for step, _ in seen] == [2, 4, 6, 8, 10, 20, 30, 40, 50, 100]
+        periods = [2, 2, 2, 2, 2, 10, 10, 10, 10, 50]
+        assert [m for _, m in seen] == [
+            ramped_momentum(outer_momentum_for(p), k, ramp) for k, p in enumerate(periods)
+        ]
+        if not ramp:
+            assert seen[0][1] == outer_momentum_for(2) and seen[8][1] == outer_momentum_for(10) == 0.5
+            assert seen[-1][1] == outer_momentum_for(50) == 0.74
     options = {"H": 50, "H_schedule": "2x2", "outer_momentum": 0.9}
     fixed = build_sync("diloco", _tiny(), opt, FakeCommunicator(), options)
     assert [_step(fixed, opt, s) for s in range(2)] == [False, True]

@@ -134,6 +134,50 @@ def test_diloco_outer_momentum_follows_H_unless_set():
     assert TrainConfig(algo="diloco", outer_momentum=0.0).sync_config().outer_momentum == 0.0
 
 
+def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ramp():
+    """Where the momentum follows H it starts at the H value and rises linearly to 0.9 over
+    ``momentum_ramp`` outer steps, counted after a warm start's synchronous steps and from the
+    step and sync counts a snapshot holds; a momentum given, or a ramp of 0, stays as it is."""
+    from geotrain.sync.diloco import ramped_momentum
+
+    assert [ramped_momentum(0.5, k, 4) for k in range(6)] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 0.9])
+    assert ramped_momentum(0.5, 3, 0) == 0.5 and ramped_momentum(0.95, 0, 4) == 0.95
+    assert sync_config("diloco", {}).momentum_ramp == 10
+
+    def momenta(options, steps=8):
+        model = _tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = build_sync("diloco", model, opt, FakeCommunicator(), options)
+        seen = []
+        for s in range(steps):
+            if _step(sync, opt, s) and s + 1 > options.get("warm_start", 0):
+                seen.append(sync.outer_optimizer.param_groups[0]["momentum"])
+        return sync, seen
+
+    sync, seen = momenta({"H": 1, "momentum_ramp": 4, "warm_start": 2})
+    assert seen == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 0.9])  # outer steps at 3 to 8
+    again = build_sync(
+        "diloco",
+        _tiny(),
+        torch.optim.SGD(_tiny().parameters(), lr=0.1),
+        FakeCommunicator(),
+        {"H": 1, "momentum_ramp": 4, "warm_start": 2},
+    )
+    again.load_state_dict(sync.state_dict())
+    assert again.outer_steps == sync.outer_steps == 6
+    assert momenta({"H": 1, "momentum_ramp": 0}, 3)[1] == [0.5, 0.5, 0.5]
+    assert momenta({"H": 1, "outer_momentum": 0.3}, 3)[1] == [0.3, 0.3, 0.3]
+    with pytest.raises(
+        ConfigError, match="localsgd does not take --momentum-ramp; algorithms that do: diloco"
+    ):
+        sync_config("localsgd", {"momentum_ramp": 0})
+    with pytest.raises(ConfigError, match="must be an integer >= 0"):
+        sync_config("diloco", {"momentum_ramp": -2})
+    with pytest.raises(ValueError, match="--outer-momentum 0.9 fixes it: give one of the two"):
+        TrainConfig(algo="diloco", outer_momentum=0.9, momentum_ramp=5)
+    assert TrainConfig(algo="diloco", momentum_ramp=0).sync_config().momentum_ramp == 0
+
+
 def test_diloco_outer_step_with_identical_replicas_is_nesterov_on_the_local_update():
     model = _tiny()
     start = [p.detach().clone() for p in model.parameters()]

@@ -152,6 +152,7 @@ class TrainConfig:
     H: int = 0  # 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20); AUTO_H: chosen
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
+    momentum_ramp: int = -1  # diloco: outer steps over which a momentum following H rises to 0.9; -1: 10
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
     H_schedule: str = ""  # localsgd, diloco: shorter periods first (grow, or PxN,...), then H
     pace: str = "steps"  # localsgd, diloco: "time": a period lasts the fastest worker's H steps
@@ -279,6 +280,11 @@ class TrainConfig:
         need(
             self.outer_momentum == -1 or 0 <= self.outer_momentum < 1,
             f"--outer-momentum must be in [0, 1), or -1 to follow H, got {self.outer_momentum}",
+        )
+        need(
+            not (self.outer_momentum >= 0 and self.momentum_ramp > 0),
+            f"--momentum-ramp {self.momentum_ramp} raises a momentum that follows H, and --outer-momentum "
+            f"{self.outer_momentum} fixes it: give one of the two",
         )
         need(self.eval_every >= 0, f"--eval-every must be >= 0 (0 = only at the end), got {self.eval_every}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
@@ -470,6 +476,8 @@ class TrainConfig:
             opts["eager"] = self.eager
         if self.outer_momentum >= 0:
             opts["outer_momentum"] = self.outer_momentum
+        if self.momentum_ramp >= 0:
+            opts["momentum_ramp"] = self.momentum_ramp
         unset = {"chunk": 0, "k": 0, "bits": 0, "beta": -1.0, "alpha": 0.0}  # the algorithm's default
         unset |= {"fragments": 0, "tau": -1, "mix": -1.0, "gap_penalty": 0.0, "clip": -1.0}
         opts |= {name: getattr(self, name) for name, no in unset.items() if getattr(self, name) != no}
@@ -565,6 +573,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see the README), "
         "co2's heavy-ball (-1: 0.5)",
+        "momentum_ramp": "diloco: where the outer momentum follows H, it rises linearly from that value at "
+        "the first outer step to the paper's 0.9 over this many outer steps (-1: 10; 0: the H value "
+        "throughout); see the README",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
         "H_schedule": "localsgd, diloco: shorter periods first, then H: grow (periods 2, 4, 8, ... below H, "

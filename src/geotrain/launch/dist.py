@@ -43,11 +43,12 @@ NCCL = "cpu:gloo,cuda:nccl"
 BACKENDS = ("auto", "nccl", "gloo")
 
 
-def choose_backend(requested: str, cuda_devices: int, local_workers: int) -> str:
+def choose_backend(requested: str, cuda_devices: int, local_workers: int, who: str = "workers") -> str:
     """The process-group backend for ``requested`` (auto, nccl or gloo) on a machine with
     ``cuda_devices`` GPUs running ``local_workers`` workers. auto: NCCL (with gloo for CPU
     tensors) where every worker has a GPU of its own; gloo, which moves CUDA tensors too, where
-    several share one, since NCCL refuses two ranks on one GPU; gloo without a GPU."""
+    several share one, since NCCL refuses two ranks on one GPU; gloo without a GPU. ``who``
+    names the workers in the refusals ("hosts": the local launcher's emulated machines)."""
     if requested not in BACKENDS:
         raise ValueError(f"backend takes {', '.join(BACKENDS)}; got {requested!r}")
     if requested == "gloo" or cuda_devices == 0:
@@ -56,8 +57,8 @@ def choose_backend(requested: str, cuda_devices: int, local_workers: int) -> str
         return "gloo"
     if requested == "nccl" and local_workers > cuda_devices:
         raise ValueError(
-            f"backend nccl needs a GPU per worker: {local_workers} workers on this machine share "
-            f"{cuda_devices} GPU(s) (NCCL refuses two ranks on one GPU); use gloo or fewer workers"
+            f"backend nccl needs a GPU per {who[:-1]}: {local_workers} {who} on this machine share "
+            f"{cuda_devices} GPU(s) (NCCL refuses two ranks on one GPU); use gloo or fewer {who}"
         )
     return NCCL if local_workers <= cuda_devices else "gloo"
 

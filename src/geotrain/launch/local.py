@@ -42,6 +42,7 @@ from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
 from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
 from geotrain.launch.agent import TRAINER_LOG_ONLY
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
+from geotrain.launch.dist import choose_backend
 from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
 from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import (
@@ -718,19 +719,14 @@ def visible_gpus() -> tuple[str, ...]:
 
 
 def backend_for_hosts(cfg: TrainConfig, machines: int, gpus: int) -> TrainConfig:
-    """``cfg`` with the backend for ``machines`` emulated hosts (spares included) on ``gpus`` GPUs:
-    each host gets a GPU of its own where there are enough (NCCL); where they must share, gloo,
-    which moves CUDA tensors too, since NCCL refuses two ranks on one GPU."""
-    if cfg.backend == "nccl" and not gpus:
-        raise RunFailed("--backend nccl needs a CUDA GPU per host, and this machine shows none: use gloo")
-    if not gpus or machines <= gpus or cfg.backend == "gloo":
-        return cfg
-    if cfg.backend == "nccl":
-        raise RunFailed(
-            f"--backend nccl needs a GPU per host: {machines} hosts would share {gpus} GPU(s) "
-            "(NCCL refuses two ranks on one GPU); use --backend gloo or auto, or fewer --workers"
-        )
-    return replace(cfg, backend="gloo")
+    """``cfg`` with the backend for ``machines`` emulated hosts (spares included) on ``gpus`` GPUs
+    (``choose_backend``'s rule, for the hosts of this machine): auto is left to each trainer where
+    every host has a GPU of its own or there is none, and made gloo where hosts must share."""
+    try:
+        chosen = choose_backend(cfg.backend, gpus, machines, who="hosts")
+    except ValueError as e:
+        raise RunFailed(f"--{e}") from None
+    return replace(cfg, backend="gloo") if gpus and chosen == "gloo" and cfg.backend != "gloo" else cfg
 
 
 def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:

@@ -43,11 +43,12 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     why_not = {"compress": "", "warm_start": " (it synchronises every step, or plans its own schedule)"}
     # Options of one algorithm, given only when set (0 is a value for some of them).
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip", "pace", "site_H"), "")
-    why_not |= dict.fromkeys(("fill_in", "lag", "mean_over"), "")
+    why_not |= dict.fromkeys(("fill_in", "lag", "mean_over", "momentum_ramp"), "")
     why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
+    zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp")  # 0 is a value of these
     for option, why in why_not.items():
         value = options.get(option)
-        given = value is not None if option in ("tau", "clip", "mix", "fill_in", "lag") else bool(value)
+        given = value is not None if option in zero_given else bool(value)
         given = value not in (None, "steps") if option == "pace" else given
         if given and option not in config_cls.__dataclass_fields__:
             takers = [a for a, (_, c) in ALGORITHMS.items() if option in c.__dataclass_fields__]
