@@ -93,6 +93,26 @@ def test_the_fragments_land_in_turn_each_launched_tau_steps_before():
     assert sync.sync_period() == 2  # launches and landings are all at multiples of 2
 
 
+def test_each_streaming_fragments_momentum_ramps_over_its_own_outer_steps():
+    """Where the momentum follows H (0.5 at H=4), each fragment's rises to 0.9 over its own first
+    ``momentum_ramp`` landings (2 here), as DiLoCo's does; the fragments land in turn, so after 2k
+    landings each has taken k. A momentum given stays as given."""
+    _, opt, sync = _tiny("streaming", {"H": 4, "fragments": 2, "tau": 0, "momentum_ramp": 2})
+    seen = []
+    for step in range(1, 13):
+        if _train_step(sync, opt, 0, step):
+            f = _landing(step)
+            seen.append((f, sync.outer_optimizers[f].param_groups[0]["momentum"]))
+    assert [f for f, _ in seen] == [0, 1] * 3
+    assert [m for _, m in seen] == pytest.approx([0.5, 0.5, 0.7, 0.7, 0.9, 0.9])
+    _, opt, fixed = _tiny("streaming", {"H": 4, "fragments": 2, "tau": 0, "outer_momentum": 0.3})
+    for step in range(1, 7):
+        _train_step(fixed, opt, 0, step)
+    assert [o.param_groups[0]["momentum"] for o in fixed.outer_optimizers] == [0.3, 0.3]
+    for s in (sync, fixed):
+        s.close()
+
+
 def test_co2_clips_the_outer_momentum_in_place():
     """The public CO2 code calls torch.clamp without keeping its result: it never clips. Here a
     pseudo-gradient of 0.5 per entry under a threshold of 0.01 leaves a momentum of exactly 0.01."""

@@ -152,7 +152,7 @@ class TrainConfig:
     H: int = 0  # 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20); AUTO_H: chosen
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
-    momentum_ramp: int = -1  # diloco: outer steps over which a momentum following H rises to 0.9; -1: 10
+    momentum_ramp: int = -1  # diloco, streaming: outer steps for a momentum following H to reach 0.9
     warm_start: int = 0  # localsgd, diloco: synchronous steps before the periodic ones
     H_schedule: str = ""  # localsgd, diloco: shorter periods first (grow, or PxN,...), then H
     pace: str = "steps"  # localsgd, diloco: "time": a period lasts the fastest worker's H steps
@@ -573,9 +573,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see the README), "
         "co2's heavy-ball (-1: 0.5)",
-        "momentum_ramp": "diloco: where the outer momentum follows H, it rises linearly from that value at "
-        "the first outer step to the paper's 0.9 over this many outer steps (-1: 10; 0: the H value "
-        "throughout); see the README",
+        "momentum_ramp": "diloco, streaming (each fragment): where the outer momentum follows H, it rises "
+        "linearly from that value at the first outer step to the paper's 0.9 over this many outer "
+        "steps (-1: 10; 0: the H value throughout); see the README",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
         "H_schedule": "localsgd, diloco: shorter periods first, then H: grow (periods 2, 4, 8, ... below H, "

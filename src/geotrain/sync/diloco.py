@@ -71,6 +71,14 @@ def ramped_momentum(start: float, outer_steps: int, ramp: int) -> float:
     return start + (RAMP_TO - start) * min(1.0, outer_steps / ramp)
 
 
+def require_momentum_ramp(ramp: int) -> None:
+    require(
+        isinstance(ramp, int) and ramp >= 0,
+        f"--momentum-ramp (outer steps over which the outer momentum rises to {RAMP_TO}) must be an "
+        f"integer >= 0 (0: no ramp), got {ramp}",
+    )
+
+
 def outer_momentum_for(H: int, outer_lr: float = 0.7) -> float:
     """The outer momentum that gives the multiple ``MULTIPLE_AT`` names for ``H`` (log-linear in
     H between its points, held beyond them), in [0, 0.9], to two decimals."""
@@ -104,11 +112,7 @@ class DiLoCoConfig(SyncConfig):
             self.momentum_follows_H = True
             self.outer_momentum = outer_momentum_for(self.H, self.outer_lr)
         require(0 <= self.outer_momentum < 1, f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        require(
-            isinstance(self.momentum_ramp, int) and self.momentum_ramp >= 0,
-            f"--momentum-ramp (outer steps over which the outer momentum rises to {RAMP_TO}) must be an "
-            f"integer >= 0 (0: no ramp), got {self.momentum_ramp}",
-        )
+        require_momentum_ramp(self.momentum_ramp)
         require(self.bucket_mb > 0, f"bucket_mb must be > 0 (a size in MB), got {self.bucket_mb}")
         require_warm_start(self.warm_start)
         require_pace(self.pace)

@@ -24,7 +24,10 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
 
 Defaults: H = 20 and P = 4 (a fragment every 5 steps), tau = 1, alpha (``mix``) = 0.5 as in the
 paper and torchft's ``fragment_update_alpha`` convention (alpha weighs the local parameters), the
-outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_for``); 0 <= tau
+outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_for``), each
+fragment's ramped to 0.9 over its first ``momentum_ramp`` (10) outer steps as DiLoCo's is (GPT
+``tiny``, 4 workers, 2,000 steps, final validation loss at seeds 0 / 1: 1.5604 / 1.8036 without
+the ramp, 1.5119 / 1.7368 with it); 0 <= tau
 < H / P, as torchft requires, so one fragment at most is in flight. The schedule is torchft's
 (``torchft.local_sgd.DiLoCo``), whose ``fragment_sync_delay`` is tau.
 
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,7 +55,7 @@ from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.guard import message_norm
 from geotrain.compress.quantize import Int4, Int8
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
-from geotrain.sync.diloco import outer_momentum_for
+from geotrain.sync.diloco import MOMENTUM_RAMP, outer_momentum_for, ramped_momentum, require_momentum_ramp
 
 BITS = (4, 8, 32)
 
@@ -65,6 +68,9 @@ class StreamingConfig(SyncConfig):
     mix: float = 0.5
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (diloco.outer_momentum_for)
+    # where the momentum follows H: each fragment's rises to 0.9 over its first outer steps (diloco's)
+    momentum_ramp: int = MOMENTUM_RAMP
+    momentum_follows_H: bool = field(default=False, init=False, repr=False)
     bits: int = 4
 
     def __post_init__(self) -> None:
@@ -88,10 +94,12 @@ class StreamingConfig(SyncConfig):
         )
         require(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         if self.outer_momentum is None:
+            self.momentum_follows_H = True
             self.outer_momentum = outer_momentum_for(self.H, self.outer_lr)
         require(
             0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}"
         )
+        require_momentum_ramp(self.momentum_ramp)
         require(self.bits in BITS, f"--bits for streaming must be one of {BITS}, got {self.bits}")
 
     @property
@@ -223,6 +231,11 @@ class StreamingDiLoCo(SyncAlgorithm):
         theta = self._global[f]
         # The mean in theta's device and dtype (a grad must match its tensor's: bf16 parameters)
         theta.grad = self._mean(gathered, theta.numel()).to(theta)
+        if self.config.momentum_follows_H:  # landings come in turn: this is fragment f's k-th
+            k, cfg = self.syncs // self.config.fragments, self.config
+            self.outer_optimizers[f].param_groups[0]["momentum"] = ramped_momentum(
+                cfg.outer_momentum, k, cfg.momentum_ramp
+            )
         self.outer_optimizers[f].step()
         theta.grad = None
         merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
