@@ -505,8 +505,9 @@ def test_the_mean_over_senders_divides_each_entry_by_the_workers_that_sent_it():
     assert sync_config("sparseloco", {"alpha": 1.5}).outer_lr(True) == 1.5
 
 
-class _TimedGather(Communicator):
-    """A world of one whose clock moves 1 s per step (the test's) and ``gather_s`` per gather."""
+class _ClockedGather(Communicator):
+    """A world of one on a clock of the test's, whose gathers complete ``gather_s`` after their
+    launch on that clock: polled before, they have not; waited for, the clock moves to then."""
 
     def __init__(self, gather_s: float) -> None:
         super().__init__()
@@ -516,8 +517,16 @@ class _TimedGather(Communicator):
         return self.now
 
     def all_gather(self, tensor, async_op=False):
-        self.now += self.gather_s
-        return super().all_gather(tensor, async_op)
+        handle = super().all_gather(tensor, async_op=True)
+        due, landed = self.now + self.gather_s, handle.wait
+
+        def wait():
+            self.now = max(self.now, due)
+            return landed()
+
+        handle.is_completed = lambda: self.now >= due
+        handle.wait = wait
+        return handle if async_op else handle.wait()
 
 
 @pytest.mark.parametrize(
@@ -532,7 +541,7 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     with the step its gathers land at (1.5 times the gather's steps: 0.9 -> 1, 6 -> 6, 45 -> H)
     and the mean and alpha that go with it (over senders, alpha 1, landing in the period's first
     half; over workers, alpha 2, after it)."""
-    comm = _TimedGather(gather_s)
+    comm = _ClockedGather(gather_s)
     model, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     assert sync.overlap is None and sync.alpha == 1.0 and not sync.measures_noise
@@ -602,30 +611,6 @@ def test_the_landing_follows_the_slowest_arrival_later_at_once_sooner_with_a_ste
     landing, arrivals, moved
 ):
     assert next_landing(landing, arrivals, 10) == moved
-
-
-class _ClockedGather(Communicator):
-    """A world of one on a clock of the test's, whose gathers complete ``gather_s`` after their
-    launch on that clock: polled before, they have not; waited for, the clock moves to then."""
-
-    def __init__(self, gather_s: float) -> None:
-        super().__init__()
-        self.now, self.gather_s = 0.0, gather_s
-
-    def clock(self) -> float:
-        return self.now
-
-    def all_gather(self, tensor, async_op=False):
-        handle = super().all_gather(tensor, async_op=True)
-        due, landed = self.now + self.gather_s, handle.wait
-
-        def wait():
-            self.now = max(self.now, due)
-            return landed()
-
-        handle.is_completed = lambda: self.now >= due
-        handle.wait = wait
-        return handle if async_op else handle.wait()
 
 
 def test_under_auto_the_landing_follows_when_the_gathers_arrive():
