@@ -575,7 +575,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "co2's heavy-ball (-1: 0.5)",
         "momentum_ramp": "diloco, streaming (each fragment): where the outer momentum follows H, it rises "
         "linearly from that value at the first outer step to the paper's 0.9 over this many outer "
-        "steps (-1: 10; 0: the H value throughout); see the README",
+        "steps (-1 or 0: off, the H value throughout; 10 measured best on tiny); see the README",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
         "H_schedule": "localsgd, diloco: shorter periods first, then H: grow (periods 2, 4, 8, ... below H, "

@@ -24,10 +24,10 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
 
 Defaults: H = 20 and P = 4 (a fragment every 5 steps), tau = 1, alpha (``mix``) = 0.5 as in the
 paper and torchft's ``fragment_update_alpha`` convention (alpha weighs the local parameters), the
-outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_for``), each
-fragment's ramped to 0.9 over its first ``momentum_ramp`` (10) outer steps as DiLoCo's is (GPT
-``tiny``, 4 workers, 2,000 steps, final validation loss at seeds 0 / 1: 1.5604 / 1.8036 without
-the ramp, 1.5119 / 1.7368 with it); 0 <= tau
+outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_for``), with
+``momentum_ramp`` N (off by default, as DiLoCo's) each fragment's ramped to 0.9 over its own first
+N outer steps (GPT ``tiny``, 4 workers, 2,000 steps, final validation loss at seeds 0 / 1: 1.5604
+/ 1.8036 without, 1.5119 / 1.7368 with N=10); 0 <= tau
 < H / P, as torchft requires, so one fragment at most is in flight. The schedule is torchft's
 (``torchft.local_sgd.DiLoCo``), whose ``fragment_sync_delay`` is tau.
 
@@ -55,7 +55,7 @@ from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.comm.guard import message_norm
 from geotrain.compress.quantize import Int4, Int8
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
-from geotrain.sync.diloco import MOMENTUM_RAMP, outer_momentum_for, ramped_momentum, require_momentum_ramp
+from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
 
 BITS = (4, 8, 32)
 
@@ -69,7 +69,7 @@ class StreamingConfig(SyncConfig):
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (diloco.outer_momentum_for)
     # where the momentum follows H: each fragment's rises to 0.9 over its first outer steps (diloco's)
-    momentum_ramp: int = MOMENTUM_RAMP
+    momentum_ramp: int = 0
     momentum_follows_H: bool = field(default=False, init=False, repr=False)
     bits: int = 4
 
