@@ -553,7 +553,7 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     assert verdict[2] == -1.0
     sync._decide(*verdict)
     assert sync.overlap is None and sync.decision == ""
-    sync._stepped_at = [comm.now]
+    sync._restart_timing()  # on the test's clock
     for step in range(1, 21):
         comm.now += 20.0 if step == 4 else 1.0
         x, y = _batch(0, step)
@@ -625,7 +625,7 @@ def test_under_auto_the_landing_follows_when_the_gathers_arrive():
     comm = _ClockedGather(2.5)
     _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
-    sync._stepped_at = [comm.now]
+    sync._restart_timing()  # on the test's clock
     payload = sync.chunker.payload_bytes(sync.n)
     landings, arrivals = {}, {}
     for step in range(1, 81):

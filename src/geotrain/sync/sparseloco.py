@@ -90,6 +90,7 @@ in flight).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -230,16 +231,16 @@ class SparseLoCo(PeriodicSync):
         self.landing = self.config.tau or self.config.H
         self.decision = ""  # what auto measured, for the summary
         self.clock = time.perf_counter  # tests set their own
-        self._stepped_at = [self.clock()]  # auto: when each step of the first period ended
+        # When the last H steps ended (and when the first began): auto's verdict times the first
+        # period with them, and a landing's wait is counted in their steps.
+        self._stepped_at: deque[float] = deque([self.clock()], maxlen=self.config.H + 1)
         # Auto's landing follows the link: the steps after its launch at which the gather in
-        # flight was seen complete (0: not yet), this worker's arrival figure for the last
-        # landing (sent after its next message), and the last few step intervals (a wait in steps)
+        # flight was seen complete (0: not yet), and this worker's arrival figure for the last
+        # landing (sent after its next message)
         self._seen = 0
         self._arrival = 0.0
         self._next_landing = 0  # the landing the last figures asked for, taken at the next outer step
         self.landing_moves = 0
-        self._intervals: deque[float] = deque(maxlen=5)
-        self._last_at: float | None = None
 
     @property
     def alpha(self) -> float:
@@ -329,7 +330,7 @@ class SparseLoCo(PeriodicSync):
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
         noted (none for a gather sent again after a regroup: its wait is the regroup's)."""
-        flying, timed = self.in_flight.flying, not self.in_flight.resending
+        timed = not self.in_flight.resending
         started = self.clock()
         gathered = self.in_flight.land()
         waited = self.clock() - started
@@ -337,11 +338,11 @@ class SparseLoCo(PeriodicSync):
             return
         gathered, arrivals = self._message_part(gathered)
         weights = self._land(gathered)
-        if not (flying and self.follows_link):
+        if not self.follows_link:
             return
         if weights is not None:  # a message the check left out has no say in the landing either
             arrivals = [a for a, w in zip(arrivals, weights, strict=False) if w > 0]
-        step_s = statistics.median(self._intervals) if self._intervals else 0.0
+        step_s = self._step_s()
         late = waited / step_s if step_s > 0 else 0.0
         self._arrival = float(self._seen or self.landing + late) if timed else 0.0
         self._seen = 0
@@ -368,12 +369,7 @@ class SparseLoCo(PeriodicSync):
             self.layout.copy_into(flat, [p.data for p in self.parameters()])
 
     def after_step(self) -> bool:
-        now = self.clock()
-        if self.overlap is None:
-            self._stepped_at.append(now)
-        if self._last_at is not None:
-            self._intervals.append(now - self._last_at)
-        self._last_at = now
+        self._stepped_at.append(self.clock())
         if self.follows_link and not self._seen and self.in_flight.arrived():
             self._seen = (self.step_count + 1) % self.config.H or self.config.H  # this step's end
         synced = super().after_step()
@@ -440,17 +436,20 @@ class SparseLoCo(PeriodicSync):
             self._set_params(self._start)
         self.syncs += 1
 
+    def _step_s(self) -> float:
+        """The median interval between the last H steps' ends (0 before one has ended)."""
+        times = self._stepped_at
+        return statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
+
+    def _restart_timing(self) -> None:
+        self._stepped_at.clear()
+        self._stepped_at.append(self.clock())
+
     def _verdict(self, gather_s: float) -> tuple[float, float, float]:
         """--overlap auto: this worker's gather time and the period's compute (H times the median
         interval between the steps before it, so a validation or the first step's start-up
         does not count), and the largest ratio of the two over the workers."""
-        times = self._stepped_at
-        step_s = (
-            statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
-            if len(times) > 1
-            else 0.0
-        )
-        period_s = step_s * self.config.H
+        period_s = self._step_s() * self.config.H
         # A worker that timed no step here (it adopted another's state for this sync) has no
         # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
         ratio = gather_s / period_s if period_s > 0 else -1.0
@@ -460,13 +459,12 @@ class SparseLoCo(PeriodicSync):
     def _decide(self, gather_s: float, period_s: float, ratio: float) -> None:
         self._start = self._anchor.clone()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
-            self._stepped_at = [self.clock()]
+            self._restart_timing()
             return
         self.overlap = ratio > OVERLAP_ABOVE
         H = self.config.H
         if self.overlap and not self.config.tau:  # lands once it has arrived, with a margin
             self.landing = min(H, max(1, math.ceil(round(LAND_MARGIN * ratio * H, 6))))
-        self._stepped_at = []
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
         self.decision = (
             f"--overlap auto: {'on' if self.overlap else 'off'} (the first outer step's gather took "
@@ -570,7 +568,7 @@ class SparseLoCo(PeriodicSync):
             # A state saved before --overlap auto ran with overlap on, the default then.
             self.overlap = state.get("overlap", True)
             self.decision = state.get("overlap_decision", "")
-            self._stepped_at = [self.clock()]
+            self._restart_timing()
             # one saved before the gather could land inside a period landed a period late
             self.landing = self.config.tau or state.get("landing", self.config.H)
         self._arrival, self._seen = state.get("arrival", 0.0), 0

@@ -231,11 +231,10 @@ class StreamingDiLoCo(SyncAlgorithm):
         theta = self._global[f]
         # The mean in theta's device and dtype (a grad must match its tensor's: bf16 parameters)
         theta.grad = self._mean(gathered, theta.numel()).to(theta)
-        if self.config.momentum_follows_H:  # landings come in turn: this is fragment f's k-th
-            k, cfg = self.syncs // self.config.fragments, self.config
-            self.outer_optimizers[f].param_groups[0]["momentum"] = ramped_momentum(
-                cfg.outer_momentum, k, cfg.momentum_ramp
-            )
+        cfg = self.config
+        if cfg.momentum_follows_H:  # landings come in turn: fragment f has taken syncs // P before
+            momentum = ramped_momentum(cfg.outer_momentum, self.syncs // cfg.fragments, cfg.momentum_ramp)
+            self.outer_optimizers[f].param_groups[0]["momentum"] = momentum
         self.outer_optimizers[f].step()
         theta.grad = None
         merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
