@@ -493,6 +493,34 @@ def test_the_launcher_echoes_a_hosts_output_without_its_quiet_lines_even_split(m
     assert log.getvalue() == b"".join(chunks)  # the host's log keeps everything
 
 
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_host_agent_stopped_while_it_exits_ends_without_a_traceback(quiet):
+    """torchrun's SIGTERM handler stays installed after its ``main()``: a host agent the launcher
+    stopped while it was exiting printed a SignalException traceback from a weakref finaliser
+    (CI, stop 51). ``quiet=False`` reproduces that; the agent's own exit then ends with 143."""
+    import subprocess
+    import sys
+
+    child = f"""
+import atexit, os, signal, sys, time
+from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+signal.signal(signal.SIGTERM, _terminate_process_handler)  # as torchrun's PContext.start does
+from geotrain.launch.agent import exit_quietly_on_signals
+if {quiet}:
+    exit_quietly_on_signals()
+def stopped_while_exiting():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2)
+atexit.register(stopped_while_exiting)
+sys.exit(1)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    if quiet:
+        assert proc.returncode == 128 + 15 and "Traceback" not in proc.stderr, proc.stderr
+    else:
+        assert "SignalException" in proc.stderr  # what the fix removes is real
+
+
 def test_the_keepers_disk_writer_outlives_a_full_disk_and_a_log_it_cannot_write(tmp_path, monkeypatch):
     """A disk that fills fails the write and then the line saying so (the keeper's log is on
     it too): the writer goes on, so ``flush`` (and a stopped run's ``persist``) returns."""

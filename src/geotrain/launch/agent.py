@@ -6,15 +6,33 @@ its 25-line traceback and report; the launcher echoes every host's output, so ea
 that block between the progress lines, under the launcher's own one-line account of the same
 failure ("host 2 failed after step 7 (kill); ..."). Here the report becomes one line marked for
 the host's log only (``launch/local.py`` does not echo it); the exit code is torchrun's own.
-So does torchrun's traceback when the launcher stops a host with SIGTERM because another failed.
+So does torchrun's traceback when the launcher stops a host with SIGTERM because another failed,
+also when that signal comes after torchrun's ``main()`` is over: its handler stays installed and
+raised ``SignalException`` inside the interpreter's exit (a weakref finaliser), a traceback CI saw.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 LOG_ONLY = "geotrain agent:"  # lines the launcher writes to the host's log and does not echo
 TRAINER_LOG_ONLY = "geotrain log:"  # a trainer's lines kept to the host's log the same way
+
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torchrun's agent takes over
+
+
+def exit_quietly_on_signals() -> None:
+    """From here on a stop signal ends the process at once with 128 + its number (what the shell
+    reports), instead of torchrun's handler raising an exception wherever the interpreter is."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        os._exit(128 + signum)
+
+    for name in _STOP_SIGNALS:
+        signal.signal(getattr(signal, name), _exit)
+
 
 if __name__ == "__main__":  # torch only here: the launcher imports LOG_ONLY
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -24,9 +42,11 @@ if __name__ == "__main__":  # torch only here: the launcher imports LOG_ONLY
     try:
         main()
     except SignalException as e:  # the launcher stops this host (another failed): no traceback
+        exit_quietly_on_signals()
         print(f"{LOG_ONLY} stopped by signal {e.sigval.name}", file=sys.stderr, flush=True)
         sys.exit(128 + int(e.sigval))
     except ChildFailedError as e:
+        exit_quietly_on_signals()
         rank, failure = e.get_first_failure()
         print(
             f"{LOG_ONLY} the trainer (rank {rank}, pid {failure.pid}) exited with code "
@@ -35,3 +55,5 @@ if __name__ == "__main__":  # torch only here: the launcher imports LOG_ONLY
             flush=True,
         )
         sys.exit(1)
+    finally:  # the launcher may stop this host while it exits
+        exit_quietly_on_signals()
