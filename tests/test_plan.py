@@ -25,7 +25,14 @@ from geotrain.plan.cost import (
     simulate_backward,
     whole_model_allreduce_s,
 )
-from geotrain.plan.planner import ChooseConfig, format_plan, make_plan, retarget
+from geotrain.plan.planner import (
+    LOCKSTEP_SLOWDOWN,
+    ChooseConfig,
+    format_plan,
+    make_plan,
+    retarget,
+    shared_cores,
+)
 from geotrain.plan.profile import fit_link
 from geotrain.plan.schedule import Schedule, schedule_from_json, schedule_to_json, search_schedule
 
@@ -1142,3 +1149,25 @@ def test_ddp_buckets_are_priced_as_pytorch_ddp_cuts_them():
     # DDP's last bucket is the larger (35 bytes against 5): more is left after backward
     link = LinkModel(0.0, 0.002)  # 0.2 s per 100 bytes: each bucket done before the next is ready
     assert predict_ssgd(compute, link, 20 / 2**20, ddp=True) > predict_ssgd(compute, link, 20 / 2**20)
+
+
+def test_shared_cores_moves_compute_by_the_share_and_lockstep_and_latency_by_the_share():
+    """A 2-worker profile (1 process per core on 2 cores) moved to 8 workers (4 per core): compute
+    4x the share times the lockstep term for a synchronising algorithm, 4x alone for nosync; the
+    link's latency 4x, its per-byte cost unchanged; one process per core each way: unchanged."""
+    compute, link = _compute([0.2, 0.3], [100, 200]), LinkModel(0.01, 1e-8)
+    same = shared_cores(compute, link, 1.0, 1.0)
+    assert same == (compute, link)
+    lock, moved = shared_cores(compute, link, 4.0, 1.0)
+    factor = 4 * (1 + 3 * LOCKSTEP_SLOWDOWN)
+    assert lock.backward_s == pytest.approx((0.2 * factor, 0.3 * factor))
+    assert lock.forward_s == pytest.approx(0.1 * factor) and lock.optimizer_s == pytest.approx(0.01 * factor)
+    assert moved.alpha_s == pytest.approx(0.04) and moved.beta_s_per_byte == 1e-8
+    free, _ = shared_cores(compute, link, 4.0, 1.0, lockstep=False)
+    assert free.compute_s == pytest.approx(4 * compute.compute_s)
+    # from a profile at 2 per core to 4 per core: the ratio of both terms
+    back, _ = shared_cores(compute, link, 4.0, 2.0)
+    expected = compute.compute_s * 2 * (1 + 3 * LOCKSTEP_SLOWDOWN) / (1 + LOCKSTEP_SLOWDOWN)
+    assert back.compute_s == pytest.approx(expected)
+    with pytest.raises(ValueError, match="processes per core"):
+        shared_cores(compute, link, 0.5)

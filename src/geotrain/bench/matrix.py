@@ -49,6 +49,7 @@ from geotrain.plan.planner import (
     make_plan,
     predict_algo,
     retarget,
+    shared_cores,
 )
 from geotrain.plan.schedule import schedule_from_json
 from geotrain.sync import ALGORITHMS, ConfigError, sync_config
@@ -269,7 +270,7 @@ class Bench:
 
     def predict_step(self, w: int, bw: str, entry: str, profiled_at: int | None = None) -> float | None:
         """The planner's step time for a cell, from the profile taken on its link at ``profiled_at``
-        workers (default: the cell's own), compute scaled by the workers' share of the cores; None
+        workers (default: the cell's own), moved to the cell's processes per core (``shared_cores``); None
         for an algorithm the planner does not price (a codec, ddp_powersgd) or a dreamddp cell
         whose plan is not made yet. A codec is priced where the algorithm takes one (``codec_priced``:
         its wire bytes and phases; its encoding time is not in the profile)."""
@@ -278,12 +279,8 @@ class Bench:
             return None  # (auto: what the run will choose is its own start-up profile's to say)
         base = profiled_at or w
         profile = self.profile(base, bw)
-        compute, link = retarget(
-            profile,
-            w,
-            parse_bandwidths(bw, w),
-            compute_scale=compute_share(w) / compute_share(base),
-        )
+        compute, link = retarget(profile, w, parse_bandwidths(bw, w))
+        compute, link = shared_cores(compute, link, compute_share(w), compute_share(base), algo != "nosync")
         if codec:
             try:
                 compute = codec_priced(profile, compute, codec, w)[0]

@@ -237,6 +237,33 @@ def retarget(
     return compute, guarded_link(moved, workers, *wanted, round_trip)
 
 
+# Where processes outnumber cores, the linear share (N/C processes per core) is optimistic in two
+# ways, each measured in one scale check on this 2-core machine (`geotrain bench --workers 2,4,8`,
+# `tiny`, a profile at 2 workers): local SGD's steps between syncs took 10% (4 workers) and 28%
+# (8 workers) longer than nosync's free-running ones, about 0.095 per extra process per core: workers
+# that step in lockstep reach the same phase at once and contend for the caches and memory together.
+# And a collective's every hop waits for its peer to be given a core: per-hop latency grows with
+# the processes per core (DreamDDP's per-layer all-reduces: 0.03 s blocked a step at 4 workers,
+# 0.09 s at 8, against about 0.005 s predicted from the 2-worker profile).
+LOCKSTEP_SLOWDOWN = 0.095
+
+
+def shared_cores(
+    compute: ComputeModel, link: LinkModel, share: float, profiled_share: float = 1.0, lockstep: bool = True
+) -> tuple[ComputeModel, LinkModel]:
+    """The models of a profile taken with ``profiled_share`` processes per core, moved to
+    ``share`` (both ``max(1, N / cores)``): compute by the share's ratio, and by the lockstep
+    term (``LOCKSTEP_SLOWDOWN``) for every algorithm that synchronises (``lockstep``; not nosync);
+    the link's latency by the share's ratio. 1 and 1 (each worker with its own hardware): the
+    models unchanged."""
+    if share < 1 or profiled_share < 1:
+        raise ValueError(f"processes per core must be >= 1, got {share} and {profiled_share}")
+    ratio = share / profiled_share
+    if lockstep:
+        ratio *= (1 + LOCKSTEP_SLOWDOWN * (share - 1)) / (1 + LOCKSTEP_SLOWDOWN * (profiled_share - 1))
+    return scaled(compute, ratio), replace(link, alpha_s=link.alpha_s * share / profiled_share)
+
+
 def scaled(compute: ComputeModel, compute_scale: float) -> ComputeModel:
     """The compute times multiplied by ``compute_scale`` (> 0)."""
     if compute_scale <= 0:
