@@ -1169,5 +1169,7 @@ def test_shared_cores_moves_compute_by_the_share_and_lockstep_and_latency_by_the
     back, _ = shared_cores(compute, link, 4.0, 2.0)
     expected = compute.compute_s * 2 * (1 + 3 * LOCKSTEP_SLOWDOWN) / (1 + LOCKSTEP_SLOWDOWN)
     assert back.compute_s == pytest.approx(expected)
+    free_back, _ = shared_cores(compute, link, 4.0, 2.0, lockstep=False)  # the profile's term divided out
+    assert free_back.compute_s == pytest.approx(compute.compute_s * 2 / (1 + LOCKSTEP_SLOWDOWN))
     with pytest.raises(ValueError, match="processes per core"):
         shared_cores(compute, link, 0.5)

@@ -214,7 +214,8 @@ def retarget(
     """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
 
     ``compute_scale`` multiplies compute times: 1 on real machines, where each worker has its own
-    hardware; on an emulated cluster sharing C cores, max(1, N/C) / max(1, N_profile/C).
+    hardware, or the target machines' speed against the profiled ones'. Moving a profile across
+    processes per core on one emulating machine is ``shared_cores``'s.
     ``aggregate`` and ``checked`` (``--aggregate``, ``--max-norm-ratio``; None: as profiled) price
     the trust options (``cost.guarded_link``): the options the profile was measured with are taken
     out of its line first, so any profile prices any options, at any worker count.
@@ -254,13 +255,16 @@ def shared_cores(
     """The models of a profile taken with ``profiled_share`` processes per core, moved to
     ``share`` (both ``max(1, N / cores)``): compute by the share's ratio, and by the lockstep
     term (``LOCKSTEP_SLOWDOWN``) for every algorithm that synchronises (``lockstep``; not nosync);
-    the link's latency by the share's ratio. 1 and 1 (each worker with its own hardware): the
+    the link's latency by the share's ratio. A profile's compute was timed in lockstep, so its
+    own term is divided out for nosync too. 1 and 1 (each worker with its own hardware): the
     models unchanged."""
     if share < 1 or profiled_share < 1:
         raise ValueError(f"processes per core must be >= 1, got {share} and {profiled_share}")
-    ratio = share / profiled_share
+    # A profile times its passes in lockstep (after a barrier): its own term is divided out
+    # for every algorithm, and the target's put back for those that step in lockstep.
+    ratio = share / profiled_share / (1 + LOCKSTEP_SLOWDOWN * (profiled_share - 1))
     if lockstep:
-        ratio *= (1 + LOCKSTEP_SLOWDOWN * (share - 1)) / (1 + LOCKSTEP_SLOWDOWN * (profiled_share - 1))
+        ratio *= 1 + LOCKSTEP_SLOWDOWN * (share - 1)
     return scaled(compute, ratio), replace(link, alpha_s=link.alpha_s * share / profiled_share)
 
 
