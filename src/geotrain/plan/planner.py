@@ -255,13 +255,11 @@ def shared_cores(
     """The models of a profile taken with ``profiled_share`` processes per core, moved to
     ``share`` (both ``max(1, N / cores)``): compute by the share's ratio, and by the lockstep
     term (``LOCKSTEP_SLOWDOWN``) for every algorithm that synchronises (``lockstep``; not nosync);
-    the link's latency by the share's ratio. A profile's compute was timed in lockstep, so its
-    own term is divided out for nosync too. 1 and 1 (each worker with its own hardware): the
-    models unchanged."""
+    the link's latency by the share's ratio. A profile's compute was timed in lockstep (after a
+    barrier), so its own term is divided out for every algorithm, nosync too. 1 and 1 (each
+    worker with its own hardware): the models unchanged."""
     if share < 1 or profiled_share < 1:
         raise ValueError(f"processes per core must be >= 1, got {share} and {profiled_share}")
-    # A profile times its passes in lockstep (after a barrier): its own term is divided out
-    # for every algorithm, and the target's put back for those that step in lockstep.
     ratio = share / profiled_share / (1 + LOCKSTEP_SLOWDOWN * (profiled_share - 1))
     if lockstep:
         ratio *= 1 + LOCKSTEP_SLOWDOWN * (share - 1)
