@@ -35,7 +35,7 @@ from pathlib import Path
 
 from geotrain.ft.keeper import KeeperClient
 from geotrain.launch.disk import drop_states
-from geotrain.launch.local import keeper_socket, stop_keepers
+from geotrain.launch.keepers import keeper_socket, stop_keepers
 
 GEOTRAIN = [sys.executable, "-m", "geotrain"]
 

@@ -65,7 +65,7 @@ def no_leftovers():
 @pytest.fixture
 def cleanup_keepers():
     """Run directories (and their host counts) whose lingering keepers the test stops at the end."""
-    from geotrain.launch.local import stop_keepers
+    from geotrain.launch.keepers import stop_keepers
 
     run_dirs: list[tuple[Path, int]] = []
     yield run_dirs

@@ -189,7 +189,7 @@ def _kill_and_sweep(proc: subprocess.Popen, run_dir: Path | None = None) -> None
 def _only_keepers_left_then_stop_them(run_dir: Path) -> None:
     """After a failed or interrupted run only its keepers live on (holding its snapshots for
     --resume); stopping them leaves nothing."""
-    from geotrain.launch.local import stop_keepers
+    from geotrain.launch.keepers import stop_keepers
 
     left = [ln for ln in _stray_processes(str(run_dir)) if "geotrain.ft.keeper" not in ln]
     stop_keepers(run_dir, 2)

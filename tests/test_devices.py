@@ -16,7 +16,8 @@ import torch
 from geotrain.comm.communicator import MembershipChanged, wait_work
 from geotrain.compress.codec import make_codec
 from geotrain.launch.dist import NCCL, choose_backend, uses_nccl
-from geotrain.launch.local import RunFailed, _gpu_of, _host_env, backend_for_hosts
+from geotrain.launch.local import RunFailed, _gpu_of, backend_for_hosts
+from geotrain.launch.procs import host_env
 from geotrain.plan.profile import clock
 from geotrain.sync.base import InFlight
 from geotrain.train import TrainConfig
@@ -75,10 +76,10 @@ def test_the_launcher_gives_each_host_a_gpu_and_gloo_where_they_must_share():
         gpus = ("2", "5")  # as CUDA_VISIBLE_DEVICES names them
 
     assert [_gpu_of(Launch, m) for m in range(3)] == ["2", "5", "2"]
-    assert _host_env(None, 1, gpu="5")["CUDA_VISIBLE_DEVICES"] == "5"
+    assert host_env(None, 1, gpu="5")["CUDA_VISIBLE_DEVICES"] == "5"
     Launch.gpus = ()
     assert _gpu_of(Launch, 0) == ""
-    assert _host_env(None, 1, gpu="").get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert host_env(None, 1, gpu="").get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 class _SlowWork:

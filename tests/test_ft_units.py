@@ -484,11 +484,11 @@ def test_the_launcher_echoes_a_hosts_output_without_its_quiet_lines_even_split(m
     import io
     import sys
 
-    from geotrain.launch import local
+    from geotrain.launch import procs
 
     terminal, log = io.BytesIO(), io.BytesIO()
     monkeypatch.setattr(sys, "stderr", type("Err", (), {"buffer": terminal}))
-    local._pump(_Chunks(chunks), log, echo=True)
+    procs.pump(_Chunks(chunks), log, echo=True)
     assert terminal.getvalue() == shown
     assert log.getvalue() == b"".join(chunks)  # the host's log keeps everything
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.ft.keeper import KeeperClient, disk_path
-from geotrain.launch.local import keeper_socket
+from geotrain.launch.keepers import keeper_socket
 from geotrain.netem.cluster import netem_unavailable_reason
 from helpers import geotrain, refused
 
@@ -77,7 +77,7 @@ def test_a_run_stopped_by_ctrl_c_resumes_from_disk_after_its_keepers_are_gone(tm
     import signal
 
     from geotrain.ft.keeper import disk_steps
-    from geotrain.launch.local import stop_keepers
+    from geotrain.launch.keepers import stop_keepers
 
     run = tmp_path / "run"
     job = ["run", "--workers", "2", "--no-netem", "--algo", "ddp", *JOB, "--snapshot-every", "5"]

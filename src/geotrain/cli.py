@@ -25,11 +25,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from geotrain.comm.guard import AUTO, norm_ratio_arg, parse_aggregate
-from geotrain.data.corpus import DataError, load_corpus
+from geotrain.cli_bench import cmd_bench, cmd_soak, cmd_sweep
+from geotrain.cli_common import (
+    EXIT_USAGE,
+    Parser,
+    UsageError,
+    attach_dash_values,
+    check_disk,
+    check_model_and_data,
+)
+from geotrain.cli_plan import cmd_plan
+from geotrain.data.corpus import DataError
 from geotrain.ft.chaos import ChaosError, parse_chaos
-from geotrain.models import ModelError, model_context
-from geotrain.netem.cluster import MAX_HOSTS, netem_unavailable_reason, sweep_stale
+from geotrain.models import ModelError
+from geotrain.netem.cluster import MAX_HOSTS, netem_unavailable_reason
 from geotrain.netem.links import (
     LinkSpecError,
     describe_links,
@@ -41,24 +50,9 @@ from geotrain.netem.topology import parse_topology
 from geotrain.sync import ConfigError
 from geotrain.train import add_train_arguments, config_from_args
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs) -> None:
-        # No abbreviations: `--ste 40` must not pass for `--steps` unseen (resume checks flags).
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):  # one line, not argparse's usage dump
-        raise UsageError(f"{message} (see '{self.prog} --help')")
-
 
 def _run_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="geotrain run",
         description="Train on N emulated hosts joined by shaped links, on this machine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -190,12 +184,13 @@ def _cmd_resume(argv: list[str]) -> int:
 
     from geotrain.ft.keeper import KeeperClient
     from geotrain.ft.snapshots import ResumeError, preflight
-    from geotrain.launch.local import LaunchConfig, RunFailed, keeper_socket, run_local_cluster
+    from geotrain.launch.keepers import keeper_socket
+    from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
     from geotrain.sync.periods import resolve_every
     from geotrain.train import AUTO_WARMUP, TrainConfig
 
     parser = _run_parser()
-    argv = _attach_dash_values(argv, ("--steps", "--resume-step"))
+    argv = attach_dash_values(argv, ("--steps", "--resume-step"))
     args = parser.parse_args(argv)
     run_dir = Path(args.resume_dir)
     config_path = run_dir / "config.json"
@@ -290,31 +285,11 @@ def _cmd_resume(argv: list[str]) -> int:
     return 0
 
 
-def _attach_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``--bandwidth -5mbit`` -> ``--bandwidth=-5mbit``, so the value reaches its own validation
-    instead of argparse taking it for a flag."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        if (
-            argv[i] in flags
-            and i + 1 < len(argv)
-            and argv[i + 1].startswith("-")
-            and argv[i + 1][1:2].isdigit()
-        ):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
-
-
 def _parse_cluster_job(argv: list[str], parser: argparse.ArgumentParser):
     """Parse and validate everything a cluster job needs; create nothing."""
     from dataclasses import replace
 
-    argv = _attach_dash_values(argv, ("--bandwidth", "--latency", "--workers", "--H", "--steps"))
+    argv = attach_dash_values(argv, ("--bandwidth", "--latency", "--workers", "--H", "--steps"))
     args = parser.parse_args(argv)
     try:
         sites = parse_topology(args.topology) if getattr(args, "topology", "") else None
@@ -509,458 +484,8 @@ def _cmd_profile(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_plan(argv: list[str]) -> int:
-    import json
-
-    from geotrain.plan.gather import Accelerator
-    from geotrain.plan.planner import ChooseConfig, format_plan, make_plan
-
-    p = _Parser(
-        prog="geotrain plan", description="The DreamDDP schedule and predicted step times from a profile."
-    )
-    p.add_argument("--profile", required=True, help="a profile JSON from `geotrain profile`")
-    p.add_argument("--H", type=int, default=None, help="the schedule's period (or --choose)")
-    p.add_argument("--choose", action="store_true", help="pick the H with the fastest predicted time to loss")
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=ChooseConfig.budget,
-        help="--choose: most steps allowed, x synchronous SGD's",
-    )
-    p.add_argument(
-        "--penalty",
-        type=float,
-        default=ChooseConfig.penalty,
-        help="--choose: extra steps per unit of H, a fraction of synchronous SGD's (default: %(default)s, "
-        "measured on W1; see the README)",
-    )
-    p.add_argument("--max-H", dest="max_H", type=int, default=ChooseConfig.max_H)
-    p.add_argument(
-        "--workers", type=int, default=None, help="predict for this many workers (default: the profile's)"
-    )
-    p.add_argument("--bandwidth", default=None, help="predict for these links: one rate or one per worker")
-    p.add_argument(
-        "--topology",
-        default=None,
-        help="predict for sites (as geotrain run takes them, e.g. 2x2,lan=1gbit,wan=20mbit): the flat "
-        "ring against two levels, and the periods across and inside sites (--H, --site-H) that keep "
-        "the step within --speed of nosync",
-    )
-    p.add_argument(
-        "--speed",
-        type=float,
-        default=None,
-        help="with --topology: the fraction of nosync's step rate the chosen periods keep (0.95)",
-    )
-    p.add_argument(
-        "--compute-scale",
-        dest="compute_scale",
-        type=float,
-        default=1.0,
-        help="multiply the profile's compute times (slower or faster machines)",
-    )
-    p.add_argument(
-        "--accel-tflops",
-        dest="accel_tflops",
-        type=float,
-        default=989.0,
-        help="the accelerator the links are read for: its peak TFLOP/s (default: an H100's bf16)",
-    )
-    p.add_argument(
-        "--accel-mfu", dest="accel_mfu", type=float, default=0.4, help="the fraction of its peak it reaches"
-    )
-    p.add_argument(
-        "--accel-tokens",
-        dest="accel_tokens",
-        type=float,
-        default=0.5e6,
-        help="tokens per step on each accelerator",
-    )
-    p.add_argument(
-        "--aggregate",
-        default=None,
-        help="price a trust option on a profile taken without it: mean, clip, trimmed:f=F or median "
-        "(the last two gather every contribution: N/2 times the bytes; default: as profiled)",
-    )
-    p.add_argument(
-        "--max-norm-ratio",
-        dest="max_norm_ratio",
-        type=norm_ratio_arg,
-        default=None,
-        help="price the norm check (> 0: a round trip before co2's sum and the quantised codecs' "
-        "collectives, none before a mean, whose verdict travels with it; 0: none; auto: as a run's "
-        "default: the periodic averages and the gathers; default: as profiled)",
-    )
-    p.add_argument(
-        "--compress",
-        default="",
-        help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ..., or auto: "
-        "none, int8 or int4, as a run's --compress auto chooses, with the table it chose from): the DreamDDP "
-        "schedule is searched on its messages (a run with that codec and worker count takes the plan "
-        "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
-        "own messages. Its encoding and decoding are priced where the profile timed them (`geotrain "
-        "profile --compress` the same codec); otherwise a run refits them from its first steps",
-    )
-    p.add_argument(
-        "--H-schedule",
-        dest="H_schedule",
-        default="",
-        help="price localsgd and diloco under a run's --H-schedule (grow, or PERIODxSTEPS,...), at "
-        "their mean steps per sync over --steps",
-    )
-    p.add_argument("--steps", type=int, default=1000, help="the steps an --H-schedule is planned over")
-    p.add_argument(
-        "--lag",
-        type=int,
-        choices=(0, 1),
-        default=None,
-        help="DreamDDP's schedule for a run's --lag: 1 (its default without --compress) lands a "
-        "layer's average at its next forward, 0 before the update (the paper's; the default with "
-        "--compress)",
-    )
-    p.add_argument(
-        "--fill-in",
-        dest="fill_in",
-        action="store_true",
-        help="DreamDDP's schedule for a run's --fill-in: each iteration also averages the layers "
-        "that fit in its idle link time",
-    )
-    p.add_argument("--out", default="plan.json", help="where the plan JSON goes")
-    p.add_argument("--png", default="", help="also draw the schedule's timeline to this PNG")
-    args = p.parse_args(_attach_dash_values(argv, ("--H", "--workers", "--bandwidth", "--steps")))
-    try:
-        profile = json.loads(Path(args.profile).read_text())
-    except FileNotFoundError:
-        raise UsageError(
-            f"--profile {args.profile}: no such file; make one with `geotrain profile`"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--profile {args.profile} is not JSON: {e}") from None
-    if args.H is None and not args.choose:
-        raise UsageError("give --H N or --choose")
-    try:
-        accel = Accelerator(args.accel_tflops * 1e12, args.accel_mfu, args.accel_tokens)
-        choose = ChooseConfig(args.budget, args.penalty, args.max_H) if args.choose else None
-        if args.workers is not None and not 1 <= args.workers <= 100_000:
-            raise ValueError(f"--workers must be 1 to 100000, got {args.workers}")
-        topology = parse_topology(args.topology) if args.topology else None
-        if topology is None and args.speed is not None:
-            raise ValueError("--speed chooses the periods on sites: give --topology too")
-        if topology is not None and (args.workers is not None or args.bandwidth):
-            raise ValueError("--topology gives the hosts and their links: drop --workers and --bandwidth")
-        workers = args.workers or profile.get("workers")
-        rates = parse_bandwidths(args.bandwidth, workers) if args.bandwidth else None
-        ratio = args.max_norm_ratio
-        if ratio is not None and not (ratio in (0, AUTO) or ratio >= 1):
-            raise ValueError(f"--max-norm-ratio must be >= 1, 0 for off, or auto; got {ratio:g}")
-        aggregate = parse_aggregate(args.aggregate)[0] if args.aggregate else None
-        checked = None if ratio is None else "auto" if ratio == AUTO else ratio > 0
-        plan = make_plan(
-            profile, None if args.choose else args.H, choose, args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=checked, topology=topology,
-            speed=0.95 if args.speed is None else args.speed, compress=args.compress,
-            H_schedule=args.H_schedule, steps=args.steps, lag=args.lag, fill_in=args.fill_in,
-        )  # fmt: skip
-    except (ValueError, KeyError, LinkSpecError) as e:
-        raise UsageError(
-            str(e) if not isinstance(e, KeyError) else f"profile lacks {e}; profile again"
-        ) from None
-    Path(args.out).write_text(json.dumps(plan, indent=2) + "\n")
-    if args.png:
-        from geotrain.plan.planner import codec_priced, plot_schedule, retarget
-
-        if topology is not None:  # the table's line: a flat ring through the slowest uplink
-            workers, rates = topology.workers, [min(topology.wan_bps)] * topology.workers
-        compute, link = retarget(
-            profile, workers if topology else args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=False if checked == "auto" else checked,
-        )  # fmt: skip
-        codec = plan["target"]["compress"]  # --compress auto: the codec it chose
-        compute = codec_priced(profile, compute, codec, workers or int(profile["workers"]))[0]
-        plot_schedule(plan, compute, link, args.png)
-    print(format_plan(plan, accel))
-    print(f"\nplan: {args.out}" + (f"\ntimeline: {args.png}" if args.png else ""))
-    return 0
-
-
-def check_disk(run_dir: Path, cfg, workers: int) -> None:
-    """Refuse (UsageError) a run whose files would not fit on its run directory's disk; warn where
-    those of a run stopped unfinished would not (``geotrain.launch.disk``)."""
-    from geotrain.launch.disk import NoRoom, check_room, disk_need
-    from geotrain.models import parameter_count
-
-    try:
-        vocab = load_corpus(cfg.data or None, cfg.tokenizer).vocab_size
-        n_params = parameter_count(cfg.model_spec(), vocab)
-        need = disk_need(
-            n_params, workers, cfg.algo, cfg.compress, bool(cfg.lora), bool(cfg.checkpoint_every)
-        )
-        warning = check_room(run_dir, need)
-    except (NoRoom, DataError, ModelError) as e:
-        raise UsageError(str(e)) from None
-    if warning:
-        print(warning, file=sys.stderr)
-
-
-def check_model_and_data(cfg, workers: int) -> None:
-    """The model and the data a job will train on, checked in the launcher before anything starts
-    (text is tokenized here, once, and cached): raises ModelError, DataError or ConfigError."""
-    corpus = load_corpus(cfg.data or None, cfg.tokenizer)
-    context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
-    corpus.check_fits(context, workers)
-
-
-def _cmd_bench(argv: list[str]) -> int:
-    from geotrain.bench.matrix import DEFAULT_ALGOS, DEFAULT_BANDWIDTHS, Bench, BenchConfig
-    from geotrain.bench.report import markdown_table, scale_table, write_report
-    from geotrain.launch.disk import state_copies
-    from geotrain.launch.local import RunFailed
-    from geotrain.train import warmup_arg
-
-    p = _Parser(
-        prog="geotrain bench",
-        description="Algorithms x links x workers on the emulated cluster: "
-        "time to loss, step-time breakdown, plots and a report.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="a small matrix for CI: 2 workers, 100mbit, 4 algorithms"
-    )
-    p.add_argument(
-        "--algos",
-        default=",".join(DEFAULT_ALGOS),
-        help="algorithms, each optionally with a codec: ssgd+int8, ssgd+acpsgd:rank=4, diloco+int4 "
-        "(codec parameters separated by ';')",
-    )
-    p.add_argument(
-        "--bandwidths",
-        default=",".join(DEFAULT_BANDWIDTHS),
-        help="link rates, one matrix column each; the report says what each stands for on an H100",
-    )
-    p.add_argument(
-        "--workers", default="4", help="worker counts, e.g. 2,4,8 (several: predictions are checked)"
-    )
-    p.add_argument("--model", default="tiny", help="tiny, mini, small, hf:DIR or hf:TYPE (as geotrain run)")
-    p.add_argument("--model-config", dest="model_config", default="", help="NAME=VALUE,... (as geotrain run)")
-    p.add_argument("--lora", default="", help="r=8,alpha=16,targets=q_proj,v_proj (as geotrain run)")
-    p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
-    p.add_argument("--data", default="", help="as geotrain run (empty: the standard library's sources)")
-    p.add_argument("--tokenizer", default="", help="as geotrain run: --data tokenized once, cached")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch-size", dest="batch_size", type=int, default=32)
-    p.add_argument("--eval-every", dest="eval_every", type=int, default=15)
-    p.add_argument("--H", type=int, default=8, help="localsgd and diloco period (dreamddp plans its own)")
-    p.add_argument("--max-H", dest="max_H", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--target-loss",
-        dest="target_loss",
-        type=float,
-        default=None,
-        help="default: the loss ddp reaches at the token budget",
-    )
-    p.add_argument(
-        "--smooth",
-        type=int,
-        default=3,
-        help="evaluations in the centred moving mean each validation curve is read through (odd; 1: raw)",
-    )
-    p.add_argument(
-        "--lr-schedule",
-        dest="lr_schedule",
-        default="constant",
-        help="every cell's learning rate: constant, or cosine over --steps (over --horizon with one)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=warmup_arg,
-        default="auto",
-        help="every cell's learning-rate warm-up in steps; auto: a tenth of the planned steps "
-        "(--horizon or --steps), at most 100 (demo: none), as geotrain run's",
-    )
-    p.add_argument(
-        "--horizon",
-        type=int,
-        default=0,
-        help="time to the loss of a run this many steps long: each cell's learning curve comes from "
-        "a run of HORIZON steps on loopback (same workers, seeds, batches), its time from the "
-        "step time of the --steps run on the shaped link (composed; the report says so and checks "
-        "the two curves against each other over --steps)",
-    )
-    p.add_argument(
-        "--cell-budget",
-        dest="cell_budget",
-        type=float,
-        default=300.0,
-        help="seconds: a shaped cell the planner predicts to run longer is not run, and the report "
-        "gives its predicted step time (0: run every cell)",
-    )
-    p.add_argument("--no-netem", action="store_true", help="loopback, unshaped (no predictions checked)")
-    p.add_argument(
-        "--keep-states",
-        action="store_true",
-        help="keep each cell's saved states (snapshots/, checkpoint.pt: 0.6-1.1 GB a cell of mini on "
-        "4 hosts); by default they are removed once the cell has finished, the report reads metrics",
-    )
-    p.add_argument(
-        "--out", default="", help="the bench directory (a rerun resumes it); default runs/bench-<time>"
-    )
-    args = p.parse_args(_attach_dash_values(argv, ("--H", "--steps", "--workers")))
-    if args.quick:
-        args.workers, args.bandwidths, args.algos = "2", "100mbit", "nosync,ddp,localsgd,dreamddp"
-        args.steps, args.eval_every, args.batch_size = 30, 10, 16
-    try:
-        workers = [int(w) for w in args.workers.split(",")]
-    except ValueError:
-        raise UsageError(f"--workers takes comma-separated integers, got {args.workers!r}") from None
-    try:
-        cfg = BenchConfig(
-            algos=args.algos.split(","),
-            bandwidths=args.bandwidths.split(","),
-            workers=workers,
-            model=args.model,
-            model_config=args.model_config,
-            lora=args.lora,
-            lora_fa=args.lora_fa,
-            data=args.data,
-            tokenizer=args.tokenizer,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            eval_every=args.eval_every,
-            H=args.H,
-            max_H=args.max_H,
-            seed=args.seed,
-            target_loss=args.target_loss,
-            netem=not args.no_netem,
-            smooth=args.smooth,
-            lr_schedule=args.lr_schedule,
-            warmup=args.warmup,
-            horizon=args.horizon,
-            cell_budget_s=args.cell_budget,
-            keep_states=args.keep_states,
-        )
-        # The model and data every cell will use, checked (and text tokenized) once, here.
-        check_model_and_data(cfg.train_config("nosync"), max(cfg.workers))
-        # Room for the largest cell's states (removed once it has finished, but --keep-states).
-        cells = [cfg.train_config(entry) for entry in cfg.algos]
-        largest = max(cells, key=lambda c: state_copies(c.algo, c.compress, bool(c.lora)))
-        check_disk(Path(args.out or "runs"), largest, max(cfg.workers))
-    except (ConfigError, DataError, LinkSpecError, ModelError) as e:
-        raise UsageError(str(e)) from None
-    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    bench = Bench(cfg, out, echo=lambda msg: print(f"geotrain: {msg}", file=sys.stderr))
-    try:
-        results = bench.run()
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    except RunFailed as e:
-        print(
-            f"geotrain: bench cell failed: {e}\ngeotrain: rerun the same command to resume", file=sys.stderr
-        )
-        return 1
-    except KeyboardInterrupt:
-        print(
-            f"\ngeotrain: interrupted; finished cells are kept. Resume: geotrain bench ... --out {out}",
-            file=sys.stderr,
-        )
-        return 130
-    report = write_report(results, out)
-    print(markdown_table(results))
-    if results["scale"]:
-        print("\n" + scale_table(results))
-    print(f"\nreport: {report['html']}\nnumbers: {out / 'bench.json'}")
-    return 0
-
-
-def _cmd_soak(argv: list[str]) -> int:
-    from geotrain.bench.soak import SoakJob, soak
-
-    p = _Parser(
-        prog="geotrain soak",
-        description="Train under a fault every so often and compare with the same run undisturbed.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    job = SoakJob()
-    p.add_argument("--workers", type=int, default=job.workers)
-    p.add_argument("--bandwidth", default=job.bandwidth)
-    p.add_argument("--model", default=job.model)
-    p.add_argument("--algo", default=job.algo)
-    p.add_argument("--H", type=int, default=job.H)
-    p.add_argument("--batch-size", dest="batch_size", type=int, default=job.batch_size)
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=job.steps,
-        help="steps of each run (4 mini hosts at 100mbit, diloco: ~19 a minute undisturbed)",
-    )
-    p.add_argument("--eval-every", dest="eval_every", type=int, default=job.eval_every)
-    p.add_argument(
-        "--kill-every", dest="kill_every", default="60s", help="a random worker SIGKILLed this often"
-    )
-    p.add_argument(
-        "--restart", default="5", help="seconds until a replacement joins (0: none; the run shrinks)"
-    )
-    p.add_argument("--fault-timeout", dest="fault_timeout", type=float, default=job.fault_timeout)
-    p.add_argument(
-        "--spares", type=int, default=0, help="hosts waiting in a backup pool to replace the killed at once"
-    )
-    p.add_argument("--model-config", dest="model_config", default="", help="NAME=VALUE,... (as geotrain run)")
-    p.add_argument("--lora", default="", help="r=8,alpha=16,targets=q_proj,v_proj (as geotrain run)")
-    p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
-    p.add_argument("--out", default="runs/soak")
-    args = p.parse_args(argv)
-    from geotrain.train import TrainConfig
-
-    try:  # refused here in one line, not after the first run has started
-        TrainConfig(model=args.model, model_config=args.model_config, lora=args.lora, lora_fa=args.lora_fa)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    extra = ["--model-config", args.model_config] if args.model_config else []
-    extra += ["--lora", args.lora] if args.lora else []
-    extra += ["--lora-fa"] if args.lora_fa else []
-    restart = f",restart={args.restart}" if args.restart not in ("", "0") else ""
-    chaos = f"kill:every={args.kill_every}{restart}"
-    try:
-        parse_chaos(chaos, args.workers)
-    except ChaosError as e:
-        raise UsageError(str(e)) from None
-    if args.spares < 0:
-        raise UsageError(f"--spares must be >= 0, got {args.spares}")
-    for name in ("workers", "H", "batch_size", "steps", "eval_every"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    job = SoakJob(
-        **{k: getattr(args, k) for k in SoakJob.__dataclass_fields__ if k not in ("extra", "on_failure")},
-        extra=tuple(extra),
-    )
-    try:
-        soak(job, chaos, Path(args.out))
-    except RuntimeError as e:
-        print(f"geotrain soak: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cmd_sweep(argv: list[str]) -> int:
-    from geotrain.launch.local import stop_lingering_keepers
-
-    p = _Parser(prog="geotrain sweep", description="Remove namespaces and bridges of dead geotrain runs.")
-    p.add_argument(
-        "--keepers",
-        action="store_true",
-        help="also stop keepers whose launcher is gone (their snapshots in memory are lost; disk stays)",
-    )
-    args = p.parse_args(argv)
-    removed = sweep_stale()
-    print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
-    if args.keepers:
-        stopped = stop_lingering_keepers()
-        print(f"stopped {len(stopped)} keepers" if stopped else "no lingering keepers")
-    return 0
-
-
 def _cmd_export(argv: list[str]) -> int:
-    p = _Parser(
+    p = Parser(
         prog="geotrain export",
         description="Write a finished run's model as safetensors with a config.json that "
         "transformers loads without geotrain (geotrain's GPT in GPT-2's layout; LoRA adapters merged, "
@@ -1013,10 +538,10 @@ def _cmd_join(argv: list[str]) -> int:
 COMMANDS = {
     "run": _cmd_run,
     "profile": _cmd_profile,
-    "plan": _cmd_plan,
-    "bench": _cmd_bench,
-    "soak": _cmd_soak,
-    "sweep": _cmd_sweep,
+    "plan": cmd_plan,
+    "bench": cmd_bench,
+    "soak": cmd_soak,
+    "sweep": cmd_sweep,
     "export": _cmd_export,
     "keeper": _cmd_keeper,
     "broker": _cmd_broker,

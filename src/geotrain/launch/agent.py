@@ -5,7 +5,7 @@ When a trainer dies (a fault, ``--chaos``), torchrun raises ``ChildFailedError``
 its 25-line traceback and report; the launcher echoes every host's output, so each lost host put
 that block between the progress lines, under the launcher's own one-line account of the same
 failure ("host 2 failed after step 7 (kill); ..."). Here the report becomes one line marked for
-the host's log only (``launch/local.py`` does not echo it); the exit code is torchrun's own.
+the host's log only (``launch/procs.py`` does not echo it); the exit code is torchrun's own.
 So does torchrun's traceback when the launcher stops a host with SIGTERM because another failed,
 also when that signal comes after torchrun's ``main()`` is over: its handler stays installed and
 raised ``SignalException`` inside the interpreter's exit (a weakref finaliser), a traceback CI saw.

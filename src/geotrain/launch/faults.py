@@ -5,6 +5,11 @@ Under ``--on-failure rollback`` a failed host does not end the run: every traine
 replacement takes the failed one's place, and all continue from the newest snapshot that every
 worker can restore (its keeper's memory, its disk, or rebuilt from its peers' redundancy), so the
 run ends bitwise as it would have without the fault. Each fault is recorded for the summary.
+
+Here too: the rollback itself, the fault records kept in ``faults.json`` across a run's launches,
+what each fault cost the survivors under ``--on-failure continue`` (from the trainers' regroup
+records), and ``RunFailed``, the launcher's error for a run that cannot go on (here, below
+``local.py``, so that ``control.py`` raises it too; ``local.py`` exports it as before).
 """
 
 from __future__ import annotations
@@ -14,11 +19,26 @@ import json
 import os
 import random
 import signal
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from geotrain.ft.chaos import Fault
+from geotrain.ft.atomic import write_atomic
+from geotrain.ft.chaos import Fault, join_chaos
+from geotrain.ft.keeper import KeeperClient, KeeperError
+from geotrain.launch.coordinator import read_jsonl
+from geotrain.launch.keepers import start_keepers
+from geotrain.metrics import metrics_up_to
+
+if TYPE_CHECKING:
+    from geotrain.launch.local import LaunchConfig
+    from geotrain.train import TrainConfig
+
+
+class RunFailed(RuntimeError):
+    pass
 
 
 @dataclass
@@ -101,3 +121,113 @@ class TimedChaos:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(trainer_pids[rank], signal.SIGKILL)
                 self.fired = (f, rank, time.time())
+
+
+_REGROUP_TIMES = ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s")
+
+
+def regroup_events(control: Path) -> list[dict]:
+    """Every epoch the trainers formed, oldest first, merged over the hosts' own records (the
+    summary's writer knows only those since it joined): the times of the slowest member that was
+    one before (a joiner's own wait for the boundary is its ``rejoin_s``), ``step`` the earliest
+    step a member went on after (between syncs of the local methods each goes on from its own),
+    and at an admission how many different parameter digests the members had (1: bitwise
+    equal)."""
+    merged: dict[int, dict] = {}
+    digests: dict[int, set] = {}
+    for path in sorted(control.glob("regroups-h*.jsonl")):
+        for e in read_jsonl(path):
+            host = e.pop("host", None)
+            digest = e.pop("param_digest", None)  # each member's own
+            m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0)})
+            if digest is not None:
+                digests.setdefault(e["epoch"], set()).add(digest)
+            if host not in e["joined"]:
+                for k in _REGROUP_TIMES:
+                    m[k] = max(m[k], e.get(k, 0))
+            m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
+            m["step"] = min(m["step"], e["step"])
+            m["at"] = min(m["at"], e["at"])
+            m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
+    for epoch, seen in digests.items():
+        merged[epoch]["param_digests"] = len(seen)
+    return [merged[e] for e in sorted(merged)]
+
+
+def credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
+    """With continue, what each fault cost the survivors, from the trainers' regroup events: the
+    step they went on after, and when its replacement was admitted. ``steps_lost`` stays 0: a
+    member goes on from its own step or from a leader's further one, never redoing a finished
+    step."""
+    for record in records:
+        after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
+        event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
+        if event is not None:
+            record.rollback_to = event["step"]
+        if record.rejoin_started_at:
+            # Before the same host fails again: a replacement killed while it waited has none.
+            until = min(
+                (
+                    r.detected_at
+                    for r in records
+                    if r.rank == record.rank and r.detected_at > record.detected_at
+                ),
+                default=float("inf"),
+            )
+            admitted = next(
+                (
+                    e for e in after
+                    if record.rank in e.get("joined", []) and record.rejoin_started_at <= e["at"] < until
+                ),
+                None,
+            )  # fmt: skip
+            if admitted is not None:
+                record.rejoined_after_step = admitted["step"]
+                record.rejoin_s = round(admitted["at"] - record.rejoin_started_at, 2)
+
+
+def read_faults(run_dir: Path) -> list[FaultRecord]:
+    """The faults of earlier launches of this run (a resumed run keeps counting)."""
+    try:
+        return [FaultRecord(**r) for r in json.loads((run_dir / "faults.json").read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def write_faults(run_dir: Path, records: list[FaultRecord]) -> None:
+    text = json.dumps([r.as_dict() for r in records], indent=2) + "\n"
+    write_atomic(run_dir / "faults.json", text.encode())
+
+
+def roll_back(
+    run_dir: Path,
+    launch: LaunchConfig,
+    cfg: TrainConfig,
+    sockets: list[Path],
+    faults: list,
+    record: FaultRecord,
+) -> TrainConfig:
+    """After a fault: replacement keepers for lost hosts, then the step every worker restores."""
+    from geotrain.ft.snapshots import NoCommonStep, ResumeError, preflight
+
+    try:
+        if sockets:
+            start_keepers(run_dir, launch.workers, resume=True)
+        keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
+        step, how = preflight(keepers, run_dir / "snapshots", check=False)
+    except NoCommonStep as e:
+        # Every worker can start over; that is the newest point all of them share. What the
+        # keepers hold is of the abandoned attempt, and would outrank the new run's snapshots.
+        print(f"geotrain: {e}; all workers start over from step 0", file=sys.stderr, flush=True)
+        step, how = 0, {}
+        for keeper in keepers:
+            if keeper is not None:
+                with contextlib.suppress(KeeperError):
+                    keeper.drop_after(0)
+    except (ResumeError, KeeperError) as e:
+        raise RunFailed(f"cannot roll back after the fault: {e}") from None
+    for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
+        metrics_up_to(run_dir, rank, step)
+    record.rollback_to, record.steps_lost = step, record.at_step - step
+    record.sources = [how[r] for r in sorted(how)]
+    return replace(cfg, resume=bool(how), resume_step=step, chaos=join_chaos(faults))

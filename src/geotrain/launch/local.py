@@ -9,7 +9,7 @@ The static rendezvous (``--node-rank``) makes host I rank I on every launch: a h
 that rank's snapshots, so a restarted host must get its rank back (the c10d rendezvous orders
 hosts by address string, so ``10.213.0.10`` would come before ``10.213.0.2``).
 
-inside its own network namespace (``netns`` mode) or, where namespaces cannot be made, on
+Each host runs inside its own network namespace (``netns`` mode) or, where namespaces cannot be made, on
 loopback, unshaped (``loopback`` mode); the summary records which. Each host's output goes to
 ``logs/host{i}.log``, and rank 0's progress bar to the terminal. On exit, on Ctrl-C, on a
 failed host and on a timeout, every host process is stopped and the namespaces are removed.
@@ -18,15 +18,12 @@ failed host and on a timeout, every host process is stopped and the namespaces a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -35,31 +32,39 @@ from typing import IO
 
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
-from geotrain.ft.keeper import KeeperClient, KeeperError, wait_ready
+from geotrain.ft.keeper import KeeperError
 from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
-from geotrain.ft.snapshots import NoCommonStep, availability, choose_step
-from geotrain.launch.admission import TOKEN_ENV, read_token, write_token
-from geotrain.launch.agent import LOG_ONLY as AGENT_LOG_ONLY
-from geotrain.launch.agent import TRAINER_LOG_ONLY
+from geotrain.launch.admission import read_token, write_token
+from geotrain.launch.control import coordinator_up, machine_sites, restart_coordinator, start_coordinator
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
 from geotrain.launch.dist import choose_backend
-from geotrain.launch.faults import FaultRecord, TimedChaos, last_step, trainer_pid
-from geotrain.metrics import metrics_up_to
-from geotrain.netem.cluster import (
-    IFNAME,
-    EmulatedCluster,
-    NetemUnavailable,
-    netem_unavailable_reason,
-    sweep_stale,
+from geotrain.launch.faults import (
+    FaultRecord,
+    RunFailed,
+    TimedChaos,
+    credit_regroups,
+    last_step,
+    read_faults,
+    regroup_events,
+    roll_back,
+    trainer_pid,
+    write_faults,
 )
+from geotrain.launch.keepers import (
+    KEEPER_LINGER_S,
+    keeper_socket,
+    persist_keepers,
+    start_keepers,
+    stop_keepers,
+)
+from geotrain.launch.procs import die_with_parent, host_env, pump, stop_processes, tail_of
+from geotrain.metrics import metrics_up_to
+from geotrain.netem.cluster import EmulatedCluster, NetemUnavailable, netem_unavailable_reason, sweep_stale
 from geotrain.netem.links import describe_links, format_bandwidth
 from geotrain.netem.topology import parse_topology
 from geotrain.train import TrainConfig
 
 RDZV_PORT = 29500
-COORDINATOR_PORT = 29400  # in the coordinator's own namespace (emulated cluster)
-# Seconds a keeper of a failed or interrupted run keeps its snapshots in memory for `--resume`.
-KEEPER_LINGER_S = 600.0
 ON_FAILURE = ("continue", "rollback", "stop")
 MIN_FAULT_TIMEOUT_S = 2.0  # four heartbeats: one late beat on a busy link is not a failure
 
@@ -122,70 +127,10 @@ class LaunchConfig:
             )
 
 
-class RunFailed(RuntimeError):
-    pass
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies, and leave the terminal's Ctrl-C to the launcher."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-# torchrun agents that do not host the rendezvous warn when the host agent exits first; harmless,
-# kept in the host logs, kept off the terminal.
-_QUIET = (  # written to the host's log, not echoed: the launcher reports the failure itself
-    b"failed to shutdown the rendezvous",
-    AGENT_LOG_ONLY.encode(),
-    TRAINER_LOG_ONLY.encode(),  # e.g. the traceback of a trainer whose peer was lost
-    b"failed (exitcode: ",  # torchrun's log line for a trainer that died
-    b"death signal, shutting down workers",  # torchrun's agent, stopped by the launcher
-    b"closing signal SIGTERM",  # and its trainer, stopped with it
-)
-
-
-def _pump(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
-    # A line that arrives in two reads is held until it ends, so that a quiet one is known as
-    # such whole; not a progress bar's update (after a \r), which must show at once.
-    held, at_line_start, logging = b"", True, True
-    for chunk in iter(lambda: stream.read1(4096), b""):
-        if logging:
-            try:
-                log.write(chunk)
-                log.flush()
-            except OSError as e:  # a full disk: the host's output is still echoed (or drained)
-                logging = False
-                print(
-                    f"geotrain: host log {getattr(log, 'name', '')} not written further: {e}", file=sys.stderr
-                )
-        if not echo:
-            continue
-        lines = (held + chunk).splitlines(True)
-        fresh = (bool(held) or at_line_start) if len(lines) == 1 else lines[-2].endswith(b"\n")
-        held = lines.pop() if not lines[-1].endswith((b"\n", b"\r")) and fresh else b""
-        if not held:
-            at_line_start = lines[-1].endswith(b"\n")
-        _echo(lines)
-    if echo and held:
-        _echo([held])
-
-
-def _echo(lines: list[bytes]) -> None:
-    out = b"".join(ln for ln in lines if not any(q in ln for q in _QUIET))
-    if out:
-        sys.stderr.buffer.write(out)
-        sys.stderr.buffer.flush()
 
 
 def _torchrun_command(n: int, host: int, master_addr: str, port: int) -> list[str]:
@@ -210,164 +155,6 @@ def _torchrun_command(n: int, host: int, master_addr: str, port: int) -> list[st
     ]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its workers in sessions of their own)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            with contextlib.suppress(OSError, ValueError):
-                kids = [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
-                out += kids
-                todo += kids
-    return out
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    # Collected first: once an agent is gone its workers are orphans, out of reach of killpg.
-    below = {p.pid: _descendants(p.pid) if p.poll() is None else [] for p in procs}
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for pid in below[p.pid]:  # a frozen (SIGSTOPped) worker ignores SIGTERM; not SIGKILL
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def keeper_socket(run_dir: Path, host: int) -> Path:
-    """Host ``host``'s keeper socket for this run directory (short: a socket path is <= 107 bytes)."""
-    key = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / "geotrain-keepers" / key / f"host{host}.sock"
-
-
-def start_keepers(run_dir: Path, n: int, resume: bool) -> list[Path]:
-    """One keeper per host. Resuming, a keeper still alive from an earlier launch of this run is
-    kept, with the snapshots it holds; a fresh run starts from empty keepers and no snapshots.
-    Keepers are not children of the trainers (nor killed with the hosts' namespaces): each stands
-    for its host's memory and outlives the trainer on it."""
-    if not resume:
-        stop_keepers(run_dir, n)
-        shutil.rmtree(run_dir / "snapshots", ignore_errors=True)
-    sockets = []
-    for i in range(n):
-        path = keeper_socket(run_dir, i)
-        sockets.append(path)
-        client = KeeperClient(path, timeout_s=2.0)
-        if client.alive():
-            client.adopt(os.getpid())
-            continue
-        log = (run_dir / "logs" / f"keeper{i}.log").open("ab")
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "geotrain.ft.keeper",
-                "--socket",
-                str(path),
-                "--dir",
-                str(run_dir / "snapshots"),
-                "--linger",
-                str(KEEPER_LINGER_S),
-                "--parent-pid",
-                str(os.getpid()),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
-    for path in sockets:
-        wait_ready(path)
-    return sockets
-
-
-def stop_keepers(run_dir: Path, n: int) -> None:
-    """Ask this run's keepers to finish their disk writes and exit (and wait until they have)."""
-    for i in range(n):
-        path = keeper_socket(run_dir, i)
-        client = KeeperClient(path, timeout_s=60.0)
-        pid = 0
-        with contextlib.suppress(KeeperError):
-            pid = client.pid()
-            client.stop()
-        deadline = time.monotonic() + 10
-        # Gone when its socket is gone and the process has exited (a zombie has no command line).
-        while time.monotonic() < deadline and (path.exists() or _running(pid)):
-            time.sleep(0.02)
-
-
-def persist_keepers(sockets: list[Path], directory: Path) -> int | None:
-    """A run that did not finish: every keeper writes the worker states it holds to disk (at
-    once, each its own), so ``--resume`` works after the keepers are gone too. Returns the newest
-    step every worker has on disk now, the one a resume from disk starts at, or None."""
-
-    def persist(path: Path) -> None:
-        with contextlib.suppress(KeeperError):  # one that cannot answer or write adds nothing
-            KeeperClient(path, timeout_s=300.0).persist()
-
-    threads = [threading.Thread(target=persist, args=(path,), daemon=True) for path in sockets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # the step a resume from disk would choose (members and joiners counted as it counts them)
-    try:
-        return choose_step([availability(r, None, directory) for r in range(len(sockets))])[0]
-    except NoCommonStep:
-        return None
-
-
-def _running(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
-    except OSError:
-        return False
-
-
-def stop_lingering_keepers() -> list[Path]:
-    """Stop the keepers of every run on this machine whose launcher is gone."""
-    from geotrain.ft.keeper import _alive
-
-    stopped = []
-    for path in sorted((Path(tempfile.gettempdir()) / "geotrain-keepers").glob("*/host*.sock")):
-        client = KeeperClient(path, timeout_s=5.0)
-        try:
-            parent = client.parent_pid()
-        except KeeperError:
-            continue
-        if parent > 0 and _alive(parent):
-            continue  # a live run's keeper
-        with contextlib.suppress(KeeperError):
-            client.stop()
-            stopped.append(path)
-    return stopped
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").replace("\r", "\n")
-    except OSError:
-        return ""
-    keep = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n".join("    " + ln for ln in keep[-lines:])
-
-
 @dataclass
 class _Hosts:
     procs: list[subprocess.Popen]
@@ -381,22 +168,6 @@ class _Hosts:
             with contextlib.suppress(OSError):  # a full disk: what the log still buffers is lost
                 log.close()
         self.logs = []
-
-
-def _host_env(
-    cluster: EmulatedCluster | None, threads: int, token: str = "", gpu: str = ""
-) -> dict[str, str]:
-    return dict(
-        os.environ,
-        **({TOKEN_ENV: token} if token else {}),  # in the environment, never on a command line
-        **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}),  # each host its GPU, as on a machine of its own
-        OMP_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-        GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
-        LOGLEVEL="WARNING",
-        # c10d warns that namespace addresses have no reverse DNS name; harmless.
-        TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-    )
 
 
 def _gpu_of(launch: LaunchConfig, machine: int) -> str:
@@ -413,10 +184,10 @@ def _spawn(hosts: _Hosts, launch: LaunchConfig, cluster, i: int, cmd: list[str],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=_host_env(cluster, threads, launch.token, _gpu_of(launch, i)),
-        preexec_fn=_die_with_parent,
+        env=host_env(cluster, threads, launch.token, _gpu_of(launch, i)),
+        preexec_fn=die_with_parent,
     )
-    t = threading.Thread(target=_pump, args=(p.stdout, log, launch.echo), daemon=True)
+    t = threading.Thread(target=pump, args=(p.stdout, log, launch.echo), daemon=True)
     t.start()
     hosts.logs.append(log)
     hosts.pumps.append(t)
@@ -485,90 +256,6 @@ def _start_joiner(
     return _spawn(hosts, launch, cluster, machine, cmd, threads, "ab")
 
 
-def machine_sites(launch: LaunchConfig) -> list[int]:
-    """The site of each machine of a ``--topology`` run: its hosts' (numbered site by site), then
-    its ``--spares`` dealt over the sites in turn (spare k in site k mod S)."""
-    hosts = launch.sites.host_sites()
-    return hosts + [k % len(launch.sites.sites) for k in range(launch.spares)]
-
-
-def _start_coordinator(
-    launch: LaunchConfig, cluster: EmulatedCluster | None, port: int = 0, wait: bool = True
-) -> subprocess.Popen:
-    """The coordinator (``launch/coordinator.py``): in its own namespace on the emulated cluster,
-    on loopback otherwise. Returns its process, with the store's port as ``.port``. A restarted
-    one (``port`` given) keeps the verdicts and the attempt of the one before. Without ``wait``
-    it returns before the store is up (``_coordinator_up`` waits): the hosts start meanwhile, as
-    its port is chosen here and the trainers' store clients wait for it."""
-    control = launch.run_dir / "control"
-    restart, listener = bool(port), None
-    if not port:
-        # A fresh coordinator's control folder, but a resume keeps the sites --hierarchy auto
-        # measured (train.py's _measured_sites): the sums' order, and so the bits, go with them.
-        sites = control / "sites.json"
-        kept = sites.read_bytes() if sites.exists() else None
-        shutil.rmtree(control, ignore_errors=True)
-        if kept is not None:
-            control.mkdir(parents=True, exist_ok=True)
-            write_atomic(sites, kept)
-        if cluster is not None:
-            port = COORDINATOR_PORT  # in a namespace of its own, fresh: nothing else listens there
-        else:  # bound here and handed over: its port is known now, and no one else can take it
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(128)
-            port = listener.getsockname()[1]
-    control.mkdir(parents=True, exist_ok=True)
-    (control / "port").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "geotrain.launch.coordinator", "--control-dir", str(control)]
-    cmd += ["--hosts", str(launch.workers), "--fault-timeout", str(launch.fault_timeout_s)]
-    cmd += ["--port", str(port)]
-    cmd += ["--restart"] if restart else []
-    cmd += ["--listen-fd", str(listener.fileno())] if listener is not None else []
-    if launch.on_failure == "continue" and launch.workers > 1:
-        cmd += ["--elastic"]
-    if launch.sites is not None and launch.spares:
-        cmd += ["--machine-sites", ",".join(map(str, machine_sites(launch)))]
-    if cluster is not None:
-        cmd = cluster.control_prefix() + cmd
-    else:
-        cmd += ["--bind", "127.0.0.1"]
-    log = (launch.run_dir / "logs" / "coordinator.log").open("ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=_host_env(cluster, 1, launch.token), preexec_fn=_die_with_parent,
-                            pass_fds=(listener.fileno(),) if listener is not None else ())  # fmt: skip
-    log.close()
-    if listener is not None:
-        listener.close()  # the coordinator holds its own copy
-    proc.port = port  # type: ignore[attr-defined]
-    if wait:
-        _coordinator_up(launch, proc)
-    return proc
-
-
-def _coordinator_up(launch: LaunchConfig, proc: subprocess.Popen) -> None:
-    """Wait for the coordinator's store to listen (it writes its port when it does)."""
-    control = launch.run_dir / "control"
-    deadline = time.monotonic() + 60
-    while not (control / "port").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop([proc])
-            raise RunFailed(f"the coordinator did not start; see {launch.run_dir}/logs/coordinator.log")
-        time.sleep(0.05)
-
-
-def _restart_coordinator(
-    launch: LaunchConfig, cluster: EmulatedCluster | None, dead: subprocess.Popen
-) -> subprocess.Popen | None:
-    """Training does not depend on the coordinator: a failed restart only stops the watch."""
-    print("geotrain: the coordinator died; restarting it", file=sys.stderr, flush=True)
-    try:
-        return _start_coordinator(launch, cluster, dead.port)  # type: ignore[attr-defined]
-    except RunFailed as e:
-        print(f"geotrain: {e}; silent hosts go unnoticed until --timeout-s", file=sys.stderr, flush=True)
-        return None
-
-
 def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) -> int | None:
     """A host's exit code, or None while it runs. With continue, a trainer that said it finished
     counts as finished: its torchrun agent waits up to 300 s for the agents of lost hosts; one
@@ -582,116 +269,6 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
             if said == str(EXIT_BELOW_MIN_WORKERS):
                 return EXIT_BELOW_MIN_WORKERS
     return code
-
-
-_REGROUP_TIMES = ("wait_s", "hand_over_s", "regroup_s", "redo_sync_s")
-
-
-def _regroup_events(control: Path) -> list[dict]:
-    """Every epoch the trainers formed, oldest first, merged over the hosts' own records (the
-    summary's writer knows only those since it joined): the times of the slowest member that was
-    one before (a joiner's own wait for the boundary is its ``rejoin_s``), ``step`` the earliest
-    step a member went on after (between syncs of the local methods each goes on from its own),
-    and at an admission how many different parameter digests the members had (1: bitwise
-    equal)."""
-    merged: dict[int, dict] = {}
-    digests: dict[int, set] = {}
-    for path in sorted(control.glob("regroups-h*.jsonl")):
-        for e in read_jsonl(path):
-            host = e.pop("host", None)
-            digest = e.pop("param_digest", None)  # each member's own
-            m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0)})
-            if digest is not None:
-                digests.setdefault(e["epoch"], set()).add(digest)
-            if host not in e["joined"]:
-                for k in _REGROUP_TIMES:
-                    m[k] = max(m[k], e.get(k, 0))
-            m["handed_over_bytes"] = max(m.get("handed_over_bytes", 0), e.get("handed_over_bytes", 0))
-            m["step"] = min(m["step"], e["step"])
-            m["at"] = min(m["at"], e["at"])
-            m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
-    for epoch, seen in digests.items():
-        merged[epoch]["param_digests"] = len(seen)
-    return [merged[e] for e in sorted(merged)]
-
-
-def _credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
-    """With continue, what each fault cost the survivors, from the trainers' regroup events: the
-    step they went on after, and when its replacement was admitted. ``steps_lost`` stays 0: a
-    member goes on from its own step or from a leader's further one, never redoing a finished
-    step."""
-    for record in records:
-        after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
-        event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
-        if event is not None:
-            record.rollback_to = event["step"]
-        if record.rejoin_started_at:
-            # Before the same host fails again: a replacement killed while it waited has none.
-            until = min(
-                (
-                    r.detected_at
-                    for r in records
-                    if r.rank == record.rank and r.detected_at > record.detected_at
-                ),
-                default=float("inf"),
-            )
-            admitted = next(
-                (
-                    e for e in after
-                    if record.rank in e.get("joined", []) and record.rejoin_started_at <= e["at"] < until
-                ),
-                None,
-            )  # fmt: skip
-            if admitted is not None:
-                record.rejoined_after_step = admitted["step"]
-                record.rejoin_s = round(admitted["at"] - record.rejoin_started_at, 2)
-
-
-def _read_faults(run_dir: Path) -> list[FaultRecord]:
-    """The faults of earlier launches of this run (a resumed run keeps counting)."""
-    try:
-        return [FaultRecord(**r) for r in json.loads((run_dir / "faults.json").read_text())]
-    except (OSError, ValueError, TypeError):
-        return []
-
-
-def _write_faults(run_dir: Path, records: list[FaultRecord]) -> None:
-    text = json.dumps([r.as_dict() for r in records], indent=2) + "\n"
-    write_atomic(run_dir / "faults.json", text.encode())
-
-
-def _rollback(
-    run_dir: Path,
-    launch: LaunchConfig,
-    cfg: TrainConfig,
-    sockets: list[Path],
-    faults: list,
-    record: FaultRecord,
-) -> TrainConfig:
-    """After a fault: replacement keepers for lost hosts, then the step every worker restores."""
-    from geotrain.ft.snapshots import NoCommonStep, ResumeError, preflight
-
-    try:
-        if sockets:
-            start_keepers(run_dir, launch.workers, resume=True)
-        keepers = [KeeperClient(s, timeout_s=60.0) for s in sockets] or [None] * launch.workers
-        step, how = preflight(keepers, run_dir / "snapshots", check=False)
-    except NoCommonStep as e:
-        # Every worker can start over; that is the newest point all of them share. What the
-        # keepers hold is of the abandoned attempt, and would outrank the new run's snapshots.
-        print(f"geotrain: {e}; all workers start over from step 0", file=sys.stderr, flush=True)
-        step, how = 0, {}
-        for keeper in keepers:
-            if keeper is not None:
-                with contextlib.suppress(KeeperError):
-                    keeper.drop_after(0)
-    except (ResumeError, KeeperError) as e:
-        raise RunFailed(f"cannot roll back after the fault: {e}") from None
-    for rank in range(launch.workers):  # so that progress past ``step`` means the run goes on
-        metrics_up_to(run_dir, rank, step)
-    record.rollback_to, record.steps_lost = step, record.at_step - step
-    record.sources = [how[r] for r in sorted(how)]
-    return replace(cfg, resume=bool(how), resume_step=step, chaos=join_chaos(faults))
 
 
 def wire_bytes(traffic: dict[str, list[int]], steps: int) -> dict:
@@ -803,7 +380,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
     rollback = launch.on_failure == "rollback" and not cfg.profile_out
     faults = parse_chaos(cfg.chaos, launch.workers)
     timed = TimedChaos(faults, seed=cfg.seed)
-    records: list[FaultRecord] = _read_faults(run_dir) if cfg.resume else []
+    records: list[FaultRecord] = read_faults(run_dir) if cfg.resume else []
     sockets: list[Path] = []
     coordinator: subprocess.Popen | None = None
     control = run_dir / "control"
@@ -827,7 +404,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         if any(f.kind == "cut" for f in faults) and mode != "netns":
             raise RunFailed("--chaos cut needs emulated links, and this run fell back to loopback")
         sockets = start_keepers(run_dir, launch.workers, cfg.resume) if keepers else []
-        coordinator = _start_coordinator(launch, cluster, wait=False) if not cfg.profile_out else None
+        coordinator = start_coordinator(launch, cluster, wait=False) if not cfg.profile_out else None
         coordinator_waited = False
         attempt, stuck, start_step = 0, 0, cfg.resume_step if cfg.resume else 0
         prior = len(records)  # faults of earlier launches: reported, not counted again
@@ -859,7 +436,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                         cluster.set_link(i, up=True)
                 hosts = _start_hosts(launch, cluster, cfg, sockets, threads, attempt, coordinator)
                 if coordinator is not None and not coordinator_waited:  # it started beside them
-                    _coordinator_up(launch, coordinator)
+                    coordinator_up(launch, coordinator)
                     coordinator_waited = True
                 if elastic and coordinator is not None:
                     for m in range(launch.workers, launch.workers + launch.spares):
@@ -904,7 +481,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     if given.get("revoked"):  # silent before it was admitted: it is stopped
                         placed += 1
                         if machine_of[h] == m and h not in dead and h in joiners:
-                            _stop([hosts.procs[h]], grace_s=0.5)
+                            stop_processes([hosts.procs[h]], grace_s=0.5)
                             dead.add(h)
                             why = f"spare host {m} went silent before it was admitted"
                             print(f"geotrain: {why}; host {h}'s place goes to the next spare",
@@ -957,7 +534,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 progress = max(last_step(run_dir, i)[0] for i in live)
                 if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
-                    _write_faults(run_dir, records)
+                    write_faults(run_dir, records)
                     recovering = None
                 if not armed and progress > start_step:
                     timed.arm(now)
@@ -969,10 +546,12 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                         for i, p in enumerate(hosts.procs)
                     ])  # fmt: skip
                 if coordinator is not None and coordinator.poll() is not None:
-                    coordinator = _restart_coordinator(launch, cluster, coordinator)
+                    coordinator = restart_coordinator(launch, cluster, coordinator)
                 time.sleep(0.1)
             if failed is None:
-                _stop(list(pool.values()), grace_s=2.0)  # spares not needed (they see the run finished)
+                stop_processes(
+                    list(pool.values()), grace_s=2.0
+                )  # spares not needed (they see the run finished)
                 for p in hosts.procs:  # agents waiting at torchrun's exit barrier for lost ones
                     if elastic and p.poll() is None:
                         with contextlib.suppress(ProcessLookupError):
@@ -990,9 +569,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             if timed.fired is not None and hosts.procs[timed.fired[1]].poll() not in (None, 0):
                 failed = timed.fired[1]  # the one it killed, not a peer that fell with it
             if elastic:  # the failed host only: a frozen one must not come back into the new epoch
-                _stop([hosts.procs[failed]], grace_s=0.5)
+                stop_processes([hosts.procs[failed]], grace_s=0.5)
             else:  # no grace for survivors: their state is in the keepers, and one may be frozen
-                _stop(hosts.procs, grace_s=1.0)
+                stop_processes(hosts.procs, grace_s=1.0)
                 hosts.close()
                 hosts = None
             # Step faults that have fired: their trainer left a marker just before.
@@ -1022,10 +601,10 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 detected_at=detected_wall,
             )
             records.append(record)
-            _write_faults(run_dir, records)
+            write_faults(run_dir, records)
             what = f"exited with code {code}" if code is not None else f"went silent for {silent_s:.1f} s"
             log = run_dir / "logs" / f"host{machine_of[failed]}.log"
-            log_tail = f"; its log ({log}) ends:\n" + _tail(log)
+            log_tail = f"; its log ({log}) ends:\n" + tail_of(log)
             if fatal:  # bad input, or a collective timeout: the same on every attempt
                 said = fatal[0].name.removeprefix("fatal-rank")
                 who = "" if said == str(failed) else f"; host {said}"
@@ -1044,7 +623,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                         start_keepers(run_dir, launch.workers, resume=True)
                 write_atomic(control / f"dead-{failed}", b"")
                 record.rollback_to = furthest  # nobody goes back: the survivors keep their steps
-                _write_faults(run_dir, records)
+                write_faults(run_dir, records)
                 left = launch.workers - len(dead)
                 if restart_s:
                     rejoin[machine_of[failed]] = (time.monotonic() + restart_s, record, failed)
@@ -1080,9 +659,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     f"host {failed} {what} before any new step, twice running; not retrying{log_tail}"
                 )
             time.sleep(restart_s)  # the replacement's time to come up
-            cfg = _rollback(run_dir, launch, cfg, sockets, faults, record)
+            cfg = roll_back(run_dir, launch, cfg, sockets, faults, record)
             start_step = record.rollback_to
-            _write_faults(run_dir, records)
+            write_faults(run_dir, records)
             print(
                 f"geotrain: host {rank} failed after step {furthest} ({kind}); all workers continue "
                 f"from step {record.rollback_to} ({record.steps_lost} steps redone)",
@@ -1099,11 +678,11 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 # Ctrl-C: remove the hosts first (this kills every process in them), then reap.
                 cluster.down()
             if hosts is not None:
-                _stop(hosts.procs + list(pool.values()), grace_s=2.0 if interrupted else 5.0)
+                stop_processes(hosts.procs + list(pool.values()), grace_s=2.0 if interrupted else 5.0)
                 hosts.close()
             if coordinator is not None:
                 (control / "stop").touch()
-                _stop([coordinator], grace_s=2.0)
+                stop_processes([coordinator], grace_s=2.0)
             if cluster is not None:
                 with contextlib.suppress(OSError):  # a cluster already taken down has no counters
                     traffic = cluster.traffic()
@@ -1142,9 +721,9 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         summary |= wire_bytes(traffic, int(summary["steps"]) - start + redone)
         write_atomic(summary_path, (json.dumps(summary, indent=2) + "\n").encode())
     if elastic:
-        summary["membership"] = _regroup_events(control) or summary.get("membership") or []
-        _credit_regroups(records[prior:], summary["membership"])
-        _write_faults(run_dir, records)
+        summary["membership"] = regroup_events(control) or summary.get("membership") or []
+        credit_regroups(records[prior:], summary["membership"])
+        write_faults(run_dir, records)
     if records or launch.on_failure != "stop":
         summary["on_failure"] = launch.on_failure
         summary["faults"] = [r.as_dict() for r in records]
