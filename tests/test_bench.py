@@ -22,11 +22,12 @@ from geotrain.bench.curves import (
     time_to_target,
     tokens_to_target,
 )
-from geotrain.bench.matrix import BenchConfig, compute_share
+from geotrain.bench.matrix import Bench, BenchConfig, compute_share
 from geotrain.bench.report import markdown_table, write_report
 from geotrain.plan.cost import LinkModel
 from geotrain.plan.network import NetworkModel
 from geotrain.sync import ConfigError
+from geotrain.train import TrainConfig
 from helpers import geotrain
 
 
@@ -417,3 +418,26 @@ def test_soak_refuses_a_bad_model_option_and_passes_a_good_one_to_both_runs():
     job = SoakJob(model="tiny", extra=("--model-config", "n_layer=1", "--lora", "r=2,alpha=4,targets=c_attn"))
     argv = job.argv(Path("/tmp/x"))
     assert argv[-4:] == ["--model-config", "n_layer=1", "--lora", "r=2,alpha=4,targets=c_attn"]
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_benchs_profile_times_the_codecs_its_cells_are_priced_with(tmp_path):
+    """A codec cell's prediction has the codec's encoding and decoding in it: the profile the
+    bench takes times every codec its priced cells use (``--profile-codecs``), once each."""
+    from geotrain.plan.codec_time import codec_key
+
+    algos = ["nosync", "ssgd+int8", "diloco+acpsgd:rank=4", "localsgd+int8", "dreamddp+auto", "sparseloco"]
+    bench = Bench(BenchConfig(algos=algos, workers=[2], bandwidths=["100mbit"], netem=False), tmp_path)
+    assert bench.priced_codecs() == ["int8", "acpsgd:rank=4"]
+    profile = bench.profile(2, "100mbit")
+    assert set(profile["codecs"]) == {codec_key("int8"), codec_key("acpsgd:rank=4")}
+    for timed in profile["codecs"].values():
+        assert timed["workers"] == 2 and len(timed["layers"]) == len(profile["layers"])
+        assert all(s > 0 for s in timed["layers"].values())
+
+
+def test_profile_codecs_are_checked_before_anything_starts():
+    with pytest.raises(ConfigError, match="--profile-codecs: unknown codec 'int3'"):
+        TrainConfig(algo="nosync", profile_out="p.json", profile_codecs="int8;int3")
+    cfg = TrainConfig(algo="dreamddp", compress="int4", profile_codecs="int8; int4")
+    assert cfg.profile_codec_specs() == ["int4", "int8"]  # its own first, each once

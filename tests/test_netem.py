@@ -25,6 +25,16 @@ def test_20mbit_link_takes_at_least_3_5_s_for_10_mb():
     assert elapsed < 8.0
 
 
+def test_a_message_after_a_pause_crosses_at_the_links_rate_not_in_a_free_burst():
+    """150 KB on a fresh 100 Mbit/s link is 12 ms at the rate. The shaper's bucket used to hold
+    10 ms of it (125 KB), which went at the veth's speed: it took about 2 ms, and a step's first
+    messages crossed free."""
+    with EmulatedCluster([10**8, 10**8]) as cluster:
+        (elapsed,) = transfers(cluster, [(0, 1)], 150_000)
+    at_rate = 150_000 * 8 / 10**8
+    assert elapsed >= 0.75 * at_rate, f"150 KB took {elapsed * 1e3:.1f} ms; {at_rate * 1e3:.0f} at the rate"
+
+
 def test_failed_setup_removes_what_it_made(monkeypatch):
     calls = {"n": 0}
     real = netem._tbf

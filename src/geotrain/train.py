@@ -44,6 +44,7 @@ from geotrain.comm.guard import (
     parse_aggregate,
 )
 from geotrain.compress import plain_spec
+from geotrain.compress.codec import make_codec
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import atomic_file, write_atomic
 from geotrain.ft.chaos import ChaosError, fire_at_step, parse_chaos
@@ -181,6 +182,8 @@ class TrainConfig:
     fill_in: bool | None = None  # dreamddp: average more layers where the link has room (None: off)
     lag: int = -1  # dreamddp: iterations before a layer's average lands (-1: the algorithm's default)
     profile_out: str = ""  # profile the model and link, write this JSON, and do not train
+    # with profile_out: more codecs to time per layer, ";" between them (the bench's cells' codecs)
+    profile_codecs: str = ""
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
     eval_model: str = "auto"  # mid-run validations score: average | replicas | auto (loopback: average)
@@ -366,6 +369,11 @@ class TrainConfig:
             faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
+        for spec in self.profile_codec_specs():
+            try:
+                make_codec(spec)
+            except ValueError as e:  # the codecs' own ConfigError
+                raise ConfigError(f"--profile-codecs: {e}") from None
         codec = plain_spec(self.compress).partition(":")[0]
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
         codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
@@ -430,6 +438,13 @@ class TrainConfig:
         if self.profile_out:
             return 0.0
         return default_norm_ratio(self.algo, self.compress, self.pace, self.warm_start)
+
+    def profile_codec_specs(self) -> list[str]:
+        """The codecs a profile times: ``compress``'s (every candidate under auto), then
+        ``profile_codecs``'."""
+        own = [c for c in AUTO_CODECS if c] if self.compress == AUTO_CODEC else [plain_spec(self.compress)]
+        extra = [c.strip() for c in self.profile_codecs.split(";")]
+        return list(dict.fromkeys(c for c in own + extra if c))
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""
@@ -697,7 +712,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         launcher_set = (
-            "link", "network_mode", "run_dir", "latency_ms", "profile_out", "resume", "keeper", "elastic",
+            "link", "network_mode", "run_dir", "latency_ms", "profile_out", "profile_codecs", "resume",
+            "keeper", "elastic",
             "fault_timeout_s", "join", "spare", "min_workers", "join_timeout",
         )  # fmt: skip
         if f.name in (*launcher_set, "heartbeat", "broker", "host"):
@@ -1430,9 +1446,8 @@ def _write_profile(cfg, ctx, model, optimizer, comm, loss_fn) -> dict[str, Any]:
         "network_mode": cfg.network_mode,
         "optimizer": cfg.optimizer,
     }
-    # --compress: the codec's encoding is timed too, for the plans that price it
-    codecs = [plain_spec(cfg.compress)] if plain_spec(cfg.compress) else []
-    codecs = [c for c in AUTO_CODECS if c] if cfg.compress == AUTO_CODEC else codecs
+    # --compress (and --profile-codecs): their encoding is timed too, for the plans that price it
+    codecs = cfg.profile_codec_specs()
     profile = build_profile(model, layer_groups(model), loss_fn, optimizer, comm, meta, codecs=codecs)
     if ctx.is_main:
         Path(cfg.profile_out).parent.mkdir(parents=True, exist_ok=True)
@@ -1540,6 +1555,7 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile-out", dest="profile_out", default="", help="profile, write this JSON, exit"
     )
+    parser.add_argument("--profile-codecs", dest="profile_codecs", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--resume",
         action=argparse.BooleanOptionalAction,

@@ -254,10 +254,21 @@ class Bench:
             on_failure="stop",
         )
 
+    def priced_codecs(self) -> list[str]:
+        """The codecs of the cells the planner prices with one (``predict_step``): the profile
+        times their encoding and decoding per layer, as a run with the codec spends them."""
+        entries = (split_entry(entry) for entry in self.cfg.algos)
+        specs = (codec for algo, codec in entries if codec and codec != "auto" and algo in CODEC_ALGOS)
+        return list(dict.fromkeys(specs))
+
     def profile(self, w: int, bw: str) -> dict[str, Any]:
         path = group_dir(self.out, w, bw) / "profile.json"
         if not path.exists():
-            cfg = replace(self.cfg.train_config("nosync"), profile_out=str(path.resolve()))
+            cfg = replace(
+                self.cfg.train_config("nosync"),
+                profile_out=str(path.resolve()),
+                profile_codecs=";".join(self.priced_codecs()),
+            )
             run_local_cluster(self._launch(w, bw, group_dir(self.out, w, bw) / "profile-run"), cfg)
         return json.loads(path.read_text())
 
@@ -273,7 +284,8 @@ class Bench:
         workers (default: the cell's own), moved to the cell's processes per core (``shared_cores``); None
         for an algorithm the planner does not price (a codec, ddp_powersgd) or a dreamddp cell
         whose plan is not made yet. A codec is priced where the algorithm takes one (``codec_priced``:
-        its wire bytes and phases; its encoding time is not in the profile)."""
+        its wire bytes and phases, and its encoding and decoding as the profile timed them; a
+        profile taken before it timed them prices none)."""
         algo, codec = split_entry(entry)
         if algo not in PREDICTED or (codec and algo not in CODEC_ALGOS) or codec == "auto":
             return None  # (auto: what the run will choose is its own start-up profile's to say)
