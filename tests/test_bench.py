@@ -426,7 +426,7 @@ def test_the_benchs_profile_times_the_codecs_its_cells_are_priced_with(tmp_path)
     bench takes times every codec its priced cells use (``--profile-codecs``), once each."""
     from geotrain.plan.codec_time import codec_key
 
-    algos = ["nosync", "ssgd+int8", "diloco+acpsgd:rank=4", "localsgd+int8", "dreamddp+auto", "sparseloco"]
+    algos = ["nosync", "ssgd+int8", "diloco+acpsgd:rank=4", "localsgd+int8", "dreamddp+auto", "ssgd+none"]
     bench = Bench(BenchConfig(algos=algos, workers=[2], bandwidths=["100mbit"], netem=False), tmp_path)
     assert bench.priced_codecs() == ["int8", "acpsgd:rank=4"]
     profile = bench.profile(2, "100mbit")
@@ -439,5 +439,9 @@ def test_the_benchs_profile_times_the_codecs_its_cells_are_priced_with(tmp_path)
 def test_profile_codecs_are_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="--profile-codecs: unknown codec 'int3'"):
         TrainConfig(algo="nosync", profile_out="p.json", profile_codecs="int8;int3")
-    cfg = TrainConfig(algo="dreamddp", compress="int4", profile_codecs="int8; int4")
-    assert cfg.profile_codec_specs() == ["int4", "int8"]  # its own first, each once
+    cfg = TrainConfig(algo="dreamddp", compress="int4", profile_codecs="int8; int4;none;")
+    assert cfg.profile_codec_specs() == ["int4", "int8"]  # its own first, each once, fp32 not a codec
+    # a bad --compress is its algorithm's to refuse, in its own words
+    with pytest.raises(ConfigError, match="unknown codec 'int9'") as refused:
+        TrainConfig(algo="ssgd", compress="int9")
+    assert "--profile-codecs" not in str(refused.value)

@@ -369,7 +369,7 @@ class TrainConfig:
             faults = parse_chaos(self.chaos)
         except ChaosError as e:
             raise ConfigError(str(e)) from None
-        for spec in self.profile_codec_specs():
+        for spec in self._extra_profile_codecs():  # --compress is checked by its algorithm
             try:
                 make_codec(spec)
             except ValueError as e:  # the codecs' own ConfigError
@@ -439,12 +439,15 @@ class TrainConfig:
             return 0.0
         return default_norm_ratio(self.algo, self.compress, self.pace, self.warm_start)
 
+    def _extra_profile_codecs(self) -> list[str]:
+        """``profile_codecs`` as specs ("none", fp32, and empty items dropped)."""
+        return [c for c in (plain_spec(c.strip()) for c in self.profile_codecs.split(";")) if c]
+
     def profile_codec_specs(self) -> list[str]:
         """The codecs a profile times: ``compress``'s (every candidate under auto), then
-        ``profile_codecs``'."""
+        ``profile_codecs``'; each once (``time_codecs`` times one spelling of a codec once)."""
         own = [c for c in AUTO_CODECS if c] if self.compress == AUTO_CODEC else [plain_spec(self.compress)]
-        extra = [c.strip() for c in self.profile_codecs.split(";")]
-        return list(dict.fromkeys(c for c in own + extra if c))
+        return list(dict.fromkeys(c for c in own + self._extra_profile_codecs() if c))
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""

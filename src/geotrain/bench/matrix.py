@@ -35,6 +35,7 @@ from geotrain.bench.curves import (
     time_to_target,
     tokens_to_target,
 )
+from geotrain.compress import plain_spec
 from geotrain.launch.disk import drop_states
 from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
 from geotrain.metrics import read_metrics
@@ -258,8 +259,8 @@ class Bench:
         """The codecs of the cells the planner prices with one (``predict_step``): the profile
         times their encoding and decoding per layer, as a run with the codec spends them."""
         entries = (split_entry(entry) for entry in self.cfg.algos)
-        specs = (codec for algo, codec in entries if codec and codec != "auto" and algo in CODEC_ALGOS)
-        return list(dict.fromkeys(specs))
+        specs = (plain_spec(codec) for algo, codec in entries if codec != "auto" and algo in CODEC_ALGOS)
+        return list(dict.fromkeys(spec for spec in specs if spec))  # "" and "none": fp32
 
     def profile(self, w: int, bw: str) -> dict[str, Any]:
         path = group_dir(self.out, w, bw) / "profile.json"
