@@ -434,6 +434,12 @@ def test_the_benchs_profile_times_the_codecs_its_cells_are_priced_with(tmp_path)
     for timed in profile["codecs"].values():
         assert timed["workers"] == 2 and len(timed["layers"]) == len(profile["layers"])
         assert all(s > 0 for s in timed["layers"].values())
+    # a rerun that adds a codec cell keeps the profile, and says what it does not time
+    said: list[str] = []
+    more = BenchConfig(algos=[*algos, "ssgd+int4"], workers=[2], bandwidths=["100mbit"], netem=False)
+    rerun = Bench(more, tmp_path, echo=said.append)
+    assert rerun.profile(2, "100mbit") == profile and rerun.profile(2, "100mbit") == profile
+    assert len(said) == 1 and "does not time int4" in said[0]
 
 
 def test_profile_codecs_are_checked_before_anything_starts():

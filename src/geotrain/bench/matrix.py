@@ -41,6 +41,7 @@ from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
 from geotrain.metrics import read_metrics
 from geotrain.netem.cluster import netem_unavailable_reason
 from geotrain.netem.links import parse_bandwidths
+from geotrain.plan.codec_time import codec_key
 from geotrain.plan.gather import stands_for_bps
 from geotrain.plan.planner import (
     CODEC_ALGOS,
@@ -198,6 +199,7 @@ class Bench:
         self.cfg = cfg
         self.out = out
         self.echo = echo
+        self._said_untimed: set[Path] = set()  # profiles already said to lack a cell's codec times
 
     def cells(self) -> list[tuple[int, str, str]]:
         return [(w, bw, algo) for w, bw in self.cfg.groups() for algo in self.cfg.algos]
@@ -271,7 +273,15 @@ class Bench:
                 profile_codecs=";".join(self.priced_codecs()),
             )
             run_local_cluster(self._launch(w, bw, group_dir(self.out, w, bw) / "profile-run"), cfg)
-        return json.loads(path.read_text())
+        profile = json.loads(path.read_text())
+        untimed = [c for c in self.priced_codecs() if codec_key(c) not in profile.get("codecs", {})]
+        if untimed and path not in self._said_untimed:  # a rerun that added codec cells
+            self._said_untimed.add(path)
+            self.echo(
+                f"{path} does not time {', '.join(untimed)}: those cells are priced on their bytes "
+                "alone (delete it to profile again)"
+            )
+        return profile
 
     def plan(self, w: int, bw: str) -> Path:
         path = group_dir(self.out, w, bw) / "plan.json"

@@ -41,7 +41,7 @@ class ExitBarrierToLog(logging.Filter):
         reason = f"{type(error).__name__}: {error}" if error is not None else "no reason given"
         print(
             f"{LOG_ONLY} the exit barrier failed after the trainers finished ({reason}); "
-            "the agent serving it most likely exited first",
+            "a connection lost there is the serving agent's exit, a timeout a slow peer's",
             file=sys.stderr,
             flush=True,
         )
