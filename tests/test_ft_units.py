@@ -525,7 +525,7 @@ sys.exit(1)
 def test_a_failed_exit_barrier_after_the_trainers_finished_is_one_log_line_not_a_traceback(quiet):
     """torchrun's agents meet at an exit barrier in the store host 0's agent serves; host 0 may
     pass it and exit before another agent's wait reads the answer, and that agent logged a
-    traceback though the run had ended well (CI, stop 53). torch's own ``_exit_barrier`` runs
+    traceback though the run had ended well (CI, the stop after 51). torch's own ``_exit_barrier`` runs
     here against a store whose server is gone; ``quiet=False`` shows the traceback is real."""
     import subprocess
     import sys

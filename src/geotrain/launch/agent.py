@@ -11,7 +11,7 @@ also when that signal comes after torchrun's ``main()`` is over: its handler sta
 raised ``SignalException`` inside the interpreter's exit (a weakref finaliser), a traceback CI saw.
 And so does torchrun's traceback when its exit barrier fails after every trainer has finished:
 host 0's agent serves the store the agents meet in, and it may pass the barrier and exit before
-another agent's wait has read the answer (CI, stop 53: "Failed to recv, got 0 bytes").
+another agent's wait has read the answer (CI, the stop after 51: "Failed to recv, got 0 bytes").
 """
 
 from __future__ import annotations
