@@ -446,8 +446,8 @@ class TrainConfig:
     def profile_codec_specs(self) -> list[str]:
         """The codecs a profile times: ``compress``'s (every candidate under auto), then
         ``profile_codecs``'; each once (``time_codecs`` times one spelling of a codec once)."""
-        own = [c for c in AUTO_CODECS if c] if self.compress == AUTO_CODEC else [plain_spec(self.compress)]
-        return list(dict.fromkeys(c for c in own + self._extra_profile_codecs() if c))
+        own = list(AUTO_CODECS) if self.compress == AUTO_CODEC else [plain_spec(self.compress)]
+        return list(dict.fromkeys(c for c in own + self._extra_profile_codecs() if c))  # "": fp32
 
     def site_of_host(self) -> list[int] | None:
         """``--sites 0,0,1,1`` as a list (None: no sites given)."""
