@@ -77,6 +77,8 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     if kind.startswith("algo"):  # sparseloco's and demo's all-gathers
         _, algo, how = kind.split("/")
         return _frontier_case(rank, algo, how)
+    if kind == "buffers":  # checked means in flight together, twice: their buffers are reused
+        return _buffers_case(rank)
     if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
         _, algo, how = kind.split("/", 2)
         return _in_band_case(rank, algo, how)
@@ -128,6 +130,26 @@ def _in_band_case(rank: int, algo: str, how: str) -> dict:
         return _two_steps(rank, algo, how)
     finally:  # the same worker goes on to the other cases
         communicator.Communicator._screen = original
+
+
+def _buffers_case(rank: int) -> dict:
+    """Two rounds of three checked means in flight at once (two of 1,000 values, one of 500),
+    as a step's buckets are; in the second, worker 2's first message is NaN, so that mean is
+    taken again. Records the buffers the communicator keeps after each round."""
+    comm = Communicator(max_norm_ratio=10.0)
+    gen = torch.Generator().manual_seed(rank)
+    kept, means = [], []
+    for round_ in range(2):
+        honest = [torch.randn(n, generator=gen) for n in (1000, 1000, 500)]
+        sent = [t.clone() for t in honest]
+        if rank == 2 and round_ == 1:
+            sent[0][7] = float("nan")
+        handles = [comm.all_reduce(t, op="mean", async_op=True) for t in sent]
+        means.append([h.wait().clone() for h in handles])
+        kept.append({k[0]: sorted(b.data_ptr() for b in v) for k, v in comm._spare_buffers.items()})
+        if round_ == 1:
+            honest_last = honest
+    return {"kept": kept, "means": means, "honest": honest_last, "rejected": dict(comm.rejected_by_rank)}
 
 
 def _two_steps(rank: int, algo: str, how: str) -> dict:
@@ -221,7 +243,7 @@ RUNS = Cases(
     _case,
     3,
     [
-        ("nan",), ("inf",), ("scale",), ("all",), ("clip",), *((k,) for k in ROBUST),
+        ("nan",), ("inf",), ("scale",), ("all",), ("clip",), ("buffers",), *((k,) for k in ROBUST),
         *((f"inband/{a}/{how}",) for a in ("ssgd", "ddp") for how in ("nan", "scale")),
         ("inband/ssgd+powersgd:rank=2/nan",), ("inband/ssgd+fp16/scale",),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
@@ -323,6 +345,24 @@ def test_a_bad_contribution_is_left_out_and_the_mean_is_the_honest_workers(kind)
     # CO2: the anchor moved by the two honest workers' mean step of 0.01 x (1, 2): 0.015.
     start = ranks[0]["diloco"]
     torch.testing.assert_close(ranks[0]["co2"], start - 0.015, atol=1e-6, rtol=0)
+
+
+def test_checked_means_in_flight_together_each_hold_a_buffer_and_the_next_step_reuses_them():
+    """A checked mean sends its message and the table of norms in one buffer. A fresh one per
+    bucket per step was fresh memory to fault in and zero (most of the check's 3.5% of ssgd's
+    step on W1), so a finished mean gives its buffer back for the next of its size: the three
+    means in flight at once held three (two of 1,000 values and the table's 2 x 3, one of 500),
+    the second round took the same three again, a mean taken again after a rejection included."""
+    ranks = RUNS.get("buffers")
+    for r in ranks:
+        first, second = r["kept"]
+        assert {n: len(ptrs) for n, ptrs in first.items()} == {1006: 2, 506: 1}
+        assert second == first  # the same memory: nothing new allocated, nothing lost on the redo
+        pair = (ranks[0]["honest"][0] + ranks[1]["honest"][0]) / 2
+        assert torch.equal(r["means"][1][0], pair)  # worker 2's NaN left out: the honest pair's
+        trio = sum(x["honest"][2] for x in ranks) / 3
+        torch.testing.assert_close(r["means"][1][2], trio, rtol=1e-5, atol=1e-7)
+        assert r["rejected"] == {2: 1}
 
 
 @pytest.mark.parametrize("algo", ["ssgd", "ddp"])

@@ -48,7 +48,7 @@ from geotrain.netem.links import (
 )
 from geotrain.netem.topology import parse_topology
 from geotrain.sync import ConfigError
-from geotrain.train import add_train_arguments, config_from_args
+from geotrain.train_args import add_train_arguments, config_from_args
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -187,7 +187,7 @@ def _cmd_resume(argv: list[str]) -> int:
     from geotrain.launch.keepers import keeper_socket
     from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
     from geotrain.sync.periods import resolve_every
-    from geotrain.train import AUTO_WARMUP, TrainConfig
+    from geotrain.train_config import AUTO_WARMUP, TrainConfig
 
     parser = _run_parser()
     argv = attach_dash_values(argv, ("--steps", "--resume-step"))

@@ -24,7 +24,7 @@ def cmd_bench(argv: list[str]) -> int:
     from geotrain.bench.report import markdown_table, scale_table, write_report
     from geotrain.launch.disk import state_copies
     from geotrain.launch.local import RunFailed
-    from geotrain.train import warmup_arg
+    from geotrain.train_config import warmup_arg
 
     p = Parser(
         prog="geotrain bench",
@@ -218,7 +218,7 @@ def cmd_soak(argv: list[str]) -> int:
     p.add_argument("--lora-fa", dest="lora_fa", action="store_true", help="LoRA-FA (as geotrain run)")
     p.add_argument("--out", default="runs/soak")
     args = p.parse_args(argv)
-    from geotrain.train import TrainConfig
+    from geotrain.train_config import TrainConfig
 
     try:  # refused here in one line, not after the first run has started
         TrainConfig(model=args.model, model_config=args.model_config, lora=args.lora, lora_fa=args.lora_fa)

@@ -55,7 +55,7 @@ from geotrain.plan.planner import (
 )
 from geotrain.plan.schedule import schedule_from_json
 from geotrain.sync import ALGORITHMS, ConfigError, sync_config
-from geotrain.train import AUTO_WARMUP, TrainConfig, warmup_for
+from geotrain.train_config import AUTO_WARMUP, TrainConfig, warmup_for
 
 
 def split_entry(entry: str) -> tuple[str, str]:

@@ -15,15 +15,10 @@ gloo has no ``AVG`` reduction, so a mean is a ``SUM`` followed by a division on 
 software latency (this kernel has no netem) makes each collective last at least
 ``2 (N-1) * latency``: one link latency per step of the ring.
 
-With a ``membership`` (``--on-failure continue``), every wait polls it: a collective on a peer
-that froze or lost its link never returns (no reset arrives), so once the coordinator publishes
-an epoch newer than the one the collective was launched in, the wait is abandoned with
-``MembershipChanged`` and the caller regroups. (Newer than at launch, not than now: a wait in
-another thread, such as a DDP bucket's, must give up even after the main thread has regrouped.)
-
-A collective that outlasts the process group's timeout (gloo's "Timed out waiting ... for recv")
-is raised as ``CollectiveTimeout``: one line naming the collective, its bytes, the links and the
-option to change, in place of a traceback from every rank.
+Beside it: ``comm/waits.py`` (the ``Handle`` of a collective in flight, waits that give up once
+the group loses a member, one line naming a collective that timed out or lost its peer) and
+``comm/checked.py`` (the check of contributions before they are averaged, mixed into
+``Communicator``). What moved there is importable from here as before.
 """
 
 from __future__ import annotations
@@ -32,163 +27,38 @@ import contextlib
 import hashlib
 import math
 import pickle
-import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.guard import (
-    GATHERED,
-    Verdict,
-    clip_norm,
-    judge,
-    message_norm,
-    parse_aggregate,
-    robust_mean,
-)
+from geotrain.comm.checked import CheckedMeans, corrupt_
+from geotrain.comm.guard import GATHERED, parse_aggregate
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
-from geotrain.ft.membership import FORMATION_S, MembershipChanged, retire
 
-INTERRUPT_POLL = timedelta(milliseconds=50)
-NCCL_POLL_S = 0.001
-
-
-class CollectiveTimeout(Exception):
-    """A collective or transfer waited longer than the process group's timeout. Not a
-    ``RuntimeError``: the elastic paths that take a failed collective for a lost member must not
-    take this one for one (its peers are alive; the link is too slow for the timeout)."""
-
-
-TIMEOUT_MARK = "waited longer than the collective timeout"
-
-
-# gloo's words for its own timeout on a transfer, and for a transfer on a connection that an
-# earlier timeout closed (DDP's backward surfaces either, by which bucket's all-reduce it reads)
-_GLOO_TIMEOUT = ("Timed out waiting", "Application timeout caused pair closure")
-
-
-def is_timeout(error: BaseException) -> bool:
-    """gloo's own timeout on a transfer (not a poll of ``wait_work`` that timed out)."""
-    return isinstance(error, RuntimeError) and any(words in str(error) for words in _GLOO_TIMEOUT)
-
-
-def timeout_message(op: str, nbytes: int | None, workers: int, timeout_s: float, link: str) -> str:
-    """One line: which collective, how many bytes, the limit, the links, and what to change."""
-    what = f"the {op} of {nbytes:,} bytes" if nbytes is not None else f"a {op}"
-    limit = f" of {timeout_s:g} s" if timeout_s else ""
-    links = f" on {link}" if link else ""
-    return (
-        f"{what} among {workers} workers {TIMEOUT_MARK}{limit}{links}: a peer froze or lost its "
-        "link, or the link is slower than that allows; raise --timeout-s (0 derives it from the "
-        "model and the slowest link)"
-    )
-
-
-def timeout_line(error: BaseException, workers: int, timeout_s: float, link: str) -> str | None:
-    """The one line for an error that is a collective's timeout, else None: a
-    ``CollectiveTimeout``, one re-raised through a future (PyTorch DDP's backward wraps what a
-    comm hook raised in a ``RuntimeError``), or gloo's own where no communicator waited (DDP's
-    built-in all-reduce, ``all_gather_object``)."""
-    if isinstance(error, CollectiveTimeout):
-        return str(error)
-    wrapped = re.search(rf"\b(?:the|a) [^\n]*{TIMEOUT_MARK}[^\n]*", str(error))
-    if wrapped:
-        return wrapped.group(0).strip()
-    if is_timeout(error):
-        return timeout_message(
-            "collective outside geotrain's Communicator (PyTorch DDP's gradient all-reduce, or an "
-            "exchange of state)", None, workers, timeout_s, link,
-        )  # fmt: skip
-    return None
-
-
-# What gloo and NCCL say when the process at the other end of a connection is gone...
-_PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited")
-# ...in a message of theirs: not this host's keeper or store, whose failures say the same words
-_BACKEND = re.compile(r"gloo|pair\.cc|NCCL")
-
-
-def peer_lost_line(error: BaseException, rank: int) -> str | None:
-    """One line for a collective that failed because a peer's process or link went away (a
-    consequence: the launcher, or whoever watches the hosts, reports the host that failed), else
-    None."""
-    text = str(error)
-    said = _PEER_GONE.search(text) if isinstance(error, RuntimeError) and _BACKEND.search(text) else None
-    if said is None:
-        return None
-    gone = said.group(0)
-    return f"host {rank}: a collective failed, a peer gone ({gone}); that peer's failure is reported apart"
-
-
-def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = True) -> None:
-    """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
-
-    A wait with a timeout returns the moment the work completes, so polling costs no latency;
-    a timed-out wait leaves the work as it was (gloo). NCCL aborts its communicator when a timed
-    wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead."""
-    if interrupt is None:
-        work.wait()
-        return
-    while True:
-        if work.is_completed():
-            work.wait()  # its result, or its error
-            return
-        if not timed_waits:
-            time.sleep(NCCL_POLL_S)
-        else:
-            try:
-                work.wait(timeout=INTERRUPT_POLL)
-                return
-            except RuntimeError:
-                if work.is_completed():  # it finished (or failed) as the wait timed out
-                    work.wait()  # its result, or its own error
-                    return
-        if interrupt():
-            raise MembershipChanged("the group lost a member while this collective waited")
-
-
-def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
-    """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
-    ``interrupt()`` says so.
-
-    Not polled like a collective: gloo takes a timed-out wait on a send or receive for a failed
-    transfer and closes the group's connections. So a thread of its own waits on them plainly
-    while this one watches ``interrupt``. Nor can a lost peer's connection error be counted on to
-    end them: gloo tells it to the transfers queued on that connection, not to the one whose
-    payload it is reading or writing, which waits for the group's timeout (a member killed
-    mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
-    waited for that joiner to be ready). An abandoned waiter and its works are retired."""
-    if interrupt is None:
-        for work in works:
-            work.wait()
-        return
-    done = threading.Event()
-    failed: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            for work in works:
-                work.wait()
-        except BaseException as e:  # the transfer's own error, raised by the caller
-            failed.append(e)
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=waiter, name="geotrain-transfers", daemon=True)
-    thread.start()
-    while not done.wait(INTERRUPT_POLL.total_seconds()):
-        if interrupt():
-            retire((thread, works))
-            raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
-    if failed:
-        raise failed[0]
+# The names marked F401 are used in waits.py only since the split: importable from here as before
+from geotrain.comm.waits import (
+    INTERRUPT_POLL,  # noqa: F401
+    NCCL_POLL_S,  # noqa: F401
+    TIMEOUT_MARK,  # noqa: F401
+    CollectiveTimeout,
+    Handle,
+    is_timeout,
+    peer_lost_line,  # noqa: F401
+    timeout_line,  # noqa: F401
+    timeout_message,
+    wait_transfers,
+    wait_work,
+)
+from geotrain.ft.membership import (
+    FORMATION_S,
+    MembershipChanged,  # noqa: F401
+    retire,
+)
 
 
 @dataclass
@@ -212,90 +82,8 @@ class CommStats:
         return asdict(self)
 
 
-def corrupt_(tensor: torch.Tensor, how: str) -> None:
-    """Chaos (``--chaos corrupt``): spoil a contribution in place, as a broken or hostile worker
-    would: ``nan``, ``inf``, ``signflip`` or ``scale=X``."""
-    with torch.no_grad():
-        if how in ("nan", "inf"):
-            tensor.fill_(float(how))
-        elif how == "signflip":
-            tensor.neg_()
-        elif how.startswith("scale="):
-            tensor.mul_(float(how.partition("=")[2]))
-        else:
-            raise ValueError(f"unknown corruption {how!r}; accepted: nan, inf, signflip, scale=X")
-
-
-# Verdicts update the counts --max-rejections reads; DDP's buckets are judged on threads of their
-# own. One lock for the process: a communicator is copied with its state (no lock to pickle).
-_JUDGING = threading.Lock()
-
-
-class Handle:
-    """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        work,
-        tensor,
-        divide_by: int,
-        launched: float,
-        op: str = "",
-        nbytes: int = 0,
-        finish: Callable[[], None] | None = None,
-    ):
-        self._comm = comm
-        self._finish = finish  # what turns the collective's output into the result (a robust mean)
-        self._op, self._nbytes = op, nbytes
-        # One collective, or several (an uneven gather is one broadcast per worker).
-        self._works = [w for w in (work if isinstance(work, list) else [work]) if w is not None]
-        self._tensor = tensor
-        self._divide_by = divide_by
-        self._launched = launched
-        self._done = False
-        self._interrupt = comm.interrupt_after_now()
-        # A checked mean whose verdict left a contribution out takes the mean again. Where the
-        # wait runs on a thread of its own (DDP's buckets), a collective issued there could
-        # cross the backward's next launches in another order on another worker: with
-        # ``defer_redo`` the mean is left in ``redo``, for the training thread to call.
-        self.defer_redo = False
-        self.redo: Callable[[], torch.Tensor] | None = None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self._tensor
-
-    def is_completed(self) -> bool:
-        """Done, as ``wait`` would see it: every work completed and the emulated latency
-        (``min_collective_s``) past."""
-        if self._done:
-            return True
-        if time.perf_counter() < self._launched + self._comm.min_collective_s:
-            return False
-        return all(w.is_completed() for w in self._works)
-
-    def wait(self) -> torch.Tensor:
-        if self._done:
-            return self._tensor
-        start = time.perf_counter()
-        with self._comm.naming_timeouts(self._op, self._nbytes):
-            for work in self._works:
-                wait_work(work, self._interrupt, not self._comm.nccl)
-        remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        self._comm.stats.blocked_s += time.perf_counter() - start
-        if self._finish is not None:
-            self._finish()
-        if self._divide_by > 1:
-            self._tensor.div_(self._divide_by)
-        self._done = True
-        return self._tensor
-
-
 @dataclass
-class Communicator:
+class Communicator(CheckedMeans):
     """Collectives over one process group, with accounting.
 
     ``group=None`` means the default group. A communicator over a world of one (no process group
@@ -342,6 +130,11 @@ class Communicator:
         self.left_out: frozenset[int] = frozenset()
         self.two_level: SiteGroups | None = None
         self._chain: Chain | None = None
+        # A checked mean's buffers (its message and the table, ``_checked_mean``), by size, kept
+        # for the next step's: a fresh one per bucket is fresh memory the kernel must fault in
+        # and zero, page by page (on W1 the check cost ssgd 3.5% of its step with fresh ones,
+        # 1.0% with these).
+        self._spare_buffers: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self.rebind(self.group)
 
     def rebind(self, group: dist.ProcessGroup | None) -> None:
@@ -378,6 +171,8 @@ class Communicator:
             # is up, and one lost while the groups form must not hold the others for hours.
             forming = FORMATION_S if self._bound else (self.timeout_s or 600.0)
             self.two_level = site_groups(sites, self.rank, self.timeout_s, forming)
+        # The table's rows follow the group's size, and an abandoned collective may still hold one.
+        self._spare_buffers = {}
         # A job of the old group stuck on a lost peer must not hold up the new group's.
         if self._chain is not None:
             self._chain.close()
@@ -569,272 +364,6 @@ class Communicator:
         flat, intra = tensor.view(-1), groups.intra
         work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
         Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()
-
-    def _in_band(self, op: str) -> bool:
-        """Whether a checked mean learns the verdict alongside the average (``_checked_mean``)
-        rather than before it (``_screen``): a plain mean over one flat group. Clipping scales a
-        contribution before it is sent, and a robust mean gathers instead of summing."""
-        return op == "mean" and self._aggregate == "mean" and self.world_size > 1
-
-    def _norm_table(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This worker's row of the check's table: its contribution's norm and whether it is
-        finite (float64, on the tensor's device: NCCL reduces only there). A NaN or an inf
-        anywhere makes the norm one, so the norm alone says the tensor is finite: the scan for
-        them (12x the norm's time on a CPU) runs only where it does not, to tell a norm that
-        overflowed float32 (values above 1e19) from a tensor that is not finite."""
-        values = tensor.detach()
-        norm = float(torch.linalg.vector_norm(values, dtype=torch.float32))
-        finite = math.isfinite(norm)
-        if not finite and bool(torch.isfinite(values).all()):
-            norm, finite = float(torch.linalg.vector_norm(values, dtype=torch.float64)), True
-        table = torch.zeros(self.world_size, 2, dtype=torch.float64, device=tensor.device)
-        table[self.rank, 0] = norm if finite else 0.0
-        table[self.rank, 1] = 1.0 if finite else 0.0
-        return table
-
-    def _checked_mean(self, tensor: torch.Tensor, nbytes: int) -> Handle:
-        """A checked mean with no round trip before it: the table of norms (``_norm_table``)
-        travels with the contributions, so a mean waited for inside backward (ssgd's and
-        DreamDDP's buckets, a warm start's steps) costs no more latency than an unchecked one.
-        A float32 or float64 message carries it in the same all-reduce, its 2 N last values
-        (each worker writes its own row, the others are zeros: the sum is the table); a message
-        in 16 bits, whose range a norm would overflow, sends it in a float64 all-reduce of its
-        own, beside. When the verdict keeps every contribution, as it does but for a broken or
-        hostile worker, the sum is the mean's. When it leaves one out, the sum is spoiled (a NaN
-        cannot be subtracted, nor a 1e6-scaled vector without losing bits), so the mean is taken
-        again from this worker's contribution (the message itself, left as it was while its copy
-        travelled; or a copy kept for it), the rejected ones zeroed: bitwise what ``_screen``'s
-        path gives. Every worker reaches the same verdict, so every one takes it again, in the
-        order it waits (``Handle.redo`` where that wait is on another thread: DDP's buckets)."""
-        out, w, n = self.left_out, self.world_size, tensor.numel()  # ``out``: as sent
-        sent = tensor.detach()
-        row = self._norm_table(sent if self.rank not in out else sent.new_zeros(1))
-        together = tensor.dtype in (torch.float32, torch.float64)
-        launched = time.perf_counter()
-        self.control_calls += 1
-        own: list[torch.Tensor] = []
-        if together:
-            buf = torch.empty(n + 2 * w, dtype=tensor.dtype, device=tensor.device)
-            data, table = buf[:n], buf[n:].view(w, 2)
-            if self.rank in out:
-                data.zero_()  # a copy of the leader's state (``leaving_out``): it weighs nothing
-            else:
-                data.copy_(sent.reshape(-1))
-            table.copy_(row)
-            works = [self._launch_sum(buf, nbytes)]
-        else:
-            own.append(sent.clone())  # what the mean is taken again from, if it must be
-            if self.rank in out:
-                tensor.zero_()
-            data, table = sent, row
-            works = [dist.all_reduce(row, op=dist.ReduceOp.SUM, group=self.group, async_op=True)]
-            works.append(self._launch_sum(tensor, nbytes))
-        handle = Handle(self, works, tensor, 1, launched, "all-reduce", nbytes)
-
-        def finish() -> None:
-            verdict = self._judge_table(table.tolist(), out)
-            if verdict.count == w - len(out):
-                if together:
-                    tensor.copy_(data.view_as(tensor))
-                tensor.div_(verdict.count)
-                own.clear()
-                return
-            if verdict.count == 0:  # nothing to average: every worker keeps its own (as it was)
-                if not together:
-                    tensor.copy_(own.pop())
-                return
-            mine = data if together else own.pop()
-            if not verdict.kept[self.rank]:
-                mine.zero_()
-            elif together:
-                mine.copy_(sent.reshape(-1))
-
-            def redo() -> torch.Tensor:
-                self._wait_blocked(self._launch_sum(mine, nbytes), time.perf_counter(), nbytes)
-                return tensor.copy_(mine.view_as(tensor)).div_(verdict.count)
-
-            if handle.defer_redo:
-                tensor.zero_()  # not the spoiled sum, until ``handle.redo()`` writes the mean
-                handle.redo = redo
-            else:
-                redo()
-
-        handle._finish = finish
-        return handle
-
-    def _robust_mean(self, tensor: torch.Tensor, kept_ranks: list[bool], launched: float) -> Handle:
-        """``--aggregate trimmed|median``: every contribution gathered, the same coordinate-wise
-        statistic computed over the kept ones on every worker, written into ``tensor``."""
-        flat = tensor.detach().reshape(-1)
-        gathered = self.all_gather(flat, async_op=True)
-        kept = torch.tensor(kept_ranks)
-
-        def finish() -> None:
-            rows = gathered.wait()[kept]
-            tensor.copy_(robust_mean(rows, self._aggregate, self._trim).view_as(tensor))
-
-        return Handle(self, None, tensor, 1, launched, finish=finish)
-
-    def _screen(self, tensor: torch.Tensor) -> Verdict:
-        """Before a mean all-reduce (``max_norm_ratio``): every worker's norm and finiteness,
-        the same verdict everywhere (``comm.guard.judge``); a contribution left out is zeroed
-        in place here. Returns the verdict (its count: the mean's divisor)."""
-        table = self._norm_table(tensor)
-        self.control_calls += 1
-        start = time.perf_counter()  # waiting for the verdict is communication not hidden
-        work = dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._wait_blocked(work, start, table.numel() * 8)
-        rows = table.tolist()
-        verdict = self._judge_table(rows, self.left_out)
-        if verdict.count == 0:
-            return verdict
-        if self._aggregate == "clip" and verdict.kept[self.rank]:
-            limit, norm = clip_norm([r[0] for r in rows], verdict.kept), rows[self.rank][0]
-            if norm > limit:
-                tensor.mul_(limit / norm)
-        if not verdict.kept[self.rank]:
-            tensor.zero_()
-        return verdict
-
-    def _wait_blocked(self, work, start: float, nbytes: int) -> None:
-        """Wait for an all-reduce launched at ``start``, at least a round trip on links with
-        software latency, and count the wait as blocked communication."""
-        self._wait(work, "all-reduce", nbytes)
-        remaining = start + self.min_collective_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        self.stats.blocked_s += time.perf_counter() - start
-
-    def _judge_table(self, rows: list[list[float]], out: frozenset[int]) -> Verdict:
-        """``_judge`` on the check's summed table: a (norm, finite) row per rank."""
-        return self._judge([r[0] for r in rows], [r[1] > 0.5 for r in rows], out)
-
-    def _judge(self, norms: list[float], finite: list[bool], out: frozenset[int] | None = None) -> Verdict:
-        """``comm.guard.judge`` on the group's contributions (rank order), counted by host, and
-        this worker told where its own is left out. The ``left_out`` ranks (``out``: as they
-        were when the contributions were sent) are left out as they are, neither judged (nor in
-        the others' median) nor counted as rejected. Under a lock: DDP's buckets are judged on
-        threads of their own, and the counts feed ``--max-rejections``."""
-        with _JUDGING:
-            return self._judge_locked(norms, finite, self.left_out if out is None else out)
-
-    def _judge_locked(self, norms: list[float], finite: list[bool], out: frozenset[int]) -> Verdict:
-        out = out if len(norms) == self.world_size else frozenset()
-        norms = [0.0 if r in out else n for r, n in enumerate(norms)]  # 0: not in any median
-        finite = [True if r in out else f for r, f in enumerate(finite)]
-        verdict = judge(norms, finite, self.max_norm_ratio)
-        for r in out:
-            verdict.kept[r], verdict.reasons[r] = False, "left out: a copy of the leader's state"
-        for r, kept in enumerate(verdict.kept):
-            if r in out:
-                continue
-            self.step_checked.add(self._host(r))
-            if not kept:
-                self._rejected(r)
-        if verdict.count and not verdict.kept[self.rank] and self.rank not in out:
-            print(
-                f"geotrain: this worker's contribution to an average was left out "
-                f"({verdict.reasons[self.rank]}; --max-norm-ratio {self.max_norm_ratio:g})",
-                file=sys.stderr,
-                flush=True,
-            )
-        return verdict
-
-    # -- the check, for codecs whose collective is not a mean all-reduce -------------------------
-    @property
-    def checking(self) -> bool:
-        """Whether contributions are checked before they are averaged (``max_norm_ratio``, or an
-        ``aggregate`` other than the plain mean)."""
-        return self.max_norm_ratio > 0 or self._aggregate != "mean"
-
-    @property
-    def screening(self) -> bool:
-        """Whether some contribution may be kept out of the average under way: checked, or a
-        copy ``leaving_out`` leaves out. Codecs judge (``screen``, ``weigh_gathered``) where so."""
-        return self.checking or bool(self.left_out)
-
-    @property
-    def aggregate_kind(self) -> tuple[str, int]:
-        """``--aggregate`` parsed: (mean | clip | trimmed | median, f)."""
-        return self._aggregate, self._trim
-
-    def spoiled(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``--chaos corrupt`` for a codec that encodes before it sends: a corrupted copy of
-        ``tensor`` where a corruption is due (None otherwise). The codec sends the copy and keeps
-        its own state (error feedback, momentum) clean, as a worker whose message was spoiled on
-        the way would."""
-        if not self.corrupt_next or not tensor.is_floating_point():
-            return None
-        copy = tensor.detach().clone()
-        corrupt_(copy, self.corrupt_next)
-        self.corrupt_next = ""
-        return copy
-
-    def screen(self, tensor: torch.Tensor) -> Verdict | None:
-        """The check before a codec's own collective (a reduce-scatter of quantised rows): the same
-        verdict on every worker, ``tensor`` zeroed here where this worker's is left out (scaled
-        down with ``clip``). None where nothing is checked."""
-        if self.world_size == 1 or not self.screening:
-            return None
-        if not self.checking:  # only copies left out: no norms to exchange
-            if self.rank in self.left_out:
-                tensor.zero_()
-            kept = [r not in self.left_out for r in range(self.world_size)]
-            return Verdict(kept, ["" if k else "left out" for k in kept])
-        return self._screen(tensor)
-
-    def _host(self, rank: int) -> int:
-        """The host of a group rank, where hosts are known (ranks change at a regroup)."""
-        members = getattr(self.membership, "members", None)
-        return members[rank] if members and len(members) == self.world_size else rank
-
-    def _rejected(self, rank: int) -> None:
-        """Count a contribution of ``rank`` left out by the check (``rejected_updates``)."""
-        host = self._host(rank)
-        self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
-        self.step_rejected.add(host)
-
-    def check_shards(self, shards: torch.Tensor, verdict: Verdict) -> torch.Tensor:
-        """The second phase of a sharded average (the quantised codecs: each worker averages one
-        shard of every kept contribution, re-quantises it and all-gathers it): ``shards`` (one
-        row per worker, decoded from the same bytes everywhere) checked against the bound the
-        first phase's norms set (``Verdict.shard_bound``: 10 times what the kept contributions
-        allow, whatever ``max_norm_ratio``). A shard that is not finite, or whose norm is above
-        it, is zeroed (that part of the model gets no average this time, on every
-        worker alike) and counted as its owner's rejection. No communication."""
-        if not verdict.norms:
-            return shards
-        bound = verdict.shard_bound()
-        for r in range(shards.shape[0]):
-            norm, finite = message_norm(shards[r])
-            if finite and norm <= bound:
-                continue
-            shards[r].zero_()
-            self._rejected(r)
-            host = self._host(r)
-            said = f"{norm:.3g} > {bound:.3g}, what the contributions allow" if finite else "not finite"
-            print(
-                f"geotrain: host {host}'s shard of an average was left out (its norm {said})",
-                file=sys.stderr,
-                flush=True,
-            )
-        return shards
-
-    def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
-        """The check on contributions every worker already holds (an all-gather's messages,
-        decoded; ``judged``: each one's ``guard.message_norm``, in rank order), with no
-        communication: each one's weight in the mean. 0 where it is left out, else 1, or with
-        ``clip`` the factor that brings it down to the median norm. Every worker computes the
-        same weights from the same messages."""
-        if not self.checking or len(judged) < 2:
-            return [0.0 if r in self.left_out else 1.0 for r in range(len(judged))]
-        norms, finite = [n for n, _ in judged], [ok for _, ok in judged]
-        verdict = self._judge(norms, finite)
-        limit = clip_norm(norms, verdict.kept) if self._aggregate == "clip" else float("inf")
-        return [
-            (min(1.0, limit / norm) if norm > 0 else 1.0) if kept else 0.0
-            for norm, kept in zip(norms, verdict.kept, strict=True)
-        ]
 
     def all_to_all(self, tensor: torch.Tensor, async_op: bool = False):
         """Split ``tensor`` (first dimension) into ``world_size`` equal parts and send part j to

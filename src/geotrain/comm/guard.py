@@ -46,7 +46,8 @@ On by default (``auto``, :func:`default_norm_ratio`): R = 10 among 3 workers or 
 periodic methods and the gathers, whose check costs a round trip per sync, or nothing; between
 two workers, where a ratio cannot say which is wrong, only finiteness. Off for the per-step
 means (``ssgd``, ``dreamddp``, a run with a warm start: a ratio rejects honest gradients there,
-and finiteness alone measured 4.7% more step time on W1; ``--max-norm-ratio inf`` checks it),
+and finiteness alone costs 1.0% of the step on W1, 3.9% before its buffers were kept;
+``--max-norm-ratio inf`` checks it),
 ``ddp`` (PyTorch's own all-reduce, the reference; checked, its buckets go through a hook),
 ``ddp_powersgd`` (a round trip per step) and ``--pace time`` runs (their weighted contributions
 would be judged as they are).
@@ -99,7 +100,8 @@ def default_norm_ratio(algo: str, compress: str = "", pace: str = "steps", warm_
     bucket's norm was 38 to 450 times the others' median, several times in 20 steps, where a
     period's pseudo-gradients and parameters never came near 10), and finiteness alone
     (``--max-norm-ratio inf``), though its verdict travels with the mean, measured
-    4.7% more step time on W1, for a cause not found (its arithmetic is about 1 ms a step). The
+    4.7% more step time on W1, most of it fresh memory for each bucket's buffer; kept since
+    (``Communicator._take_buffer``), 1.0%, still 0.12 s a step outside the waits. The
     communicator keeps the ratio on only while the group has AUTO_MIN_WORKERS or more
     (``Communicator.auto_min_workers``), and below judges only finiteness: of two workers that
     disagree a ratio cannot say which is wrong, and would leave out the larger, an honest one as

@@ -34,7 +34,7 @@ from geotrain.metrics import metrics_up_to
 
 if TYPE_CHECKING:
     from geotrain.launch.local import LaunchConfig
-    from geotrain.train import TrainConfig
+    from geotrain.train_config import TrainConfig
 
 
 class RunFailed(RuntimeError):

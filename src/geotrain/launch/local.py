@@ -62,7 +62,7 @@ from geotrain.metrics import metrics_up_to
 from geotrain.netem.cluster import EmulatedCluster, NetemUnavailable, netem_unavailable_reason, sweep_stale
 from geotrain.netem.links import describe_links, format_bandwidth
 from geotrain.netem.topology import parse_topology
-from geotrain.train import TrainConfig
+from geotrain.train_config import TrainConfig
 
 RDZV_PORT = 29500
 ON_FAILURE = ("continue", "rollback", "stop")

@@ -41,7 +41,7 @@ class SyncConfig:
     # The (inner) optimizer's learning rate when --lr is not given: AdamW's, for the methods that
     # step with it. A ClassVar, not a field: it is the training loop's, not an option here.
     default_lr: ClassVar[float] = 1e-3
-    # Whether ``--warmup auto`` gives this algorithm a warm-up (``train.warmup_for``).
+    # Whether ``--warmup auto`` gives this algorithm a warm-up (``train_config.warmup_for``).
     auto_warmup: ClassVar[bool] = True
     # ``lr_scale`` when none is given (geotrain.api: "1", "sqrt" or "auto"): the training
     # loop's too, so a ClassVar, as ``default_lr``.

@@ -1,0 +1,226 @@
+"""Waiting on collectives: the ``Handle`` of one in flight, waits that give up once the group
+loses a member, and the one line that names a collective that timed out or lost its peer.
+
+With a ``membership`` (``--on-failure continue``), every wait polls it: a collective on a peer
+that froze or lost its link never returns (no reset arrives), so once the coordinator publishes
+an epoch newer than the one the collective was launched in, the wait is abandoned with
+``MembershipChanged`` and the caller regroups. (Newer than at launch, not than now: a wait in
+another thread, such as a DDP bucket's, must give up even after the main thread has regrouped.)
+
+A collective that outlasts the process group's timeout (gloo's "Timed out waiting ... for recv")
+is raised as ``CollectiveTimeout``: one line naming the collective, its bytes, the links and the
+option to change, in place of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+from geotrain.ft.membership import MembershipChanged, retire
+
+if TYPE_CHECKING:
+    from geotrain.comm.communicator import Communicator
+
+INTERRUPT_POLL = timedelta(milliseconds=50)
+NCCL_POLL_S = 0.001
+
+
+class CollectiveTimeout(Exception):
+    """A collective or transfer waited longer than the process group's timeout. Not a
+    ``RuntimeError``: the elastic paths that take a failed collective for a lost member must not
+    take this one for one (its peers are alive; the link is too slow for the timeout)."""
+
+
+TIMEOUT_MARK = "waited longer than the collective timeout"
+
+
+# gloo's words for its own timeout on a transfer, and for a transfer on a connection that an
+# earlier timeout closed (DDP's backward surfaces either, by which bucket's all-reduce it reads)
+_GLOO_TIMEOUT = ("Timed out waiting", "Application timeout caused pair closure")
+
+
+def is_timeout(error: BaseException) -> bool:
+    """gloo's own timeout on a transfer (not a poll of ``wait_work`` that timed out)."""
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in _GLOO_TIMEOUT)
+
+
+def timeout_message(op: str, nbytes: int | None, workers: int, timeout_s: float, link: str) -> str:
+    """One line: which collective, how many bytes, the limit, the links, and what to change."""
+    what = f"the {op} of {nbytes:,} bytes" if nbytes is not None else f"a {op}"
+    limit = f" of {timeout_s:g} s" if timeout_s else ""
+    links = f" on {link}" if link else ""
+    return (
+        f"{what} among {workers} workers {TIMEOUT_MARK}{limit}{links}: a peer froze or lost its "
+        "link, or the link is slower than that allows; raise --timeout-s (0 derives it from the "
+        "model and the slowest link)"
+    )
+
+
+def timeout_line(error: BaseException, workers: int, timeout_s: float, link: str) -> str | None:
+    """The one line for an error that is a collective's timeout, else None: a
+    ``CollectiveTimeout``, one re-raised through a future (PyTorch DDP's backward wraps what a
+    comm hook raised in a ``RuntimeError``), or gloo's own where no communicator waited (DDP's
+    built-in all-reduce, ``all_gather_object``)."""
+    if isinstance(error, CollectiveTimeout):
+        return str(error)
+    wrapped = re.search(rf"\b(?:the|a) [^\n]*{TIMEOUT_MARK}[^\n]*", str(error))
+    if wrapped:
+        return wrapped.group(0).strip()
+    if is_timeout(error):
+        return timeout_message(
+            "collective outside geotrain's Communicator (PyTorch DDP's gradient all-reduce, or an "
+            "exchange of state)", None, workers, timeout_s, link,
+        )  # fmt: skip
+    return None
+
+
+# What gloo and NCCL say when the process at the other end of a connection is gone...
+_PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited")
+# ...in a message of theirs: not this host's keeper or store, whose failures say the same words
+_BACKEND = re.compile(r"gloo|pair\.cc|NCCL")
+
+
+def peer_lost_line(error: BaseException, rank: int) -> str | None:
+    """One line for a collective that failed because a peer's process or link went away (a
+    consequence: the launcher, or whoever watches the hosts, reports the host that failed), else
+    None."""
+    text = str(error)
+    said = _PEER_GONE.search(text) if isinstance(error, RuntimeError) and _BACKEND.search(text) else None
+    if said is None:
+        return None
+    gone = said.group(0)
+    return f"host {rank}: a collective failed, a peer gone ({gone}); that peer's failure is reported apart"
+
+
+def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = True) -> None:
+    """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
+
+    A wait with a timeout returns the moment the work completes, so polling costs no latency;
+    a timed-out wait leaves the work as it was (gloo). NCCL aborts its communicator when a timed
+    wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead."""
+    if interrupt is None:
+        work.wait()
+        return
+    while True:
+        if work.is_completed():
+            work.wait()  # its result, or its error
+            return
+        if not timed_waits:
+            time.sleep(NCCL_POLL_S)
+        else:
+            try:
+                work.wait(timeout=INTERRUPT_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it finished (or failed) as the wait timed out
+                    work.wait()  # its result, or its own error
+                    return
+        if interrupt():
+            raise MembershipChanged("the group lost a member while this collective waited")
+
+
+def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
+    """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
+    ``interrupt()`` says so.
+
+    Not polled like a collective: gloo takes a timed-out wait on a send or receive for a failed
+    transfer and closes the group's connections. So a thread of its own waits on them plainly
+    while this one watches ``interrupt``. Nor can a lost peer's connection error be counted on to
+    end them: gloo tells it to the transfers queued on that connection, not to the one whose
+    payload it is reading or writing, which waits for the group's timeout (a member killed
+    mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
+    waited for that joiner to be ready). An abandoned waiter and its works are retired."""
+    if interrupt is None:
+        for work in works:
+            work.wait()
+        return
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as e:  # the transfer's own error, raised by the caller
+            failed.append(e)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=waiter, name="geotrain-transfers", daemon=True)
+    thread.start()
+    while not done.wait(INTERRUPT_POLL.total_seconds()):
+        if interrupt():
+            retire((thread, works))
+            raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
+    if failed:
+        raise failed[0]
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks, counts the time blocked, and finishes a mean."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        work,
+        tensor,
+        divide_by: int,
+        launched: float,
+        op: str = "",
+        nbytes: int = 0,
+        finish: Callable[[], None] | None = None,
+    ):
+        self._comm = comm
+        self._finish = finish  # what turns the collective's output into the result (a robust mean)
+        self._op, self._nbytes = op, nbytes
+        # One collective, or several (an uneven gather is one broadcast per worker).
+        self._works = [w for w in (work if isinstance(work, list) else [work]) if w is not None]
+        self._tensor = tensor
+        self._divide_by = divide_by
+        self._launched = launched
+        self._done = False
+        self._interrupt = comm.interrupt_after_now()
+        # A checked mean whose verdict left a contribution out takes the mean again. Where the
+        # wait runs on a thread of its own (DDP's buckets), a collective issued there could
+        # cross the backward's next launches in another order on another worker: with
+        # ``defer_redo`` the mean is left in ``redo``, for the training thread to call.
+        self.defer_redo = False
+        self.redo: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def is_completed(self) -> bool:
+        """Done, as ``wait`` would see it: every work completed and the emulated latency
+        (``min_collective_s``) past."""
+        if self._done:
+            return True
+        if time.perf_counter() < self._launched + self._comm.min_collective_s:
+            return False
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self._tensor
+        start = time.perf_counter()
+        with self._comm.naming_timeouts(self._op, self._nbytes):
+            for work in self._works:
+                wait_work(work, self._interrupt, not self._comm.nccl)
+        remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._comm.stats.blocked_s += time.perf_counter() - start
+        if self._finish is not None:
+            self._finish()
+        if self._divide_by > 1:
+            self._tensor.div_(self._divide_by)
+        self._done = True
+        return self._tensor
