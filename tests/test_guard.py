@@ -365,6 +365,17 @@ def test_checked_means_in_flight_together_each_hold_a_buffer_and_the_next_step_r
         assert r["rejected"] == {2: 1}
 
 
+def test_only_cpu_buffers_are_kept_a_gpus_caching_allocator_reuses_its_own():
+    comm = Communicator(max_norm_ratio=10.0)
+    cpu = comm._take_buffer(10, torch.float32, torch.device("cpu"))
+    comm._give_back(cpu)
+    assert comm._take_buffer(10, torch.float32, torch.device("cpu")) is cpu
+    assert comm._take_buffer(10, torch.float32, torch.device("cpu")) is not cpu  # taken: a new one
+    elsewhere = comm._take_buffer(10, torch.float32, torch.device("meta"))  # stands in for a GPU's
+    comm._give_back(elsewhere)
+    assert comm._spare_buffers == {(10, torch.float32, torch.device("cpu")): []}
+
+
 @pytest.mark.parametrize("algo", ["ssgd", "ddp"])
 @pytest.mark.parametrize("how", ["nan", "scale"])
 def test_per_step_buckets_are_checked_with_no_round_trip_before_them(algo, how):

@@ -140,6 +140,7 @@ class CheckedMeans:
                 tensor.copy_(mine.view_as(tensor)).div_(verdict.count)
                 if together:
                     self._give_back(buf)
+                handle.redo = None  # once: a second call would give the buffer back twice
                 return tensor
 
             if handle.defer_redo:
@@ -153,7 +154,11 @@ class CheckedMeans:
 
     def _take_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of ``numel`` values: one a finished checked mean gave back, or a new one.
-        Each mean in flight holds its own, so the buckets of one step never share one."""
+        Each mean in flight holds its own, so the buckets of one step never share one. Kept on
+        the CPU only: what they save is the kernel's page faults, and a GPU's caching allocator
+        reuses its memory already (a kept one would be held through the forward pass)."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
         spare = self._spare_buffers.get((numel, dtype, device))
         if spare:
             with contextlib.suppress(IndexError):  # DDP's hook thread may take the last one first
@@ -163,6 +168,8 @@ class CheckedMeans:
     def _give_back(self, buffer: torch.Tensor) -> None:
         """``buffer``'s collective is done and its values copied out: the next mean of its size
         takes it (``_take_buffer``)."""
+        if buffer.device.type != "cpu":
+            return
         self._spare_buffers.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
 
     def _robust_mean(self, tensor: torch.Tensor, kept_ranks: list[bool], launched: float) -> Handle:

@@ -171,7 +171,7 @@ class Communicator(CheckedMeans):
             # is up, and one lost while the groups form must not hold the others for hours.
             forming = FORMATION_S if self._bound else (self.timeout_s or 600.0)
             self.two_level = site_groups(sites, self.rank, self.timeout_s, forming)
-        # The table's rows follow the group's size, and an abandoned collective may still hold one.
+        # The table's rows follow the group's size: the old group's sizes are not taken again.
         self._spare_buffers = {}
         # A job of the old group stuck on a lost peer must not hold up the new group's.
         if self._chain is not None:
