@@ -135,7 +135,8 @@ def _in_band_case(rank: int, algo: str, how: str) -> dict:
 def _buffers_case(rank: int) -> dict:
     """Two rounds of three checked means in flight at once (two of 1,000 values, one of 500),
     as a step's buckets are; in the second, worker 2's first message is NaN, so that mean is
-    taken again. Records the buffers the communicator keeps after each round."""
+    taken again. Records the buffers the communicator keeps after each round, and the second
+    round's honest messages."""
     comm = Communicator(max_norm_ratio=10.0)
     gen = torch.Generator().manual_seed(rank)
     kept, means = [], []
@@ -147,9 +148,7 @@ def _buffers_case(rank: int) -> dict:
         handles = [comm.all_reduce(t, op="mean", async_op=True) for t in sent]
         means.append([h.wait().clone() for h in handles])
         kept.append({k[0]: sorted(b.data_ptr() for b in v) for k, v in comm._spare_buffers.items()})
-        if round_ == 1:
-            honest_last = honest
-    return {"kept": kept, "means": means, "honest": honest_last, "rejected": dict(comm.rejected_by_rank)}
+    return {"kept": kept, "means": means, "honest": honest, "rejected": dict(comm.rejected_by_rank)}
 
 
 def _two_steps(rank: int, algo: str, how: str) -> dict:
