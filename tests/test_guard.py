@@ -237,6 +237,7 @@ SHARDS = [
     ("sign", "shard:scale=1e6"),
     ("int8+median", "shard:inf"),
 ]
+QUANTISED_IN_BAND = ["ssgd+int8/nan", "ssgd+int4/scale", "ssgd+sign/nan"]
 ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
 RUNS = Cases(
     _case,
@@ -245,6 +246,7 @@ RUNS = Cases(
         ("nan",), ("inf",), ("scale",), ("all",), ("clip",), ("buffers",), *((k,) for k in ROBUST),
         *((f"inband/{a}/{how}",) for a in ("ssgd", "ddp") for how in ("nan", "scale")),
         ("inband/ssgd+powersgd:rank=2/nan",), ("inband/ssgd+fp16/scale",),
+        *((f"inband/{case}",) for case in QUANTISED_IN_BAND),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
         *((f"codec/{c}/{how}",) for c, how in SHARDS),
         *((k,) for k in FRONTIER),
@@ -398,17 +400,21 @@ def test_per_step_buckets_are_checked_with_no_round_trip_before_them(algo, how):
         assert r["control_calls"] == 2 * buckets if algo == "ssgd" else r["control_calls"] >= 2 * buckets
 
 
-@pytest.mark.parametrize("case", ["ssgd+powersgd:rank=2/nan", "ssgd+fp16/scale"])
+@pytest.mark.parametrize("case", ["ssgd+powersgd:rank=2/nan", "ssgd+fp16/scale", *QUANTISED_IN_BAND])
 def test_a_codec_whose_collectives_are_means_checks_them_in_band(case):
-    """PowerSGD's P and Q (Q's all-reduce issued inside P's wait) and fp16's halves: worker 2's
-    spoiled step is left out of every collective with no round trip before any; the replicas'
-    gradients stay finite and equal, and the next step's too."""
+    """PowerSGD's P and Q (Q's all-reduce issued inside P's wait), fp16's halves, and the
+    quantised codecs' all-to-all (each row carries its sender's norm, judged where it arrives):
+    worker 2's spoiled step is left out of every collective with no round trip before any; the
+    replicas' gradients stay finite and equal, and the next step's too. A quantised codec drops
+    the spoiled message's error feedback with it: the next, honest step is not rejected again."""
     ranks = RUNS.get(f"inband/{case}")
     for r in ranks:
         for step in (0, 1):
             assert torch.isfinite(r["means"][step]).all()
             assert torch.equal(r["means"][step], ranks[0]["means"][step])
         assert set(r["rejected"]) == {2} and r["rejected"][2] >= 3
+        if case in QUANTISED_IN_BAND:  # once per bucket, in the first step only
+            assert r["rejected"][2] == r["buckets"]
 
 
 def _pair_case(rank: int, world_size: int, how: str) -> dict:

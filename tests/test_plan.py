@@ -471,7 +471,7 @@ def test_communication_under_backward_runs_slower_then_full_speed_after():
 
 def test_the_planner_prices_the_trust_options_on_a_plain_profile():
     """A checked mean costs what a plain one does (its verdict travels beside it); where the
-    verdict must come first (a round trip: the quantised codecs, co2) it adds a control
+    verdict must come first (a round trip: clip, co2's weighted sum) it adds a control
     all-reduce's latency; trimmed and median gather every contribution, N/2 times a ring
     all-reduce's bytes (2x on 4), after the verdict."""
     from geotrain.plan.planner import retarget
@@ -533,16 +533,18 @@ def test_the_planner_prices_the_norm_check_where_auto_turns_it_on():
     for algo in ("ddp", "ssgd", "dreamddp", "localsgd", "diloco"):
         assert auto["predicted_s"][algo] == plain["predicted_s"][algo] == checked["predicted_s"][algo]
     assert auto["predicted_s"]["co2"] == checked["predicted_s"]["co2"] > plain["predicted_s"]["co2"]
-    # int4: its check is a round trip before each reduce-scatter, on where auto has it
+    # int4: its check travels in its all-to-all (each row carries its sender's norm): no round
+    # trip, on or off; clipped, the verdict comes first
     q_plain, q_checked, q_auto = (
         plan(c, workers=4, rates_bps=rates, compress="int4") for c in (False, True, "auto")
     )
     for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):
-        assert q_checked["predicted_s"][algo] > q_plain["predicted_s"][algo]
-    for algo in ("ssgd", "dreamddp"):  # per step: auto leaves it off
-        assert q_auto["predicted_s"][algo] == q_plain["predicted_s"][algo]
-    for algo in ("localsgd", "diloco"):  # once a period: on
-        assert q_auto["predicted_s"][algo] == q_checked["predicted_s"][algo]
+        assert q_checked["predicted_s"][algo] == q_auto["predicted_s"][algo] == q_plain["predicted_s"][algo]
+    q_clipped = make_plan(
+        profile, H=4, checked=True, aggregate="clip", workers=4, rates_bps=rates, compress="int4"
+    )
+    for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):
+        assert q_clipped["predicted_s"][algo] > q_plain["predicted_s"][algo]
     two = {"workers": 2, "rates_bps": rates[:2]}
     assert plan("auto", **two)["predicted_s"] == plan(True, **two)["predicted_s"]  # finiteness, as dear
     sites = {

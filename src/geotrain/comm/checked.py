@@ -293,6 +293,29 @@ class CheckedMeans:
             return Verdict(kept, ["" if k else "left out" for k in kept])
         return self._screen(tensor)
 
+    @property
+    def judges_rows_in_band(self) -> bool:
+        """Whether a codec that sends one row of its message to each worker (the quantised
+        codecs' all-to-all) sends its norm with them (``norm_bytes``) and judges on arrival
+        (``judge_rows``), with no round trip before: checked, and not clipped (clipping scales a
+        contribution before it is sent, so its verdict must come first)."""
+        return self.world_size > 1 and self.checking and self._aggregate != "clip"
+
+    def norm_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This worker's row of the check's table (its contribution's norm and whether it is
+        finite, float64) as 16 bytes on ``tensor``'s device, for a codec to append to each row
+        it sends: every worker then holds every worker's row. A copy ``left_out`` leaves out
+        sends a zero norm (it is left out as such, neither judged nor counted)."""
+        out = self.rank in self.left_out
+        return self._norm_table(tensor.new_zeros(1) if out else tensor)[self.rank].view(torch.uint8)
+
+    def judge_rows(self, rows: torch.Tensor, out: frozenset[int]) -> Verdict:
+        """The verdict on the rows ``norm_bytes`` made, one from each worker in rank order
+        ((world, 16) uint8, as received), the same on every worker; ``out``: the ``left_out``
+        ranks when they were sent. No communication."""
+        table = rows.contiguous().view(torch.float64).reshape(self.world_size, 2).tolist()
+        return self._judge_table(table, out)
+
     def _host(self, rank: int) -> int:
         """The host of a group rank, where hosts are known (ranks change at a regroup)."""
         members = getattr(self.membership, "members", None)

@@ -365,17 +365,18 @@ class Communicator(CheckedMeans):
         work = self._chain.submit(lambda: dist.all_reduce(flat, group=intra))  # in launch order
         Handle(self, work, tensor, k, launched, "site all-reduce", nbytes).wait()
 
-    def all_to_all(self, tensor: torch.Tensor, async_op: bool = False):
+    def all_to_all(self, tensor: torch.Tensor, async_op: bool = False, control_bytes: int = 0):
         """Split ``tensor`` (first dimension) into ``world_size`` equal parts and send part j to
         worker j; the result's part j came from worker j. Returns a ``Handle`` when ``async_op``.
-        """
+        ``control_bytes`` of each part are the check's (``norm_bytes``), not counted: control
+        traffic, as the table a checked mean carries is not."""
         launched = time.perf_counter()
         if self.world_size == 1:
             handle = Handle(self, None, tensor, 1, launched)
             return handle if async_op else handle.wait()
         if tensor.shape[0] % self.world_size:
             raise ValueError(f"all_to_all needs a first dimension divisible by {self.world_size}")
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size() - self.world_size * control_bytes
         # The part addressed to oneself does not cross the link.
         wire = (self.world_size - 1) * nbytes // self.world_size
         self.stats.calls += 1

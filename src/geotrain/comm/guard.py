@@ -26,13 +26,15 @@ What it costs: 2 N floats per mean all-reduce, and a norm of the message. A plai
 them as its last values (``Communicator._checked_mean``; a 16-bit one in a float64 all-reduce
 launched with it): no worker waits for a verdict before sending, so a bucket launched from
 backward costs what an unchecked one does; only when a contribution is left out is the mean
-taken again, from each worker's contribution, left as it was. Where the
-verdict must come first it is a round trip, counted as blocked time: ``--aggregate clip`` (a
-contribution is scaled before it is sent), the robust averages, co2's weighted sums, the
-quantised codecs (int8, int4, sign: the vector is judged before it is quantised,
-``Communicator.screen``, and the kept rows of their reduce-scatter averaged, where trimmed and
-median cost nothing extra) and PyTorch's PowerSGD hook (``ddp_powersgd``: its one bucket judged
-before the hook forms its factors). It covers what goes through ``Communicator.all_reduce`` as a
+taken again, from each worker's contribution, left as it was. The quantised codecs (int8, int4,
+sign) send the same row in each part of their all-to-all (``Communicator.norm_bytes``), and
+every owner judges the rows on arrival (``judge_rows``) and averages the kept ones (trimmed and
+median cost nothing extra there); a message left out has been sent, is dropped by every owner,
+and its error feedback with it. Where the verdict must come first it is a round trip, counted as
+blocked time: ``--aggregate clip`` (a contribution is scaled before it is sent, the quantised
+codecs' too: ``Communicator.screen``), the robust averages of a plain mean, co2's weighted sums,
+and PyTorch's PowerSGD hook (``ddp_powersgd``: its one bucket judged before the hook forms its
+factors). It covers what goes through ``Communicator.all_reduce`` as a
 mean: plain buckets, the fp16, bf16, PowerSGD and ACP-SGD codecs (each factor judged on its
 own), DDP's buckets (its comm hook goes through the communicator when the check is on). Where
 every worker holds every message (top-k's and chunked top-k's all-gathers, sparseloco, demo,
@@ -85,8 +87,6 @@ SPARSE_CODECS = ("topk", "adatopk", "chunktopk")
 GUARDED_CODECS = (*("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", *SPARSE_CODECS),)
 # Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
 CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
-# Their check is a round trip before each reduce-scatter, where a mean's travels with it.
-QUANTISED_CODECS = ("int8", "int4", "sign")
 DEFAULT_NORM_RATIO = 10.0
 SHARD_SLACK = 10.0  # a re-quantised shard of the mean may be this many times what the kept allow
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides

@@ -153,23 +153,42 @@ class _BlockQuantizer(Codec):
         # was sent: a message left out or clipped is dropped, not carried into the next one, where
         # a spike (or a NaN) would grow and be rejected again and again.
         spoiled = comm.spoiled(v) if world > 1 else None  # --chaos corrupt: the message only
-        sent = spoiled if spoiled is not None else (v.clone() if comm.screening and world > 1 else v)
-        verdict = comm.screen(sent)
+        # Checked in band (not clipped): each row carries this worker's norm, and the verdict is
+        # taken where the rows arrive, with no round trip before the all-to-all. A message left
+        # out has then been sent, and is dropped by every owner; its residual is dropped on
+        # arrival, as if zeros had been sent.
+        in_band, out = comm.judges_rows_in_band, comm.left_out
+        screened = comm.screening and world > 1 and not in_band
+        sent = spoiled if spoiled is not None else (v.clone() if screened else v)
+        verdict = None if in_band else comm.screen(sent)
         if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
             return Pending(lambda: None)
         data, decoded = self.encode_with_values(sent.reshape(world, chunk), block)
+        if in_band:
+            norm = comm.norm_bytes(sent)
+            data = torch.cat([data, norm.expand(world, norm.numel())], dim=1)
         if spoiled is not None:  # spoiled on the way: the residual is that of the message meant
             sent, decoded = v, self.encode_with_values(v.reshape(world, chunk), block)[1]
         decoded = decoded.view(-1)
         state["residual"] = torch.sub(sent, decoded, out=decoded)
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
-        handle = comm.all_to_all(data, async_op=True)
+        handle = comm.all_to_all(data, async_op=True, control_bytes=16 if in_band else 0)
 
         gather: list = []  # the second phase's collective, launched by advance()
 
         def advance() -> None:
-            rows = self.decode(handle.wait(), chunk, block)
+            nonlocal verdict
+            received = handle.wait()
+            if in_band:
+                if verdict is None:  # once: an advance run again must not count it twice
+                    verdict = comm.judge_rows(received[:, -16:], out)
+                    if not verdict.kept[comm.rank] and spoiled is None:
+                        state["residual"].zero_()  # its message dropped, not carried into the next
+                received = received[:, :-16]
+                if verdict.count == 0:  # nothing to average: each keeps its own
+                    return
+            rows = self.decode(received, chunk, block)
             if verdict is None:
                 mean = rows.mean(dim=0)
             else:  # this worker's shard of every kept contribution: the mean or a robust statistic
@@ -182,9 +201,9 @@ class _BlockQuantizer(Codec):
             server_residual = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
             spoil = comm.corrupt_shard
             if spoil:  # a worker that spoils its shard of the mean (a test's hook)
-                spoiled = self.decode(mine, chunk, block)
-                corrupt_(spoiled, spoil)
-                mine = self.encode(spoiled, block)
+                bad_shard = self.decode(mine, chunk, block)
+                corrupt_(bad_shard, spoil)
+                mine = self.encode(bad_shard, block)
             gather.append(comm.all_gather(mine[0], async_op=True))
             # kept once the second phase is under way: an advance that failed can be run again
             state["server_residual"] = server_residual
@@ -192,6 +211,8 @@ class _BlockQuantizer(Codec):
                 comm.corrupt_shard = ""
 
         def finish() -> None:
+            if not gather:  # in band, nothing kept: each keeps its own
+                return
             everyone = self.decode(gather.pop().wait(), chunk, block)
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)

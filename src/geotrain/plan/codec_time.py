@@ -45,7 +45,7 @@ class EchoCommunicator(Communicator):
         tensor.mul_(self.world_size)  # the sum over identical replicas
         return self._done(tensor, async_op, self.world_size if op == "mean" else 1)
 
-    def all_to_all(self, tensor, async_op=False):
+    def all_to_all(self, tensor, async_op=False, control_bytes=0):
         # Part j goes to worker j: rank 0 gets every replica's part 0, its own
         rows = tensor.reshape(self.world_size, -1)[:1].expand(self.world_size, -1)
         return self._done(rows.reshape(tensor.shape).clone(), async_op)

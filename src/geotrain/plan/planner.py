@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, replace
 from typing import Any
 
-from geotrain.comm.guard import GATHERED, QUANTISED_CODECS, default_norm_ratio
+from geotrain.comm.guard import GATHERED, default_norm_ratio
 from geotrain.compress import plain_spec
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
@@ -116,14 +116,14 @@ def predictions(
     ``uncompressed``: where ``compute`` prices a codec's messages, the model without it, for the
     methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2).
     ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``.
-    ``compress``: the codec ``compute`` is priced for; the quantised ones judge before their
-    collective, a round trip when checked (``cost.guard_factors``)."""
+    ``compress``: the codec ``compute`` is priced for; the quantised ones carry each worker's
+    norm in their all-to-all, so a checked one costs what an unchecked one does (but for clip,
+    ``cost.guard_factors``)."""
     periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
     aggregate, checked = options
-    round_trip = compress.partition(":")[0] in QUANTISED_CODECS
     out = {}
     for algo in PREDICTED:
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
@@ -132,7 +132,7 @@ def predictions(
         if auto_check:
             codec = compress if algo in CODEC_ALGOS else ""
             on = default_norm_ratio(algo, codec) > 0  # below 3 workers: finiteness, as dear
-        line = link if on == checked else guarded_link(plain, workers, aggregate, on, round_trip)
+        line = link if on == checked else guarded_link(plain, workers, aggregate, on)
         if algo in ("sparseloco", "demo", "streaming"):
             line = plain
         elif algo == "co2":  # its checked weighted sum waits for the verdict
@@ -341,11 +341,8 @@ def make_plan(
         checked = False  # leaves its quantised codecs unchecked)
     if topology is not None:
         workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
-    # The quantised codecs judge before their reduce-scatter: a round trip when checked.
-    quantised = compress.partition(":")[0] in QUANTISED_CODECS if compress else False
-    compute, link = retarget(
-        profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked, round_trip=quantised
-    )
+    # The quantised codecs' check travels in their all-to-all: no round trip (clip's aside).
+    compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
     plain_compute = compute
     group = int(workers or profile["workers"])
     compute, codec_key = codec_priced(profile, compute, compress, group)
@@ -438,16 +435,9 @@ def choose_plan_codec(
     group = int(workers or profile["workers"])
     candidates = {}
     for spec in AUTO_CODECS:
-        # priced as make_plan prices the one it plans: a quantiser's verdict is a round trip
-        quantised = spec.partition(":")[0] in QUANTISED_CODECS if spec else False
+        # priced as make_plan prices the one it plans
         compute, link = retarget(
-            profile,
-            workers,
-            rates_bps,
-            compute_scale,
-            aggregate=aggregate,
-            checked=checked,
-            round_trip=quantised,
+            profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked
         )
         if H is not None and not 1 <= H <= compute.n_layers:
             raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
