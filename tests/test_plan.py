@@ -545,6 +545,18 @@ def test_the_planner_prices_the_norm_check_where_auto_turns_it_on():
     )
     for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):
         assert q_clipped["predicted_s"][algo] > q_plain["predicted_s"][algo]
+    # the median too: each owner holds every contribution to its shard, no gather of the vectors
+    q_median = make_plan(
+        profile, H=4, checked=True, aggregate="median", workers=4, rates_bps=rates, compress="int4"
+    )
+    for algo in ("ssgd", "localsgd", "diloco", "dreamddp"):
+        assert q_median["predicted_s"][algo] == q_plain["predicted_s"][algo]
+    assert (
+        plan(True)["predicted_s"]["ssgd"]
+        < make_plan(profile, H=4, checked=True, aggregate="median", workers=4, rates_bps=rates)[
+            "predicted_s"
+        ]["ssgd"]
+    )
     two = {"workers": 2, "rates_bps": rates[:2]}
     assert plan("auto", **two)["predicted_s"] == plan(True, **two)["predicted_s"]  # finiteness, as dear
     sites = {

@@ -174,11 +174,11 @@ def cmd_plan(argv: list[str]) -> int:
 
         if topology is not None:  # the table's line: a flat ring through the slowest uplink
             workers, rates = topology.workers, [min(topology.wan_bps)] * topology.workers
+        codec = plan["target"]["compress"]  # --compress auto: the codec it chose
         compute, link = retarget(
             profile, workers if topology else args.workers, rates, args.compute_scale,
-            aggregate=aggregate, checked=False if checked == "auto" else checked,
+            aggregate=aggregate, checked=False if checked == "auto" else checked, compress=codec or "",
         )  # fmt: skip
-        codec = plan["target"]["compress"]  # --compress auto: the codec it chose
         compute = codec_priced(profile, compute, codec, workers or int(profile["workers"]))[0]
         plot_schedule(plan, compute, link, args.png)
     print(format_plan(plan, accel))

@@ -87,6 +87,9 @@ SPARSE_CODECS = ("topk", "adatopk", "chunktopk")
 GUARDED_CODECS = (*("", "fp16", "bf16", "int8", "int4", "sign", "powersgd", "acpsgd", *SPARSE_CODECS),)
 # Checked unless told otherwise: a round trip per sync (every H steps), or none (the gathers).
 CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "demo")
+# Their check travels in their all-to-all's rows (each owner holds every contribution to its
+# shard), so a verdict, trimmed and median included, costs them nothing more; clip's comes first.
+ROWS_IN_BAND_CODECS = ("int8", "int4", "sign")
 DEFAULT_NORM_RATIO = 10.0
 SHARD_SLACK = 10.0  # a re-quantised shard of the mean may be this many times what the kept allow
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides

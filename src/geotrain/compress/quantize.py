@@ -173,7 +173,8 @@ class _BlockQuantizer(Codec):
         state["residual"] = torch.sub(sent, decoded, out=decoded)
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
-        handle = comm.all_to_all(data, async_op=True, control_bytes=16 if in_band else 0)
+        control = norm.numel() if in_band else 0
+        handle = comm.all_to_all(data, async_op=True, control_bytes=control)
 
         gather: list = []  # the second phase's collective, launched by advance()
 
@@ -182,11 +183,13 @@ class _BlockQuantizer(Codec):
             received = handle.wait()
             if in_band:
                 if verdict is None:  # once: an advance run again must not count it twice
-                    verdict = comm.judge_rows(received[:, -16:], out)
+                    verdict = comm.judge_rows(received[:, -control:], out)
                     if not verdict.kept[comm.rank] and spoiled is None:
                         state["residual"].zero_()  # its message dropped, not carried into the next
-                received = received[:, :-16]
-                if verdict.count == 0:  # nothing to average: each keeps its own
+                received = received[:, :-control]
+                # Nothing to average: each keeps its own tensors (its residual dropped with its
+                # message, as any left-out worker's is; a round trip first kept the one before).
+                if verdict.count == 0:
                     return
             rows = self.decode(received, chunk, block)
             if verdict is None:

@@ -48,25 +48,37 @@ class LinkModel:
 
 
 def guard_factors(
-    workers: int, aggregate: str = "mean", checked: bool = False, round_trip: bool = False
+    workers: int,
+    aggregate: str = "mean",
+    checked: bool = False,
+    round_trip: bool = False,
+    rows_in_band: bool = False,
 ) -> tuple[float, float]:
     """What the trust options (``comm/guard.py``) multiply an all-reduce's latency and per-byte
     time by. A checked mean learns its verdict from 2 N floats carried in its own all-reduce
-    (``Communicator._checked_mean``): no more latency. Where the verdict must come
-    first, one more latency: any aggregate but the mean (clip scales a contribution before it
-    is sent), and ``round_trip`` (a checked weighted sum, co2's; the quantised codecs' check
-    before their reduce-scatter). ``trimmed`` and ``median`` gather every contribution: each
+    (``Communicator._checked_mean``): no more latency; nor a quantised codec (``rows_in_band``),
+    whose all-to-all carries each worker's norm and gives each owner every contribution to its
+    shard (trimmed and median too). Where the verdict must come first, one more latency: any
+    aggregate but the mean (clip scales a contribution before it is sent), and ``round_trip``
+    (a checked weighted sum, co2's). ``trimmed`` and ``median`` gather every contribution: each
     worker sends N - 1 copies of its message where a ring all-reduce sends 2 (N - 1) / N, so
     N / 2 times the bytes."""
+    if rows_in_band and aggregate != "clip":
+        return 1.0, 1.0
     latency = 2.0 if aggregate != "mean" or (checked and round_trip) else 1.0
     return latency, max(1.0, workers / 2) if aggregate in GATHERED else 1.0
 
 
 def guarded_link(
-    link: LinkModel, workers: int, aggregate: str = "mean", checked: bool = False, round_trip: bool = False
+    link: LinkModel,
+    workers: int,
+    aggregate: str = "mean",
+    checked: bool = False,
+    round_trip: bool = False,
+    rows_in_band: bool = False,
 ) -> LinkModel:
     """The all-reduce line under the trust options, from one measured without them."""
-    latency, per_byte = guard_factors(workers, aggregate, checked, round_trip)
+    latency, per_byte = guard_factors(workers, aggregate, checked, round_trip, rows_in_band)
     return LinkModel(link.alpha_s * latency, link.beta_s_per_byte * per_byte)
 
 

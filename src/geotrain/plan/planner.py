@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, replace
 from typing import Any
 
-from geotrain.comm.guard import GATHERED, default_norm_ratio
+from geotrain.comm.guard import GATHERED, ROWS_IN_BAND_CODECS, default_norm_ratio
 from geotrain.compress import plain_spec
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
@@ -124,6 +124,7 @@ def predictions(
         periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
     aggregate, checked = options
+    rows = compress.partition(":")[0] in ROWS_IN_BAND_CODECS
     out = {}
     for algo in PREDICTED:
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
@@ -132,7 +133,8 @@ def predictions(
         if auto_check:
             codec = compress if algo in CODEC_ALGOS else ""
             on = default_norm_ratio(algo, codec) > 0  # below 3 workers: finiteness, as dear
-        line = link if on == checked else guarded_link(plain, workers, aggregate, on)
+        quantised = rows and algo in CODEC_ALGOS
+        line = link if on == checked else guarded_link(plain, workers, aggregate, on, rows_in_band=quantised)
         if algo in ("sparseloco", "demo", "streaming"):
             line = plain
         elif algo == "co2":  # its checked weighted sum waits for the verdict
@@ -210,6 +212,7 @@ def retarget(
     aggregate: str | None = None,
     checked: bool | None = None,
     round_trip: bool = False,
+    compress: str = "",
 ) -> tuple[ComputeModel, LinkModel]:
     """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
 
@@ -220,7 +223,8 @@ def retarget(
     the trust options (``cost.guarded_link``): the options the profile was measured with are taken
     out of its line first, so any profile prices any options, at any worker count.
     The line returned is the all-reduce's under the options; ``trust_options`` says which;
-    ``round_trip``: the check's verdict comes before each all-reduce (``cost.guard_factors``).
+    ``round_trip``: the check's verdict comes before each all-reduce (``cost.guard_factors``);
+    ``compress``: the codec the line carries (a quantised one judges in its own rows).
     """
     compute, link = models_from_profile(profile)
     wanted = trust_options(profile, aggregate, checked)
@@ -235,7 +239,8 @@ def retarget(
         workers = workers or int(profile["workers"])
         rates = rates_bps or [min(measured_rates)] * workers
         moved = net.link_model(workers, rates, algorithm)
-    return compute, guarded_link(moved, workers, *wanted, round_trip)
+    rows = compress.partition(":")[0] in ROWS_IN_BAND_CODECS
+    return compute, guarded_link(moved, workers, *wanted, round_trip, rows_in_band=rows)
 
 
 # Where processes outnumber cores, the linear share (N/C processes per core) is optimistic in two
@@ -342,7 +347,15 @@ def make_plan(
     if topology is not None:
         workers, rates_bps = topology.workers, [min(topology.wan_bps)] * topology.workers
     # The quantised codecs' check travels in their all-to-all: no round trip (clip's aside).
-    compute, link = retarget(profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked)
+    compute, link = retarget(
+        profile,
+        workers,
+        rates_bps,
+        compute_scale,
+        aggregate=aggregate,
+        checked=checked,
+        compress=compress or "",
+    )
     plain_compute = compute
     group = int(workers or profile["workers"])
     compute, codec_key = codec_priced(profile, compute, compress, group)
@@ -437,7 +450,7 @@ def choose_plan_codec(
     for spec in AUTO_CODECS:
         # priced as make_plan prices the one it plans
         compute, link = retarget(
-            profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked
+            profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked, compress=spec
         )
         if H is not None and not 1 <= H <= compute.n_layers:
             raise ValueError(f"--H must be 1 to the number of layers ({compute.n_layers}), got {H}")
