@@ -196,7 +196,14 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
         codec.reduce(comm, "g", [mean]).wait()
         out.append(mean)
         residuals.append(float(codec.state("g").get("residual", torch.zeros(1)).norm()))
-    return {"honest": honest, "means": out, "rejected": dict(comm.rejected_by_rank), "residuals": residuals}
+    return {
+        "honest": honest,
+        "means": out,
+        "rejected": dict(comm.rejected_by_rank),
+        "residuals": residuals,
+        "sent": comm.stats.sent_bytes,
+        "wire": 2 * codec.wire_bytes([(5000,)], comm.world_size),
+    }
 
 
 def _frontier_case(rank: int, algo: str, how: str) -> dict:
@@ -270,6 +277,8 @@ def test_a_codecs_own_collective_leaves_a_bad_contribution_out(spec, how):
     for r in ranks:
         assert torch.isfinite(r["means"][0]).all() and torch.equal(r["means"][0], first)
         assert r["rejected"] == ({} if how == "signflip" else {2: 1})  # the second is honest again
+        if spec.partition("+")[0] in ("int8", "int4", "sign"):  # the norms in its rows: not counted
+            assert r["sent"] == r["wire"]
         honest_residual = max(ranks[0]["residuals"][0], 1e-3)
         assert r["residuals"][0] <= 2 * honest_residual  # not the spoiled message's (2x or 1e6x v)
     expected = pair
