@@ -79,6 +79,8 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
         return _frontier_case(rank, algo, how)
     if kind == "buffers":  # checked means in flight together, twice: their buffers are reused
         return _buffers_case(rank)
+    if kind.startswith("leftout"):  # a copy of the leader's state left out of a checked codec's mean
+        return _left_out_case(rank, kind.split("/")[1])
     if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
         _, algo, how = kind.split("/", 2)
         return _in_band_case(rank, algo, how)
@@ -206,6 +208,29 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
     }
 
 
+def _left_out_case(rank: int, spec: str) -> dict:
+    """A checked quantised codec's mean with worker 2 left out (``leaving_out``: its contribution
+    is a copy of the leader's state), its rows sent with a zero norm: the mean of the other two,
+    nobody's rejection, and worker 2's error feedback as it was before the call."""
+    from geotrain.compress.codec import make_codec
+
+    comm = Communicator(max_norm_ratio=10.0)
+    codec = make_codec(spec)
+    gen = torch.Generator().manual_seed(rank)
+    codec.reduce(comm, "g", [torch.randn(3000, generator=gen)]).wait()  # some error feedback first
+    before = codec.state("g")["residual"].clone()
+    honest = torch.randn(3000, generator=gen)
+    mean = honest.clone()
+    with comm.leaving_out({2}):
+        codec.reduce(comm, "g", [mean]).wait()
+    return {
+        "honest": honest,
+        "mean": mean,
+        "rejected": dict(comm.rejected_by_rank),
+        "residual_kept": torch.equal(before, codec.state("g")["residual"]),
+    }
+
+
 def _frontier_case(rank: int, algo: str, how: str) -> dict:
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
@@ -254,6 +279,7 @@ RUNS = Cases(
         *((f"inband/{a}/{how}",) for a in ("ssgd", "ddp") for how in ("nan", "scale")),
         ("inband/ssgd+powersgd:rank=2/nan",), ("inband/ssgd+fp16/scale",),
         *((f"inband/{case}",) for case in QUANTISED_IN_BAND),
+        ("leftout/int8",), ("leftout/int4",),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
         *((f"codec/{c}/{how}",) for c, how in SHARDS),
         *((k,) for k in FRONTIER),
@@ -373,6 +399,23 @@ def test_checked_means_in_flight_together_each_hold_a_buffer_and_the_next_step_r
         trio = sum(x["honest"][2] for x in ranks) / 3
         torch.testing.assert_close(r["means"][1][2], trio, rtol=1e-5, atol=1e-7)
         assert r["rejected"] == {2: 1}
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_a_copy_left_out_of_a_checked_quantised_mean_weighs_nothing_and_is_not_rejected(spec):
+    """With the check's norms in the all-to-all's rows, a copy of the leader's state that a
+    redone average leaves out still sends its rows (with a zero norm): every owner drops them,
+    the mean is the other two's (within what int8 and int4 keep), the same everywhere, nobody is
+    counted as rejected, and the copy's error feedback is as it was."""
+    ranks = RUNS.get(f"leftout/{spec}")
+    pair = (ranks[0]["honest"] + ranks[1]["honest"]) / 2
+    for r in ranks:
+        assert torch.equal(r["mean"], ranks[0]["mean"]) and r["rejected"] == {}
+        error = float((r["mean"] - pair).norm() / pair.norm())
+        assert error < (0.02 if spec == "int8" else 0.3)
+    trio = (ranks[0]["honest"] + ranks[1]["honest"] + ranks[2]["honest"]) / 3
+    assert float((ranks[0]["mean"] - pair).norm()) < 0.5 * float((ranks[0]["mean"] - trio).norm())
+    assert ranks[2]["residual_kept"]
 
 
 def test_only_cpu_buffers_are_kept_a_gpus_caching_allocator_reuses_its_own():
