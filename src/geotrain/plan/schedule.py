@@ -365,8 +365,8 @@ def choose_codec(
     codec and period weighed). ``candidates`` holds each codec's compute model with its messages
     and encoding priced, the link, and the lag a run with it lands at. ``H``: the period, or None to choose
     it too (``choose_period``, per codec). A codec's score carries ``CODEC_MARGIN``; ties go to
-    the first candidate (uncompressed first). Each candidate comes with its link line (a checked
-    quantiser's verdict is a round trip more) and its lag."""
+    the first candidate (uncompressed first). Each candidate comes with its link line (under
+    the trust options; a clipped quantiser's verdict is a round trip more) and its lag."""
     if not candidates:
         raise ValueError("--compress auto needs at least one candidate codec")
     table = []
