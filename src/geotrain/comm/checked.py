@@ -309,6 +309,12 @@ class CheckedMeans:
         out = self.rank in self.left_out
         return self._norm_table(tensor.new_zeros(1) if out else tensor)[self.rank].view(torch.uint8)
 
+    @staticmethod
+    def finite_in(norm_bytes: torch.Tensor) -> bool:
+        """Whether the contribution ``norm_bytes`` describes was finite (what every worker's
+        verdict will say of it, whatever the ratio)."""
+        return bool(norm_bytes.view(torch.float64)[1] > 0.5)
+
     def judge_rows(self, rows: torch.Tensor, out: frozenset[int]) -> Verdict:
         """The verdict on the rows ``norm_bytes`` made, one from each worker in rank order
         ((world, 16) uint8, as received), the same on every worker; ``out``: the ``left_out``

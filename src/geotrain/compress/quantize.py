@@ -171,6 +171,10 @@ class _BlockQuantizer(Codec):
             sent, decoded = v, self.encode_with_values(v.reshape(world, chunk), block)[1]
         decoded = decoded.view(-1)
         state["residual"] = torch.sub(sent, decoded, out=decoded)
+        if in_band and spoiled is None and comm.rank not in out and not comm.finite_in(norm):
+            # Left out wherever it arrives, as this worker knows already: its residual dropped
+            # now, so that a message abandoned before it is judged (a regroup) does not carry it.
+            state["residual"].zero_()
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         control = norm.numel() if in_band else 0
