@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.comm.guard import judge, parse_aggregate, robust_mean
+from geotrain.comm.guard import ROWS_IN_BAND_CODECS, judge, judged_in_rows, parse_aggregate, robust_mean
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
 from helpers import Cases, geotrain, refused
@@ -199,7 +199,7 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
         out.append(mean)
         residuals.append(float(codec.state("g").get("residual", torch.zeros(1)).norm()))
     rejected, sent = dict(comm.rejected_by_rank), comm.stats.sent_bytes  # of the two messages
-    if how == "nan" and spec in ("int8", "int4", "sign"):  # its own NaN, not one spoiled on the way
+    if how == "nan" and spec in ROWS_IN_BAND_CODECS:  # its own NaN, not one spoiled on the way
         bad = honest.clone()
         bad[rank] = float("nan")  # every worker's: each knows at once it will be left out
         pending = codec.reduce(comm, "g", [bad])
@@ -314,10 +314,10 @@ def test_a_codecs_own_collective_leaves_a_bad_contribution_out(spec, how):
     for r in ranks:
         assert torch.isfinite(r["means"][0]).all() and torch.equal(r["means"][0], first)
         assert r["rejected"] == ({} if how == "signflip" else {2: 1})  # the second is honest again
-        if spec.partition("+")[0] in ("int8", "int4", "sign"):  # the norms in its rows: not counted
+        if judged_in_rows(spec.partition("+")[0]):  # the norms in its rows: not counted
             assert r["sent"] == r["wire"]
-            if how == "nan" and spec in ("int8", "int4", "sign"):
-                assert r["residuals"][2] == 0.0
+        if how == "nan" and spec in ROWS_IN_BAND_CODECS:
+            assert r["residuals"][2] == 0.0
         honest_residual = max(ranks[0]["residuals"][0], 1e-3)
         assert r["residuals"][0] <= 2 * honest_residual  # not the spoiled message's (2x or 1e6x v)
     expected = pair

@@ -474,12 +474,13 @@ def test_the_planner_prices_the_trust_options_on_a_plain_profile():
     verdict must come first (a round trip: clip, co2's weighted sum) it adds a control
     all-reduce's latency; trimmed and median gather every contribution, N/2 times a ring
     all-reduce's bytes (2x on 4), after the verdict."""
+    from geotrain.plan.cost import guarded_link
     from geotrain.plan.planner import retarget
 
     profile = _profile()
     _, plain = retarget(profile, 4, [20_000_000] * 4)
     _, checked = retarget(profile, 4, [20_000_000] * 4, checked=True)
-    _, first = retarget(profile, 4, [20_000_000] * 4, checked=True, round_trip=True)
+    first = guarded_link(plain, 4, "mean", checked=True, round_trip=True)  # co2's weighted sum
     _, median = retarget(profile, 4, [20_000_000] * 4, aggregate="median")
     assert checked == plain
     assert (

@@ -91,6 +91,13 @@ CHECKED_BY_DEFAULT = ("localsgd", "diloco", "co2", "streaming", "sparseloco", "d
 # Their check travels in their all-to-all's rows (each owner holds every contribution to its
 # shard), so a verdict, trimmed and median included, costs them nothing more; clip's comes first.
 ROWS_IN_BAND_CODECS = ("int8", "int4", "sign")
+
+
+def judged_in_rows(compress: str) -> bool:
+    """Whether the codec ``compress`` (a ``--compress`` spec) carries the check in its rows."""
+    return compress.partition(":")[0] in ROWS_IN_BAND_CODECS
+
+
 DEFAULT_NORM_RATIO = 10.0
 SHARD_SLACK = 10.0  # a re-quantised shard of the mean may be this many times what the kept allow
 AUTO = -1.0  # max_norm_ratio's "auto": default_norm_ratio decides

@@ -94,19 +94,23 @@ class _BlockQuantizer(Codec):
         """(R, chunk) float -> (R, row_bytes) uint8: packed values, then fp32 scales."""
         return self.encode_with_values(rows, block)[0]
 
-    def encode_with_values(self, rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_with_values(
+        self, rows: torch.Tensor, block: int, room: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``encode``, and what ``decode`` will make of it ((R, chunk) float, bitwise the same),
         from the quantiser's own integers: the error feedback needs it, and unpacking the bytes
-        again would cost as much as packing them."""
+        again would cost as much as packing them. ``room``: bytes left free at the end of each
+        row (the check's norm, written there by the caller)."""
         r, chunk = rows.shape
         x = rows.reshape(r, chunk // block, block)
         # Each quantiser's decoded values are what its bytes decode to, non-finite blocks too (a
         # NaN level is set before the cast), so nothing is decoded twice nor asked of a GPU here.
         values, scales, decoded = self._quantize(x)
-        data = torch.empty(r, self.row_bytes(chunk, block), dtype=torch.uint8, device=rows.device)
+        nbytes = self.row_bytes(chunk, block)
+        data = torch.empty(r, nbytes + room, dtype=torch.uint8, device=rows.device)
         nvalue = chunk * self.bits // 8
         data[:, :nvalue] = values.reshape(r, -1)
-        data[:, nvalue:] = scales.reshape(r, -1).view(torch.uint8)
+        data[:, nvalue:nbytes] = scales.reshape(r, -1).view(torch.uint8)
         return data, decoded.reshape(r, chunk)
 
     def decode(self, data: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
@@ -163,21 +167,21 @@ class _BlockQuantizer(Codec):
         verdict = None if in_band else comm.screen(sent)
         if verdict is not None and verdict.count == 0:  # nothing to average: each keeps its own
             return Pending(lambda: None)
-        data, decoded = self.encode_with_values(sent.reshape(world, chunk), block)
+        norm = comm.norm_bytes(sent) if in_band else None
+        control = norm.numel() if in_band else 0
+        data, decoded = self.encode_with_values(sent.reshape(world, chunk), block, room=control)
         if in_band:
-            norm = comm.norm_bytes(sent)
-            data = torch.cat([data, norm.expand(world, norm.numel())], dim=1)
+            data[:, -control:] = norm
         if spoiled is not None:  # spoiled on the way: the residual is that of the message meant
             sent, decoded = v, self.encode_with_values(v.reshape(world, chunk), block)[1]
         decoded = decoded.view(-1)
         state["residual"] = torch.sub(sent, decoded, out=decoded)
-        if in_band and spoiled is None and comm.rank not in out and not comm.finite_in(norm):
+        if in_band and spoiled is None and not comm.finite_in(norm):  # a copy left out sends 0: finite
             # Left out wherever it arrives, as this worker knows already: its residual dropped
             # now, so that a message abandoned before it is judged (a regroup) does not carry it.
             state["residual"].zero_()
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
-        control = norm.numel() if in_band else 0
         handle = comm.all_to_all(data, async_op=True, control_bytes=control)
 
         gather: list = []  # the second phase's collective, launched by advance()

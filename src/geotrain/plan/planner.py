@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, replace
 from typing import Any
 
-from geotrain.comm.guard import GATHERED, ROWS_IN_BAND_CODECS, default_norm_ratio
+from geotrain.comm.guard import GATHERED, default_norm_ratio, judged_in_rows
 from geotrain.compress import plain_spec
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
@@ -124,7 +124,7 @@ def predictions(
         periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
     aggregate, checked = options
-    rows = compress.partition(":")[0] in ROWS_IN_BAND_CODECS
+    rows = judged_in_rows(compress)
     out = {}
     for algo in PREDICTED:
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
@@ -211,7 +211,6 @@ def retarget(
     algorithm: str = "best",
     aggregate: str | None = None,
     checked: bool | None = None,
-    round_trip: bool = False,
     compress: str = "",
 ) -> tuple[ComputeModel, LinkModel]:
     """The profile's models, moved to ``workers`` hosts on ``rates_bps`` links (see ``network``).
@@ -223,7 +222,6 @@ def retarget(
     the trust options (``cost.guarded_link``): the options the profile was measured with are taken
     out of its line first, so any profile prices any options, at any worker count.
     The line returned is the all-reduce's under the options; ``trust_options`` says which;
-    ``round_trip``: the check's verdict comes before each all-reduce (``cost.guard_factors``);
     ``compress``: the codec the line carries (a quantised one judges in its own rows).
     """
     compute, link = models_from_profile(profile)
@@ -239,8 +237,7 @@ def retarget(
         workers = workers or int(profile["workers"])
         rates = rates_bps or [min(measured_rates)] * workers
         moved = net.link_model(workers, rates, algorithm)
-    rows = compress.partition(":")[0] in ROWS_IN_BAND_CODECS
-    return compute, guarded_link(moved, workers, *wanted, round_trip, rows_in_band=rows)
+    return compute, guarded_link(moved, workers, *wanted, rows_in_band=judged_in_rows(compress))
 
 
 # Where processes outnumber cores, the linear share (N/C processes per core) is optimistic in two
