@@ -24,6 +24,9 @@ def _profile_plan_run(tmp_path):
     assert profile["workers"] == 2 and len(profile["layers"]) == 16
     assert all(layer["shapes"] for layer in profile["layers"])  # what plan --compress prices from
     assert profile["profile_s"] < 30  # seconds, not minutes
+    # hosts that share cores: the contention probe runs by default, and the wait for the slowest
+    assert profile["contention_measured"] and "while backward runs" in out.stdout
+    assert profile["sync_wait_s"] >= 0 and profile["comm_slowdown_in_backward"] >= 1
 
     out = _geotrain(
         ["plan", "--profile", "profile.json", "--H", "4", "--out", "plan.json", "--png", "plan.png"], tmp_path

@@ -470,11 +470,18 @@ def _codec_run(rank, world_size):
     that do not change: each iteration takes twice what the plan predicts, exactly (a clock
     that advances one tick per reading: the forward's start, then the step's end), so the
     drift is real and steady, not this machine's noise."""
+    import functools
     import itertools
     from types import SimpleNamespace
 
     import geotrain.sync.dreamddp as dreamddp
+    import geotrain.sync.dreamddp_plan as planning
+    from geotrain.plan.profile import build_profile
 
+    # Without the contention probe: the fake clock's blocked times are no measurement, and a
+    # slowdown the probe read on this machine would make the slowdown's fit (a re-plan of its
+    # own, once a run) disagree with it by chance.
+    planning.build_profile = functools.partial(build_profile, contention=False)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 4, "compress": "int4"})

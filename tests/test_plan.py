@@ -455,6 +455,106 @@ def test_interference_charges_bytes_sent_during_backward_and_stops_fill_ins():
     assert predict_ssgd(costly, link) == pytest.approx(predict_ssgd(free, link) + 600_000 * 2e-8)
 
 
+def test_interference_is_what_the_link_carries_under_backward_and_a_saturated_link_hides_it():
+    from geotrain.plan.cost import interference_s
+
+    # 4 layers of 10 MB, 0.25 s of backward each; the link carries 10 MB a second
+    free = _compute([0.25] * 4, [10_000_000] * 4)
+    link = LinkModel(0.0, 1e-7)
+    costly = replace(free, interference_s_per_byte=1e-8)
+    # 40 MB queued, but only 10 MB go out while backward runs (1 s): 0.1 s, not 0.4 s
+    assert interference_s(costly, link, 40_000_000) == pytest.approx(0.1)
+    assert interference_s(costly, link, 5_000_000) == pytest.approx(0.05)  # all of it under backward
+    # a link 2x slower under backward carries half as much there
+    assert interference_s(replace(costly, comm_slowdown=2.0), link, 40_000_000) == pytest.approx(0.05)
+    assert interference_s(free, link, 40_000_000) == 0.0
+    # ssgd's buckets saturate the link: backward 0.1 s longer delays the first bucket by 0.025 s
+    # (ready at 0.275 s, not 0.25 s), and the rest queue behind it as before, so the step is
+    # 0.025 s longer, not 0.1 s
+    assert predict_ssgd(costly, link) - predict_ssgd(free, link) == pytest.approx(0.025)
+    # a light iteration's transfers: backward slower by what they take, the exposure as before
+    light = LinkModel(0.0, 1e-9)  # 10 ms a layer
+    last = light.time(10_000_000)
+    assert iteration_overhead(free, light, [3]) == pytest.approx(last)
+    assert iteration_overhead(costly, light, [3]) == pytest.approx(last + 0.1)
+
+
+def test_every_collective_that_every_worker_reaches_waits_for_the_slowest_once_per_sync():
+    from geotrain.plan.planner import predict_algo, scaled
+
+    free = _compute([0.05] * 6, [100_000] * 6)
+    link = LinkModel(0.001, 1e-8)
+    waiting = replace(free, sync_wait_s=0.04)
+    H = 4
+    schedule = search_schedule(free, link, H)
+
+    def step(algo, compute):
+        return predict_algo(algo, compute, link, H, 4, schedule)
+
+    differ = {
+        algo: step(algo, waiting) - step(algo, free)
+        for algo in ("nosync", "ssgd", "ddp", "localsgd", "diloco", "dreamddp", "sparseloco", "demo", "co2")
+    }
+    assert differ["nosync"] == differ["co2"] == 0.0  # nothing waited for (co2 lands a period later)
+    for algo in ("ssgd", "ddp", "dreamddp", "demo"):  # a collective every step
+        assert differ[algo] == pytest.approx(0.04), algo
+    for algo in ("localsgd", "diloco"):  # one every H steps
+        assert differ[algo] == pytest.approx(0.01), algo
+    assert differ["sparseloco"] == pytest.approx(0.04 / H)
+    assert predict_periodic(waiting, link, 2) - predict_periodic(free, link, 2) == pytest.approx(0.02)
+    assert iteration_overhead(waiting, link, []) == 0.0  # an iteration that averages nothing
+    assert scaled(waiting, 2.0).sync_wait_s == pytest.approx(0.08)  # a lead in compute time
+    with pytest.raises(ValueError, match="slowest worker must be >= 0"):
+        replace(free, sync_wait_s=-0.01)
+
+
+def test_the_profiler_measures_the_wait_for_the_slowest_worker_after_each_step():
+    import torch
+
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.plan.layers import layer_groups
+    from geotrain.plan.profile import models_from_profile, profile_compute
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (4, 16))
+    calls = []
+
+    def slow_peer() -> None:  # a peer that reaches the barrier 20 ms after this worker
+        calls.append(1)
+        time.sleep(0.02)
+
+    def loss_fn():
+        return model(x, x)[1]
+
+    local = profile_compute(model, layer_groups(model), loss_fn, opt, reps=2, barrier=slow_peer)
+    assert len(calls) == 1 + 3  # once before the steps, and after each (the warm-up's not counted)
+    assert 0.02 <= local["barrier_wait_s"] < 0.2
+    alone = profile_compute(model, layer_groups(model), loss_fn, opt, reps=1)
+    assert alone["barrier_wait_s"] == 0.0  # one process: nothing to wait for
+    # the plan takes the profile's wait (less the link's latency, priced by the link: ``_profile``)
+    compute, _ = models_from_profile(_profile() | {"sync_wait_s": 0.03})
+    assert compute.sync_wait_s == 0.03
+    assert models_from_profile(_profile())[0].sync_wait_s == 0.0  # an older profile: none
+
+
+def test_the_probes_slowdown_is_read_where_it_can_be_and_bounded():
+    from geotrain.plan.cost import MAX_COMM_SLOWDOWN
+    from geotrain.plan.profile import slowdown_under_backward
+
+    # 1.0 s of idle-link work, launched as a 1.0 s backward starts, ends 0.5 s after it: the
+    # last 0.5 s ran at full speed, so 0.5 s of work took the 1.0 s inside backward
+    assert slowdown_under_backward(1.0, 1.5, 1.0) == pytest.approx(2.0)
+    assert slowdown_under_backward(1.0, 1.2, 1.0) == pytest.approx(1.25)
+    assert slowdown_under_backward(1.0, 0.9, 1.0) == 1.0  # done inside backward: not slowed, as read
+    # ran on after backward for longer than all of it takes on the idle link: nothing to read
+    assert slowdown_under_backward(1.0, 2.5, 1.0) == 1.0
+    # almost nothing done inside backward: bounded, not thousands
+    assert slowdown_under_backward(1.0, 1.999999, 1.0) == MAX_COMM_SLOWDOWN
+    assert slowdown_under_backward(1.0, 1.5, 0.0) == 1.0
+
+
 def test_communication_under_backward_runs_slower_then_full_speed_after():
     from geotrain.plan.cost import queue_spans
 

@@ -112,8 +112,13 @@ class ComputeModel:
     # Per layer, the seconds a codec's encoding and decoding of its message take
     # (``plan.codec_time``): compute on the step, wherever the message is sent; () for none.
     codec_s: tuple[float, ...] = ()
+    # The slowest worker's lead at the end of a step (``plan.profile``: a barrier after each
+    # profiled step): what a collective that every worker must reach waits, once per sync.
+    sync_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.sync_wait_s < 0:
+            raise ValueError(f"the wait for the slowest worker must be >= 0 s, got {self.sync_wait_s}")
         if self.comm_slowdown < 1:
             raise ValueError(f"comm slowdown under compute must be >= 1, got {self.comm_slowdown}")
         if self.interference_s_per_byte < 0:
@@ -298,20 +303,48 @@ def advanced_under_backward(
     return t - end
 
 
+def interference_s(compute: ComputeModel, link: LinkModel, sent_bytes: float) -> float:
+    """How much longer backward takes while ``sent_bytes`` (priced as all-reduce bytes) go out
+    under it: the profile's seconds per byte (``interference_s_per_byte``, its contention probe),
+    for no more bytes than the link carries during backward (a saturated link takes the CPU at
+    its rate, not at the bytes queued behind it)."""
+    if compute.interference_s_per_byte <= 0 or sent_bytes <= 0:
+        return 0.0
+    per_byte = link.beta_s_per_byte * compute.comm_slowdown
+    carried = compute.backward_total_s / per_byte if per_byte > 0 else sent_bytes
+    return compute.interference_s_per_byte * min(sent_bytes, carried)
+
+
+def stretched(compute: ComputeModel, extra_s: float) -> ComputeModel:
+    """``compute`` with backward ``extra_s`` longer, each layer's share alike: the layers'
+    gradients are ready later by what the transfers took from backward before them."""
+    total = compute.backward_total_s
+    if extra_s <= 0 or total <= 0:
+        return compute
+    k = (total + extra_s) / total
+    return replace(compute, backward_s=tuple(b * k for b in compute.backward_s))
+
+
 def iteration_overhead(
     compute: ComputeModel, link: LinkModel, layers: Iterable[int], late: bool = False
 ) -> float:
-    """What averaging ``layers`` during backward adds to an iteration: exposure (a codec's
-    second phases in it: under backward, ``codec_exposed``, or ``late`` under the update and
-    the forward) plus interference, plus the codec's compute (``codec_s``)."""
+    """What averaging ``layers`` during backward adds to an iteration: the interference (backward
+    slowed by the transfers under it, ``interference_s``), exposure on that slower backward (a
+    codec's second phases in it: under backward, ``codec_exposed``, or ``late`` under the update
+    and the forward), the codec's compute (``codec_s``) and the wait for the slowest worker
+    (``sync_wait_s``)."""
     chosen = list(layers)
+    if not chosen:
+        return 0.0
     sent = sum(compute.nbytes[i] for i in chosen)
     if compute.tail_bytes:
         sent += sum(compute.tail_bytes[i] for i in chosen)
+    slowed = interference_s(compute, link, sent)
     return (
-        exposed_for_layers(compute, link, chosen, late)
-        + compute.interference_s_per_byte * sent
+        slowed
+        + exposed_for_layers(stretched(compute, slowed), link, chosen, late)
         + compute.codec_total_s(chosen)
+        + compute.sync_wait_s
     )
 
 
@@ -365,17 +398,17 @@ def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0,
     its default 25 MB). A codec's second phases go out under it too, each bucket's when the one
     launched ``ADVANCE_DEPTH`` later does, the rest after backward (``sync/ssgd.py``,
     ``sync/ddp.py``'s codec hook)."""
-    ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
-    end, first = compute.finish_times()[-1], [link.time(s) for s in sizes]
+    _, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
+    # backward slowed by the transfers under it, the buckets ready that much later
+    interference = interference_s(compute, link, sum(sizes) + (sum(tails) if compute.tail_bytes else 0))
+    ready, _, _ = _bucketed(stretched(compute, interference), bucket_mb * 2**20, ddp)
+    end, first = compute.backward_total_s + interference, [link.time(s) for s in sizes]
     if compute.tail_bytes:
         second = [link.time(t) for t in tails]
         exposed = advanced_under_backward(ready, first, second, end, compute.comm_slowdown, ADVANCE_DEPTH)
-        sent_under_compute = sum(sizes) + sum(tails)
     else:
         exposed = simulate_backward(ready, first, end, compute.comm_slowdown)
-        sent_under_compute = sum(sizes)
-    interference = compute.interference_s_per_byte * sent_under_compute
-    return compute.compute_s + exposed + interference + compute.codec_total_s()
+    return compute.compute_s + interference + exposed + compute.codec_total_s() + compute.sync_wait_s
 
 
 def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0) -> float:
@@ -388,7 +421,7 @@ def whole_model_allreduce_s(compute: ComputeModel, link: LinkModel, bucket_mb: f
 
 def predict_periodic(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:
     """Local SGD and DiLoCo: compute every step, one unhidden whole-model all-reduce every H steps."""
-    return compute.compute_s + whole_model_allreduce_s(compute, link, bucket_mb) / H
+    return compute.compute_s + (whole_model_allreduce_s(compute, link, bucket_mb) + compute.sync_wait_s) / H
 
 
 def predict_co2(compute: ComputeModel, link: LinkModel, H: int, bucket_mb: float = 4.0) -> float:
@@ -515,6 +548,8 @@ def window_exposure(
     return out
 
 
+# The most a link is taken to slow under backward: a run's fit's range, and a profile's bound
+MAX_COMM_SLOWDOWN = 4.0
 SLOWDOWN_GRID = tuple(1 + 0.05 * i for i in range(61))  # sigma from 1 to 4 in steps of 0.05
 
 
@@ -531,7 +566,7 @@ def fit_comm_slowdown(
     collectives, in least squares. Sigma on ``SLOWDOWN_GRID``, c >= 0; of equal fits the
     smallest sigma (a period whose exposure does not depend on it says nothing about it, and
     keeps 1). Where workers share cores the link slows while they compute (fitted on W1: 1.6 to
-    2.4 in three runs); a profile measures it only with its contention probe, off by default.
+    2.4 in three runs); a profile's contention probe reads 1.3-1.4 there, with all-reduces.
     With H=2 the two steps' medians determine sigma and c exactly: nothing averages out."""
     if len(measured_s) != len(schedule):
         raise ValueError(

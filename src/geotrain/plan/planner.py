@@ -80,10 +80,10 @@ def predict_algo(
         return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0, ddp=algo == "ddp")
     if algo in ("localsgd", "diloco"):
         return predict_periodic(compute, link, H)
-    if algo == "sparseloco":
-        return predict_sparseloco(compute.compute_s, link, n_params, workers, H)
-    if algo == "demo":
-        return predict_demo(compute.compute_s, link, n_params, workers)
+    if algo == "sparseloco":  # its outer step waits for the slowest worker, once a period
+        return predict_sparseloco(compute.compute_s, link, n_params, workers, H) + compute.sync_wait_s / H
+    if algo == "demo":  # a gather every step
+        return predict_demo(compute.compute_s, link, n_params, workers) + compute.sync_wait_s
     if algo == "streaming":
         return predict_streaming(compute.compute_s, link, n_params, workers, H)
     if algo == "co2":
@@ -279,6 +279,7 @@ def scaled(compute: ComputeModel, compute_scale: float) -> ComputeModel:
         backward_s=tuple(b * compute_scale for b in compute.backward_s),
         forward_s=compute.forward_s * compute_scale,
         optimizer_s=compute.optimizer_s * compute_scale,
+        sync_wait_s=compute.sync_wait_s * compute_scale,  # a lead in compute time
     )
 
 

@@ -6,6 +6,12 @@ forward pass and one optimizer step (on a throwaway copy, so training state is u
 link is probed with all-reduces of a few sizes and fitted as ``alpha + beta * bytes``. Times are
 averaged over workers (the all-reduce's time is the slowest worker's); the profile reports its own
 spread. It takes seconds: 1 warm-up and ``reps`` timed passes, 3 message sizes.
+
+Where workers share cores, what they do at once slows each of them. So the steps are timed
+with every worker computing, each step ending in a barrier whose wait is the slowest worker's
+lead (``sync_wait_s``), and a probe runs backward under all-reduces: how much slower each runs
+(``comm_slowdown_in_backward``) and how much backward slows per byte sent
+(``interference_s_per_byte``). The cost model prices all three (``plan.cost``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.nn as nn
 from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import SPARSE_CODECS
 from geotrain.plan.codec_time import codec_key, time_codec
-from geotrain.plan.cost import ComputeModel, LinkModel
+from geotrain.plan.cost import MAX_COMM_SLOWDOWN, ComputeModel, LinkModel
 from geotrain.plan.layers import Layer
 
 PROFILE_VERSION = 1
@@ -75,6 +81,7 @@ def profile_compute(
     copy_opt, clones = _optimizer_copy(optimizer)
     hooks: list[Any] = []
     forward, per_layer, totals, updates, steps = [], [[] for _ in layers], [], [], []
+    waits: list[float] = []
     try:
         hooks += [p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params]
         if barrier is not None:
@@ -92,6 +99,12 @@ def profile_compute(
                 clone.grad = p.grad
             copy_opt.step()
             t4 = now()
+            if barrier is not None:
+                # What a collective after each step waits for: the slowest worker's step. Workers
+                # sharing cores finish a step at different times, and a method that averages every
+                # step pays the difference every step (``ComputeModel.sync_wait_s``).
+                barrier()
+                waits.append(now() - t4)
             if rep == 0:
                 continue  # warm-up (and the copy's optimizer state allocated)
             forward.append(t2 - t1)
@@ -118,6 +131,8 @@ def profile_compute(
         "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
         "optimizer_s": statistics.fmean(updates),
         "step_s": statistics.fmean(steps),
+        # the warm-up's wait left out: its allocations differ from one worker to the next
+        "barrier_wait_s": statistics.fmean(waits[1:]) if len(waits) > 1 else 0.0,
     }
 
 
@@ -155,6 +170,20 @@ def measure_interference(
         "comm_s": statistics.fmean(comm_times),
         "noise_s": statistics.pstdev(plain),
     }
+
+
+def slowdown_under_backward(backward_s: float, comm_s: float, idle_s: float) -> float:
+    """The all-reduces' slowdown while backward runs (``measure_interference``): launched as a
+    backward of ``backward_s`` starts, they ended ``comm_s`` after it, and take ``idle_s`` on an
+    idle link. What ran on after backward went at full speed, so the part inside backward did
+    the rest of the idle-link work in ``backward_s``. Where what ran on after backward alone
+    outlasts their idle-link time (the line underprices them: loopback, a tiny model), none can
+    be read: 1. Where little was done inside, bounded by what a run's own fit would accept
+    (``MAX_COMM_SLOWDOWN``): one such probe once read 1.3 million."""
+    done_in_backward = idle_s - (comm_s - backward_s)
+    if comm_s <= backward_s or idle_s <= 0 or done_in_backward <= 0:
+        return 1.0
+    return min(MAX_COMM_SLOWDOWN, max(1.0, backward_s / done_in_backward))
 
 
 def _optimizer_copy(
@@ -259,7 +288,7 @@ def build_profile(
     comm: Communicator,
     meta: dict[str, Any] | None = None,
     reps: int = 3,
-    contention: bool = False,
+    contention: bool = True,
     codecs: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The whole profile, identical on every worker (times averaged over workers). ``codecs``:
@@ -272,8 +301,9 @@ def build_profile(
         order, averaged, link = _shared(local, layers, comm)
         n = len(order)
         interference, slowdown, extra = 0.0, 1.0, 0.0
-        # Off by default: with it on, a worker aborted at exit ("terminate called without an active
-        # exception") in CI runs; until that is understood, profiles assume no contention.
+        # Where workers share cores, transfers take CPU from backward and backward from them.
+        # (It was off for a while: a worker aborted at exit in CI, "terminate called without an
+        # active exception", which leaving the group together in ``launch.dist`` since fixed.)
         if contention and comm.world_size > 1:
             fit = LinkModel(link["alpha_s"], link["beta_s_per_byte"])
             # enough traffic to outlast backward (so its end is observed), in layer-sized messages
@@ -289,11 +319,7 @@ def build_profile(
             (comm_s,) = comm.max_scalars([comm_s])
             idle_s = count * fit.time(message)
             extra = contended - plain
-            # the all-reduces' slowdown while backward runs: the part of their time inside backward
-            # did the work of less idle-link time
-            if comm_s > contended and idle_s > 0:
-                done_in_backward = max(1e-9, idle_s - (comm_s - contended))
-                slowdown = max(1.0, contended / done_in_backward)
+            slowdown = slowdown_under_backward(contended, comm_s, idle_s)
             sent_in_backward = count * message * min(1.0, contended / comm_s)
             # below the run-to-run noise it is no measurement: charge nothing
             interference = extra / sent_in_backward if extra > 2 * noise and sent_in_backward > 0 else 0.0
@@ -353,6 +379,9 @@ def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, met
         # A whole step with every worker computing at once; the compute model's parts are scaled
         # to it (``models_from_profile``). 0: not measured, the parts stand as they are.
         "step_s": averaged[n + 4],
+        # The mean wait in a barrier after each of those steps, less the link's latency (which
+        # the link's line prices): the slowest worker's lead, paid by every blocking collective.
+        "sync_wait_s": max(0.0, averaged[n + 5] - link["alpha_s"]),
         "interference_s_per_byte": 0.0,
         "comm_slowdown_in_backward": 1.0,
         "contention_measured": False,
@@ -380,6 +409,7 @@ def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
         local["backward_total_s"],
         local["backward_cv"],
         local.get("step_s", 0.0),  # 0: not measured (steps observed in a user's loop)
+        local.get("barrier_wait_s", 0.0),
     ]
     averaged = comm.mean_scalars(scalars)
     link = (
@@ -508,6 +538,7 @@ def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkMode
         optimizer_s=scale * float(profile["optimizer_s"]),
         interference_s_per_byte=float(profile.get("interference_s_per_byte", 0.0)),
         comm_slowdown=float(profile.get("comm_slowdown_in_backward", 1.0)),
+        sync_wait_s=float(profile.get("sync_wait_s", 0.0)),  # 0 for an older profile: as it was
     )
     link = LinkModel(float(profile["allreduce"]["alpha_s"]), float(profile["allreduce"]["beta_s_per_byte"]))
     return compute, link
