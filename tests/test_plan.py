@@ -448,11 +448,17 @@ def test_interference_charges_bytes_sent_during_backward_and_stops_fill_ins():
     # the last layer backward finishes can never hide: its 1 ms is exposed once per period
     last = 0.001 / 3
     assert predict_schedule(free, link, s_free.iterations) == pytest.approx(free.compute_s + last)
-    # each layer once per 3 iterations: 2 layers x 100 KB x 2e-8 s per iteration on average
+    # each layer once per 3 iterations, 100 KB x 2e-8 s each, but for the last: ready at the end
+    # of backward, its bytes go out after it and slow nothing
     assert predict_schedule(costly, link, s_costly.iterations) == pytest.approx(
-        free.compute_s + last + 2 * 100_000 * 2e-8
+        free.compute_s + last + 5 * 100_000 * 2e-8 / 3
     )
-    assert predict_ssgd(costly, link) == pytest.approx(predict_ssgd(free, link) + 600_000 * 2e-8)
+    # ssgd's one 4 MB bucket is ready at the end of backward: it slows nothing; in buckets of a
+    # layer each, all but the last go out under backward, which carries them all
+    assert predict_ssgd(costly, link) == pytest.approx(predict_ssgd(free, link))
+    assert predict_ssgd(costly, link, bucket_mb=0.1) == pytest.approx(
+        predict_ssgd(free, link, bucket_mb=0.1) + 600_000 * 2e-8
+    )
 
 
 def test_interference_is_what_the_link_carries_under_backward_and_a_saturated_link_hides_it():
@@ -467,16 +473,39 @@ def test_interference_is_what_the_link_carries_under_backward_and_a_saturated_li
     assert interference_s(costly, link, 5_000_000) == pytest.approx(0.05)  # all of it under backward
     # a link 2x slower under backward carries half as much there
     assert interference_s(replace(costly, comm_slowdown=2.0), link, 40_000_000) == pytest.approx(0.05)
+    # nothing goes out before the first message is ready: from 0.25 s, 7.5 MB
+    assert interference_s(costly, link, 40_000_000, 0.25) == pytest.approx(0.075)
     assert interference_s(free, link, 40_000_000) == 0.0
-    # ssgd's buckets saturate the link: backward 0.1 s longer delays the first bucket by 0.025 s
-    # (ready at 0.275 s, not 0.25 s), and the rest queue behind it as before, so the step is
-    # 0.025 s longer, not 0.1 s
-    assert predict_ssgd(costly, link) - predict_ssgd(free, link) == pytest.approx(0.025)
+    # ssgd's buckets saturate the link: backward 0.075 s longer (from the first bucket, ready at
+    # 0.25 s) delays that bucket by a quarter of it, and the rest queue behind it as before, so
+    # the step is 0.01875 s longer, not 0.075 s
+    assert predict_ssgd(costly, link) - predict_ssgd(free, link) == pytest.approx(0.25 * 0.075)
     # a light iteration's transfers: backward slower by what they take, the exposure as before
     light = LinkModel(0.0, 1e-9)  # 10 ms a layer
-    last = light.time(10_000_000)
-    assert iteration_overhead(free, light, [3]) == pytest.approx(last)
-    assert iteration_overhead(costly, light, [3]) == pytest.approx(last + 0.1)
+    assert iteration_overhead(free, light, [0]) == pytest.approx(0.0)  # hidden
+    assert iteration_overhead(costly, light, [0]) == pytest.approx(0.1)  # 10 MB under backward
+    # the last layer's bytes go out after backward: no interference, its 10 ms exposed
+    assert iteration_overhead(costly, light, [3]) == pytest.approx(light.time(10_000_000))
+
+
+def test_a_refit_finds_the_links_scale_where_interference_makes_the_step_fall_as_the_link_slows():
+    from geotrain.plan.cost import fit_link_scale
+
+    # W1's figures at 4 workers: gamma 0.8 beta, sigma 1.35. Past saturation a slower link
+    # carries fewer bytes under backward, so its interference falls faster than exposure grows.
+    link = LinkModel(0.0, 8e-8)
+    compute = replace(
+        _compute([0.1] * 8, [1_000_000] * 8), interference_s_per_byte=0.8 * 8e-8, comm_slowdown=1.35
+    )
+    schedule = [list(range(8))]
+    steps = {k: predict_schedule(compute, link.scaled(k), schedule) for k in (0.5, 1.0, 1.2, 2.0)}
+    assert steps[1.2] < steps[1.0]  # not monotonic: a bisection over [1/1000, 1000] goes astray
+    for step in steps.values():
+        fitted = fit_link_scale(compute, link, schedule, step)
+        assert fitted is not None
+        assert predict_schedule(compute, link.scaled(fitted), schedule) == pytest.approx(step, rel=1e-6)
+    assert fit_link_scale(compute, link, schedule, steps[1.0]) == pytest.approx(1.0, rel=1e-3)
+    assert fit_link_scale(compute, link, schedule, 0.5 * compute.compute_s) is None  # compute alone is more
 
 
 def test_every_collective_that_every_worker_reaches_waits_for_the_slowest_once_per_sync():

@@ -471,7 +471,8 @@ def _cmd_profile(argv: list[str]) -> int:
     if profile.get("contention_measured"):
         print(
             f"while backward runs, all-reduces are {profile['comm_slowdown_in_backward']:.2f}x slower, and "
-            f"backward slows by {profile['interference_s_per_byte'] * 1e9:.1f} ms per MB sent"
+            f"backward slows by {profile['interference_s_per_byte'] * 1e9:.1f} ms per MB sent; a collective "
+            f"waits {profile.get('sync_wait_s', 0.0) * 1e3:.1f} ms for the slowest host"
         )
     else:
         print("contention between communication and backward: not measured (assumed none)")

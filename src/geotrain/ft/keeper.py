@@ -592,7 +592,13 @@ class KeeperClient:
         return [int(s) for s in self._call({"op": "persist"})[0]["steps"]]
 
     def stop(self) -> None:
+        """Stop the keeper, and return once it no longer answers: it replies before it shuts
+        down, and a client that connected in between would still be served (a flaky test once
+        read the stopped keeper's snapshot instead of the disk's)."""
         self._call({"op": "stop"})
+        deadline = time.monotonic() + min(self.timeout_s, 10.0)
+        while time.monotonic() < deadline and self.alive():
+            time.sleep(0.02)
 
 
 def wait_ready(path: Path, timeout_s: float = 20.0) -> None:

@@ -13,13 +13,16 @@ T_L; whatever runs past T_L is exposed:
 
 Overlap is not free where communication needs the CPU that computes (workers sharing cores, a
 NIC driven by the CPU): the profiler measures how much an all-reduce in flight slows backward,
-``interference_s_per_byte`` (gamma), and every byte sent during backward costs gamma seconds of
-compute; and communication runs ``comm_slowdown`` (sigma) times slower while backward computes
-than on an idle machine. On GPUs with their own NICs gamma is close to 0 and sigma to 1.
+``interference_s_per_byte`` (gamma), and every byte the link carries while backward runs costs
+gamma seconds of compute (``interference_s``); communication runs ``comm_slowdown`` (sigma) times
+slower while backward computes than on an idle machine; and a collective that every worker must
+reach waits for the slowest (``sync_wait_s``). On GPUs with their own NICs gamma is close to 0
+and sigma to 1.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -303,15 +306,19 @@ def advanced_under_backward(
     return t - end
 
 
-def interference_s(compute: ComputeModel, link: LinkModel, sent_bytes: float) -> float:
+def interference_s(
+    compute: ComputeModel, link: LinkModel, sent_bytes: float, first_ready_s: float = 0.0
+) -> float:
     """How much longer backward takes while ``sent_bytes`` (priced as all-reduce bytes) go out
-    under it: the profile's seconds per byte (``interference_s_per_byte``, its contention probe),
-    for no more bytes than the link carries during backward (a saturated link takes the CPU at
-    its rate, not at the bytes queued behind it)."""
+    under it, the first of them ready ``first_ready_s`` into backward: the profile's seconds per
+    byte (``interference_s_per_byte``, its contention probe), for no more bytes than the link
+    carries from then to backward's end (a saturated link takes the CPU at its rate, not at the
+    bytes queued behind it)."""
     if compute.interference_s_per_byte <= 0 or sent_bytes <= 0:
         return 0.0
     per_byte = link.beta_s_per_byte * compute.comm_slowdown
-    carried = compute.backward_total_s / per_byte if per_byte > 0 else sent_bytes
+    span = max(0.0, compute.backward_total_s - first_ready_s)
+    carried = span / per_byte if per_byte > 0 else sent_bytes
     return compute.interference_s_per_byte * min(sent_bytes, carried)
 
 
@@ -336,16 +343,24 @@ def iteration_overhead(
     chosen = list(layers)
     if not chosen:
         return 0.0
-    sent = sum(compute.nbytes[i] for i in chosen)
+    slowed, exposed = slowed_and_exposed(compute, link, chosen, late)
+    return slowed + exposed + compute.codec_total_s(chosen) + compute.sync_wait_s
+
+
+def slowed_and_exposed(
+    compute: ComputeModel, link: LinkModel, layers: Sequence[int], late: bool = False
+) -> tuple[float, float]:
+    """An iteration averaging ``layers``: how much longer its backward takes for the transfers
+    under it (``interference_s``, from the first of them ready), and its exposure on that
+    slower backward (``exposed_for_layers``)."""
+    if not layers:
+        return 0.0, 0.0
+    sent = sum(compute.nbytes[i] for i in layers)
     if compute.tail_bytes:
-        sent += sum(compute.tail_bytes[i] for i in chosen)
-    slowed = interference_s(compute, link, sent)
-    return (
-        slowed
-        + exposed_for_layers(stretched(compute, slowed), link, chosen, late)
-        + compute.codec_total_s(chosen)
-        + compute.sync_wait_s
-    )
+        sent += sum(compute.tail_bytes[i] for i in layers)
+    first = min(compute.finish_times()[i] for i in layers)
+    slowed = interference_s(compute, link, sent, first)
+    return slowed, exposed_for_layers(stretched(compute, slowed), link, layers, late)
 
 
 def _buckets(compute: ComputeModel, cap_bytes: float, ddp: bool = False) -> list[list[int]]:
@@ -398,9 +413,10 @@ def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0,
     its default 25 MB). A codec's second phases go out under it too, each bucket's when the one
     launched ``ADVANCE_DEPTH`` later does, the rest after backward (``sync/ssgd.py``,
     ``sync/ddp.py``'s codec hook)."""
-    _, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
+    ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
     # backward slowed by the transfers under it, the buckets ready that much later
-    interference = interference_s(compute, link, sum(sizes) + (sum(tails) if compute.tail_bytes else 0))
+    sent = sum(sizes) + (sum(tails) if compute.tail_bytes else 0)
+    interference = interference_s(compute, link, sent, ready[0] if ready else 0.0)
     ready, _, _ = _bucketed(stretched(compute, interference), bucket_mb * 2**20, ddp)
     end, first = compute.backward_total_s + interference, [link.time(s) for s in sizes]
     if compute.tail_bytes:
@@ -491,8 +507,8 @@ def priced_for_codec(
     phases = [codec.phase_bytes(list(s), workers) for s in shapes]
     nbytes = tuple(max(1, round(first / ring)) for first, _ in phases)
     tail = tuple(round(second / ring) for _, second in phases)
-    # Interference is charged per byte sent under compute: the first phase's (and at lag 1 the
-    # second's, ``iteration_overhead``).
+    # Interference is charged per byte the link carries under backward, both phases'
+    # (``iteration_overhead``).
     raw = compute.raw_nbytes or compute.nbytes
     return replace(
         compute, nbytes=nbytes, tail_bytes=tail if any(tail) else (), raw_nbytes=raw, codec_s=tuple(codec_s)
@@ -524,13 +540,22 @@ def fit_link_scale(
     def predicted(k: float) -> float:
         return predict_schedule(compute, link.scaled(k), schedule, lag)
 
-    lo, hi = 1e-3, 1e3
-    if not predicted(lo) <= measured_s <= predicted(hi):
-        return None
-    for _ in range(60):  # predicted(k) is non-decreasing in k: bisect on a log scale
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if predicted(mid) < measured_s else (lo, mid)
-    return math.sqrt(lo * hi)
+    # Not monotonic in k everywhere: a slower link carries fewer bytes under backward, so its
+    # interference falls while its exposure grows. So every crossing on a log grid is bisected,
+    # and the scale nearest 1 (the link as it was) taken.
+    grid = [10 ** (i / 10) for i in range(-30, 31)]
+    values = [predicted(k) for k in grid]
+    roots = []
+    for (lo, p_lo), (hi, p_hi) in itertools.pairwise(zip(grid, values, strict=True)):
+        if not (min(p_lo, p_hi) <= measured_s <= max(p_lo, p_hi)):
+            continue
+        rising = p_hi >= p_lo
+        for _ in range(40):
+            mid = math.sqrt(lo * hi)
+            below = predicted(mid) < measured_s
+            lo, hi = (mid, hi) if below == rising else (lo, mid)
+        roots.append(math.sqrt(lo * hi))
+    return min(roots, key=lambda k: abs(math.log(k)), default=None)
 
 
 def window_exposure(
@@ -544,7 +569,7 @@ def window_exposure(
     out = [0.0] * H
     for h, layers in enumerate(schedule):
         late = lands_late(lag, h, H)
-        out[h + 1 if late else h] += exposed_for_layers(compute, link, layers, late)
+        out[h + 1 if late else h] += slowed_and_exposed(compute, link, layers, late)[1]
     return out
 
 

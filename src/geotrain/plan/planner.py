@@ -80,8 +80,10 @@ def predict_algo(
         return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0, ddp=algo == "ddp")
     if algo in ("localsgd", "diloco"):
         return predict_periodic(compute, link, H)
-    if algo == "sparseloco":  # its outer step waits for the slowest worker, once a period
-        return predict_sparseloco(compute.compute_s, link, n_params, workers, H) + compute.sync_wait_s / H
+    if algo == "sparseloco":  # a synchronous outer step waits for the slowest worker, once a period
+        step = predict_sparseloco(compute.compute_s, link, n_params, workers, H)
+        blocking = step == predict_sparseloco(compute.compute_s, link, n_params, workers, H, overlap=False)
+        return step + (compute.sync_wait_s / H if blocking else 0.0)
     if algo == "demo":  # a gather every step
         return predict_demo(compute.compute_s, link, n_params, workers) + compute.sync_wait_s
     if algo == "streaming":
@@ -223,6 +225,8 @@ def retarget(
     out of its line first, so any profile prices any options, at any worker count.
     The line returned is the all-reduce's under the options; ``trust_options`` says which;
     ``compress``: the codec the line carries (a quantised one judges in its own rows).
+    The contention terms (the probe's slowdown and interference, the wait for the slowest
+    worker) are the profiled cluster's: profile on the machines the plan is for.
     """
     compute, link = models_from_profile(profile)
     wanted = trust_options(profile, aggregate, checked)
@@ -279,7 +283,9 @@ def scaled(compute: ComputeModel, compute_scale: float) -> ComputeModel:
         backward_s=tuple(b * compute_scale for b in compute.backward_s),
         forward_s=compute.forward_s * compute_scale,
         optimizer_s=compute.optimizer_s * compute_scale,
-        sync_wait_s=compute.sync_wait_s * compute_scale,  # a lead in compute time
+        # a lead in compute time, and backward's seconds per byte sent: compute too
+        sync_wait_s=compute.sync_wait_s * compute_scale,
+        interference_s_per_byte=compute.interference_s_per_byte * compute_scale,
     )
 
 

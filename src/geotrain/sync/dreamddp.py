@@ -46,11 +46,12 @@ The schedule comes from ``geotrain plan`` (``plan_path``) or is made at start-up
 profile (``prepare``). Beyond the paper: at each period boundary the measured iteration time is
 compared with the plan's prediction, and if they differ by more than ``replan_threshold`` (the link
 got slower, a worker got busier) in two periods running, the workers profile again and re-plan.
-And once, a few periods into the run, the link's slowdown under backward (sigma, which a profile
-assumes 1) is fitted to the time each step of the period spent blocked (``fit_comm_slowdown``),
-and where it differs the schedule is searched again with it: on W1 a plan made at sigma 1 put 36
-of 40 layers in one iteration of two, whose step measured 0.37 s blocked where the model priced
-0.09 s of exposure, and alternating layers measured faster (2.23 s against 2.35 s a step).
+And once, a few periods into the run, the link's slowdown under backward (sigma, which a
+profile's contention probe reads with plain all-reduces) is fitted to the time each step of the
+period spent blocked (``fit_comm_slowdown``), and where it differs the schedule is searched
+again with it: on W1 a plan made at sigma 1 put 36 of 40 layers in one iteration of two, whose
+step measured 0.37 s blocked where the model priced 0.09 s of exposure, and alternating layers
+measured faster (2.23 s against 2.35 s a step).
 
 The planning (profiling, pricing each codec, choosing the period and the codec, the search, the
 re-plans and the slowdown's fit) is in ``sync.dreamddp_plan``; this module carries a plan out.

@@ -65,7 +65,7 @@ class DreamDDPPlanning:
 
     def _plan_from(self, profile: dict[str, Any]) -> None:
         compute, link = models_from_profile(profile)
-        if self.fitted_slowdown is not None:  # measured in training: a profile's 1 is not
+        if self.fitted_slowdown is not None:  # measured in training: a profile's probe was not
             compute = replace(compute, comm_slowdown=self.fitted_slowdown)
         H = self._choose_codec(compute, link, profile) if self._choosing_codec() else None
         self._plan_with(self._priced(compute, self.codec, profile), link, H)
