@@ -530,6 +530,14 @@ def test_every_collective_that_every_worker_reaches_waits_for_the_slowest_once_p
     for algo in ("localsgd", "diloco"):  # one every H steps
         assert differ[algo] == pytest.approx(0.01), algo
     assert differ["sparseloco"] == pytest.approx(0.04 / H)
+    # an overlapped gather lands a period later: nothing waited for
+    from geotrain.plan.gather import predict_sparseloco
+
+    args = (1.0, LinkModel(1.0, 1e-6), 10_000_000, 4, H)
+    assert predict_sparseloco(*args, overlap=True, sync_wait_s=0.5) == predict_sparseloco(*args, overlap=True)
+    assert predict_sparseloco(*args, overlap=False, sync_wait_s=0.5) == pytest.approx(
+        predict_sparseloco(*args, overlap=False) + 0.5 / H
+    )
     assert predict_periodic(waiting, link, 2) - predict_periodic(free, link, 2) == pytest.approx(0.02)
     assert iteration_overhead(waiting, link, []) == 0.0  # an iteration that averages nothing
     assert scaled(waiting, 2.0).sync_wait_s == pytest.approx(0.08)  # a lead in compute time

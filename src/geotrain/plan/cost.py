@@ -414,11 +414,13 @@ def predict_ssgd(compute: ComputeModel, link: LinkModel, bucket_mb: float = 4.0,
     launched ``ADVANCE_DEPTH`` later does, the rest after backward (``sync/ssgd.py``,
     ``sync/ddp.py``'s codec hook)."""
     ready, sizes, tails = _bucketed(compute, bucket_mb * 2**20, ddp)
-    # backward slowed by the transfers under it, the buckets ready that much later
+    # backward slowed by the transfers under it, the buckets ready that much later (as
+    # ``stretched``: each layer's share alike)
     sent = sum(sizes) + (sum(tails) if compute.tail_bytes else 0)
     interference = interference_s(compute, link, sent, ready[0] if ready else 0.0)
-    ready, _, _ = _bucketed(stretched(compute, interference), bucket_mb * 2**20, ddp)
     end, first = compute.backward_total_s + interference, [link.time(s) for s in sizes]
+    if interference > 0:  # > 0 only where backward has taken time
+        ready = [r * end / compute.backward_total_s for r in ready]
     if compute.tail_bytes:
         second = [link.time(t) for t in tails]
         exposed = advanced_under_backward(ready, first, second, end, compute.comm_slowdown, ADVANCE_DEPTH)

@@ -64,25 +64,38 @@ def demo_message_bytes(n_params: int, chunk: int = 64, k: int = 32, bits: int = 
 
 
 def predict_sparseloco(
-    compute_s: float, link: LinkModel, n_params: int, workers: int, H: int = 20, overlap: bool | str = "auto"
+    compute_s: float,
+    link: LinkModel,
+    n_params: int,
+    workers: int,
+    H: int = 20,
+    overlap: bool | str = "auto",
+    sync_wait_s: float = 0.0,
 ) -> float:
     """Mean step: compute every step, and one gather of the message every H steps; with overlap
     the gather runs under the next H steps, and only what outlasts them shows. ``auto`` (the
     default) overlaps where the gather is over ``OVERLAP_ABOVE`` of the period's compute, as the
-    run decides from its first outer step."""
+    run decides from its first outer step. A synchronous gather also waits ``sync_wait_s`` for
+    the slowest worker (``ComputeModel.sync_wait_s``); one landing a period later does not."""
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
     if overlap == "auto":
         overlap = gather > OVERLAP_ABOVE * H * compute_s
-    exposed = max(0.0, gather - H * compute_s) if overlap else gather
+    exposed = max(0.0, gather - H * compute_s) if overlap else gather + sync_wait_s
     return compute_s + exposed / H
 
 
 def predict_demo(
-    compute_s: float, link: LinkModel, n_params: int, workers: int, overlap: bool = False
+    compute_s: float,
+    link: LinkModel,
+    n_params: int,
+    workers: int,
+    overlap: bool = False,
+    sync_wait_s: float = 0.0,
 ) -> float:
-    """Mean step: compute and one gather every step (under the next step's compute with overlap)."""
+    """Mean step: compute and one gather every step (under the next step's compute with overlap);
+    a synchronous gather also waits ``sync_wait_s`` for the slowest worker."""
     gather = gather_s(link, demo_message_bytes(n_params), workers)
-    return compute_s + (max(0.0, gather - compute_s) if overlap else gather)
+    return compute_s + (max(0.0, gather - compute_s) if overlap else gather + sync_wait_s)
 
 
 def predict_streaming(

@@ -80,12 +80,11 @@ def predict_algo(
         return predict_ssgd(compute, link, bucket_mb=25.0 if algo == "ddp" else 4.0, ddp=algo == "ddp")
     if algo in ("localsgd", "diloco"):
         return predict_periodic(compute, link, H)
-    if algo == "sparseloco":  # a synchronous outer step waits for the slowest worker, once a period
-        step = predict_sparseloco(compute.compute_s, link, n_params, workers, H)
-        blocking = step == predict_sparseloco(compute.compute_s, link, n_params, workers, H, overlap=False)
-        return step + (compute.sync_wait_s / H if blocking else 0.0)
-    if algo == "demo":  # a gather every step
-        return predict_demo(compute.compute_s, link, n_params, workers) + compute.sync_wait_s
+    wait = compute.sync_wait_s  # what a synchronous gather waits for the slowest worker
+    if algo == "sparseloco":
+        return predict_sparseloco(compute.compute_s, link, n_params, workers, H, sync_wait_s=wait)
+    if algo == "demo":
+        return predict_demo(compute.compute_s, link, n_params, workers, sync_wait_s=wait)
     if algo == "streaming":
         return predict_streaming(compute.compute_s, link, n_params, workers, H)
     if algo == "co2":
