@@ -75,6 +75,34 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
     assert not _stray_processes(str(run_dir))
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_second_owner_per_shard_leaves_out_a_flipped_shard_from_the_cli(tmp_path):
+    """``--compress int4:owners=2`` on 3 workers, worker 2 flipping the sign of its shard of one
+    mean (``--chaos corrupt:...,part=shard``), within what any norm allows: the pair of owners
+    disagrees, every worker leaves that shard out, the summary names the pair, the replicas end
+    as one model, and the run exits 0."""
+    run_dir = tmp_path / "run"
+    proc = geotrain(
+        [
+            *("run", "--workers", "3", "--no-netem", "--model", "tiny", "--steps", "6", "--eval-every", "0"),
+            *("--algo", "ssgd", "--compress", "int4:owners=2", "--run-dir", str(run_dir)),
+            *("--chaos", "corrupt:step=3,rank=2,kind=signflip,part=shard"),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 2 corrupts its next shard of a mean (signflip) from step 3" in proc.stderr
+    assert "hosts 2 and 0 computed different copies of shard 2 of an average" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["disputed_shards"] == {"2,0": 1} and summary["rejected_updates"] == {}
+    digests = {
+        r["param_digest"]
+        for rank in range(3)
+        for r in read_metrics(run_dir / "metrics" / f"rank{rank}.jsonl")
+        if r.get("final")
+    }
+    assert len(digests) == 1  # (the bytes: test_guard's, against wire_bytes)
+
+
 # Every algorithm runs end to end from the CLI in test_continue_cli (faults), test_resume_cli
 # (localsgd with --H-schedule grow, resumed; ddp_powersgd, diloco), test_topology (nosync) and
 # test_rollback_cli; every algorithm's state and survival in test_resume_gloo.
@@ -117,6 +145,13 @@ BAD_INPUTS = [
     (["--algo", "ssgd", "--H-schedule", "grow"], "ssgd does not take --H-schedule"),
     (["--algo", "nosync", "--compress", "int8"], "nosync does not take --compress; algorithms that do: ssgd"),
     (["--backend", "mpi"], "--backend takes auto, nccl, gloo; got 'mpi'"),
+    (["--algo", "ssgd", "--compress", "int4:owners=3"], "int4: owners (workers that compute each shard"),
+    (
+        ["--algo", "ssgd", "--chaos", "corrupt:step=2,rank=0,kind=signflip,part=shard"],
+        "part=shard spoils a worker's shard of a quantised codec's mean (--compress int8|int4|sign); "
+        "not an uncompressed average",
+    ),
+    (["--chaos", "corrupt:step=2,rank=0,part=all"], "[,part=shard]"),
     (["--autocast", "fp8"], "--autocast takes off, bf16; got 'fp8'"),
 ]
 

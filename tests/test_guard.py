@@ -79,6 +79,9 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
         return _frontier_case(rank, algo, how)
     if kind == "buffers":  # checked means in flight together, twice: their buffers are reused
         return _buffers_case(rank)
+    if kind.startswith("owners"):  # a quantised codec's shards with two owners each
+        _, spec, how, ratio = kind.split("/")
+        return _owners_case(rank, spec, how, float(ratio))
     if kind.startswith("leftout"):  # a copy of the leader's state left out of a checked codec's mean
         return _left_out_case(rank, kind.split("/")[1])
     if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
@@ -216,6 +219,33 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
     }
 
 
+def _owners_case(rank: int, spec: str, how: str, ratio: float) -> dict:
+    """Three messages through a quantised codec (``owners=1`` or ``2``), worker 2 spoiling its
+    shard of the first mean as ``how`` says ("-": honest); the check on where ``ratio`` > 0."""
+    from geotrain.compress.codec import make_codec
+
+    comm = Communicator(max_norm_ratio=ratio)
+    codec = make_codec(spec)
+    gen = torch.Generator().manual_seed(rank)
+    honest = [torch.randn(5000, generator=gen) for _ in range(3)]
+    if rank == 2 and how != "-":
+        comm.corrupt_shard = how
+    means = []
+    for v in honest:
+        mean = v.clone()
+        codec.reduce(comm, "g", [mean]).wait()
+        means.append(mean)
+    return {
+        "honest": honest,
+        "means": means,
+        "rejected": dict(comm.rejected_by_rank),
+        "disputed": dict(comm.disputed_shards),
+        "sent": comm.stats.sent_bytes,
+        "wire": 3 * codec.wire_bytes([(5000,)], comm.world_size),
+        "shard": codec.layout(5000, comm.world_size)[1],
+    }
+
+
 def _left_out_case(rank: int, spec: str) -> dict:
     """A checked quantised codec's mean with worker 2 left out (``leaving_out``: its contribution
     is a copy of the leader's state), its rows sent with a zero norm: the mean of the other two,
@@ -277,6 +307,15 @@ SHARDS = [
     ("sign", "shard:scale=1e6"),
     ("int8+median", "shard:inf"),
 ]
+# (codec, what worker 2 does to its shard of the first mean, --max-norm-ratio)
+OWNERS = [
+    *(("int4:owners=2", how, 10.0) for how in ("signflip", "scale=3", "-")),
+    ("int4", "signflip", 10.0),  # one owner: the flipped shard goes through
+    ("int4", "-", 10.0),
+    ("int8:owners=2", "scale=3", 0.0),  # the comparison needs no norm check
+    ("sign:owners=2", "-", 0.0),
+    ("sign", "-", 0.0),
+]
 QUANTISED_IN_BAND = ["ssgd+int8/nan", "ssgd+int4/scale", "ssgd+sign/nan"]
 ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
 RUNS = Cases(
@@ -290,6 +329,7 @@ RUNS = Cases(
         ("leftout/int8",), ("leftout/int4",),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
         *((f"codec/{c}/{how}",) for c, how in SHARDS),
+        *((f"owners/{c}/{how}/{ratio}",) for c, how, ratio in OWNERS),
         *((k,) for k in FRONTIER),
     ],
 )  # fmt: skip
@@ -693,3 +733,79 @@ def test_a_messages_norm_is_its_float64_norm_to_6_digits_and_anything_not_finite
     norm, finite = message_norm(torch.full((4,), 1e200, dtype=torch.float64))
     assert math.isinf(norm) and finite
     assert message_norm(torch.ones(3), valid=False) == (0.0, False)
+
+
+def _shards_close(got: torch.Tensor, expected: torch.Tensor, bound: float) -> None:
+    error = float((got - expected).norm() / expected.norm())
+    assert error < bound, error
+
+
+@pytest.mark.parametrize("how", ["signflip", "scale=3"])
+def test_a_second_owner_per_shard_catches_a_shard_spoiled_within_the_norms_bound(how):
+    """``int4:owners=2``: worker j's shard of the mean is computed by worker j+1 too, and every
+    worker compares the two copies' bytes. Worker 2 flips the sign of its shard, or scales it
+    3x: within what the first phase's norms allow, so one owner lets it through (the next test),
+    but here every worker finds the copies differ, leaves that shard out alike, and counts the
+    pair (hosts 2 and 0), not a rejection. The other shards are the honest mean; the next two
+    messages, honest, are averaged whole again (both owners restarted that shard's error
+    feedback, so their copies agree)."""
+    ranks = RUNS.get(f"owners/int4:owners=2/{how}/10.0")
+    honest_run = RUNS.get("owners/int4/-/10.0")  # one owner, nobody spoiling: the same messages
+    shard = ranks[0]["shard"]
+    for step in range(3):
+        first = ranks[0]["means"][step]
+        for r in ranks:
+            assert torch.equal(r["means"][step], first)
+        # the honest owners' shards: bitwise the honest run's, at every message
+        assert torch.equal(first[: 2 * shard], honest_run[0]["means"][step][: 2 * shard])
+        if step == 0:
+            assert not first[2 * shard :].any()  # worker 2's shard: left out everywhere
+        else:  # averaged again: int4's error with error feedback, as the honest run's (0.25)
+            expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
+            _shards_close(first[2 * shard :], expected[2 * shard :], 0.3)
+    for r in ranks:
+        assert r["disputed"] == {(2, 0): 1} and r["rejected"] == {}
+        assert r["sent"] == r["wire"]  # twice one owner's bytes (wire_bytes says so)
+
+
+def test_one_owner_per_shard_lets_a_flipped_shard_through():
+    """Without a second owner, the same flipped shard is averaged in: the gap ``owners=2``
+    closes (what makes the test above able to fail)."""
+    ranks = RUNS.get("owners/int4/signflip/10.0")
+    shard = ranks[0]["shard"]
+    first = ranks[0]["means"][0]
+    expected = torch.stack([r["honest"][0] for r in ranks]).mean(dim=0)
+    _shards_close(-first[2 * shard :], expected[2 * shard :], 0.2)
+    assert ranks[0]["rejected"] == {} and ranks[0]["disputed"] == {}
+
+
+@pytest.mark.parametrize(
+    ("two", "one"), [("int4:owners=2/-/10.0", "int4/-/10.0"), ("sign:owners=2/-/0.0", "sign/-/0.0")]
+)
+def test_a_second_owner_changes_no_bit_of_an_honest_mean_and_sends_twice_the_bytes(two, one):
+    """Honest workers: the means with two owners per shard are bitwise those with one, checked
+    or not, nothing disputed, and the bytes sent are twice one owner's (``wire_bytes``)."""
+    paired, single = RUNS.get(f"owners/{two}"), RUNS.get(f"owners/{one}")
+    for p, s in zip(paired, single, strict=True):
+        for a, b in zip(p["means"], s["means"], strict=True):
+            assert torch.equal(a, b)
+        assert p["disputed"] == {} and p["sent"] == p["wire"] == 2 * s["sent"]
+
+
+def test_a_second_owner_needs_no_norm_check():
+    """``int8:owners=2`` with the check off: worker 2's 3x-scaled shard is still left out
+    everywhere (the comparison is of bytes, not norms)."""
+    ranks = RUNS.get("owners/int8:owners=2/scale=3/0.0")
+    shard = ranks[0]["shard"]
+    first = ranks[0]["means"][0]
+    assert not first[2 * shard :].any() and first[: 2 * shard].any()
+    assert ranks[1]["disputed"] == {(2, 0): 1}
+
+
+def test_owners_is_validated_and_left_out_of_the_spec_at_its_default():
+    from geotrain.compress.codec import ConfigError, make_codec
+
+    with pytest.raises(ConfigError, match="owners .* must be 1 or 2"):
+        make_codec("int4:owners=3")
+    assert make_codec("int4").spec() == "int4:warmup=0,block=256"  # as snapshots and plans saved it
+    assert make_codec("int4:owners=2").spec() == "int4:warmup=0,block=256,owners=2"

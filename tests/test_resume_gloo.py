@@ -25,6 +25,7 @@ CASES = [
     ("diloco", ""),
     ("dreamddp", ""),
     ("ssgd", "int4"),
+    ("ssgd", "int4:owners=2"),  # each worker holds its shard's error feedback and its neighbour's
     ("ssgd", "acpsgd:rank=2"),
     ("ssgd", "topk:ratio=0.05"),
     ("ddp", "int4"),

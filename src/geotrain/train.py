@@ -366,9 +366,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             group["lr"] = lr_at(step - 1, cfg)
         for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution
             if f.corrupts_at(step, host):
-                comm.corrupt_next = f.corruption
+                what = "shard of a mean" if f.part == "shard" else "contribution"
+                if f.part == "shard":
+                    comm.corrupt_shard = f.corruption
+                else:
+                    comm.corrupt_next = f.corruption
                 print(
-                    f"geotrain: chaos: rank {host} corrupts its next contribution ({f.corruption}) "
+                    f"geotrain: chaos: rank {host} corrupts its next {what} ({f.corruption}) "
                     f"from step {step}",
                     file=sys.stderr,
                     flush=True,
@@ -823,6 +827,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "skipped_steps": skipped and {str(r): n for r, n in enumerate(skipped)},  # --pace time
         # --max-norm-ratio: contributions left out of averages, by rank of the last group
         "rejected_updates": {str(r): n for r, n in sorted(comm.rejected_by_rank.items())},
+        # a quantised codec's owners=2: shards whose two owners disagreed, by pair of hosts
+        "disputed_shards": {f"{a},{b}": n for (a, b), n in sorted(comm.disputed_shards.items())} or None,
         # auto resolved (0: off; "inf": only what is not finite); applied from these workers on:
         "max_norm_ratio": cfg.norm_ratio() if math.isfinite(cfg.norm_ratio()) else "inf",
         "norm_check_min_workers": comm.auto_min_workers or None,

@@ -17,6 +17,7 @@ from geotrain.comm.guard import (
     GATHERED,
     GUARDED_ALGOS,
     GUARDED_CODECS,
+    ROWS_IN_BAND_CODECS,
     SPARSE_CODECS,
     default_norm_ratio,
     parse_aggregate,
@@ -350,6 +351,13 @@ class TrainConfig:
                 f"{', '.join(c for c in GUARDED_CODECS if c)}; ddp's with --max-norm-ratio or an "
                 f"--aggregate); not --algo {self.algo}"
                 + (f" --compress {self.compress}" if self.compress else ""),
+            )
+        if any(f.kind == "corrupt" and f.part == "shard" for f in faults):
+            need(
+                codec in ROWS_IN_BAND_CODECS,
+                f"--chaos corrupt:...,part=shard spoils a worker's shard of a quantised codec's mean "
+                f"(--compress {'|'.join(ROWS_IN_BAND_CODECS)}); not "
+                + (f"--compress {self.compress}" if self.compress else "an uncompressed average"),
             )
         self.sync_config()  # validates the algorithm's own options
 

@@ -49,7 +49,7 @@ class CheckedMeans:
     """The check's part of ``Communicator``, which inherits it: a mixin with no fields and no
     ``__init__``, so the dataclass is as it was. It uses the communicator's fields and state
     (``group``, ``world_size``, ``rank``, ``membership``, ``max_norm_ratio``, ``_aggregate``,
-    ``_trim``, ``left_out``, ``corrupt_next``, ``rejected_by_rank``, ``step_checked``,
+    ``_trim``, ``left_out``, ``corrupt_next``, ``rejected_by_rank``, ``disputed_shards``, ``step_checked``,
     ``step_rejected``, ``_spare_buffers``, ``stats``, ``control_calls``, ``min_collective_s``)
     and its collectives (``_launch_sum``, ``_wait``, ``all_gather``)."""
 
@@ -358,6 +358,26 @@ class CheckedMeans:
                 flush=True,
             )
         return shards
+
+    def compare_shards(self, shards: torch.Tensor, second: torch.Tensor) -> list[int]:
+        """A quantised codec's second phase with two owners per shard (``owners=2``): ``shards``
+        and ``second`` (row j: shard j's bytes from its owner, and from its second owner, worker
+        j+1), the same on every worker. Returns the shards whose copies differ, each counted
+        for its pair of owners (``disputed_shards``) and said on stderr: the pair cannot say
+        which of the two is wrong, so neither is counted as rejected (``--max-rejections``
+        would otherwise let a hostile owner have an honest one dropped). No communication."""
+        differs = (shards != second).any(dim=1).tolist()
+        disputed = [j for j, d in enumerate(differs) if d]
+        for j in disputed:
+            pair = (self._host(j), self._host((j + 1) % self.world_size))
+            self.disputed_shards[pair] = self.disputed_shards.get(pair, 0) + 1
+            print(
+                f"geotrain: hosts {pair[0]} and {pair[1]} computed different copies of shard {j} of an "
+                "average; that shard was left out (one of them, or a sender, is broken or hostile)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return disputed
 
     def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
         """The check on contributions every worker already holds (an all-gather's messages,

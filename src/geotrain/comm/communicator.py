@@ -121,6 +121,8 @@ class Communicator(CheckedMeans):
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
+        # shards of a mean whose two owners disagreed (a quantised codec's owners=2), by host pair
+        self.disputed_shards: dict[tuple[int, int], int] = {}
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
         self.step_rejected: set[int] = set()

@@ -129,7 +129,14 @@ class Codec(ABC):
         return ""
 
     def spec(self) -> str:
-        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        # A parameter added after specs were saved (snapshots, plans, profiles compare them)
+        # is left out at its default (``metadata={"omit_default": True}``), so the old ones
+        # still match.
+        params = ",".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default)
+        )
         return f"{self.name}:{params}" if params else self.name
 
     def state(self, key: Any) -> dict[str, torch.Tensor]:

@@ -11,11 +11,19 @@ Quantised values cannot be summed by an all-reduce, so these use the compressed 
 worker to worker j, which averages the decompressed chunks, adds its own (server) error feedback,
 quantises the mean again and all-gathers it. Each worker sends 2 (N-1)/N of the compressed size,
 as a ring all-reduce would of the raw size. Every worker decodes the same bytes, so replicas agree.
+
+``owners=2`` gives every shard of the mean a second owner (worker j's shard is also computed by
+worker j+1, from the same rows, with error feedback of its own for it): both copies are
+all-gathered and every worker compares their bytes before it takes the shard. A shard whose
+owners disagree (an owner that spoiled it, or a sender that sent its two owners different rows)
+gets no average this time, on every worker alike, and the pair is counted
+(``Communicator.disputed_shards``). Twice both phases' bytes: what catches the spoiled shard
+that the first phase's norms cannot (a flipped sign, a scaling within their bound).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -69,12 +77,19 @@ class _BlockQuantizer(Codec):
 
     bits: ClassVar[int] = 8
     block: int = 256
+    # 2: each shard of the mean computed by two workers and compared (module docstring)
+    owners: int = field(default=1, metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(
             self.block >= 8 and self.block % 8 == 0,
             f"{self.name}: block (values per scale) must be a multiple of 8, >= 8; got {self.block}",
+        )
+        require(
+            self.owners in (1, 2),
+            f"{self.name}: owners (workers that compute each shard of the mean) must be 1 or 2; "
+            f"got {self.owners}",
         )
 
     # -- the local codec --------------------------------------------------------------------
@@ -151,6 +166,7 @@ class _BlockQuantizer(Codec):
                 # was another chunk, and is dropped.
                 residual = torch.cat([residual[:n], v.new_zeros(v.numel() - n)])
                 state.pop("server_residual", None)
+                state.pop("second_residual", None)
             v += residual
         # The norm check judges what is sent, before it is quantised (``screen`` zeroes a message
         # left out, scales a clipped one). The residual keeps only the quantisation error of what
@@ -182,51 +198,76 @@ class _BlockQuantizer(Codec):
             state["residual"].zero_()
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
-        handle = comm.all_to_all(data, async_op=True, control_bytes=control)
+        pairs = self.owners == 2
+        if pairs:  # to worker j: shard j's row, for its owner, and shard j-1's, for its second
+            data = torch.cat([data, data.roll(1, dims=0)], dim=1)
+        handle = comm.all_to_all(data, async_op=True, control_bytes=control * (2 if pairs else 1))
 
         gather: list = []  # the second phase's collective, launched by advance()
+
+        def shard_mean(received: torch.Tensor) -> torch.Tensor:
+            """One shard of the mean from every worker's row of it (as received)."""
+            rows = self.decode(received, chunk, block)
+            if verdict is None:
+                return rows.mean(dim=0)
+            # every kept contribution's row: the mean or a robust statistic
+            kept = rows.index_select(0, _kept_index(verdict.kept, rows.device))
+            kind, f = comm.aggregate_kind
+            return robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
 
         def advance() -> None:
             nonlocal verdict
             received = handle.wait()
+            parts = list(received.chunk(2, dim=1)) if pairs else [received]
             if in_band:
                 if verdict is None:  # once: an advance run again must not count it twice
-                    verdict = comm.judge_rows(received[:, -control:], out)
+                    verdict = comm.judge_rows(parts[0][:, -control:], out)
                     if not verdict.kept[comm.rank] and spoiled is None:
                         state["residual"].zero_()  # its message dropped, not carried into the next
-                received = received[:, :-control]
+                parts = [p[:, :-control] for p in parts]
                 # Nothing to average: each keeps its own tensors (its residual dropped with its
                 # message, as any left-out worker's is; a round trip first kept the one before).
                 if verdict.count == 0:
                     return
-            rows = self.decode(received, chunk, block)
-            if verdict is None:
-                mean = rows.mean(dim=0)
-            else:  # this worker's shard of every kept contribution: the mean or a robust statistic
-                kept = rows.index_select(0, _kept_index(verdict.kept, rows.device))
-                kind, f = comm.aggregate_kind
-                mean = robust_mean(kept, kind, f) if kind in GATHERED else kept.sum(dim=0).div_(verdict.count)
-            if "server_residual" in state:
-                mean += state["server_residual"]
-            mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
-            server_residual = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
+            encoded, residuals = [], {}
+            # its own shard, and with a second owner the shard of the worker before it
+            for part, name in zip(parts, ("server_residual", "second_residual"), strict=False):
+                mean = shard_mean(part)
+                if name in state:
+                    mean += state[name]
+                mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
+                residuals[name] = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
+                encoded.append(mine[0])
             spoil = comm.corrupt_shard
-            if spoil:  # a worker that spoils its shard of the mean (a test's hook)
-                bad_shard = self.decode(mine, chunk, block)
+            if spoil:  # a worker that spoils its shard of the mean (a test's hook): its own copy
+                bad_shard = self.decode(encoded[0].unsqueeze(0), chunk, block)
                 corrupt_(bad_shard, spoil)
-                mine = self.encode(bad_shard, block)
-            gather.append(comm.all_gather(mine[0], async_op=True))
+                encoded[0] = self.encode(bad_shard, block)[0]
+            gather.append(comm.all_gather(torch.cat(encoded), async_op=True))
             # kept once the second phase is under way: an advance that failed can be run again
-            state["server_residual"] = server_residual
+            state.update(residuals)
             if spoil:
                 comm.corrupt_shard = ""
 
         def finish() -> None:
             if not gather:  # in band, nothing kept: each keeps its own
                 return
-            everyone = self.decode(gather.pop().wait(), chunk, block)
+            gathered = gather.pop().wait()
+            disputed: list[int] = []
+            if pairs:  # shard j's second copy is worker j+1's
+                gathered, second = gathered.chunk(2, dim=1)
+                disputed = comm.compare_shards(gathered, second.roll(-1, dims=0))
+            everyone = self.decode(gathered, chunk, block)
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)
+            for j in disputed:
+                everyone[j].zero_()
+                # both owners start that shard's error feedback afresh, so a pair that drifted
+                # apart (a regroup, a joiner's empty state) agrees again from the next message
+                if j == comm.rank:
+                    state.pop("server_residual", None)
+                if j == (comm.rank - 1) % world:
+                    state.pop("second_residual", None)
             unflatten_into(everyone.reshape(-1)[:n], tensors)
 
         return Pending(finish, advance)
@@ -235,7 +276,7 @@ class _BlockQuantizer(Codec):
         if world_size == 1:
             return 0
         block, chunk = self.layout(sum(numel(s) for s in shapes), world_size)
-        return 2 * (world_size - 1) * self.row_bytes(chunk, block)
+        return 2 * self.owners * (world_size - 1) * self.row_bytes(chunk, block)
 
     def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
         """The quantised rows' all-to-all, then (launched by ``advance``) the mean's shards

@@ -38,7 +38,7 @@ from pathlib import Path
 ACCEPTED = (
     "kill:step=S,rank=R | kill-host:step=S,host=H | stop:step=S,rank=R | cut:step=S,host=H | "
     "kill:every=SECONDS, each with optional ,restart=SECONDS | "
-    "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X]"
+    "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard]"
 )
 KINDS = ("kill", "kill-host", "stop", "cut", "corrupt")
 CORRUPTIONS = ("nan", "inf", "signflip", "scale")
@@ -58,6 +58,9 @@ class Fault:
     restart_s: float = 0.0
     every_steps: int = 0  # corrupt: at every multiple of this step
     corruption: str = ""  # corrupt: nan | inf | signflip | scale=X
+    # corrupt: "shard" spoils the worker's shard of a quantised codec's mean (its second phase),
+    # not its contribution
+    part: str = ""
 
     def corrupts_at(self, step: int, rank: int) -> bool:
         """A corrupt fault aimed at ``rank`` that spoils its next contribution from ``step``."""
@@ -77,7 +80,7 @@ class Fault:
         if self.kind == "corrupt":
             when = f"every={self.every_steps}" if self.every_steps else f"step={self.step}"
             how = self.corruption if self.corruption.startswith("scale=") else f"kind={self.corruption}"
-            return f"corrupt:{when},rank={self.rank},{how}"
+            return f"corrupt:{when},rank={self.rank},{how}" + (f",part={self.part}" if self.part else "")
         who = f"host={self.rank}" if self.kind in BY_HOST else f"rank={self.rank}"
         if self.timed:
             head = f"{self.kind}:every={self._num(self.every_s)}s"
@@ -137,9 +140,15 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
 
 
 def _corrupt(part: str, fields: dict[str, str], workers: int | None) -> Fault:
-    accepted = "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X]"
+    accepted = "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard]"
     when = {"step", "every"} & set(fields)
-    if len(when) != 1 or "rank" not in fields or set(fields) - {"step", "every", "rank", "kind", "scale"}:
+    known = {"step", "every", "rank", "kind", "scale", "part"}
+    if (
+        len(when) != 1
+        or "rank" not in fields
+        or set(fields) - known
+        or fields.get("part", "shard") != "shard"
+    ):
         raise ChaosError(f"--chaos {part!r}: accepted: {accepted}")
     try:
         step = int(fields.get("step", 0))
@@ -156,7 +165,9 @@ def _corrupt(part: str, fields: dict[str, str], workers: int | None) -> Fault:
     if workers is not None and rank >= workers:
         raise ChaosError(f"--chaos {part!r}: there are {workers} workers (rank 0 to {workers - 1})")
     corruption = f"scale={scale:g}" if scale is not None else kind
-    return Fault("corrupt", step=step, rank=rank, every_steps=every, corruption=corruption)
+    return Fault(
+        "corrupt", step=step, rank=rank, every_steps=every, corruption=corruption, part=fields.get("part", "")
+    )
 
 
 def join_chaos(faults: list[Fault]) -> str:
