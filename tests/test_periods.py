@@ -134,7 +134,8 @@ def test_after_a_regroup_each_heads_for_its_own_periods_next_boundary():
 
 def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
     """At H=50 the momentum that follows H is 0.74; the stages of 2 and 10 before it are
-    stepped at their own (0.5); with the ramp (the default), each outer step's is that value
+    stepped at their own (0.3, the multiple 1 at the outer lr of H=50, 0.7; and 0.5); with
+    the ramp (the default), each outer step's is that value
     ramped by the outer steps taken. A momentum given stays as given."""
     from geotrain.sync.diloco import outer_momentum_for, ramped_momentum
 
@@ -154,7 +155,7 @@ def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
             ramped_momentum(outer_momentum_for(p), k, ramp) for k, p in enumerate(periods)
         ]
         if not ramp:
-            assert seen[0][1] == outer_momentum_for(2) and seen[8][1] == outer_momentum_for(10) == 0.5
+            assert seen[0][1] == outer_momentum_for(2) == 0.3 and seen[8][1] == outer_momentum_for(10) == 0.5
             assert seen[-1][1] == outer_momentum_for(50) == 0.74
     options = {"H": 50, "H_schedule": "2x2", "outer_momentum": 0.9}
     fixed = build_sync("diloco", _tiny(), opt, FakeCommunicator(), options)

@@ -124,10 +124,24 @@ def test_only_periodic_methods_take_a_warm_start():
 def test_diloco_outer_momentum_follows_H_unless_set():
     from geotrain.sync.diloco import outer_momentum_for
 
-    # outer_lr / (1 - momentum): 1.4 at H <= 10, the paper's 7 (0.7 / 0.1) at H >= 500
-    assert [outer_momentum_for(h) for h in (1, 10, 50, 500, 5000)] == [0.5, 0.5, 0.74, 0.9, 0.9]
+    # outer_lr / (1 - momentum): 1 at H <= 2, 1.4 at 3 <= H <= 10, the paper's 7 (0.7 / 0.1) at H >= 500
+    assert [outer_momentum_for(h) for h in (1, 2, 3, 10, 50, 500, 5000)] == [
+        0.3,
+        0.3,
+        0.5,
+        0.5,
+        0.74,
+        0.9,
+        0.9,
+    ]
     assert outer_momentum_for(10, outer_lr=1.0) == 0.29  # the same multiple with a larger step
     assert all(outer_momentum_for(h) <= outer_momentum_for(h + 1) for h in range(1, 600))
+    # none given: up to H=2 the plain average (Local SGD's outer step), the paper's lr beyond
+    for H, lr, momentum in ((1, 1.0, 0.0), (2, 1.0, 0.0), (3, 0.7, 0.5), (10, 0.7, 0.5)):
+        config = sync_config("diloco", {"H": H})
+        assert (config.outer_lr, config.outer_momentum) == (lr, momentum)
+    assert sync_config("diloco", {"H": 2, "outer_lr": 0.7}).outer_momentum == 0.3  # the multiple 1
+    assert TrainConfig(algo="diloco", H=2).sync_config().outer_lr == 1.0
     assert sync_config("diloco", {"H": 50}).outer_momentum == 0.74
     assert sync_config("diloco", {"H": 50, "outer_momentum": 0.9}).outer_momentum == 0.9
     assert TrainConfig(algo="diloco", H=500).sync_config().outer_momentum == 0.9
@@ -154,8 +168,9 @@ def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ram
                 seen.append(sync.outer_optimizer.param_groups[0]["momentum"])
         return sync, seen
 
+    # (at H=1 the momentum that follows H is 0, with the plain average's outer lr of 1)
     sync, seen = momenta({"H": 1, "momentum_ramp": 4, "warm_start": 2})
-    assert seen == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 0.9])  # outer steps at 3 to 8
+    assert seen == pytest.approx([0.0, 0.225, 0.45, 0.675, 0.9, 0.9])  # outer steps at 3 to 8
     again = build_sync(
         "diloco",
         _tiny(),
@@ -165,7 +180,8 @@ def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ram
     )
     again.load_state_dict(sync.state_dict())
     assert again.outer_steps == sync.outer_steps == 6
-    assert momenta({"H": 1, "momentum_ramp": 0}, 3)[1] == [0.5, 0.5, 0.5]
+    assert momenta({"H": 1, "momentum_ramp": 0}, 3)[1] == [0.0, 0.0, 0.0]
+    assert momenta({"H": 1, "outer_lr": 0.7}, 3)[1] == [0.3, 0.3, 0.3]  # the multiple 1
     assert momenta({"H": 1, "outer_momentum": 0.3}, 3)[1] == [0.3, 0.3, 0.3]
     with pytest.raises(
         ConfigError, match="localsgd does not take --momentum-ramp; algorithms that do: diloco"
