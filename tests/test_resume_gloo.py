@@ -112,6 +112,8 @@ def _resume_cases(rank, world_size, tmp: str, cases):
             "resumed": resumed["resumed_from"],
             "steps": resumed["steps"],
             "lr_factor": resumed["local_lr_factor"],
+            # int4:owners=2: honest owners agree before and after the resume
+            "disputed": (whole["disputed_shards"], resumed["disputed_shards"]),
         }
         dist.barrier()
     return out
@@ -123,6 +125,8 @@ def _check_exact(results: list[dict], world_size: int) -> None:
         for case, r in per_case.items():
             if not r["states_equal"] or r["digest"][0] != r["digest"][1]:
                 bad.append(f"{case} rank {rank}: differs in {r['differs'] or 'final digest'}")
+            if r["disputed"] != (None, None):
+                bad.append(f"{case} rank {rank}: shards disputed {r['disputed']}")
             assert r["resumed"]["step"] == N and r["resumed"]["sources"] == ["disk"] * world_size
             assert r["steps"] == 2 * N
             assert (r["lr_factor"] > 1.0) == (case == "localsgd+lrauto")

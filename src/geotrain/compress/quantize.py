@@ -158,16 +158,20 @@ class _BlockQuantizer(Codec):
         # gradients are quantised there; the uint8 rows travel by NCCL)
         pad = tensors[0].new_zeros(world * chunk - n)
         v = torch.cat([*(t.detach().reshape(-1) for t in tensors), pad]).float()
+        regrouped = False
         if "residual" in state:
             residual = state["residual"]
             if residual.numel() != v.numel():
                 # The group changed size (a lost worker): the padding changes with it. This
-                # worker's own error carries over; its share of the mean (the server residual)
-                # was another chunk, and is dropped.
+                # worker's own error carries over.
                 residual = torch.cat([residual[:n], v.new_zeros(v.numel() - n)])
-                state.pop("server_residual", None)
-                state.pop("second_residual", None)
+                regrouped = True
             v += residual
+        for name in ("server_residual", "second_residual"):
+            # Its share of the mean (a shard's residual) was another chunk where the group's size
+            # changed, even where the padded total did not (5 x 1024 = 4 x 1280): dropped.
+            if name in state and (regrouped or state[name].numel() != chunk):
+                del state[name]
         # The norm check judges what is sent, before it is quantised (``screen`` zeroes a message
         # left out, scales a clipped one). The residual keeps only the quantisation error of what
         # was sent: a message left out or clipped is dropped, not carried into the next one, where
@@ -258,10 +262,11 @@ class _BlockQuantizer(Codec):
                 gathered, second = gathered.chunk(2, dim=1)
                 disputed = comm.compare_shards(gathered, second.roll(-1, dims=0))
             everyone = self.decode(gathered, chunk, block)
+            for j in disputed:  # before the bound's check: a disputed shard is nobody's rejection
+                everyone[j].zero_()
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)
             for j in disputed:
-                everyone[j].zero_()
                 # both owners start that shard's error feedback afresh, so a pair that drifted
                 # apart (a regroup, a joiner's empty state) agrees again from the next message
                 if j == comm.rank:

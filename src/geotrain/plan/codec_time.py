@@ -114,8 +114,9 @@ def time_codec(
 
 
 def codec_key(spec: str) -> str:
-    """The spec with every parameter spelled out: ``int4`` and ``int4:block=256,warmup=0`` are
-    one codec, timed once and found under one key."""
+    """The spec with every parameter spelled out (but one added later, at its default:
+    ``Codec.spec``): ``int4`` and ``int4:block=256,warmup=0`` are one codec, timed once and found
+    under one key."""
     from geotrain.compress.codec import make_codec
 
     return make_codec(spec).spec()
