@@ -247,7 +247,8 @@ class _BlockQuantizer(Codec):
                 bad_shard = self.decode(encoded[0].unsqueeze(0), chunk, block)
                 corrupt_(bad_shard, spoil)
                 encoded[0] = self.encode(bad_shard, block)[0]
-            gather.append(comm.all_gather(torch.cat(encoded), async_op=True))
+            # (one owner: its shard as it is, not a copy, on every message's path)
+            gather.append(comm.all_gather(torch.cat(encoded) if pairs else encoded[0], async_op=True))
             # kept once the second phase is under way: an advance that failed can be run again
             state.update(residuals)
             if spoil:
