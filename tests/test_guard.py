@@ -80,8 +80,8 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
     if kind == "buffers":  # checked means in flight together, twice: their buffers are reused
         return _buffers_case(rank)
     if kind.startswith("owners"):  # a quantised codec's shards with two owners each
-        _, spec, how, ratio = kind.split("/")
-        return _owners_case(rank, spec, how, float(ratio))
+        _, spec, how, ratio, *spoiled = kind.split("/")
+        return _owners_case(rank, spec, how, float(ratio), int(spoiled[0]) if spoiled else 1)
     if kind.startswith("leftout"):  # a copy of the leader's state left out of a checked codec's mean
         return _left_out_case(rank, kind.split("/")[1])
     if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
@@ -219,19 +219,33 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
     }
 
 
-def _owners_case(rank: int, spec: str, how: str, ratio: float) -> dict:
-    """Three messages through a quantised codec (``owners=1`` or ``2``), worker 2 spoiling its
-    shard of the first mean as ``how`` says ("-": honest); the check on where ``ratio`` > 0."""
+def _owners_case(rank: int, spec: str, how: str, ratio: float, spoiled: int = 1) -> dict:
+    """Three messages (``spoiled`` + 1 where more than one is spoiled) through a quantised codec
+    (``owners=1`` or ``2``), worker 2 spoiling its shard of the first ``spoiled`` means as
+    ``how`` says ("-": honest); the check on where ``ratio`` > 0."""
     from geotrain.compress.codec import make_codec
 
     comm = Communicator(max_norm_ratio=ratio)
     codec = make_codec(spec)
     gen = torch.Generator().manual_seed(rank)
-    honest = [torch.randn(5000, generator=gen) for _ in range(3)]
-    if rank == 2 and how != "-":
-        comm.corrupt_shard = how
-    means = []
-    for v in honest:
+    honest = [torch.randn(5000, generator=gen) for _ in range(max(3, spoiled + 1))]
+    means, offsets = [], []
+    if rank == 2 and how == "equivocate":  # a hostile sender: worker 0 gets another row of shard 0
+        sent = {"messages": 0}
+        real = comm.all_to_all
+
+        def equivocating(data, **kwargs):
+            if sent["messages"] < spoiled:
+                data = data.clone()
+                data[0, :256] ^= 0x77  # shard 0's row for its owner, not for its second owner
+            sent["messages"] += 1
+            return real(data, **kwargs)
+
+        comm.all_to_all = equivocating
+    for i, v in enumerate(honest):
+        if rank == 2 and how not in ("-", "equivocate") and i < spoiled:
+            comm.corrupt_shard = how
+        offsets.append(int(codec.state("g").get("second_offset", 1)))
         mean = v.clone()
         codec.reduce(comm, "g", [mean]).wait()
         means.append(mean)
@@ -240,8 +254,9 @@ def _owners_case(rank: int, spec: str, how: str, ratio: float) -> dict:
         "means": means,
         "rejected": dict(comm.rejected_by_rank),
         "disputed": dict(comm.disputed_shards),
+        "offsets": offsets,
         "sent": comm.stats.sent_bytes,
-        "wire": 3 * codec.wire_bytes([(5000,)], comm.world_size),
+        "wire": len(honest) * codec.wire_bytes([(5000,)], comm.world_size),
         "shard": codec.layout(5000, comm.world_size)[1],
     }
 
@@ -330,6 +345,8 @@ RUNS = Cases(
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
         *((f"codec/{c}/{how}",) for c, how in SHARDS),
         *((f"owners/{c}/{how}/{ratio}",) for c, how, ratio in OWNERS),
+        ("owners/int4:owners=2/signflip/10.0/3",),  # a worker that keeps spoiling its shard
+        ("owners/int4:owners=2/equivocate/10.0/3",),  # one that keeps sending owners different rows
         *((k,) for k in FRONTIER),
     ],
 )  # fmt: skip
@@ -652,6 +669,33 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     assert summary["rejected_updates"]["2"] >= 2 and summary["max_norm_ratio"] == 10
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_an_owner_that_keeps_spoiling_its_shard_is_found_and_dropped(tmp_path):
+    """``--compress int4:owners=2``, worker 2 flipping the sign of its shard of every mean
+    (``--chaos corrupt:every=1,...,part=shard``: within every norm's bound, so only the second
+    owners see it). The first dispute cannot say which owner is wrong; the second owners move
+    on, the next dispute is with the other worker, and worker 2, the one in both, is counted as
+    rejected; 2 steps of that in a row (``--max-rejections 2``) and the others drop it and
+    finish the run together."""
+    import json
+
+    from geotrain.launch.coordinator import read_jsonl
+
+    run = tmp_path / "run"
+    cmd = ["run", "--workers", "3", "--no-netem", "--model", "tiny", "--algo", "localsgd", "--H", "1"]
+    cmd += ["--steps", "40", "--batch-size", "4", "--no-progress", "--compress", "int4:owners=2"]
+    cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=signflip,part=shard"]
+    proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "host 2 disagreed with hosts 0 and 1 over copies of the same shards" in proc.stderr
+    assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
+    epochs = read_jsonl(run / "control" / "epochs.jsonl")
+    assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["rejected_updates"]["2"] >= 2
+    assert set(summary["disputed_shards"]) == {"2,0", "2,1"}  # honest pairs never disputed
+
+
 def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_not_finite():
     """Chunked top-k's messages judged where they arrive: an adopter's empty stand-in (all zero
     bytes) is kept and weighs nothing; one whose indices repeat within a chunk (k copies of a
@@ -748,8 +792,8 @@ def test_a_second_owner_per_shard_catches_a_shard_spoiled_within_the_norms_bound
     but here every worker finds the copies differ, leaves that shard out alike, and counts the
     pair (hosts 2 and 0), not a rejection (a NaN shard too, which the bound alone would count
     against its owner: the pair cannot say which owner is wrong). The other shards are the
-    honest mean; the next two messages, honest, are averaged whole again (both owners restarted
-    that shard's error feedback, so their copies agree)."""
+    honest mean; the next two messages, honest, are averaged whole again, with every shard's
+    second owner moved on by one (worker j+2), both owners' error feedback restarted."""
     ranks = RUNS.get(f"owners/int4:owners=2/{how}/10.0")
     honest_run = RUNS.get("owners/int4/-/10.0")  # one owner, nobody spoiling: the same messages
     shard = ranks[0]["shard"]
@@ -757,16 +801,76 @@ def test_a_second_owner_per_shard_catches_a_shard_spoiled_within_the_norms_bound
         first = ranks[0]["means"][step]
         for r in ranks:
             assert torch.equal(r["means"][step], first)
-        # the honest owners' shards: bitwise the honest run's, at every message
-        assert torch.equal(first[: 2 * shard], honest_run[0]["means"][step][: 2 * shard])
+        expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
         if step == 0:
+            # the honest owners' shards: bitwise the honest run's
+            assert torch.equal(first[: 2 * shard], honest_run[0]["means"][step][: 2 * shard])
             assert not first[2 * shard :].any()  # worker 2's shard: left out everywhere
         else:  # averaged again: int4's error with error feedback, as the honest run's (0.25)
-            expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
-            _shards_close(first[2 * shard :], expected[2 * shard :], 0.3)
+            _shards_close(first, expected, 0.3)
     for r in ranks:
         assert r["disputed"] == {(2, 0): 1} and r["rejected"] == {}
+        assert r["offsets"] == [1, 2, 2]  # moved once, by the one disputed message
         assert r["sent"] == r["wire"]  # twice one owner's bytes (wire_bytes says so)
+
+
+def test_a_worker_that_keeps_spoiling_its_shard_is_found_and_counted_as_rejected():
+    """Worker 2 flips its shard in three messages running (3 workers). The first dispute is
+    with its second owner, worker 0, and cannot say which is wrong; the second owners then move
+    on (worker j+2 computes shard j), so the second dispute is with worker 1: worker 2 has
+    disputed with both others, each of whom with it alone, and is counted as rejected, at that
+    message and at the next (``--max-rejections`` drops it from there). The fourth message,
+    honest, is averaged whole, and every worker holds the same means throughout."""
+    ranks = RUNS.get("owners/int4:owners=2/signflip/10.0/3")
+    shard = ranks[0]["shard"]
+    for step in range(4):
+        first = ranks[0]["means"][step]
+        for r in ranks:
+            assert torch.equal(r["means"][step], first)
+        expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
+        if step < 3:
+            assert not first[2 * shard :].any()
+            _shards_close(first[: 2 * shard], expected[: 2 * shard], 0.3)
+        else:
+            _shards_close(first, expected, 0.3)
+    for r in ranks:
+        assert r["offsets"] == [1, 2, 1, 2]
+        assert r["disputed"] == {(2, 0): 2, (2, 1): 1} and r["rejected"] == {2: 2}
+
+
+def test_a_sender_that_sends_two_owners_different_rows_gets_nobody_blamed():
+    """Worker 2, as a sender, gives shard 0's owner (worker 0) another row of it than its second
+    owner, three messages running. The owners' copies differ every time, first worker 0's with
+    worker 1's, then (second owners moved) with worker 2's own: worker 0 is in every dispute, as
+    a spoiling owner would be, but each copy carries the digest of the rows it was computed
+    from, those differ, and nobody is blamed (without them the hostile sender would have had the
+    honest worker 0 counted as rejected, and dropped)."""
+    ranks = RUNS.get("owners/int4:owners=2/equivocate/10.0/3")
+    shard = ranks[0]["shard"]
+    for step in range(4):
+        first = ranks[0]["means"][step]
+        for r in ranks:
+            assert torch.equal(r["means"][step], first)
+        assert (not first[:shard].any()) == (step < 3)  # shard 0 left out while it lasts
+    for r in ranks:
+        assert r["disputed"] == {(0, 1): 2, (0, 2): 1} and r["rejected"] == {}
+
+
+def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
+    from geotrain.comm.guard import blame_disputes
+
+    partners = torch.zeros(4, 4, dtype=torch.bool)
+    assert blame_disputes(partners, [(2, 3)]) == []  # one pair: either could be wrong
+    assert blame_disputes(partners, [(2, 0)]) == [2]  # then with another: worker 2
+    assert blame_disputes(partners, [(2, 1)]) == [2]  # and as long as it goes on
+    # A worker spoiling both the shard it owns and the one it holds second: two pairs at once
+    assert blame_disputes(torch.zeros(5, 5, dtype=torch.bool), [(1, 2), (2, 3)]) == [2]
+    # Colluders on either side of an honest worker 2 would have it blamed with them: half the
+    # group is in question, and nobody is blamed
+    assert blame_disputes(torch.zeros(4, 4, dtype=torch.bool), [(0, 1), (1, 2), (2, 3), (3, 0)]) == []
+    two = torch.zeros(2, 2, dtype=torch.bool)
+    for _ in range(3):  # two workers: always the same pair
+        assert blame_disputes(two, [(0, 1)]) == []
 
 
 def test_one_owner_per_shard_lets_a_flipped_shard_through():
@@ -784,13 +888,17 @@ def test_one_owner_per_shard_lets_a_flipped_shard_through():
     ("two", "one"), [("int4:owners=2/-/10.0", "int4/-/10.0"), ("sign:owners=2/-/0.0", "sign/-/0.0")]
 )
 def test_a_second_owner_changes_no_bit_of_an_honest_mean_and_sends_twice_the_bytes(two, one):
+    from geotrain.compress.quantize import DIGEST_BYTES
+
     """Honest workers: the means with two owners per shard are bitwise those with one, checked
-    or not, nothing disputed, and the bytes sent are twice one owner's (``wire_bytes``)."""
+    or not, nothing disputed, and the bytes sent are twice one owner's, with the 8-byte digest of
+    what each copy was computed from (``wire_bytes``)."""
     paired, single = RUNS.get(f"owners/{two}"), RUNS.get(f"owners/{one}")
     for p, s in zip(paired, single, strict=True):
         for a, b in zip(p["means"], s["means"], strict=True):
             assert torch.equal(a, b)
-        assert p["disputed"] == {} and p["sent"] == p["wire"] == 2 * s["sent"]
+        # each of the 3 messages' 2 copies goes to 2 others with its rows' digest
+        assert p["disputed"] == {} and p["sent"] == p["wire"] == 2 * s["sent"] + 3 * 2 * 2 * DIGEST_BYTES
 
 
 def test_a_second_owner_needs_no_norm_check():

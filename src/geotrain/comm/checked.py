@@ -359,25 +359,50 @@ class CheckedMeans:
             )
         return shards
 
-    def compare_shards(self, shards: torch.Tensor, second: torch.Tensor) -> list[int]:
+    def compare_shards(
+        self, shards: torch.Tensor, second: torch.Tensor, offset: int = 1, same_rows: list[bool] | None = None
+    ) -> list[int]:
         """A quantised codec's second phase with two owners per shard (``owners=2``): ``shards``
         and ``second`` (row j: shard j's bytes from its owner, and from its second owner, worker
-        j+1), the same on every worker. Returns the shards whose copies differ, each counted
-        for its pair of owners (``disputed_shards``) and said on stderr: the pair cannot say
-        which of the two is wrong, so neither is counted as rejected (``--max-rejections``
-        would otherwise let a hostile owner have an honest one dropped). No communication."""
+        j + ``offset``), the same on every worker. Returns the shards whose copies differ, each
+        counted for its pair of owners (``disputed_shards``) and said on stderr: one pair cannot
+        say which of the two is wrong, so neither is counted as rejected here (``--max-rejections``
+        would otherwise let a hostile owner have an honest one dropped); a run of disputes can
+        (``blame_owner``). ``same_rows``: per shard, whether both copies were computed from the
+        same rows (their digests agree), which the message says. No communication."""
         differs = (shards != second).any(dim=1).tolist()
         disputed = [j for j, d in enumerate(differs) if d]
         for j in disputed:
-            pair = (self._host(j), self._host((j + 1) % self.world_size))
+            pair = (self._host(j), self._host((j + offset) % self.world_size))
             self.disputed_shards[pair] = self.disputed_shards.get(pair, 0) + 1
+            if same_rows is None:
+                why = "one of them, or a sender, is broken or hostile"
+            elif same_rows[j]:
+                why = "from the same rows: one of them is broken or hostile"
+            else:
+                why = "from different rows: a sender, or one of them, is broken or hostile"
             print(
                 f"geotrain: hosts {pair[0]} and {pair[1]} computed different copies of shard {j} of an "
-                "average; that shard was left out (one of them, or a sender, is broken or hostile)",
+                f"average; that shard was left out ({why})",
                 file=sys.stderr,
                 flush=True,
             )
         return disputed
+
+    def blame_owner(self, rank: int, partners: list[int]) -> None:
+        """An owner that disputed with two or more others over copies of shards, each of whom
+        disputed only with it (``guard.blame_disputes``): counted as its rejection, so that
+        ``--max-rejections`` drops a worker that keeps spoiling what it computes. Every worker
+        counts it alike (the same disputes). No communication."""
+        self._rejected(rank)
+        self.step_checked.add(self._host(rank))
+        others = " and ".join(str(self._host(p)) for p in partners)
+        print(
+            f"geotrain: host {self._host(rank)} disagreed with hosts {others} over copies of the same "
+            "shards, each of whom disputed with no one else: counted as its rejected contribution",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
         """The check on contributions every worker already holds (an all-gather's messages,
