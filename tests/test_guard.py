@@ -244,8 +244,10 @@ def _owners_case(rank: int, spec: str, how: str, ratio: float, spoiled: int = 1)
         comm.all_to_all = equivocating
     for i, v in enumerate(honest):
         if rank == 2 and how not in ("-", "equivocate") and i < spoiled:
-            comm.corrupt_shard = how
-        offsets.append(int(codec.state("g").get("second_offset", 1)))
+            comm.corrupt_shard = "signflip" if how == "forget" else how
+        if rank == 0 and how == "forget" and i == spoiled:  # a host rebuilt with empty codec state
+            codec.load_state_dict({"spec": codec.spec(), "streams": []})
+        offsets.append(int(codec.state("g").get("second_stamp", torch.tensor([1, 0]))[0]))
         mean = v.clone()
         codec.reduce(comm, "g", [mean]).wait()
         means.append(mean)
@@ -347,6 +349,7 @@ RUNS = Cases(
         *((f"owners/{c}/{how}/{ratio}",) for c, how, ratio in OWNERS),
         ("owners/int4:owners=2/signflip/10.0/3",),  # a worker that keeps spoiling its shard
         ("owners/int4:owners=2/equivocate/10.0/3",),  # one that keeps sending owners different rows
+        ("owners/int4:owners=2/forget/10.0/1",),  # a spoiled copy, then worker 0 forgets the owners
         *((k,) for k in FRONTIER),
     ],
 )  # fmt: skip
@@ -840,11 +843,11 @@ def test_a_worker_that_keeps_spoiling_its_shard_is_found_and_counted_as_rejected
 
 def test_a_sender_that_sends_two_owners_different_rows_gets_nobody_blamed():
     """Worker 2, as a sender, gives shard 0's owner (worker 0) another row of it than its second
-    owner, three messages running. The owners' copies differ every time, first worker 0's with
-    worker 1's, then (second owners moved) with worker 2's own: worker 0 is in every dispute, as
-    a spoiling owner would be, but each copy carries the digest of the rows it was computed
-    from, those differ, and nobody is blamed (without them the hostile sender would have had the
-    honest worker 0 counted as rejected, and dropped)."""
+    owner (worker 1), three messages running. The two copies differ every time, but each carries
+    the digest of what it was computed from, those differ, and nobody is blamed: the shard is
+    left out, its two owners restart its error feedback, and the second owners stay where they
+    are (they move only for a spoiled copy, whose digests agree). Without the digests worker 0
+    would have been in every dispute, as a spoiling owner is, and been blamed."""
     ranks = RUNS.get("owners/int4:owners=2/equivocate/10.0/3")
     shard = ranks[0]["shard"]
     for step in range(4):
@@ -853,11 +856,30 @@ def test_a_sender_that_sends_two_owners_different_rows_gets_nobody_blamed():
             assert torch.equal(r["means"][step], first)
         assert (not first[:shard].any()) == (step < 3)  # shard 0 left out while it lasts
     for r in ranks:
-        assert r["disputed"] == {(0, 1): 2, (0, 2): 1} and r["rejected"] == {}
+        assert r["disputed"] == {(0, 1): 3} and r["rejected"] == {}
+        assert r["offsets"] == [1, 1, 1, 1]
+
+
+def test_owners_states_that_differ_are_restarted_and_nobody_is_blamed():
+    """A spoiled copy moves the second owners (offset 2), then worker 0 loses its codec state
+    (a host rebuilt, a joiner): it sends under offset 1 where the others send under 2. The stamps
+    on the copies differ, so the copies that differ that time say nothing of their owners: they
+    are left out alike everywhere, nobody is blamed or counted as disputing, and every worker
+    starts the owners' state again, so the next message is averaged whole."""
+    ranks = RUNS.get("owners/int4:owners=2/forget/10.0/1")
+    for step in range(3):
+        first = ranks[0]["means"][step]
+        for r in ranks:
+            assert torch.equal(r["means"][step], first)
+    expected = torch.stack([r["honest"][2] for r in ranks]).mean(dim=0)
+    _shards_close(ranks[0]["means"][2], expected, 0.3)
+    assert [r["offsets"] for r in ranks] == [[1, 1, 1], [1, 2, 1], [1, 2, 1]]
+    for r in ranks:
+        assert r["disputed"] == {(2, 0): 1} and r["rejected"] == {}
 
 
 def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
-    from geotrain.comm.guard import blame_disputes
+    from geotrain.compress.owners import blame_disputes, digest
 
     partners = torch.zeros(4, 4, dtype=torch.bool)
     assert blame_disputes(partners, [(2, 3)]) == []  # one pair: either could be wrong
@@ -871,6 +893,20 @@ def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
     two = torch.zeros(2, 2, dtype=torch.bool)
     for _ in range(3):  # two workers: always the same pair
         assert blame_disputes(two, [(0, 1)]) == []
+    # Two spoilers side by side (0 and 1 of 7, second owners at +1 then +2): worker 1 is found
+    # at once (0 and 2 each disputed with it alone); then worker 2 has disputed with both
+    # spoilers, and is not blamed for it
+    seven = torch.zeros(7, 7, dtype=torch.bool)
+    assert blame_disputes(seven, [(0, 1), (1, 2)]) == [1]
+    assert blame_disputes(seven, [(0, 2), (1, 3)]) == []
+    # Blamed only where it is in this message's disputes
+    one = torch.zeros(4, 4, dtype=torch.bool)
+    blame_disputes(one, [(2, 3)])
+    assert blame_disputes(one, [(2, 0)]) == [2] and blame_disputes(one, [(0, 1)]) == []
+    # A copy's digest covers its rows and the verdict it was averaged under
+    rows = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
+    assert torch.equal(digest(rows, [True] * 4), digest(rows.clone(), [True] * 4))
+    assert not torch.equal(digest(rows, [True] * 4), digest(rows, [True, True, False, True]))
 
 
 def test_one_owner_per_shard_lets_a_flipped_shard_through():
@@ -888,17 +924,17 @@ def test_one_owner_per_shard_lets_a_flipped_shard_through():
     ("two", "one"), [("int4:owners=2/-/10.0", "int4/-/10.0"), ("sign:owners=2/-/0.0", "sign/-/0.0")]
 )
 def test_a_second_owner_changes_no_bit_of_an_honest_mean_and_sends_twice_the_bytes(two, one):
-    from geotrain.compress.quantize import DIGEST_BYTES
-
     """Honest workers: the means with two owners per shard are bitwise those with one, checked
     or not, nothing disputed, and the bytes sent are twice one owner's, with the 8-byte digest of
-    what each copy was computed from (``wire_bytes``)."""
+    what each copy was computed from and its owners' stamp (``wire_bytes``)."""
+    from geotrain.compress.owners import TAIL_BYTES
+
     paired, single = RUNS.get(f"owners/{two}"), RUNS.get(f"owners/{one}")
     for p, s in zip(paired, single, strict=True):
         for a, b in zip(p["means"], s["means"], strict=True):
             assert torch.equal(a, b)
         # each of the 3 messages' 2 copies goes to 2 others with its rows' digest
-        assert p["disputed"] == {} and p["sent"] == p["wire"] == 2 * s["sent"] + 3 * 2 * 2 * DIGEST_BYTES
+        assert p["disputed"] == {} and p["sent"] == p["wire"] == 2 * s["sent"] + 3 * 2 * 2 * TAIL_BYTES
 
 
 def test_a_second_owner_needs_no_norm_check():

@@ -369,7 +369,7 @@ class CheckedMeans:
         say which of the two is wrong, so neither is counted as rejected here (``--max-rejections``
         would otherwise let a hostile owner have an honest one dropped); a run of disputes can
         (``blame_owner``). ``same_rows``: per shard, whether both copies were computed from the
-        same rows (their digests agree), which the message says. No communication."""
+        same inputs (their digests agree), which the message says. No communication."""
         differs = (shards != second).any(dim=1).tolist()
         disputed = [j for j, d in enumerate(differs) if d]
         for j in disputed:
@@ -378,9 +378,9 @@ class CheckedMeans:
             if same_rows is None:
                 why = "one of them, or a sender, is broken or hostile"
             elif same_rows[j]:
-                why = "from the same rows: one of them is broken or hostile"
+                why = "from the same inputs: one of them is broken or hostile"
             else:
-                why = "from different rows: a sender, or one of them, is broken or hostile"
+                why = "from different inputs: a sender, or one of them, is broken or hostile"
             print(
                 f"geotrain: hosts {pair[0]} and {pair[1]} computed different copies of shard {j} of an "
                 f"average; that shard was left out ({why})",
@@ -391,7 +391,7 @@ class CheckedMeans:
 
     def blame_owner(self, rank: int, partners: list[int]) -> None:
         """An owner that disputed with two or more others over copies of shards, each of whom
-        disputed only with it (``guard.blame_disputes``): counted as its rejection, so that
+        disputed only with it (``compress.owners.blame_disputes``): counted as its rejection, so that
         ``--max-rejections`` drops a worker that keeps spoiling what it computes. Every worker
         counts it alike (the same disputes). No communication."""
         self._rejected(rank)

@@ -232,22 +232,3 @@ def judge(norms: list[float], finite: list[bool], ratio: float) -> Verdict:
             kept.append(True)
             reasons.append("")
     return Verdict(kept, reasons, tuple(norms))
-
-
-def blame_disputes(partners: torch.Tensor, pairs: list[tuple[int, int]]) -> list[int]:
-    """Which owners a run of disputes points at (a quantised codec's ``owners=2``).
-
-    ``partners`` (world x world, bool): who has disputed with whom over a stream's consecutive
-    disputed messages; ``pairs``: this message's disputed pairs of ranks, added to it in place.
-    One pair cannot say which of its two is wrong. A worker that spoils what it computes
-    disagrees with every honest worker that computes the same shard, and after each disputed
-    message the second owners move by one (the codec's ``second_offset``), so over two
-    messages it has disputed with two different workers while each of them has disputed only
-    with it. Returned: the ranks that have disputed with two or more others, where they are
-    fewer than half the group (two colluders on either side of an honest worker would
-    otherwise have it blamed; with half the group against it, nobody can be blamed). A group of
-    two blames nobody: the pair never changes."""
-    for a, b in pairs:
-        partners[a, b] = partners[b, a] = True
-    blamed = [r for r in range(partners.shape[0]) if int(partners[r].sum()) >= 2]
-    return blamed if 2 * len(blamed) < partners.shape[0] else []

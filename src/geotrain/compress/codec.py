@@ -152,8 +152,13 @@ class Codec(ABC):
         require(
             state.get("spec") == self.spec(), f"checkpoint codec {state.get('spec')!r} != {self.spec()!r}"
         )
+        # counters and the owners' stamps stay on the CPU, where they are read (an int() of a
+        # GPU tensor would wait for the device at every message)
         self._state = {
-            k: {name: t.to(device) if device is not None else t for name, t in v.items()}
+            k: {
+                name: t.to(device) if device is not None and t.is_floating_point() else t
+                for name, t in v.items()
+            }
             for k, v in state["streams"]
         }
 

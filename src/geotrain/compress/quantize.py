@@ -18,15 +18,12 @@ all-gathered and every worker compares their bytes before it takes the shard. A 
 owners disagree (an owner that spoiled it, or a sender that sent its two owners different rows)
 gets no average this time, on every worker alike, and the pair is counted
 (``Communicator.disputed_shards``). Twice both phases' bytes: what catches the spoiled shard
-that the first phase's norms cannot (a flipped sign, a scaling within their bound). Each copy
-carries a digest of the rows it was computed from, and after a disputed message the second
-owners move on by one (worker j + ``second_offset``), so a run of disputes over the same rows
-points at the owner in all of them, who is counted as rejected (``_settle_disputes``).
+that the first phase's norms cannot (a flipped sign, a scaling within their bound). Which
+owner of a disputed shard is wrong, where a run of disputes can say: ``compress.owners``.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,20 +31,9 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator, corrupt_
-from geotrain.comm.guard import GATHERED, blame_disputes, robust_mean
+from geotrain.comm.guard import GATHERED, robust_mean
+from geotrain.compress import owners
 from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
-
-# the digest of the rows a shard's copy was computed from (``owners=2``): 8 bytes of BLAKE2b
-DIGEST_BYTES = 8
-
-
-def _digest(rows: torch.Tensor) -> torch.Tensor:
-    """A collision-resistant digest of ``rows``' bytes (uint8, on their device): a sender that
-    sends a shard's two owners different rows cannot make them digest alike."""
-    raw = rows.contiguous().cpu().numpy().tobytes()
-    return torch.frombuffer(
-        bytearray(hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest()), dtype=torch.uint8
-    ).to(rows.device)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -188,16 +174,6 @@ class _BlockQuantizer(Codec):
             # changed, even where the padded total did not (5 x 1024 = 4 x 1280): dropped.
             if name in state and (regrouped or state[name].numel() != chunk):
                 del state[name]
-        partners = state.get("dispute_partners")
-        moved = int(state.get("second_offset", 1)) != 1
-        if (partners is not None or moved) and (
-            regrouped
-            or int(state.get("second_offset", 1)) >= world
-            or (partners is not None and partners.shape[0] != world)
-        ):
-            # other ranks now: the second owners and who disputed with whom start again
-            for name in ("dispute_partners", "second_offset", "second_residual", "server_residual"):
-                state.pop(name, None)
         # The norm check judges what is sent, before it is quantised (``screen`` zeroes a message
         # left out, scales a clipped one). The residual keeps only the quantisation error of what
         # was sent: a message left out or clipped is dropped, not carried into the next one, where
@@ -229,8 +205,8 @@ class _BlockQuantizer(Codec):
         if world == 1:
             return Pending(lambda: unflatten_into(v[:n] - state["residual"][:n], tensors))
         pairs = self.owners == 2
-        # shard j's second owner: worker j + offset (1 until a dispute moves it: finish())
-        offset = int(state.get("second_offset", 1)) if pairs else 0
+        # shard j's second owner: worker j + offset (1 until a spoiled copy moves it: owners.settle)
+        offset, count = owners.read_stamp(state, world) if pairs else (0, 0)
         if pairs:  # to worker j: shard j's row, for its owner, and shard j-offset's, for its second
             data = torch.cat([data, data.roll(offset, dims=0)], dim=1)
         handle = comm.all_to_all(data, async_op=True, control_bytes=control * (2 if pairs else 1))
@@ -251,9 +227,7 @@ class _BlockQuantizer(Codec):
             nonlocal verdict
             received = handle.wait()
             parts = list(received.chunk(2, dim=1)) if pairs else [received]
-            # what each copy was computed from, for a dispute to tell a spoiled copy from rows
-            # that differed on the way in (a sender's, or an owner's account of them)
-            inputs = [_digest(p) for p in parts] if pairs else []
+            whole = parts  # as received, in-band norms included: what a copy's digest covers
             if in_band:
                 if verdict is None:  # once: an advance run again must not count it twice
                     verdict = comm.judge_rows(parts[0][:, -control:], out)
@@ -279,8 +253,11 @@ class _BlockQuantizer(Codec):
                 corrupt_(bad_shard, spoil)
                 encoded[0] = self.encode(bad_shard, block)[0]
             # (one owner: its shard as it is, not a copy, on every message's path)
-            if pairs:  # each copy, then the digest of the rows it was computed from
-                gathered_row = torch.cat([encoded[0], inputs[0], encoded[1], inputs[1]])
+            if pairs:  # each copy, the digest of what it was computed from, the owners' stamp
+                kept = verdict.kept if verdict is not None else None
+                stamp = owners.stamp_bytes(offset, count, data.device)
+                tails = [torch.cat([owners.digest(w, kept), stamp]) for w in whole]
+                gathered_row = torch.cat([encoded[0], tails[0], encoded[1], tails[1]])
             gather.append(comm.all_gather(gathered_row if pairs else encoded[0], async_op=True))
             # kept once the second phase is under way: an advance that failed can be run again
             state.update(residuals)
@@ -292,75 +269,39 @@ class _BlockQuantizer(Codec):
                 return
             gathered = gather.pop().wait()
             disputed: list[int] = []
-            same_rows: list[bool] = []
             if pairs:  # shard j's second copy is worker j+offset's
-                gathered, second = gathered.chunk(2, dim=1)
-                second = second.roll(-offset, dims=0)
-                same_rows = (gathered[:, -DIGEST_BYTES:] == second[:, -DIGEST_BYTES:]).all(dim=1).tolist()
-                gathered, second = gathered[:, :-DIGEST_BYTES], second[:, :-DIGEST_BYTES]
-                disputed = comm.compare_shards(gathered, second, offset, same_rows)
+                first, second = gathered.chunk(2, dim=1)
+                gathered, second, same_inputs, in_step = owners.split_tails(
+                    first, second.roll(-offset, dims=0)
+                )
+                if in_step:
+                    disputed = comm.compare_shards(gathered, second, offset, same_inputs)
+                else:  # rolled by different offsets: copies that differ say nothing of their owners
+                    disputed = [j for j, d in enumerate((gathered != second).any(dim=1).tolist()) if d]
             everyone = self.decode(gathered, chunk, block)
             for j in disputed:  # before the bound's check: a disputed shard is nobody's rejection
                 everyone[j].zero_()
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)
             if pairs:
-                spoiled_copies = [j for j in disputed if same_rows[j]]
-                self._settle_disputes(comm, state, disputed, spoiled_copies, offset)
+                spoiled_copies = [j for j in disputed if same_inputs[j]] if in_step else []
+                owners.settle(comm, state, disputed, spoiled_copies, offset, count, in_step)
             unflatten_into(everyone.reshape(-1)[:n], tensors)
 
         return Pending(finish, advance)
-
-    def _settle_disputes(
-        self, comm: Communicator, state: dict, disputed: list[int], spoiled: list[int], offset: int
-    ) -> None:
-        """After a message with two owners per shard (every worker alike: the same disputes).
-        ``spoiled``: the disputed shards whose two owners computed from the same rows (their
-        digests agree), so one of them spoiled its copy. Their pairs are added to
-        who-disputed-with-whom, and an owner the run of disputes points at is counted as
-        rejected (``guard.blame_disputes``; ``--max-rejections`` then drops it). A dispute over
-        rows that differed on the way in blames nobody: a hostile sender could otherwise have
-        any honest owner blamed. On any dispute, every shard's second owner is the next worker
-        on from the next message (``second_offset``), so that a worker which keeps spoiling
-        what it computes disputes with another one next time; both residuals are dropped with
-        the move (the new second owner holds none of the shard's error feedback, and the pair
-        must agree from the next message on: one message's rounding is lost, once per disputed
-        message). With two workers the pair cannot move: only the disputed shard's owners
-        restart its feedback. A message with no dispute ends the run of disputes."""
-        world = comm.world_size
-        if not disputed:
-            state.pop("dispute_partners", None)
-            return
-        partners = state.get("dispute_partners")
-        if partners is None:
-            partners = torch.zeros(world, world, dtype=torch.bool)
-        pairs = [(j, (j + offset) % world) for j in spoiled]
-        for r in blame_disputes(partners, pairs):
-            comm.blame_owner(r, sorted(int(p) for p in partners[r].nonzero().flatten()))
-        state["dispute_partners"] = partners
-        if world > 2:
-            state["second_offset"] = torch.tensor(offset % (world - 1) + 1)
-            state.pop("server_residual", None)
-            state.pop("second_residual", None)
-            return
-        for j in disputed:
-            if j == comm.rank:
-                state.pop("server_residual", None)
-            if j == (comm.rank - offset) % world:
-                state.pop("second_residual", None)
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return sum(self.phase_bytes(shapes, world_size))
 
     def phase_bytes(self, shapes: Shapes, world_size: int) -> tuple[int, int]:
         """The quantised rows' all-to-all, then (launched by ``advance``) the mean's shards
-        all-gathered (with two owners, each copy with the digest of the rows it came from)."""
+        all-gathered (with two owners, each copy with its tail: ``owners.TAIL_BYTES``)."""
         if world_size == 1:
             return 0, 0
         block, chunk = self.layout(sum(numel(s) for s in shapes), world_size)
         row = self.row_bytes(chunk, block)
-        digests = DIGEST_BYTES if self.owners == 2 else 0
-        return self.owners * (world_size - 1) * row, self.owners * (world_size - 1) * (row + digests)
+        tail = owners.TAIL_BYTES if self.owners == 2 else 0
+        return self.owners * (world_size - 1) * row, self.owners * (world_size - 1) * (row + tail)
 
 
 @dataclass

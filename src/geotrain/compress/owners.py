@@ -1,0 +1,155 @@
+"""Two owners per shard (``int8``, ``int4``, ``sign`` with ``owners=2``): which owner is wrong.
+
+In the quantised codecs' second phase worker j averages shard j of every contribution,
+re-quantises it with error feedback of its own and all-gathers it (``compress.quantize``). With
+``owners=2`` worker j + offset computes shard j too, from the same rows, and every worker
+compares the two copies' bytes: a shard whose copies differ (a dispute) is left out of that
+average everywhere. One pair cannot say which of its two is wrong. This module keeps what can:
+
+- **Digests.** Each copy goes out with an 8-byte BLAKE2b digest of what it was computed from
+  (the rows received, with their in-band norms, and the verdict on which contributions were
+  kept). Where the two digests agree, one owner spoiled its copy (a *spoiled copy*); where they
+  differ, the inputs differed on the way in (a sender sent the two owners different rows or
+  norms, or an owner misreports them), and nobody is blamed: otherwise a hostile sender could
+  have any honest owner blamed.
+- **Moving second owners.** After a message with a spoiled copy, every shard's second owner moves
+  on by one (``offset``: 1, 2, ..., N - 1, then 1 again), so a worker that keeps spoiling what it
+  computes disputes with a different worker next time, while each of those disputes with it
+  alone (``blame_disputes``). Both owners of every shard restart their error feedback with the
+  move (the new second owner holds none of it): one message's rounding lost, once per such
+  message. A dispute over differing inputs restarts only that shard's feedback, at its owners.
+- **Stamps.** Every copy also carries its sender's ``(offset, messages)``, the owners' state the
+  message was sent under. Workers whose states differ (a joiner's or a rebuilt host's empty
+  state, a member whose last message failed) would roll their rows by different offsets, and
+  their disputes would mean nothing: where the stamps are not all equal, the shards whose copies
+  differ are left out once, nobody is blamed, and every worker starts the owners' state again.
+
+What this cannot do: an owner that spoils its copy *and* misreports its digest reads as a
+dispute over inputs, and is never blamed (its shard is left out every time); a worker that sends
+false stamps makes every worker restart the error feedback of the shards at every message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+
+# a copy's tail on the wire: the digest of its inputs, then its sender's stamp
+DIGEST_BYTES = 8
+STAMP_BYTES = 8
+TAIL_BYTES = DIGEST_BYTES + STAMP_BYTES
+
+
+def digest(rows: torch.Tensor, kept: list[bool] | None) -> torch.Tensor:
+    """A collision-resistant digest (uint8, on ``rows``' device) of the rows a copy is computed
+    from (uint8, as received, in-band norms included) and of the verdict's kept contributions,
+    which a sender that sends two owners different norms could make differ."""
+    h = hashlib.blake2b(rows.contiguous().cpu().numpy().tobytes(), digest_size=DIGEST_BYTES)
+    h.update(bytes(kept) if kept is not None else b"-")
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(rows.device)
+
+
+def read_stamp(state: dict, world: int) -> tuple[int, int]:
+    """``(offset, messages)`` of a stream's owners' state: shard j's second owner is worker
+    j + offset; messages since the state began. (1, 0) where there is none, or where the group
+    is now too small for the offset (every member alike: the same group)."""
+    stamp = state.get("second_stamp")
+    if stamp is None:
+        return 1, 0
+    offset, count = int(stamp[0]), int(stamp[1])
+    if offset >= world:
+        restart(state)
+        return 1, 0
+    return offset, count
+
+
+def stamp_bytes(offset: int, count: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([offset, count], dtype=torch.int32).view(torch.uint8).to(device)
+
+
+def restart(state: dict) -> None:
+    """The owners' state begun again: second owners at worker j + 1, nobody's disputes
+    remembered, both shard residuals dropped (the pairs agree again from the next message)."""
+    for name in ("second_stamp", "dispute_partners", "server_residual", "second_residual"):
+        state.pop(name, None)
+
+
+def split_tails(
+    first: torch.Tensor, second: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[bool], bool]:
+    """The gathered copies (row j: shard j's from its owner, and from its second owner, rolled
+    into place) without their tails; whether each shard's two copies came from the same inputs;
+    whether every worker sent under the same stamp."""
+    stamps = first[:, -STAMP_BYTES:]
+    in_step = bool((stamps == stamps[:1]).all() and (second[:, -STAMP_BYTES:] == stamps[:1]).all())
+    ends = slice(-TAIL_BYTES, -STAMP_BYTES)
+    same_inputs = (first[:, ends] == second[:, ends]).all(dim=1).tolist()
+    return first[:, :-TAIL_BYTES], second[:, :-TAIL_BYTES], same_inputs, in_step
+
+
+def blame_disputes(partners: torch.Tensor, pairs: list[tuple[int, int]]) -> list[int]:
+    """Which owners a run of spoiled copies points at.
+
+    ``partners`` (N x N, bool): who has disputed with whom over a stream's consecutive messages
+    with spoiled copies; ``pairs``: this message's, added to it in place. A worker that spoils
+    what it computes disputes with every honest worker that computes the same shard, and after
+    each such message the second owners move on, so over two messages it has disputed with two
+    workers each of whom disputed with it alone. Returned: the ranks in this message's pairs
+    with two or more such partners, where they are fewer than half the group. Two spoilers side
+    by side hide each other (their partners dispute with both) rather than have an honest worker
+    blamed; a group of two blames nobody (its pair never changes)."""
+    for a, b in pairs:
+        partners[a, b] = partners[b, a] = True
+    alone = partners.sum(dim=1) == 1  # disputed with one worker only
+    named = sorted({r for pair in pairs for r in pair})
+    blamed = [r for r in named if int((partners[r] & alone).sum()) >= 2]
+    return blamed if 2 * len(blamed) < partners.shape[0] else []
+
+
+def settle(
+    comm, state: dict, disputed: list[int], spoiled: list[int], offset: int, count: int, in_step: bool
+) -> None:
+    """After a message with two owners per shard, on every worker alike (the same gathered
+    bytes): the owners' state for the next message (module docstring). ``disputed``: the shards
+    whose copies differed; ``spoiled``: those of them computed from the same inputs."""
+    world, rank = comm.world_size, comm.rank
+    if not in_step:
+        restart(state)
+        if rank == 0:
+            print(
+                f"geotrain: the workers held different owners' state for an average (a joiner, a host "
+                f"rebuilt, a message that failed): {len(disputed)} shard(s) left out this once, and "
+                "every shard's owners start again",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    count = (count + 1) % 2**31
+    for j in disputed:
+        if j not in spoiled:  # inputs that differed: that shard's owners restart its feedback
+            if j == rank:
+                state.pop("server_residual", None)
+            if j == (rank - offset) % world:
+                state.pop("second_residual", None)
+    if not disputed:
+        state.pop("dispute_partners", None)  # the run of disputes is over
+    elif spoiled:
+        partners = state.get("dispute_partners")
+        if partners is None or partners.shape[0] != world:
+            partners = torch.zeros(world, world, dtype=torch.bool)
+        for r in blame_disputes(partners, [(j, (j + offset) % world) for j in spoiled]):
+            comm.blame_owner(r, sorted(int(p) for p in partners[r].nonzero().flatten()))
+        state["dispute_partners"] = partners
+        if world > 2:  # the second owners move on, and every shard's feedback restarts
+            offset = offset % (world - 1) + 1
+            state.pop("server_residual", None)
+            state.pop("second_residual", None)
+        else:
+            for j in spoiled:
+                if j == rank:
+                    state.pop("server_residual", None)
+                if j == (rank - offset) % world:
+                    state.pop("second_residual", None)
+    state["second_stamp"] = torch.tensor([offset, count], dtype=torch.int32)
