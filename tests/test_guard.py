@@ -863,19 +863,53 @@ def test_a_sender_that_sends_two_owners_different_rows_gets_nobody_blamed():
 def test_owners_states_that_differ_are_restarted_and_nobody_is_blamed():
     """A spoiled copy moves the second owners (offset 2), then worker 0 loses its codec state
     (a host rebuilt, a joiner): it sends under offset 1 where the others send under 2. The stamps
-    on the copies differ, so the copies that differ that time say nothing of their owners: they
-    are left out alike everywhere, nobody is blamed or counted as disputing, and every worker
-    starts the owners' state again, so the next message is averaged whole."""
+    on the copies differ: the two others' stamp decides, the shards worker 0 owns or holds second
+    are left out (and shard 2, whose second copy got worker 0's misrolled row), alike
+    everywhere, nobody is blamed or counted as disputing, and every worker starts the owners'
+    state again, so the next message is checked and averaged whole."""
     ranks = RUNS.get("owners/int4:owners=2/forget/10.0/1")
+    shard = ranks[0]["shard"]
     for step in range(3):
         first = ranks[0]["means"][step]
         for r in ranks:
             assert torch.equal(r["means"][step], first)
+    assert not ranks[0]["means"][1][: 2 * shard].any()
     expected = torch.stack([r["honest"][2] for r in ranks]).mean(dim=0)
     _shards_close(ranks[0]["means"][2], expected, 0.3)
     assert [r["offsets"] for r in ranks] == [[1, 1, 1], [1, 2, 1], [1, 2, 1]]
     for r in ranks:
         assert r["disputed"] == {(2, 0): 1} and r["rejected"] == {}
+
+
+def test_copies_are_judged_from_the_gathered_bytes_alone():
+    """``owners.judge_copies`` on made-up copies: in step, nothing left out before the bytes are
+    compared; out of step, the majority's stamp decides the offset and the shards of the worker
+    that differs are left out; with no majority every shard is; a false stamp (offset 0, which
+    would roll a shard onto its own owner) rolls by 1."""
+    from geotrain.compress.owners import judge_copies, stamp_bytes
+
+    def halves(stamps, world):
+        rows = torch.arange(world * 4, dtype=torch.uint8).reshape(world, 4)
+        tails = torch.stack(
+            [torch.cat([torch.zeros(8, dtype=torch.uint8), stamp_bytes(o, c, "cpu")]) for o, c in stamps]
+        )
+        first = torch.cat([rows, tails], dim=1)
+        return first, torch.cat([rows.roll(stamps[0][0], dims=0), tails], dim=1)  # honest copies
+
+    first, second = halves([(2, 5)] * 4, 4)
+    copies = judge_copies(first, second)
+    assert (
+        copies.in_step
+        and copies.offset == 2
+        and copies.disputed == []
+        and torch.equal(copies.first, copies.second)
+    )
+    first, second = halves([(2, 5), (2, 5), (2, 5), (1, 0)], 4)
+    copies = judge_copies(first, second)
+    assert not copies.in_step and copies.offset == 2 and copies.disputed == [1, 3]  # 3 owns, 1 is held by 3
+    assert judge_copies(*halves([(2, 5), (1, 0)], 2)).disputed == [0, 1]  # no majority: all
+    copies = judge_copies(*halves([(0, 5)] * 3, 3))
+    assert copies.offset == 1 and copies.in_step
 
 
 def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():

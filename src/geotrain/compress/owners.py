@@ -21,18 +21,22 @@ average everywhere. One pair cannot say which of its two is wrong. This module k
 - **Stamps.** Every copy also carries its sender's ``(offset, messages)``, the owners' state the
   message was sent under. Workers whose states differ (a joiner's or a rebuilt host's empty
   state, a member whose last message failed) would roll their rows by different offsets, and
-  their disputes would mean nothing: where the stamps are not all equal, the shards whose copies
-  differ are left out once, nobody is blamed, and every worker starts the owners' state again.
+  the second copies would mean nothing: where the stamps are not all equal, the stamp a strict
+  majority sent decides, a shard is left out where its copies differ or either owner sent under
+  another stamp (every shard, with no majority), nobody is blamed, and every worker starts the
+  owners' state again (``judge_copies``).
 
 What this cannot do: an owner that spoils its copy *and* misreports its digest reads as a
 dispute over inputs, and is never blamed (its shard is left out every time); a worker that sends
-false stamps makes every worker restart the error feedback of the shards at every message.
+false stamps loses the shards it owns and makes every worker restart the error feedback of
+the shards at every message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +44,8 @@ import torch
 DIGEST_BYTES = 8
 STAMP_BYTES = 8
 TAIL_BYTES = DIGEST_BYTES + STAMP_BYTES
+# clean messages running after which who disputed with whom is forgotten
+FORGET_AFTER = 16
 
 
 def digest(rows: torch.Tensor, kept: list[bool] | None) -> torch.Tensor:
@@ -72,21 +78,59 @@ def stamp_bytes(offset: int, count: int, device: torch.device) -> torch.Tensor:
 def restart(state: dict) -> None:
     """The owners' state begun again: second owners at worker j + 1, nobody's disputes
     remembered, both shard residuals dropped (the pairs agree again from the next message)."""
-    for name in ("second_stamp", "dispute_partners", "server_residual", "second_residual"):
+    for name in ("second_stamp", "dispute_partners", "owners_quiet", "server_residual", "second_residual"):
         state.pop(name, None)
 
 
-def split_tails(
-    first: torch.Tensor, second: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, list[bool], bool]:
-    """The gathered copies (row j: shard j's from its owner, and from its second owner, rolled
-    into place) without their tails; whether each shard's two copies came from the same inputs;
-    whether every worker sent under the same stamp."""
-    stamps = first[:, -STAMP_BYTES:]
-    in_step = bool((stamps == stamps[:1]).all() and (second[:, -STAMP_BYTES:] == stamps[:1]).all())
+@dataclass
+class Copies:
+    """A message's gathered copies, judged from the gathered bytes alone (so every worker
+    judges them alike): ``first`` and ``second`` (row j: shard j's copy from its owner, and from
+    its second owner, tails cut off), under the stamp most workers sent (``offset``;
+    ``in_step``: every worker sent under it). ``disputed``: the shards left out; in step, the
+    copies that differ (``Communicator.compare_shards`` fills it), with ``same_inputs`` saying
+    which were computed from the same inputs."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+    offset: int
+    in_step: bool
+    same_inputs: list[bool]
+    disputed: list[int] = field(default_factory=list)
+
+    @property
+    def spoiled(self) -> list[int]:
+        """The disputed shards whose two owners computed from the same inputs."""
+        return [j for j in self.disputed if self.same_inputs[j]] if self.in_step else []
+
+
+def judge_copies(first: torch.Tensor, second: torch.Tensor) -> Copies:
+    """``first``, ``second``: the all-gathered halves (row r: worker r's own shard's copy, and
+    its copy of the shard it holds second, each with its tail). Out of step (the stamps differ:
+    a joiner, a rebuilt host, a message some finished and some did not), the stamp a strict
+    majority sent decides the offset, and a shard is left out where its copies differ or either
+    owner sent under another stamp; with no majority, every shard is left out. Nobody's copy is
+    taken unchecked, so a worker that sends false stamps loses the shards it owns, no more."""
+    world = first.shape[0]
+    stamps = [bytes(r) for r in first[:, -STAMP_BYTES:].tolist()]
+    common = max(set(stamps), key=stamps.count)
+    majority = 2 * stamps.count(common) > world
+    offset = int(torch.frombuffer(bytearray(common), dtype=torch.int32)[0]) if majority else 1
+    offset = offset if 0 < offset < world else 1  # a false stamp must not roll a shard onto its owner
+    second = second.roll(-offset, dims=0)
     ends = slice(-TAIL_BYTES, -STAMP_BYTES)
     same_inputs = (first[:, ends] == second[:, ends]).all(dim=1).tolist()
-    return first[:, :-TAIL_BYTES], second[:, :-TAIL_BYTES], same_inputs, in_step
+    first, second = first[:, :-TAIL_BYTES], second[:, :-TAIL_BYTES]
+    in_step = majority and stamps.count(common) == world
+    copies = Copies(first, second, offset, in_step, same_inputs)
+    if not in_step:
+        differ = (first != second).any(dim=1).tolist()
+        copies.disputed = [
+            j
+            for j in range(world)
+            if not majority or differ[j] or stamps[j] != common or stamps[(j + offset) % world] != common
+        ]
+    return copies
 
 
 def blame_disputes(partners: torch.Tensor, pairs: list[tuple[int, int]]) -> list[int]:
@@ -108,34 +152,40 @@ def blame_disputes(partners: torch.Tensor, pairs: list[tuple[int, int]]) -> list
     return blamed if 2 * len(blamed) < partners.shape[0] else []
 
 
-def settle(
-    comm, state: dict, disputed: list[int], spoiled: list[int], offset: int, count: int, in_step: bool
-) -> None:
-    """After a message with two owners per shard, on every worker alike (the same gathered
-    bytes): the owners' state for the next message (module docstring). ``disputed``: the shards
-    whose copies differed; ``spoiled``: those of them computed from the same inputs."""
-    world, rank = comm.world_size, comm.rank
-    if not in_step:
+def settle(comm, state: dict, copies: Copies, count: int) -> None:
+    """After a message with two owners per shard, on every worker alike (judged from the same
+    gathered bytes): the owners' state for the next message (module docstring). Who disputed
+    with whom is kept over the clean messages between spoiled copies (honest owners never
+    produce one, so a worker that spoils every other message is still found), and forgotten
+    after ``FORGET_AFTER`` clean messages running, so that rare honest faults far apart do not
+    add up to a blame."""
+    world, rank, offset = comm.world_size, comm.rank, copies.offset
+    if not copies.in_step:
         restart(state)
         if rank == 0:
             print(
-                f"geotrain: the workers held different owners' state for an average (a joiner, a host "
-                f"rebuilt, a message that failed): {len(disputed)} shard(s) left out this once, and "
-                "every shard's owners start again",
+                "geotrain: the workers held different owners' state for an average (a joiner, a host "
+                f"rebuilt, a message that failed): {len(copies.disputed)} shard(s) left out this once, "
+                "nobody blamed, and every shard's owners start again",
                 file=sys.stderr,
                 flush=True,
             )
         return
     count = (count + 1) % 2**31
-    for j in disputed:
+    spoiled = copies.spoiled
+    for j in copies.disputed:
         if j not in spoiled:  # inputs that differed: that shard's owners restart its feedback
             if j == rank:
                 state.pop("server_residual", None)
             if j == (rank - offset) % world:
                 state.pop("second_residual", None)
-    if not disputed:
-        state.pop("dispute_partners", None)  # the run of disputes is over
-    elif spoiled:
+    quiet = int(state.get("owners_quiet", torch.tensor(0)))
+    if not spoiled:
+        quiet += 1
+        if quiet >= FORGET_AFTER:
+            state.pop("dispute_partners", None)
+    else:
+        quiet = 0
         partners = state.get("dispute_partners")
         if partners is None or partners.shape[0] != world:
             partners = torch.zeros(world, world, dtype=torch.bool)
@@ -152,4 +202,5 @@ def settle(
                     state.pop("server_residual", None)
                 if j == (rank - offset) % world:
                     state.pop("second_residual", None)
+    state["owners_quiet"] = torch.tensor(quiet)
     state["second_stamp"] = torch.tensor([offset, count], dtype=torch.int32)

@@ -268,24 +268,22 @@ class _BlockQuantizer(Codec):
             if not gather:  # in band, nothing kept: each keeps its own
                 return
             gathered = gather.pop().wait()
-            disputed: list[int] = []
-            if pairs:  # shard j's second copy is worker j+offset's
-                first, second = gathered.chunk(2, dim=1)
-                gathered, second, same_inputs, in_step = owners.split_tails(
-                    first, second.roll(-offset, dims=0)
-                )
-                if in_step:
-                    disputed = comm.compare_shards(gathered, second, offset, same_inputs)
-                else:  # rolled by different offsets: copies that differ say nothing of their owners
-                    disputed = [j for j, d in enumerate((gathered != second).any(dim=1).tolist()) if d]
+            copies = None
+            if pairs:  # shard j's second copy is worker j+offset's (offset: the stamp's)
+                copies = owners.judge_copies(*gathered.chunk(2, dim=1))
+                gathered = copies.first
+                if copies.in_step:
+                    copies.disputed = comm.compare_shards(
+                        gathered, copies.second, copies.offset, copies.same_inputs
+                    )
+            disputed = copies.disputed if copies is not None else []
             everyone = self.decode(gathered, chunk, block)
             for j in disputed:  # before the bound's check: a disputed shard is nobody's rejection
                 everyone[j].zero_()
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict)
-            if pairs:
-                spoiled_copies = [j for j in disputed if same_inputs[j]] if in_step else []
-                owners.settle(comm, state, disputed, spoiled_copies, offset, count, in_step)
+            if copies is not None:
+                owners.settle(comm, state, copies, count)
             unflatten_into(everyone.reshape(-1)[:n], tensors)
 
         return Pending(finish, advance)
