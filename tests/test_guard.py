@@ -912,6 +912,22 @@ def test_copies_are_judged_from_the_gathered_bytes_alone():
     assert copies.offset == 1 and copies.in_step
 
 
+def test_the_shards_bound_is_the_owners_lower_median():
+    """Each owner sends the bound its verdict sets; every worker checks the shards against the
+    lower median of them, so workers whose verdicts differ (a sender that sent them different
+    norms) still check alike, one hostile owner among 3 cannot loosen it, and NaN is 0."""
+    from geotrain.comm.guard import agreed_shard_bound, shard_bound_bytes
+
+    def rows(*bounds):
+        return torch.stack([shard_bound_bytes(b, "cpu") for b in bounds])
+
+    assert agreed_shard_bound(rows(2.0, 2.0, 2.0)) == 2.0
+    assert agreed_shard_bound(rows(2.0, 1e30, 2.0)) == 2.0 and agreed_shard_bound(rows(2.0, 3.0, 1e30)) == 3.0
+    assert agreed_shard_bound(rows(2.0, 5.0)) == 2.0  # of two, the lower
+    assert agreed_shard_bound(rows(float("nan"), 2.0, 2.0)) == 2.0
+    assert agreed_shard_bound(rows(float("inf"), float("inf"))) == float("inf")
+
+
 def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
     from geotrain.compress.owners import blame_disputes, digest
 

@@ -333,17 +333,22 @@ class CheckedMeans:
         self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
         self.step_rejected.add(host)
 
-    def check_shards(self, shards: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    def check_shards(
+        self, shards: torch.Tensor, verdict: Verdict, bound: float | None = None
+    ) -> torch.Tensor:
         """The second phase of a sharded average (the quantised codecs: each worker averages one
         shard of every kept contribution, re-quantises it and all-gathers it): ``shards`` (one
         row per worker, decoded from the same bytes everywhere) checked against the bound the
         first phase's norms set (``Verdict.shard_bound``: 10 times what the kept contributions
         allow, whatever ``max_norm_ratio``). A shard that is not finite, or whose norm is above
         it, is zeroed (that part of the model gets no average this time, on every
-        worker alike) and counted as its owner's rejection. No communication."""
+        worker alike) and counted as its owner's rejection. ``bound``: the one the owners agreed
+        on (``guard.agreed_shard_bound``, where each worker's verdict came from the rows it
+        received: a sender that sent different workers different norms would otherwise have
+        them check the same shard against different bounds). No communication."""
         if not verdict.norms:
             return shards
-        bound = verdict.shard_bound()
+        bound = verdict.shard_bound() if bound is None else bound
         for r in range(shards.shape[0]):
             norm, finite = message_norm(shards[r])
             if finite and norm <= bound:

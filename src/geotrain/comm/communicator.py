@@ -390,13 +390,14 @@ class Communicator(CheckedMeans):
         handle = Handle(self, work, out, 1, launched, "all-to-all", nbytes)
         return handle if async_op else handle.wait()
 
-    def all_gather(self, tensor: torch.Tensor, async_op: bool = False):
-        """Every worker's ``tensor`` (equal shapes), stacked in rank order (a ``Handle`` if async)."""
+    def all_gather(self, tensor: torch.Tensor, async_op: bool = False, control_bytes: int = 0):
+        """Every worker's ``tensor`` (equal shapes), stacked in rank order (a ``Handle`` if async).
+        Its last ``control_bytes`` are the check's, not counted (as ``all_to_all``'s)."""
         launched = time.perf_counter()
         if self.world_size == 1:
             handle = Handle(self, None, tensor.unsqueeze(0), 1, launched)
             return handle if async_op else handle.wait()
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size() - control_bytes
         # Ring all-gather: each worker forwards N-1 parts of this size.
         self.stats.calls += 1
         self.stats.payload_bytes += nbytes

@@ -232,3 +232,23 @@ def judge(norms: list[float], finite: list[bool], ratio: float) -> Verdict:
             kept.append(True)
             reasons.append("")
     return Verdict(kept, reasons, tuple(norms))
+
+
+# the shards' bound each owner sends with its shard, where verdicts are taken on arrival
+BOUND_BYTES = 4
+
+
+def shard_bound_bytes(bound: float, device) -> torch.Tensor:
+    return torch.tensor([bound], dtype=torch.float32).view(torch.uint8).to(device)
+
+
+def agreed_shard_bound(rows) -> float:
+    """The bound every worker checks the gathered shards against (``rows``: each owner's
+    ``shard_bound_bytes``, in rank order, the same on every worker): the lower median of the
+    owners' bounds. Where each owner's verdict came from the rows it received (the quantised
+    codecs' in-band check), honest owners all hold the same one; a sender that sent them
+    different norms cannot make workers check a shard against different bounds, and one owner
+    cannot loosen it in a group of 3 or more (in a group of 2 it can only tighten it). NaN
+    counts as 0: a bound nobody passes."""
+    bounds = rows.contiguous().cpu().view(torch.float32).reshape(-1).tolist()
+    return statistics.median_low([0.0 if math.isnan(b) else b for b in bounds])

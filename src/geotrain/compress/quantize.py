@@ -31,7 +31,7 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator, corrupt_
-from geotrain.comm.guard import GATHERED, robust_mean
+from geotrain.comm.guard import BOUND_BYTES, GATHERED, agreed_shard_bound, robust_mean, shard_bound_bytes
 from geotrain.compress import owners
 from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
 
@@ -258,7 +258,10 @@ class _BlockQuantizer(Codec):
                 stamp = owners.stamp_bytes(offset, count, data.device)
                 tails = [torch.cat([owners.digest(w, kept), stamp]) for w in whole]
                 gathered_row = torch.cat([encoded[0], tails[0], encoded[1], tails[1]])
-            gather.append(comm.all_gather(gathered_row if pairs else encoded[0], async_op=True))
+            row = gathered_row if pairs else encoded[0]
+            if in_band:  # its verdict's bound for the shards' check, which every worker agrees on
+                row = torch.cat([row, shard_bound_bytes(verdict.shard_bound(), row.device)])
+            gather.append(comm.all_gather(row, async_op=True, control_bytes=BOUND_BYTES if in_band else 0))
             # kept once the second phase is under way: an advance that failed can be run again
             state.update(residuals)
             if spoil:
@@ -268,6 +271,9 @@ class _BlockQuantizer(Codec):
             if not gather:  # in band, nothing kept: each keeps its own
                 return
             gathered = gather.pop().wait()
+            bound = None
+            if in_band:
+                bound, gathered = agreed_shard_bound(gathered[:, -BOUND_BYTES:]), gathered[:, :-BOUND_BYTES]
             copies = None
             if pairs:  # shard j's second copy is worker j+offset's (offset: the stamp's)
                 copies = owners.judge_copies(*gathered.chunk(2, dim=1))
@@ -281,7 +287,7 @@ class _BlockQuantizer(Codec):
             for j in disputed:  # before the bound's check: a disputed shard is nobody's rejection
                 everyone[j].zero_()
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
-                everyone = comm.check_shards(everyone, verdict)
+                everyone = comm.check_shards(everyone, verdict, bound)
             if copies is not None:
                 owners.settle(comm, state, copies, count)
             unflatten_into(everyone.reshape(-1)[:n], tensors)

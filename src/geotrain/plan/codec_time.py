@@ -50,7 +50,7 @@ class EchoCommunicator(Communicator):
         rows = tensor.reshape(self.world_size, -1)[:1].expand(self.world_size, -1)
         return self._done(rows.reshape(tensor.shape).clone(), async_op)
 
-    def all_gather(self, tensor, async_op=False):
+    def all_gather(self, tensor, async_op=False, control_bytes=0):
         copies = tensor.unsqueeze(0).expand(self.world_size, *tensor.shape).clone()
         return self._done(copies, async_op)
 
