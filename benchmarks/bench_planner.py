@@ -1,7 +1,7 @@
 """The planner's error: predicted against measured step time, per algorithm and codec, in one session.
 
     python benchmarks/bench_planner.py --model mini --workers 4 --bandwidth 100mbit --steps 20 \\
-        --algos nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4
+        --algos nosync,ssgd,localsgd,diloco+none,dreamddp,ssgd+int4,localsgd+int4,diloco,dreamddp+int4
 
 A profile on the cluster per codec (``geotrain profile``), then for each entry the plan that prices it
 (``geotrain plan --H H [--compress CODEC]``: dreamddp runs that plan, searched on its codec's
@@ -54,7 +54,7 @@ def main() -> None:
     add_job_arguments(p, 20, "the period of localsgd, diloco and dreamddp")
     p.add_argument(
         "--algos",
-        default="nosync,ssgd,localsgd,diloco,dreamddp,ssgd+int4,localsgd+int4,diloco+int4,dreamddp+int4",
+        default="nosync,ssgd,localsgd,diloco+none,dreamddp,ssgd+int4,localsgd+int4,diloco,dreamddp+int4",
         help="entries ALGO or ALGO+CODEC",
     )
     p.add_argument("--out", default="")

@@ -37,9 +37,13 @@ TOPOLOGY = "2x2,lan=1gbit,wan=20mbit"
 CELLS = {  # name: extra flags
     "nosync": ["--algo", "nosync"],
     "ddp": ["--algo", "ddp"],
-    "diloco flat": ["--algo", "diloco"],
-    "diloco two-level": ["--algo", "diloco", "--hierarchy", "sites"],
-    "diloco two-level site-H": ["--algo", "diloco", "--hierarchy", "sites", "--site-H", "{site_H}"],
+    # fp32, as measured in the README (diloco sends int4 by default since; a codec's all-to-all
+    # runs flat, so the two levels are those of the fp32 all-reduce)
+    "diloco flat": ["--algo", "diloco", "--compress", "none"],
+    "diloco two-level": ["--algo", "diloco", "--compress", "none", "--hierarchy", "sites"],
+    "diloco two-level site-H": [
+        *("--algo", "diloco", "--compress", "none", "--hierarchy", "sites", "--site-H", "{site_H}")
+    ],
     "streaming": ["--algo", "streaming", "--H", "20"],
     "co2": ["--algo", "co2", "--H", "20"],
     "co2 two-level": ["--algo", "co2", "--H", "20", "--hierarchy", "sites"],

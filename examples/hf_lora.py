@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compress", default="", help="a codec (none: fp32; default: the algorithm's)")
     parser.add_argument(
         "--backend", default="auto", help="auto (NCCL where each worker has a GPU of its own), nccl or gloo"
     )
@@ -55,7 +56,10 @@ def main() -> None:
     model.to(device).train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    options = {"H": args.H} if "H" in geotrain.api.accepted_options(args.algo) else {}
+    accepted = geotrain.api.accepted_options(args.algo)
+    options = {"H": args.H} if "H" in accepted else {}
+    if args.compress and "compress" in accepted:
+        options["compress"] = args.compress
     sync = geotrain.wrap(model, optimizer, algo=args.algo, **options)
 
     data = torch.Generator().manual_seed(1 + rank)  # this worker's shard of (random) token streams

@@ -207,10 +207,11 @@ def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo, extr
 )
 def test_a_hugging_face_lm_with_lora_syncs_only_its_adapters():
     """GPT-2's architecture from a config, LoRA on c_attn (r 8): diloco H 5 averages only the
-    trainable adapters, so 4 syncs send 4 x their fp32 bytes (a ring of 2), and both ranks end
-    with the same parameters, frozen base included."""
+    trainable adapters, so 4 syncs send 4 x their fp32 bytes (a ring of 2; ``--compress none``:
+    diloco's default is int4), and both ranks end with the same parameters, frozen base included."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "hf_lora.py"), "--algo", "diloco", "--H", "5", "--steps", "20"]
+    cmd += ["--compress", "none"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"rank (\d): trainable (\d+) sent (\d+) loss [0-9.]+ digest (\w+)", proc.stdout)

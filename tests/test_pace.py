@@ -103,7 +103,7 @@ def _paced_run(rank: int, world_size: int, algo: str, sited: bool = False) -> di
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     options = {"H": H, "pace": "time"} | (
-        {"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {}
+        {"outer_lr": 1.0, "outer_momentum": 0.0, "compress": "none"} if algo == "diloco" else {}
     )
     comm = Communicator()
     if sited:  # ranks 0 and 1 share a site and average every 2 steps; rank 1 is 4x slower

@@ -105,7 +105,7 @@ def test_the_syncs_and_their_steps_are_exactly_as_configured(algo, options, sync
     model = _tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = FakeCommunicator()
-    sync = build_sync(algo, model, opt, comm, options)
+    sync = build_sync(algo, model, opt, comm, options | {"compress": "none"})  # the fake has no all-to-all
     synced, periods = [], []
     for s in range(41):
         periods.append(sync.sync_period())  # what the membership layer sees before the step
@@ -143,7 +143,7 @@ def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
         model = _tiny()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         options = {"H": 50, "H_schedule": "2x2,10x10", "momentum_ramp": ramp}
-        sync = build_sync("diloco", model, opt, FakeCommunicator(), options)
+        sync = build_sync("diloco", model, opt, FakeCommunicator(), options | {"compress": "none"})
         seen = []
         for s in range(100):
             if _step(sync, opt, s):
@@ -158,6 +158,6 @@ def test_diloco_s_outer_momentum_follows_the_period_in_force_unless_set():
             assert seen[0][1] == outer_momentum_for(2) == 0.3 and seen[8][1] == outer_momentum_for(10) == 0.5
             assert seen[-1][1] == outer_momentum_for(50) == 0.74
     options = {"H": 50, "H_schedule": "2x2", "outer_momentum": 0.9}
-    fixed = build_sync("diloco", _tiny(), opt, FakeCommunicator(), options)
+    fixed = build_sync("diloco", _tiny(), opt, FakeCommunicator(), options | {"compress": "none"})
     assert [_step(fixed, opt, s) for s in range(2)] == [False, True]
     assert fixed.outer_optimizer.param_groups[0]["momentum"] == 0.9

@@ -82,7 +82,7 @@ TRAINED = {  # every training call below, one gloo group per world size
             ("ddp", {}, "sgd"),
             ("localsgd", {"H": 1}, "sgd"),
             ("ssgd", {}, "sgd"),
-            ("diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd"),
+            ("diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0, "compress": "none"}, "sgd"),
             ("localsgd", {"H": 2}, "sgd"),
             ("nosync", {}, "sgd"),
             ("ssgd", SMALL_BUCKETS, "sgd", 3),
@@ -155,7 +155,9 @@ def test_a_warm_start_is_synchronous_sgd_then_periodic(algo, options, syncs):
 def test_diloco_outer_lr1_no_momentum_matches_localsgd():
     # Plain SGD inside: theta_outer - (theta_outer - mean) equals the mean only to an ulp, which
     # Adam would amplify in later steps (see the ssgd test); SGD keeps the comparison tight.
-    diloco = TRAINED[2].get("diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0}, "sgd")
+    diloco = TRAINED[2].get(
+        "diloco", {"H": 2, "outer_lr": 1.0, "outer_momentum": 0.0, "compress": "none"}, "sgd"
+    )
     local = TRAINED[2].get("localsgd", {"H": 2}, "sgd")
     _assert_close(diloco[0]["params"], local[0]["params"], atol=1e-6)
     # and it is not a trivially-equal comparison: the replicas did train apart between syncs

@@ -158,7 +158,18 @@ def test_the_sweep_removes_a_dead_launchers_sites_bridges_and_uplinks(state):
 
 def _run_across_sites(tmp_path, name, *extra):
     run = tmp_path / name
-    cmd = ["run", "--topology", "2x2,lan=1gbit,wan=50mbit", "--algo", "diloco", "--H", "4"]
+    # fp32 (diloco's default is int4, whose all-to-all runs flat): the ring's and the two levels' bytes
+    cmd = [
+        "run",
+        "--topology",
+        "2x2,lan=1gbit,wan=50mbit",
+        "--algo",
+        "diloco",
+        "--H",
+        "4",
+        "--compress",
+        "none",
+    ]
     cmd += ["--model", "tiny", "--batch-size", "4", "--steps", "8", "--no-progress", "--threads", "1"]
     proc = geotrain([*cmd, *extra, "--run-dir", str(run)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

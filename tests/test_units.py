@@ -72,7 +72,7 @@ def test_periodic_algorithms_sync_every_H_steps_and_on_finalize(algo):
     model = _tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = FakeCommunicator()
-    sync = build_sync(algo, model, opt, comm, {"H": 3})
+    sync = build_sync(algo, model, opt, comm, {"H": 3, "compress": "none"})  # the fake has no all-to-all
     synced = [_step(sync, opt, s) for s in range(7)]
     assert synced == [False, False, True, False, False, True, False]
     assert sync.syncs == 2
@@ -87,7 +87,7 @@ def test_a_warm_start_synchronises_every_step_then_at_the_multiples_of_H(algo):
     model = _tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = FakeCommunicator()
-    sync = build_sync(algo, model, opt, comm, {"H": 3, "warm_start": 4})
+    sync = build_sync(algo, model, opt, comm, {"H": 3, "warm_start": 4, "compress": "none"})
     synced, periods, shared = [], [], []
     for s in range(10):
         periods.append(sync.sync_period())  # what the membership layer sees before the step
@@ -161,7 +161,7 @@ def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ram
     def momenta(options, steps=8):
         model = _tiny()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sync = build_sync("diloco", model, opt, FakeCommunicator(), options)
+        sync = build_sync("diloco", model, opt, FakeCommunicator(), options | {"compress": "none"})
         seen = []
         for s in range(steps):
             if _step(sync, opt, s) and s + 1 > options.get("warm_start", 0):
@@ -199,7 +199,11 @@ def test_diloco_outer_step_with_identical_replicas_is_nesterov_on_the_local_upda
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = build_sync(
-        "diloco", model, opt, FakeCommunicator(), {"H": 1, "outer_lr": 0.5, "outer_momentum": 0.9}
+        "diloco",
+        model,
+        opt,
+        FakeCommunicator(),
+        {"H": 1, "outer_lr": 0.5, "outer_momentum": 0.9, "compress": "none"},
     )
     before = [p.detach().clone() for p in model.parameters()]
     _step(sync, opt, 0)  # inner step then outer step
@@ -599,7 +603,7 @@ class _RecordingSGD(torch.optim.SGD):
     "algo, options, local",
     [
         ("localsgd", {"H": 3, "warm_start": 2}, [False, False, True, True, True]),
-        ("diloco", {"H": 3}, [True] * 5),
+        ("diloco", {"H": 3, "compress": "none"}, [True] * 5),
         ("ssgd", {}, [False] * 5),
         ("nosync", {}, [False] * 5),
     ],

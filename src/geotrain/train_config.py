@@ -22,7 +22,7 @@ from geotrain.comm.guard import (
     default_norm_ratio,
     parse_aggregate,
 )
-from geotrain.compress import plain_spec
+from geotrain.compress import plain_spec, run_codec
 from geotrain.compress.codec import make_codec
 from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.ft.redundancy import parse_redundancy
@@ -319,7 +319,7 @@ class TrainConfig:
                 make_codec(spec)
             except ValueError as e:  # the codecs' own ConfigError
                 raise ConfigError(f"--profile-codecs: {e}") from None
-        codec = plain_spec(self.compress).partition(":")[0]
+        codec = run_codec(self.algo, self.compress).partition(":")[0]  # the algorithm's default too
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
         codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
         covered = self.algo in GUARDED_ALGOS and all(c in GUARDED_CODECS for c in codecs)
@@ -389,7 +389,7 @@ class TrainConfig:
             return self.max_norm_ratio
         if self.profile_out:
             return 0.0
-        return default_norm_ratio(self.algo, self.compress, self.pace, self.warm_start)
+        return default_norm_ratio(self.algo, run_codec(self.algo, self.compress), self.pace, self.warm_start)
 
     def _extra_profile_codecs(self) -> list[str]:
         """``profile_codecs`` as specs ("none", fp32, and empty items dropped)."""
@@ -398,7 +398,7 @@ class TrainConfig:
     def profile_codec_specs(self) -> list[str]:
         """The codecs a profile times: ``compress``'s (every candidate under auto), then
         ``profile_codecs``'; each once (``time_codecs`` times one spelling of a codec once)."""
-        own = list(AUTO_CODECS) if self.compress == AUTO_CODEC else [plain_spec(self.compress)]
+        own = list(AUTO_CODECS) if self.compress == AUTO_CODEC else [run_codec(self.algo, self.compress)]
         return list(dict.fromkeys(c for c in own + self._extra_profile_codecs() if c))  # "": fp32
 
     def site_of_host(self) -> list[int] | None:

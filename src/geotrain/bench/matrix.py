@@ -35,7 +35,7 @@ from geotrain.bench.curves import (
     time_to_target,
     tokens_to_target,
 )
-from geotrain.compress import plain_spec
+from geotrain.compress import run_codec
 from geotrain.launch.disk import drop_states
 from geotrain.launch.local import LaunchConfig, RunFailed, run_local_cluster
 from geotrain.metrics import read_metrics
@@ -261,7 +261,7 @@ class Bench:
         """The codecs of the cells the planner prices with one (``predict_step``): the profile
         times their encoding and decoding per layer, as a run with the codec spends them."""
         entries = (split_entry(entry) for entry in self.cfg.algos)
-        specs = (plain_spec(codec) for algo, codec in entries if codec != "auto" and algo in CODEC_ALGOS)
+        specs = (run_codec(algo, codec) for algo, codec in entries if codec != "auto" and algo in CODEC_ALGOS)
         return list(dict.fromkeys(spec for spec in specs if spec))  # "" and "none": fp32
 
     def profile(self, w: int, bw: str) -> dict[str, Any]:
@@ -300,6 +300,7 @@ class Bench:
         algo, codec = split_entry(entry)
         if algo not in PREDICTED or (codec and algo not in CODEC_ALGOS) or codec == "auto":
             return None  # (auto: what the run will choose is its own start-up profile's to say)
+        codec = run_codec(algo, codec) if algo in CODEC_ALGOS else ""  # diloco: int4 by default
         base = profiled_at or w
         profile = self.profile(base, bw)
         compute, link = retarget(profile, w, parse_bandwidths(bw, w))

@@ -35,8 +35,11 @@ still in its steep start there, where 0.9 overshoots, and on W1 to 1,000 steps i
 (1.4450 against 1.2627). So it is off by default (0: the H value throughout); 10 outer steps is
 the length measured best on ``tiny``. A momentum given keeps it.
 
-With ``compress`` the pseudo-gradients travel compressed (int8 or int4, as Streaming DiLoCo
-sends them), with error feedback.
+The pseudo-gradients travel in int4 by default (``compress``; as Streaming DiLoCo sends its
+outer gradients), with error feedback: on W1 (``mini``, 4 workers) over 2,000 steps at H=10 int4
+scored as fp32 did (below it at 25 of 31 evaluations from step 450, 0.58% on their mean; final
+1.0514 against 1.0526) and ran at 0.90 of nosync's step at 100 Mbit/s and 0.77 at 20 Mbit/s,
+where fp32 ran at 0.74 and 0.37. ``compress="none"`` sends fp32.
 
 Memory: one extra copy of the parameters (theta_outer) plus the outer momentum buffer.
 """
@@ -44,12 +47,14 @@ Memory: one extra copy of the parameters (theta_outer) plus the outer momentum b
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
+from geotrain.compress import DEFAULT_CODECS
 from geotrain.sync.base import (
     PeriodicSync,
     SyncConfig,
@@ -118,7 +123,8 @@ class DiLoCoConfig(SyncConfig):
     momentum_ramp: int = 0
     nesterov: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
-    compress: str = ""  # a codec spec (geotrain.compress); "": uncompressed
+    # a codec spec (geotrain.compress); "" or "none": uncompressed; int4 by default (DEFAULT_CODECS)
+    compress: str = DEFAULT_CODECS["diloco"]
     warm_start: int = 0  # synchronous steps first (PeriodicSync)
     H_schedule: str = ""  # shorter periods first, then H (sync.periods); "": H throughout
     pace: str = "steps"  # "time": a period lasts the fastest worker's H steps (sync.pace)
@@ -154,6 +160,14 @@ class DiLoCo(PeriodicSync):
             momentum=cfg.outer_momentum,
             nesterov=cfg.nesterov and cfg.outer_momentum > 0,
         )
+        if self.codec is not None and comm.two_level is not None and comm.rank == 0:
+            print(
+                f"geotrain: diloco sends {self.codec.spec().partition(':')[0]} across all the hosts at once "
+                "(a codec's collectives are flat, not in two levels); --compress none averages in fp32 "
+                "over the two levels",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def outer_step(self) -> None:
         params = self.parameters()
