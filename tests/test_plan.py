@@ -965,8 +965,16 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
             for layer in layers
         ]  # fmt: skip
     }
-    plain = make_plan(profile, H=2)
+    plain = make_plan(profile, H=2, compress="none")  # fp32 for every method
     plan = make_plan(profile, H=2, compress="int4")
+    # --compress not given: each method with its own default, diloco's int4, the others fp32
+    defaults = make_plan(profile, H=2)
+    assert (
+        defaults["target"]["default_codecs"] == {"diloco": "int4"} and plain["target"]["default_codecs"] == {}
+    )
+    assert defaults["predicted_s"]["diloco"] == plan["predicted_s"]["diloco"]
+    assert defaults["predicted_s"]["localsgd"] == plain["predicted_s"]["localsgd"]
+    assert "+ int4 (its default)" in format_plan(defaults)
     int4 = make_codec("int4")
     assert plan["models"]["codec"] == f"{int4.spec()} x2" and plan["target"]["compress"] == "int4"
     fields = plain["models"]["compute"].items()
@@ -1015,8 +1023,8 @@ def test_geotrain_plan_prices_a_codec_and_a_run_with_it_takes_the_plan_as_it_is(
 def test_the_planner_prices_an_H_schedule_at_its_mean_steps_per_sync():
     """--H-schedule 2x10 at H=4 over 100 steps: 2 until 12 (where 2 and 4 both sync: 6 syncs),
     then 4 (22 more): localsgd and diloco at 100 / 28 steps per sync; the rest as without."""
-    plan = make_plan(_profile(), H=4, H_schedule="2x10", steps=100)
-    fixed = make_plan(_profile(), H=4)
+    plan = make_plan(_profile(), H=4, H_schedule="2x10", steps=100, compress="none")  # fp32 diloco
+    fixed = make_plan(_profile(), H=4, compress="none")
     target = plan["target"]
     assert target["syncs"] == 28 and target["mean_period"] == pytest.approx(100 / 28)
     assert target["periods"] == "H 2 from step 0, 4 from step 12"

@@ -102,7 +102,8 @@ def cmd_plan(argv: list[str]) -> int:
         "schedule is searched on its messages (a run with that codec and worker count takes the plan "
         "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
         "own messages. Its encoding and decoding are priced where the profile timed them (`geotrain "
-        "profile --compress` the same codec); otherwise a run refits them from its first steps",
+        "profile --compress` the same codec); otherwise a run refits them from its first steps. Not "
+        "given: each method with its own default (diloco's int4; none: fp32 for all)",
     )
     p.add_argument(
         "--H-schedule",

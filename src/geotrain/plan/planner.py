@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from geotrain.comm.guard import GATHERED, default_norm_ratio, judged_in_rows
-from geotrain.compress import plain_spec
+from geotrain.compress import DEFAULT_CODECS, plain_spec
 from geotrain.netem.links import LinkSpecError, describe_links, parse_bandwidths
 from geotrain.netem.topology import Topology
 from geotrain.plan.codec_time import codec_key
@@ -106,6 +106,7 @@ def predictions(
     uncompressed: ComputeModel | None = None,
     mean_period: float | None = None,
     compress: str = "",
+    defaults: dict[str, tuple[ComputeModel, str]] | None = None,
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
     the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
@@ -119,7 +120,8 @@ def predictions(
     ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``.
     ``compress``: the codec ``compute`` is priced for; the quantised ones carry each worker's
     norm in their all-to-all, so a checked one costs what an unchecked one does (but for clip,
-    ``cost.guard_factors``)."""
+    ``cost.guard_factors``). ``defaults``: methods priced with a codec of their own instead
+    (its model and spec: diloco's default int4 where no ``--compress`` was given)."""
     periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
@@ -131,16 +133,23 @@ def predictions(
         if aggregate in GATHERED and algo in ("sparseloco", "demo", "streaming", "co2"):
             continue  # refused by the run: a coordinate-wise statistic of these is not offered
         on = checked
+        own = (defaults or {}).get(algo)
+        codec = own[1] if own else compress if algo in CODEC_ALGOS else ""
         if auto_check:
-            codec = compress if algo in CODEC_ALGOS else ""
             on = default_norm_ratio(algo, codec) > 0  # below 3 workers: finiteness, as dear
-        quantised = rows and algo in CODEC_ALGOS
-        line = link if on == checked else guarded_link(plain, workers, aggregate, on, rows_in_band=quantised)
+        quantised = judged_in_rows(codec) if own else rows and algo in CODEC_ALGOS
+        line = (
+            link
+            if on == checked and not own
+            else guarded_link(plain, workers, aggregate, on, rows_in_band=quantised)
+        )
         if algo in ("sparseloco", "demo", "streaming"):
             line = plain
         elif algo == "co2":  # its checked weighted sum waits for the verdict
             line = guarded_link(plain, workers, "mean", on or aggregate != "mean", round_trip=True)
         model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
+        if own:
+            model = own[0]
         out[algo] = predict_algo(algo, model, line, periods[algo], workers, schedule)
     return out
 
@@ -333,6 +342,9 @@ def make_plan(
     the methods that take a codec are predicted with it. ``H_schedule`` (``--H-schedule``, over
     ``steps`` planned steps): localsgd and diloco at their mean steps per sync."""
     codec_table = None
+    # not given (not even "none"): each codec-taking method is priced with its own default
+    # codec where it has one (diloco's int4: DEFAULT_CODECS), the others in fp32
+    own_defaults = compress == ""
     compress = plain_spec(compress)
     if compress == AUTO_CODEC:  # a run's --compress auto: the codec chosen first, then priced as named
         if topology is not None:
@@ -362,6 +374,14 @@ def make_plan(
     plain_compute = compute
     group = int(workers or profile["workers"])
     compute, codec_key = codec_priced(profile, compute, compress, group)
+    defaults = (
+        {
+            algo: (codec_priced(profile, plain_compute, spec, group)[0], spec)
+            for algo, spec in DEFAULT_CODECS.items()
+        }
+        if own_defaults
+        else {}
+    )
     options = trust_options(profile, aggregate, checked)
     plain = retarget(profile, workers, rates_bps, compute_scale, aggregate="mean", checked=False)[1]
     table: list[dict] = []
@@ -393,6 +413,8 @@ def make_plan(
             "aggregate": options[0],
             "max_norm_check": "auto" if auto else options[1],
             "compress": compress,  # the codec the schedule and the codec-taking methods are priced for
+            # where none was given: the methods priced with a default codec of their own
+            "default_codecs": {algo: spec for algo, (_, spec) in defaults.items()},
             # its encoding and decoding per step, where the profile timed them (--compress)
             "codec_s": compute.codec_total_s() if compress and compute.codec_s else None,
             **(periodic or {}),  # --H-schedule: localsgd's and diloco's stages and mean period
@@ -417,6 +439,7 @@ def make_plan(
             plain_compute if compress else None,
             periodic["mean_period"] if periodic else None,
             compress,
+            defaults,
         ),  # fmt: skip
         "choose": table,
         # --compress auto: the codec chosen (a run with --compress auto takes it) and those weighed
@@ -552,7 +575,10 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         if algo in ("localsgd", "diloco") and target.get("mean_period"):
             h = f"~{target['mean_period']:.1f}"  # its steps per sync under --H-schedule
         h = str(SPARSELOCO_H) if algo in OWN_H else h
-        with_codec = f"  + {codec}" if codec and algo in CODEC_ALGOS else ""
+        own = target.get("default_codecs", {}).get(algo)
+        with_codec = (
+            f"  + {codec}" if codec and algo in CODEC_ALGOS else f"  + {own} (its default)" if own else ""
+        )
         lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}{with_codec}")
     if codec and target.get("codec_s") is None:
         lines.append(
