@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from geotrain.bench.curves import crossing, read_curve, smooth
+from geotrain.compress import run_codec
 
 HERE = Path(__file__).resolve().parent / "curves"
 DDP_FINAL = 1.0406  # DDP's dense curve at step 2,000, smoothed over 3 evaluations
@@ -62,7 +63,8 @@ def save(name: str, run_dir: Path) -> Path:
     summary = run_dir / "summary.json"
     lines = [f"# saved from {run_dir} by benchmarks/w1_curves.py"]
     lines.append(
-        f"# algo={train.get('algo')} H={train.get('H')} compress={train.get('compress') or 'none'}"
+        f"# algo={train.get('algo')} H={train.get('H')} "
+        f"compress={run_codec(train.get('algo', ''), train.get('compress', '')) or 'none'}"
         f" lr_scale={train.get('lr_scale')} seed={train.get('seed')} steps={train.get('steps')}"
     )
     if summary.exists():

@@ -31,6 +31,7 @@ CASES = [
     ("ddp", "int4"),
     ("localsgd", "topk:ratio=0.05"),
     ("diloco", "int4"),
+    ("diloco", "none"),  # fp32 (int4 is its default: the ("diloco", "") case)
     ("dreamddp", "acpsgd:rank=2"),
     ("dreamddp", "topk:ratio=0.05"),
     ("sparseloco", "overlap"),  # stops with its outer step's message in flight

@@ -194,6 +194,23 @@ def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ram
     assert TrainConfig(algo="diloco", momentum_ramp=0).sync_config().momentum_ramp == 0
 
 
+def test_a_diloco_run_goes_on_sending_what_it_sent_whatever_the_default():
+    """DiLoCo sends int4 by default; a run saved in fp32 (before that default, or with
+    --compress none) and resumed at the default goes on in fp32, and an int4 run stays int4."""
+    torch.manual_seed(0)
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fp32 = build_sync("diloco", model, opt, FakeCommunicator(), {"H": 2, "compress": "none"})
+    default = build_sync("diloco", _tiny(), opt, FakeCommunicator(), {"H": 2})
+    assert fp32.codec is None and default.codec is not None and default.codec.name == "int4"
+    default.load_state_dict(fp32.state_dict())
+    assert default.codec is None and default.config.compress == ""
+    int4 = build_sync("diloco", _tiny(), opt, FakeCommunicator(), {"H": 2})
+    again = build_sync("diloco", _tiny(), opt, FakeCommunicator(), {"H": 2})
+    again.load_state_dict(int4.state_dict())
+    assert again.codec is not None and again.codec.spec() == int4.codec.spec()
+
+
 def test_diloco_outer_step_with_identical_replicas_is_nesterov_on_the_local_update():
     model = _tiny()
     start = [p.detach().clone() for p in model.parameters()]

@@ -389,7 +389,8 @@ class Bench:
         each algorithm's local learning-rate scale (its own default, as ``geotrain run``'s)."""
         algos = [split_entry(entry)[0] for entry in self.cfg.algos]
         scales = {algo: checked_lr_scale(LR_SCALE_DEFAULT, algo) for algo in algos}
-        return {**asdict(self.cfg), "lr_scales": scales}
+        codecs = {algo: run_codec(algo, "") for algo in algos if run_codec(algo, "")}
+        return {**asdict(self.cfg), "lr_scales": scales, "default_codecs": codecs}
 
     def check_reuse(self) -> None:
         """A rerun keeps the finished runs of the directory: refuse it where they were made
@@ -407,6 +408,16 @@ class Bench:
                 f"{self.out} holds {', '.join(differ)} runs made at --lr-scale "
                 f"{was_scales.get(differ[0], '1')}, where its default now is {now_scales[differ[0]]}: "
                 "they would not compare with these; use another --out"
+            )
+        # A bench made before diloco's default was int4 ran it in fp32 (no record: none).
+        was_codecs, now_codecs = old.pop("default_codecs", {}), new.pop("default_codecs")
+        ran = {split_entry(e)[0] for e in old.get("algos", []) if not split_entry(e)[1]}
+        moved = sorted(a for a in now_codecs if a in ran and was_codecs.get(a, "") != now_codecs[a])
+        if moved:
+            raise ConfigError(
+                f"{self.out} holds {', '.join(moved)} runs made with {was_codecs.get(moved[0]) or 'fp32'}, "
+                f"where its default now is {now_codecs[moved[0]]}: they would not compare with these; "
+                f"use another --out, or name the codec ({moved[0]}+none)"
             )
         # Compared as the steps it gives: auto's follow the horizon (a bench made before the
         # warm-up's default was auto had none).

@@ -10,8 +10,9 @@ and warns where a stopped run's would not fit.
 
 The estimate counts fp32 copies of the parameters in one state: the model, AdamW's two moments,
 and what the algorithm and its codec keep (measured on GPT ``mini``: 3.0 copies for ``nosync``
-and ``dreamddp``, 4.8 for ``diloco``, 6.0 for ``diloco --compress int4``). With LoRA the
-optimizer and the algorithm hold the adapters only: the frozen base is one copy.
+and ``dreamddp``, 4.8 for ``diloco --compress none``, 6.0 for ``diloco`` with int4, its
+default). With LoRA the optimizer and the algorithm hold the adapters only: the frozen base is
+one copy.
 """
 
 from __future__ import annotations

@@ -415,6 +415,7 @@ def make_plan(
             "compress": compress,  # the codec the schedule and the codec-taking methods are priced for
             # where none was given: the methods priced with a default codec of their own
             "default_codecs": {algo: spec for algo, (_, spec) in defaults.items()},
+            "default_codecs_timed": {algo: bool(model.codec_s) for algo, (model, _) in defaults.items()},
             # its encoding and decoding per step, where the profile timed them (--compress)
             "codec_s": compute.codec_total_s() if compress and compute.codec_s else None,
             **(periodic or {}),  # --H-schedule: localsgd's and diloco's stages and mean period
@@ -580,6 +581,12 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
             f"  + {codec}" if codec and algo in CODEC_ALGOS else f"  + {own} (its default)" if own else ""
         )
         lines.append(f"{algo:<10} {h:>4} {s:>9.3f} {s / base:>9.2f}{with_codec}")
+    for algo, spec in target.get("default_codecs", {}).items():
+        if algo in pred and not target.get("default_codecs_timed", {}).get(algo):
+            lines.append(
+                f"({algo}'s default {spec} is priced on its bytes: the profile did not time its "
+                f"encoding; geotrain profile with --compress {spec} times it)"
+            )
     if codec and target.get("codec_s") is None:
         lines.append(
             f"(the encoding of {codec} is not priced: its profile did not time it; "

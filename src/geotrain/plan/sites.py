@@ -120,6 +120,7 @@ def format_sites(sites: dict[str, Any], compute_s: float) -> str:
     flat = f"H {choice['flat_H']}" if choice["flat_H"] else f"no H up to {PERIODS[-1]}"
     lines.append(
         f"within {speed} of nosync: --hierarchy sites --H {choice['H']} with {inside} "
-        f"(predicted {step:.3f} s, {compute_s / step:.2f} of nosync); a flat ring needs {flat}"
+        f"(predicted {step:.3f} s, {compute_s / step:.2f} of nosync); a flat ring needs {flat} "
+        "(fp32 averages: diloco with --compress none, its int4 default runs flat)"
     )
     return "\n".join(lines)

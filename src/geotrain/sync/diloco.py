@@ -54,10 +54,11 @@ from typing import Any
 import torch
 
 from geotrain.comm.buckets import DEFAULT_BUCKET_MB, reduce_tensors
-from geotrain.compress import DEFAULT_CODECS
+from geotrain.compress import DEFAULT_CODECS, plain_spec
 from geotrain.sync.base import (
     PeriodicSync,
     SyncConfig,
+    codec_from_config,
     require,
     require_pace,
     require_period,
@@ -219,7 +220,13 @@ class DiLoCo(PeriodicSync):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load after the model's own state (the parameters may stand for theta_outer)."""
+        """Load after the model's own state (the parameters may stand for theta_outer). A run
+        goes on sending what it sent: one saved before int4 was the default (its config says "",
+        fp32) keeps fp32, whatever this run's default."""
+        saved = state.get("config", {}).get("compress")
+        if saved is not None and plain_spec(saved) != plain_spec(self.config.compress):
+            self.config.compress = plain_spec(saved)
+            self.codec = codec_from_config(self.config)
         super().load_state_dict(state)
         if state["outer_params"] is None:
             self.track_parameters()
