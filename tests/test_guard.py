@@ -787,6 +787,14 @@ def _shards_close(got: torch.Tensor, expected: torch.Tensor, bound: float) -> No
     assert error < bound, error
 
 
+def _one_mean(ranks: list[dict], step: int) -> torch.Tensor:
+    """The mean of message ``step``, which every worker must hold bitwise alike."""
+    first = ranks[0]["means"][step]
+    for r in ranks:
+        assert torch.equal(r["means"][step], first)
+    return first
+
+
 @pytest.mark.parametrize("how", ["signflip", "scale=3", "nan"])
 def test_a_second_owner_per_shard_catches_a_shard_spoiled_within_the_norms_bound(how):
     """``int4:owners=2``: worker j's shard of the mean is computed by worker j+1 too, and every
@@ -801,9 +809,7 @@ def test_a_second_owner_per_shard_catches_a_shard_spoiled_within_the_norms_bound
     honest_run = RUNS.get("owners/int4/-/10.0")  # one owner, nobody spoiling: the same messages
     shard = ranks[0]["shard"]
     for step in range(3):
-        first = ranks[0]["means"][step]
-        for r in ranks:
-            assert torch.equal(r["means"][step], first)
+        first = _one_mean(ranks, step)
         expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
         if step == 0:
             # the honest owners' shards: bitwise the honest run's
@@ -827,9 +833,7 @@ def test_a_worker_that_keeps_spoiling_its_shard_is_found_and_counted_as_rejected
     ranks = RUNS.get("owners/int4:owners=2/signflip/10.0/3")
     shard = ranks[0]["shard"]
     for step in range(4):
-        first = ranks[0]["means"][step]
-        for r in ranks:
-            assert torch.equal(r["means"][step], first)
+        first = _one_mean(ranks, step)
         expected = torch.stack([r["honest"][step] for r in ranks]).mean(dim=0)
         if step < 3:
             assert not first[2 * shard :].any()
@@ -851,9 +855,7 @@ def test_a_sender_that_sends_two_owners_different_rows_gets_nobody_blamed():
     ranks = RUNS.get("owners/int4:owners=2/equivocate/10.0/3")
     shard = ranks[0]["shard"]
     for step in range(4):
-        first = ranks[0]["means"][step]
-        for r in ranks:
-            assert torch.equal(r["means"][step], first)
+        first = _one_mean(ranks, step)
         assert (not first[:shard].any()) == (step < 3)  # shard 0 left out while it lasts
     for r in ranks:
         assert r["disputed"] == {(0, 1): 3} and r["rejected"] == {}
@@ -870,9 +872,7 @@ def test_owners_states_that_differ_are_restarted_and_nobody_is_blamed():
     ranks = RUNS.get("owners/int4:owners=2/forget/10.0/1")
     shard = ranks[0]["shard"]
     for step in range(3):
-        first = ranks[0]["means"][step]
-        for r in ranks:
-            assert torch.equal(r["means"][step], first)
+        _one_mean(ranks, step)
     assert not ranks[0]["means"][1][: 2 * shard].any()
     expected = torch.stack([r["honest"][2] for r in ranks]).mean(dim=0)
     _shards_close(ranks[0]["means"][2], expected, 0.3)

@@ -365,7 +365,7 @@ class CheckedMeans:
         return shards
 
     def compare_shards(
-        self, shards: torch.Tensor, second: torch.Tensor, offset: int = 1, same_rows: list[bool] | None = None
+        self, shards: torch.Tensor, second: torch.Tensor, offset: int, same_inputs: list[bool]
     ) -> list[int]:
         """A quantised codec's second phase with two owners per shard (``owners=2``): ``shards``
         and ``second`` (row j: shard j's bytes from its owner, and from its second owner, worker
@@ -373,16 +373,14 @@ class CheckedMeans:
         counted for its pair of owners (``disputed_shards``) and said on stderr: one pair cannot
         say which of the two is wrong, so neither is counted as rejected here (``--max-rejections``
         would otherwise let a hostile owner have an honest one dropped); a run of disputes can
-        (``blame_owner``). ``same_rows``: per shard, whether both copies were computed from the
+        (``blame_owner``). ``same_inputs``: per shard, whether both copies were computed from the
         same inputs (their digests agree), which the message says. No communication."""
         differs = (shards != second).any(dim=1).tolist()
         disputed = [j for j, d in enumerate(differs) if d]
         for j in disputed:
             pair = (self._host(j), self._host((j + offset) % self.world_size))
             self.disputed_shards[pair] = self.disputed_shards.get(pair, 0) + 1
-            if same_rows is None:
-                why = "one of them, or a sender, is broken or hostile"
-            elif same_rows[j]:
+            if same_inputs[j]:
                 why = "from the same inputs: one of them is broken or hostile"
             else:
                 why = "from different inputs: a sender, or one of them, is broken or hostile"

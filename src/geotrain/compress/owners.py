@@ -52,7 +52,7 @@ def digest(rows: torch.Tensor, kept: list[bool] | None) -> torch.Tensor:
     """A collision-resistant digest (uint8, on ``rows``' device) of the rows a copy is computed
     from (uint8, as received, in-band norms included) and of the verdict's kept contributions,
     which a sender that sends two owners different norms could make differ."""
-    h = hashlib.blake2b(rows.contiguous().cpu().numpy().tobytes(), digest_size=DIGEST_BYTES)
+    h = hashlib.blake2b(rows.contiguous().cpu().numpy(), digest_size=DIGEST_BYTES)  # its buffer, no copy
     h.update(bytes(kept) if kept is not None else b"-")
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(rows.device)
 

@@ -238,29 +238,33 @@ class _BlockQuantizer(Codec):
                 # message, as any left-out worker's is; a round trip first kept the one before).
                 if verdict.count == 0:
                     return
+            # One owner: its shard goes out as encoded, with room left for the bound where the
+            # check is in band (no copy on the message's path); two: both copies, with their tails.
+            bound_room = BOUND_BYTES if in_band else 0
+            nbytes = self.row_bytes(chunk, block)
             encoded, residuals = [], {}
             # its own shard, and with a second owner the shard of the worker before it
             for part, name in zip(parts, ("server_residual", "second_residual"), strict=False):
                 mean = shard_mean(part)
                 if name in state:
                     mean += state[name]
-                mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block)
+                room = 0 if pairs else bound_room
+                mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block, room=room)
                 residuals[name] = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
                 encoded.append(mine[0])
             spoil = comm.corrupt_shard
             if spoil:  # a worker that spoils its shard of the mean (a test's hook): its own copy
-                bad_shard = self.decode(encoded[0].unsqueeze(0), chunk, block)
+                bad_shard = self.decode(encoded[0][:nbytes].unsqueeze(0), chunk, block)
                 corrupt_(bad_shard, spoil)
-                encoded[0] = self.encode(bad_shard, block)[0]
-            # (one owner: its shard as it is, not a copy, on every message's path)
+                encoded[0][:nbytes] = self.encode(bad_shard, block)[0]
+            row = encoded[0]
             if pairs:  # each copy, the digest of what it was computed from, the owners' stamp
                 kept = verdict.kept if verdict is not None else None
                 stamp = owners.stamp_bytes(offset, count, data.device)
                 tails = [torch.cat([owners.digest(w, kept), stamp]) for w in whole]
-                gathered_row = torch.cat([encoded[0], tails[0], encoded[1], tails[1]])
-            row = gathered_row if pairs else encoded[0]
+                row = torch.cat([encoded[0], tails[0], encoded[1], tails[1], row.new_empty(bound_room)])
             if in_band:  # its verdict's bound for the shards' check, which every worker agrees on
-                row = torch.cat([row, shard_bound_bytes(verdict.shard_bound(), row.device)])
+                row[-BOUND_BYTES:] = shard_bound_bytes(verdict.shard_bound(), row.device)
             gather.append(comm.all_gather(row, async_op=True, control_bytes=BOUND_BYTES if in_band else 0))
             # kept once the second phase is under way: an advance that failed can be run again
             state.update(residuals)
