@@ -9,8 +9,11 @@
 # 2. The suite's end-to-end modules (the CLI, the API and its examples, Hugging Face models),
 #    which run on the GPU wherever one is visible.
 # 3. The mini model's step on the GPU (fp32 and bf16 autocast), one worker under NCCL's set-up.
+# 4. What int4's mean costs the GPU besides the link, owners=2's digests included
+#    (benchmarks/gpu_codec_cost.py).
 # Uses the machine's python3 and its torch (the pins are for CPU machines); needs pytest,
-# pytest-timeout and pytest-xdist there.
+# pytest-timeout and pytest-xdist there, and blake3 (installed from ./.whl where that holds its
+# wheel, for a machine without an index).
 set -u -o pipefail
 failed=0
 cd "$(dirname "$0")/.."
@@ -18,7 +21,8 @@ out=${OUT:-gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-workers=${WORKERS:-8}
+workers=${WORKERS:-12}
+$py -c "import blake3" 2>/dev/null || $py -m pip install -q --no-deps $(ls .whl/blake3-*.whl 2>/dev/null || echo blake3)
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -26,7 +30,7 @@ workers=${WORKERS:-8}
 } 2>&1 | tee "$out/env.txt"
 
 echo "== tests/test_cuda.py"
-timeout 200 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 180 -rA tests/test_cuda.py \
+timeout 260 $py -m pytest -q -p no:cacheprovider -n "$workers" --timeout 240 -rA tests/test_cuda.py \
     2>&1 | tail -n 60 | tee "$out/test_cuda.txt" || failed=1
 
 echo "== end-to-end modules on the GPU"
@@ -40,5 +44,7 @@ for cast in off bf16; do
         --algo nosync --autocast "$cast" --no-progress --run-dir "$out/mini-$cast" 2>&1 \
         | grep -E "step time|tokens/s|compute|error" | sed "s/^/$cast: /" | tee -a "$out/mini.txt"
 done
+echo "== int4's work per message on the GPU"
+timeout 120 $py benchmarks/gpu_codec_cost.py 2>&1 | tee "$out/codec_cost.txt"
 rm -rf "$out"/mini-*/  # their summaries are in mini.txt; $OUT takes files two folders deep
 exit $failed  # the tests' verdict: 1 if either pytest run failed

@@ -41,7 +41,9 @@ CASES = [
     ("dreamddp", {"H": 2, "compress": "powersgd:rank=2"}),
     ("streaming", {"H": 4, "fragments": 2}),
     ("co2", {"H": 3}),
-    ("sparseloco", {"H": 3, "chunk": 64, "k": 8}),
+    ("sparseloco", {"H": 3, "chunk": 64, "k": 8}),  # overlap auto: decided from a timed gather
+    ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": False}),
+    ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": True, "tau": 1}),
     ("demo", {"chunk": 8, "k": 4}),
     ("ssgd", {"compress": "int8"}),
     ("ssgd", {"compress": "acpsgd:rank=2"}),
@@ -95,14 +97,27 @@ def _run(rank: int, world_size: int, device: str, algo: str, options: dict, auto
     }
 
 
-@pytest.mark.parametrize("algo, options", CASES, ids=[f"{a}-{o.get('compress', 'fp32')}" for a, o in CASES])
+def _decides_from_timings(algo: str, options: dict) -> bool:
+    """DreamDDP plans its layers, AdaTopK its ratios and SparseLoCo's ``overlap="auto"`` whether
+    to overlap (and then sends its arrival figure) from timings, which differ by device and load."""
+    auto_overlap = algo == "sparseloco" and options.get("overlap", "auto") == "auto"
+    return algo == "dreamddp" or "adatopk" in options.get("compress", "") or auto_overlap
+
+
+def _case_id(algo: str, options: dict) -> str:
+    overlap = options.get("overlap")
+    suffix = "" if overlap is None else "-overlap" if overlap else "-no-overlap"
+    return f"{algo}-{options.get('compress', 'fp32')}{suffix}"
+
+
+@pytest.mark.parametrize("algo, options", CASES, ids=[_case_id(a, o) for a, o in CASES])
 def test_every_algorithm_and_codec_runs_on_cuda_and_lands_where_the_cpu_does(algo, options):
     gpu = run_workers(_run, 2, "cuda:0", algo, options, False, timeout=240)
     cpu = run_workers(_run, 2, "cpu", algo, options, False, timeout=240)
     assert gpu[0]["devices"] == ["cuda:0"]
     assert torch.equal(gpu[0]["params"], gpu[1]["params"]), "the replicas differ after finish()"
     assert torch.isfinite(gpu[0]["params"]).all()
-    if algo != "dreamddp" and "adatopk" not in options.get("compress", ""):  # those plan from timings
+    if not _decides_from_timings(algo, options):
         assert gpu[0]["sent"] == cpu[0]["sent"], "the GPU run sent other bytes than the CPU run"
     # Float sums run in another order on the GPU: close, not bitwise; a top-k or a sign can
     # flip on such a difference, and DreamDDP plans its layers from timings, which differ by
@@ -243,3 +258,77 @@ def test_wrap_pairs_a_plain_nccl_group_with_gloo_for_its_cpu_numbers(tmp_path):
     proc = _torchrun([str(script)], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend cpu:gloo,cuda:nccl" in proc.stdout
+
+
+def _checked_means(rank: int, world_size: int, device: str, spec: str, how: str, messages: int) -> dict:
+    """``messages`` means through a quantised codec over 3 workers with the norm check on
+    (``max_norm_ratio=10``), their vectors on ``device``; worker 2 spoils its shard of every
+    mean as ``how`` says ("-": honest). The same function runs on the CPU for the reference."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.compress.codec import make_codec
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    comm = Communicator(max_norm_ratio=10.0)
+    codec = make_codec(spec)
+    gen = torch.Generator().manual_seed(rank)
+    means, offsets, devices = [], [], set()
+    for _ in range(messages):
+        if rank == 2 and how != "-":
+            comm.corrupt_shard = how
+        offsets.append(int(codec.state("g").get("second_stamp", torch.tensor([1, 0]))[0]))
+        mean = torch.randn(5000, generator=gen).to(dev)
+        codec.reduce(comm, "g", [mean]).wait()
+        devices.add(str(mean.device))
+        means.append(mean.cpu())
+    return {
+        "means": means,
+        "offsets": offsets,
+        "devices": sorted(devices),
+        "rejected": dict(comm.rejected_by_rank),
+        "sent": comm.stats.sent_bytes,
+    }
+
+
+@pytest.mark.parametrize(
+    "spec, how, messages",
+    [
+        ("int4", "-", 2),  # one owner: the shard bound agreed in band, nobody left out
+        ("int4", "scale=1e6", 2),  # one owner: a shard above the agreed bound left out
+        ("int4:owners=2", "-", 2),  # two owners, digests and stamps, nothing disputed
+        ("int4:owners=2", "signflip", 4),  # a persistent spoiler: second owners move, it is blamed
+    ],
+    ids=lambda v: str(v),
+)
+def test_checked_quantised_means_on_cuda_decide_as_on_the_cpu(spec, how, messages):
+    """The norm check's shard bound, the second owners' digests and stamps, and the blame they
+    lead to, with the codec's rows on the GPU (3 ranks sharing it through gloo): every worker
+    holds the same means, on the GPU, and every verdict (who is left out, where the second
+    owners sit, the bytes sent) is the CPU's; the means are the CPU's but for a rounding edge."""
+    gpu = run_workers(_checked_means, 3, "cuda:0", spec, how, messages, timeout=240)
+    cpu = run_workers(_checked_means, 3, "cpu", spec, how, messages, timeout=240)
+    for r in range(3):
+        assert gpu[r]["devices"] == ["cuda:0"]
+        for mine, first, ref in zip(gpu[r]["means"], gpu[0]["means"], cpu[r]["means"], strict=True):
+            assert torch.equal(mine, first), "the workers hold different means"
+            # A sum in another order can move a value across a rounding edge of the re-quantised
+            # mean: one level of a few elements, never more.
+            apart = (mine - ref).abs() > 1e-5
+            assert apart.float().mean() < 0.005, f"{int(apart.sum())} of {mine.numel()} values differ"
+        for key in ("rejected", "offsets", "sent"):
+            assert gpu[r][key] == cpu[r][key], key
+    if how == "scale=1e6" or how == "signflip":
+        assert gpu[0]["rejected"].get(2, 0) >= 1, gpu[0]["rejected"]
+    else:
+        assert gpu[0]["rejected"] == {}
+
+
+def test_a_gpu_tensor_digests_as_its_bytes_on_the_cpu_through_the_pinned_buffer():
+    """A digest that workers compare may not depend on where the tensor lives: a GPU tensor
+    larger than the pinned buffer, copied through it a chunk at a time, digests as on the CPU."""
+    from geotrain.comm.digest import CHUNK_BYTES, tensor_digest
+
+    x = torch.randn(CHUNK_BYTES // 2 + 3)  # two chunks and a part of a third, in bytes
+    assert tensor_digest(x.cuda(), 16, b"-") == tensor_digest(x, 16, b"-")
+    assert tensor_digest(x.cuda()[1:]) == tensor_digest(x[1:])

@@ -959,6 +959,21 @@ def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
     assert not torch.equal(digest(rows, [True] * 4), digest(rows, [True, True, False, True]))
 
 
+def test_a_tensor_digest_is_blake3_over_its_bytes_in_memory_order():
+    """What workers compare: BLAKE3 over a tensor's bytes, then the extra bytes; a strided view
+    digests as its contiguous copy; a large tensor (hashed on several threads) as one pass would."""
+    import blake3
+
+    from geotrain.comm.digest import THREADED_FROM, tensor_digest
+
+    x = torch.randn(3, 5)
+    assert tensor_digest(x, 16, b"kept") == blake3.blake3(x.numpy().tobytes() + b"kept").digest(16)
+    assert tensor_digest(x.t()) == tensor_digest(x.t().contiguous()) != tensor_digest(x)
+    big = torch.randint(0, 255, (3 * THREADED_FROM + 7,), dtype=torch.uint8)
+    assert tensor_digest(big) == blake3.blake3(big.numpy().tobytes()).digest(32)
+    assert tensor_digest(big) != tensor_digest(big[:-1])
+
+
 def test_one_owner_per_shard_lets_a_flipped_shard_through():
     """Without a second owner, the same flipped shard is averaged in: the gap ``owners=2``
     closes (what makes the test above able to fail)."""
@@ -975,7 +990,7 @@ def test_one_owner_per_shard_lets_a_flipped_shard_through():
 )
 def test_a_second_owner_changes_no_bit_of_an_honest_mean_and_sends_twice_the_bytes(two, one):
     """Honest workers: the means with two owners per shard are bitwise those with one, checked
-    or not, nothing disputed, and the bytes sent are twice one owner's, with the 8-byte digest of
+    or not, nothing disputed, and the bytes sent are twice one owner's, with the 16-byte digest of
     what each copy was computed from and its owners' stamp (``wire_bytes``)."""
     from geotrain.compress.owners import TAIL_BYTES
 

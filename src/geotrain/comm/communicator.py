@@ -24,7 +24,6 @@ the group loses a member, one line naming a collective that timed out or lost it
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import pickle
 import sys
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from geotrain.comm.checked import CheckedMeans, corrupt_
+from geotrain.comm.digest import tensor_digest
 from geotrain.comm.guard import GATHERED, parse_aggregate
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
 
@@ -531,8 +531,7 @@ class Communicator(CheckedMeans):
         max equals their min (and a wait that gives up when a member is lost)."""
         if self.world_size == 1:
             return True
-        digest = hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
-        mine = float(int.from_bytes(digest[:8], "little") >> 12)
+        mine = float(int.from_bytes(tensor_digest(tensor, 8), "little") >> 12)
         most, least = self.max_scalars([mine, -mine])
         return most == -least
 

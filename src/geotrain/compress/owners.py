@@ -6,7 +6,7 @@ re-quantises it with error feedback of its own and all-gathers it (``compress.qu
 compares the two copies' bytes: a shard whose copies differ (a dispute) is left out of that
 average everywhere. One pair cannot say which of its two is wrong. This module keeps what can:
 
-- **Digests.** Each copy goes out with an 8-byte BLAKE2b digest of what it was computed from
+- **Digests.** Each copy goes out with a 16-byte BLAKE3 digest of what it was computed from
   (the rows received, with their in-band norms, and the verdict on which contributions were
   kept). Where the two digests agree, one owner spoiled its copy (a *spoiled copy*); where they
   differ, the inputs differed on the way in (a sender sent the two owners different rows or
@@ -34,14 +34,15 @@ the shards at every message.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from geotrain.comm.digest import tensor_digest
+
 # a copy's tail on the wire: the digest of its inputs, then its sender's stamp
-DIGEST_BYTES = 8
+DIGEST_BYTES = 16  # 128 bits: a collision costs a hostile sender about 2^64 hashes
 STAMP_BYTES = 8
 TAIL_BYTES = DIGEST_BYTES + STAMP_BYTES
 # clean messages running after which who disputed with whom is forgotten
@@ -52,9 +53,8 @@ def digest(rows: torch.Tensor, kept: list[bool] | None) -> torch.Tensor:
     """A collision-resistant digest (uint8, on ``rows``' device) of the rows a copy is computed
     from (uint8, as received, in-band norms included) and of the verdict's kept contributions,
     which a sender that sends two owners different norms could make differ."""
-    h = hashlib.blake2b(rows.contiguous().cpu().numpy(), digest_size=DIGEST_BYTES)  # its buffer, no copy
-    h.update(bytes(kept) if kept is not None else b"-")
-    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(rows.device)
+    h = tensor_digest(rows, DIGEST_BYTES, extra=bytes(kept) if kept is not None else b"-")
+    return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(rows.device)
 
 
 def read_stamp(state: dict, world: int) -> tuple[int, int]:
