@@ -22,7 +22,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 workers=${WORKERS:-12}
-$py -c "import blake3" 2>/dev/null || $py -m pip install -q --no-deps $(ls .whl/blake3-*.whl 2>/dev/null || echo blake3)
+whl=$(ls .whl/blake3-*.whl 2>/dev/null | head -n 1)
+$py -c "import blake3" 2>/dev/null || $py -m pip install -q --no-deps "${whl:-blake3}"
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

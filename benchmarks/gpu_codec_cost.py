@@ -7,9 +7,11 @@
 For a model of P parameters averaged over N workers, one worker's share of one message is:
 encode its N rows (phase 1), decode the N rows it receives for its shard, sum them and encode
 the shard's mean (phase 2), then decode the N gathered shards of the mean. With ``owners=2`` it
-also hashes the N rows its shard came from and the N rows of the shard it owns second (BLAKE2b
-on the host: the rows are copied there first). Each figure is the median of ``--repeat`` timed
-runs after two warm-ups, read after the GPU has finished its queued work.
+also digests the N rows its shard came from and the N rows of the shard it owns second (BLAKE3
+on the host, the rows copied there through a pinned buffer: ``geotrain.comm.digest``). The bytes
+are what one worker sends per message with ``owners=2`` (both phases, ``wire_bytes``). Each
+figure is the median of ``--repeat`` timed runs after two warm-ups, read after the GPU has
+finished its queued work.
 """
 
 from __future__ import annotations
@@ -80,12 +82,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"int4 (block {Int4().block}) over {args.workers} workers on {name}, torch {torch.__version__}")
     columns = ["encode", "shard mean", "decode mean", "owners=2 digests"]
-    print(" | ".join([f"{'params':>8}", *(f"{c:>10}" for c in columns), "bytes sent"]))
+    print(" | ".join([f"{'params':>8}", *(f"{c:>10}" for c in columns), "sent (owners=2)"]))
     for p in args.params:
         params = int(p)
         t = measure(params, args.workers, device, args.repeat)
-        block, chunk = Int4().layout(params, args.workers)
-        wire = 2 * args.workers * Int4().row_bytes(chunk, block)  # both phases
+        wire = Int4(owners=2).wire_bytes([(params,)], args.workers)
         cells = [f"{1e3 * t[c]:>{max(10, len(c)) - 3}.2f} ms" for c in columns]
         print(" | ".join([f"{params / 1e6:>7.0f}M", *cells, f"{wire / 1e6:.0f} MB"]))
 

@@ -886,13 +886,12 @@ def test_copies_are_judged_from_the_gathered_bytes_alone():
     compared; out of step, the majority's stamp decides the offset and the shards of the worker
     that differs are left out; with no majority every shard is; a false stamp (offset 0, which
     would roll a shard onto its own owner) rolls by 1."""
-    from geotrain.compress.owners import judge_copies, stamp_bytes
+    from geotrain.compress.owners import DIGEST_BYTES, judge_copies, stamp_bytes
 
     def halves(stamps, world):
         rows = torch.arange(world * 4, dtype=torch.uint8).reshape(world, 4)
-        tails = torch.stack(
-            [torch.cat([torch.zeros(8, dtype=torch.uint8), stamp_bytes(o, c, "cpu")]) for o, c in stamps]
-        )
+        digests = torch.zeros(DIGEST_BYTES, dtype=torch.uint8)
+        tails = torch.stack([torch.cat([digests, stamp_bytes(o, c, "cpu")]) for o, c in stamps])
         first = torch.cat([rows, tails], dim=1)
         return first, torch.cat([rows.roll(stamps[0][0], dims=0), tails], dim=1)  # honest copies
 
@@ -902,6 +901,7 @@ def test_copies_are_judged_from_the_gathered_bytes_alone():
         copies.in_step
         and copies.offset == 2
         and copies.disputed == []
+        and copies.first.shape == (4, 4)  # the rows, the tails cut off
         and torch.equal(copies.first, copies.second)
     )
     first, second = halves([(2, 5), (2, 5), (2, 5), (1, 0)], 4)
@@ -959,19 +959,19 @@ def test_a_run_of_disputes_blames_the_one_worker_in_all_of_them():
     assert not torch.equal(digest(rows, [True] * 4), digest(rows, [True, True, False, True]))
 
 
-def test_a_tensor_digest_is_blake3_over_its_bytes_in_memory_order():
+def test_a_tensor_digest_is_blake3_over_its_bytes_in_row_major_order():
     """What workers compare: BLAKE3 over a tensor's bytes, then the extra bytes; a strided view
     digests as its contiguous copy; a large tensor (hashed on several threads) as one pass would."""
     import blake3
 
-    from geotrain.comm.digest import THREADED_FROM, tensor_digest
+    from geotrain.comm.digest import THREADED_FROM, bytes_digest
 
     x = torch.randn(3, 5)
-    assert tensor_digest(x, 16, b"kept") == blake3.blake3(x.numpy().tobytes() + b"kept").digest(16)
-    assert tensor_digest(x.t()) == tensor_digest(x.t().contiguous()) != tensor_digest(x)
+    assert bytes_digest(x, 16, b"kept") == blake3.blake3(x.numpy().tobytes() + b"kept").digest(16)
+    assert bytes_digest(x.t()) == bytes_digest(x.t().contiguous()) != bytes_digest(x)
     big = torch.randint(0, 255, (3 * THREADED_FROM + 7,), dtype=torch.uint8)
-    assert tensor_digest(big) == blake3.blake3(big.numpy().tobytes()).digest(32)
-    assert tensor_digest(big) != tensor_digest(big[:-1])
+    assert bytes_digest(big) == blake3.blake3(big.numpy().tobytes()).digest(32)
+    assert bytes_digest(big) != bytes_digest(big[:-1])
 
 
 def test_one_owner_per_shard_lets_a_flipped_shard_through():

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from geotrain.comm.checked import CheckedMeans, corrupt_
-from geotrain.comm.digest import tensor_digest
+from geotrain.comm.digest import bytes_digest
 from geotrain.comm.guard import GATHERED, parse_aggregate
 from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
 
@@ -531,7 +531,7 @@ class Communicator(CheckedMeans):
         max equals their min (and a wait that gives up when a member is lost)."""
         if self.world_size == 1:
             return True
-        mine = float(int.from_bytes(tensor_digest(tensor, 8), "little") >> 12)
+        mine = float(int.from_bytes(bytes_digest(tensor, 8), "little") >> 12)
         most, least = self.max_scalars([mine, -mine])
         return most == -least
 

@@ -32,9 +32,10 @@ _pinned: torch.Tensor | None = None
 _pinned_lock = threading.Lock()  # one buffer per process; a codec's gathers can finish on threads
 
 
-def tensor_digest(tensor: torch.Tensor, size: int = 32, extra: bytes = b"") -> bytes:
-    """``size`` bytes of BLAKE3 over ``tensor``'s bytes in its memory order (made contiguous
-    first), then ``extra``. The same bytes give the same digest on any device."""
+def bytes_digest(tensor: torch.Tensor, size: int = 32, extra: bytes = b"") -> bytes:
+    """``size`` bytes of BLAKE3 over ``tensor``'s bytes in row-major order (a strided view as
+    its contiguous copy), then ``extra``. The same bytes give the same digest on any device, and
+    on any number of threads (BLAKE3 is a tree hash)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     threads = blake3.blake3.AUTO if data.numel() >= THREADED_FROM else 1
     hasher = blake3.blake3(max_threads=threads)
@@ -50,7 +51,10 @@ def _hash_through_pinned(hasher: blake3.blake3, data: torch.Tensor) -> None:
     global _pinned
     with _pinned_lock:
         if _pinned is None:
-            _pinned = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+            try:
+                _pinned = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no page-locked memory to be had (a low ulimit -l): pageable
+                _pinned = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
         for start in range(0, data.numel(), CHUNK_BYTES):
             part = data[start : start + CHUNK_BYTES]
             host = _pinned[: part.numel()]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from geotrain.comm.digest import tensor_digest
+from geotrain.comm.digest import bytes_digest
 
 # a copy's tail on the wire: the digest of its inputs, then its sender's stamp
 DIGEST_BYTES = 16  # 128 bits: a collision costs a hostile sender about 2^64 hashes
@@ -53,7 +53,7 @@ def digest(rows: torch.Tensor, kept: list[bool] | None) -> torch.Tensor:
     """A collision-resistant digest (uint8, on ``rows``' device) of the rows a copy is computed
     from (uint8, as received, in-band norms included) and of the verdict's kept contributions,
     which a sender that sends two owners different norms could make differ."""
-    h = tensor_digest(rows, DIGEST_BYTES, extra=bytes(kept) if kept is not None else b"-")
+    h = bytes_digest(rows, DIGEST_BYTES, extra=bytes(kept) if kept is not None else b"-")
     return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(rows.device)
 
 

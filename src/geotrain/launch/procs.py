@@ -41,6 +41,7 @@ def host_env(cluster: EmulatedCluster | None, threads: int, token: str = "", gpu
         **({TOKEN_ENV: token} if token else {}),  # in the environment, never on a command line
         **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}),  # each host its GPU, as on a machine of its own
         OMP_NUM_THREADS=str(threads),
+        RAYON_NUM_THREADS=str(threads),  # BLAKE3's pool for digests (comm/digest.py): a host's share
         PYTHONUNBUFFERED="1",
         GLOO_SOCKET_IFNAME=IFNAME if cluster else "lo",
         LOGLEVEL="WARNING",
