@@ -10,7 +10,7 @@ Why, measured on an H200's host on 64 MiB: a pageable
 ``.cpu()`` took 44 ms and a copy into pinned memory 1.2 ms; ``hashlib.blake2b`` hashed it in
 116 ms and BLAKE3 in 14 ms on one thread, 1.1 ms on the machine's 16. With pageable copies and
 BLAKE2b, ``int4:owners=2``'s two digests per message cost 318 ms for a 124M-parameter model over
-8 workers, 100 times the quantiser's own work; 11 ms now (``benchmarks/gpu_codec_cost.py``).
+8 workers, 50 times the quantiser's own work; 11 ms now (``benchmarks/gpu_codec_cost.py``).
 
 Every worker of a run must digest with this same function: its bytes are compared across
 workers, so it has no fallback that could hash differently.
