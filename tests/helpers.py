@@ -255,3 +255,57 @@ def refused(args: list[str]) -> str:
         proc.stderr,
     )
     return lines[0]
+
+
+def owners_means(
+    rank: int, world_size: int, spec: str, how: str, ratio: float, spoiled: int = 1, device: str = "cpu"
+) -> dict:
+    """Three messages (``spoiled`` + 1 where more than one is spoiled) through a quantised codec
+    (``owners=1`` or ``2``) on ``device``, worker 2 spoiling its shard of the first ``spoiled``
+    means as ``how`` says ("-": honest; "equivocate": it sends shard 0's two owners different
+    rows; "forget": a spoiled copy, then worker 0 rebuilt with empty codec state); the check on
+    where ``ratio`` > 0. The vectors are drawn on the CPU, so every device averages the same."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.compress.codec import make_codec
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    comm = Communicator(max_norm_ratio=ratio)
+    codec = make_codec(spec)
+    gen = torch.Generator().manual_seed(rank)
+    honest = [torch.randn(5000, generator=gen) for _ in range(max(3, spoiled + 1))]
+    means, offsets, devices = [], [], set()
+    if rank == 2 and how == "equivocate":  # a hostile sender: worker 0 gets another row of shard 0
+        sent = {"messages": 0}
+        real = comm.all_to_all
+
+        def equivocating(data, **kwargs):
+            if sent["messages"] < spoiled:
+                data = data.clone()
+                data[0, :256] ^= 0x77  # shard 0's row for its owner, not for its second owner
+            sent["messages"] += 1
+            return real(data, **kwargs)
+
+        comm.all_to_all = equivocating
+    for i, v in enumerate(honest):
+        if rank == 2 and how not in ("-", "equivocate") and i < spoiled:
+            comm.corrupt_shard = "signflip" if how == "forget" else how
+        if rank == 0 and how == "forget" and i == spoiled:  # a host rebuilt with empty codec state
+            codec.load_state_dict({"spec": codec.spec(), "streams": []})
+        offsets.append(int(codec.state("g").get("second_stamp", torch.tensor([1, 0]))[0]))
+        mean = v.to(dev, copy=True)
+        codec.reduce(comm, "g", [mean]).wait()
+        devices.add(str(mean.device))
+        means.append(mean.cpu())
+    return {
+        "honest": honest,
+        "means": means,
+        "devices": sorted(devices),
+        "rejected": dict(comm.rejected_by_rank),
+        "disputed": dict(comm.disputed_shards),
+        "offsets": offsets,
+        "sent": comm.stats.sent_bytes,
+        "wire": len(honest) * codec.wire_bytes([(5000,)], comm.world_size),
+        "shard": codec.layout(5000, comm.world_size)[1],
+    }

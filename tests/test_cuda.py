@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (none visible)", allow_module_level=True)
 
 import geotrain  # noqa: E402
-from helpers import run_workers  # noqa: E402
+from helpers import owners_means, run_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -260,54 +260,23 @@ def test_wrap_pairs_a_plain_nccl_group_with_gloo_for_its_cpu_numbers(tmp_path):
     assert "backend cpu:gloo,cuda:nccl" in proc.stdout
 
 
-def _checked_means(rank: int, world_size: int, device: str, spec: str, how: str, messages: int) -> dict:
-    """``messages`` means through a quantised codec over 3 workers with the norm check on
-    (``max_norm_ratio=10``), their vectors on ``device``; worker 2 spoils its shard of every
-    mean as ``how`` says ("-": honest). The same function runs on the CPU for the reference."""
-    from geotrain.comm.communicator import Communicator
-    from geotrain.compress.codec import make_codec
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    comm = Communicator(max_norm_ratio=10.0)
-    codec = make_codec(spec)
-    gen = torch.Generator().manual_seed(rank)
-    means, offsets, devices = [], [], set()
-    for _ in range(messages):
-        if rank == 2 and how != "-":
-            comm.corrupt_shard = how
-        offsets.append(int(codec.state("g").get("second_stamp", torch.tensor([1, 0]))[0]))
-        mean = torch.randn(5000, generator=gen).to(dev)
-        codec.reduce(comm, "g", [mean]).wait()
-        devices.add(str(mean.device))
-        means.append(mean.cpu())
-    return {
-        "means": means,
-        "offsets": offsets,
-        "devices": sorted(devices),
-        "rejected": dict(comm.rejected_by_rank),
-        "sent": comm.stats.sent_bytes,
-    }
-
-
 @pytest.mark.parametrize(
-    "spec, how, messages",
+    "spec, how, spoiled",
     [
-        ("int4", "-", 2),  # one owner: the shard bound agreed in band, nobody left out
-        ("int4", "scale=1e6", 2),  # one owner: a shard above the agreed bound left out
-        ("int4:owners=2", "-", 2),  # two owners, digests and stamps, nothing disputed
-        ("int4:owners=2", "signflip", 4),  # a persistent spoiler: second owners move, it is blamed
+        ("int4", "-", 1),  # one owner: the shard bound agreed in band, nobody left out
+        ("int4", "scale=1e6", 1),  # one owner: a shard above the agreed bound left out
+        ("int4:owners=2", "-", 1),  # two owners, digests and stamps, nothing disputed
+        ("int4:owners=2", "signflip", 3),  # a persistent spoiler: second owners move, it is blamed
     ],
     ids=lambda v: str(v),
 )
-def test_checked_quantised_means_on_cuda_decide_as_on_the_cpu(spec, how, messages):
+def test_checked_quantised_means_on_cuda_decide_as_on_the_cpu(spec, how, spoiled):
     """The norm check's shard bound, the second owners' digests and stamps, and the blame they
     lead to, with the codec's rows on the GPU (3 ranks sharing it through gloo): every worker
     holds the same means, on the GPU, and every verdict (who is left out, where the second
     owners sit, the bytes sent) is the CPU's; the means are the CPU's but for a rounding edge."""
-    gpu = run_workers(_checked_means, 3, "cuda:0", spec, how, messages, timeout=240)
-    cpu = run_workers(_checked_means, 3, "cpu", spec, how, messages, timeout=240)
+    gpu = run_workers(owners_means, 3, spec, how, 10.0, spoiled, "cuda:0", timeout=240)
+    cpu = run_workers(owners_means, 3, spec, how, 10.0, spoiled, "cpu", timeout=240)
     for r in range(3):
         assert gpu[r]["devices"] == ["cuda:0"]
         for mine, first, ref in zip(gpu[r]["means"], gpu[0]["means"], cpu[r]["means"], strict=True):

@@ -14,7 +14,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import ROWS_IN_BAND_CODECS, judge, judged_in_rows, parse_aggregate, robust_mean
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.sync import build_sync
-from helpers import Cases, geotrain, refused
+from helpers import Cases, geotrain, owners_means, refused
 
 
 def test_the_verdict_leaves_out_what_is_not_finite_or_far_above_the_others_median():
@@ -81,7 +81,7 @@ def _case(rank: int, world_size: int, kind: str) -> dict:
         return _buffers_case(rank)
     if kind.startswith("owners"):  # a quantised codec's shards with two owners each
         _, spec, how, ratio, *spoiled = kind.split("/")
-        return _owners_case(rank, spec, how, float(ratio), int(spoiled[0]) if spoiled else 1)
+        return owners_means(rank, world_size, spec, how, float(ratio), int(spoiled[0]) if spoiled else 1)
     if kind.startswith("leftout"):  # a copy of the leader's state left out of a checked codec's mean
         return _left_out_case(rank, kind.split("/")[1])
     if kind.startswith("inband"):  # ssgd's or DDP's buckets with a NaN or 1e6-scaled worker
@@ -216,50 +216,6 @@ def _codec_case(rank: int, spec: str, how: str) -> dict:
         "residuals": residuals,
         "sent": sent,
         "wire": 2 * codec.wire_bytes([(5000,)], comm.world_size),
-    }
-
-
-def _owners_case(rank: int, spec: str, how: str, ratio: float, spoiled: int = 1) -> dict:
-    """Three messages (``spoiled`` + 1 where more than one is spoiled) through a quantised codec
-    (``owners=1`` or ``2``), worker 2 spoiling its shard of the first ``spoiled`` means as
-    ``how`` says ("-": honest); the check on where ``ratio`` > 0."""
-    from geotrain.compress.codec import make_codec
-
-    comm = Communicator(max_norm_ratio=ratio)
-    codec = make_codec(spec)
-    gen = torch.Generator().manual_seed(rank)
-    honest = [torch.randn(5000, generator=gen) for _ in range(max(3, spoiled + 1))]
-    means, offsets = [], []
-    if rank == 2 and how == "equivocate":  # a hostile sender: worker 0 gets another row of shard 0
-        sent = {"messages": 0}
-        real = comm.all_to_all
-
-        def equivocating(data, **kwargs):
-            if sent["messages"] < spoiled:
-                data = data.clone()
-                data[0, :256] ^= 0x77  # shard 0's row for its owner, not for its second owner
-            sent["messages"] += 1
-            return real(data, **kwargs)
-
-        comm.all_to_all = equivocating
-    for i, v in enumerate(honest):
-        if rank == 2 and how not in ("-", "equivocate") and i < spoiled:
-            comm.corrupt_shard = "signflip" if how == "forget" else how
-        if rank == 0 and how == "forget" and i == spoiled:  # a host rebuilt with empty codec state
-            codec.load_state_dict({"spec": codec.spec(), "streams": []})
-        offsets.append(int(codec.state("g").get("second_stamp", torch.tensor([1, 0]))[0]))
-        mean = v.clone()
-        codec.reduce(comm, "g", [mean]).wait()
-        means.append(mean)
-    return {
-        "honest": honest,
-        "means": means,
-        "rejected": dict(comm.rejected_by_rank),
-        "disputed": dict(comm.disputed_shards),
-        "offsets": offsets,
-        "sent": comm.stats.sent_bytes,
-        "wire": len(honest) * codec.wire_bytes([(5000,)], comm.world_size),
-        "shard": codec.layout(5000, comm.world_size)[1],
     }
 
 

@@ -389,7 +389,7 @@ class Bench:
         each algorithm's local learning-rate scale (its own default, as ``geotrain run``'s)."""
         algos = [split_entry(entry)[0] for entry in self.cfg.algos]
         scales = {algo: checked_lr_scale(LR_SCALE_DEFAULT, algo) for algo in algos}
-        codecs = {algo: run_codec(algo, "") for algo in algos if run_codec(algo, "")}
+        codecs = {algo: codec for algo in algos if (codec := run_codec(algo, ""))}
         return {**asdict(self.cfg), "lr_scales": scales, "default_codecs": codecs}
 
     def check_reuse(self) -> None:

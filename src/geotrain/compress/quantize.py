@@ -241,6 +241,7 @@ class _BlockQuantizer(Codec):
             # One owner: its shard goes out as encoded, with room left for the bound where the
             # check is in band (no copy on the message's path); two: both copies, with their tails.
             bound_room = BOUND_BYTES if in_band else 0
+            room = 0 if pairs else bound_room
             nbytes = self.row_bytes(chunk, block)
             encoded, residuals = [], {}
             # its own shard, and with a second owner the shard of the worker before it
@@ -248,7 +249,6 @@ class _BlockQuantizer(Codec):
                 mean = shard_mean(part)
                 if name in state:
                     mean += state[name]
-                room = 0 if pairs else bound_room
                 mine, decoded_mine = self.encode_with_values(mean.unsqueeze(0), block, room=room)
                 residuals[name] = torch.sub(mean, decoded_mine[0], out=decoded_mine[0])
                 encoded.append(mine[0])
