@@ -263,7 +263,8 @@ def owners_means(
     """Three messages (``spoiled`` + 1 where more than one is spoiled) through a quantised codec
     (``owners=1`` or ``2``) on ``device``, worker 2 spoiling its shard of the first ``spoiled``
     means as ``how`` says ("-": honest; "equivocate": it sends shard 0's two owners different
-    rows; "forget": a spoiled copy, then worker 0 rebuilt with empty codec state); the check on
+    rows; "forget": a spoiled copy, then worker 0 rebuilt with empty codec state; "stamp": it
+    sends every message under a false owners' stamp); the check on
     where ``ratio`` > 0. The vectors are drawn on the CPU, so every device averages the same."""
     from geotrain.comm.communicator import Communicator
     from geotrain.compress.codec import make_codec
@@ -289,7 +290,9 @@ def owners_means(
 
         comm.all_to_all = equivocating
     for i, v in enumerate(honest):
-        if rank == 2 and how not in ("-", "equivocate") and i < spoiled:
+        if rank == 2 and how == "stamp":  # second owners two on: its rows rolled unlike the others'
+            codec.state("g")["second_stamp"] = torch.tensor([2, 7], dtype=torch.int32)
+        elif rank == 2 and how not in ("-", "equivocate") and i < spoiled:
             comm.corrupt_shard = "signflip" if how == "forget" else how
         if rank == 0 and how == "forget" and i == spoiled:  # a host rebuilt with empty codec state
             codec.load_state_dict({"spec": codec.spec(), "streams": []})

@@ -151,7 +151,13 @@ BAD_INPUTS = [
         "part=shard spoils a worker's shard of a quantised codec's mean (--compress int8|int4|sign); "
         "not an uncompressed average",
     ),
-    (["--chaos", "corrupt:step=2,rank=0,part=all"], "[,part=shard]"),
+    (["--chaos", "corrupt:step=2,rank=0,part=all"], "[,part=shard|stamp]"),
+    (["--chaos", "corrupt:step=2,rank=0,kind=nan,part=stamp"], "[,part=shard|stamp]"),
+    (
+        ["--algo", "ssgd", "--compress", "int4", "--chaos", "corrupt:step=2,rank=0,part=stamp"],
+        "part=stamp sends a worker's copies of shards under a false owners' stamp (--compress "
+        "int8|int4|sign with :owners=2); not --compress int4",
+    ),
     (["--autocast", "fp8"], "--autocast takes off, bf16; got 'fp8'"),
 ]
 

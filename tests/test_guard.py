@@ -306,6 +306,7 @@ RUNS = Cases(
         ("owners/int4:owners=2/signflip/10.0/3",),  # a worker that keeps spoiling its shard
         ("owners/int4:owners=2/equivocate/10.0/3",),  # one that keeps sending owners different rows
         ("owners/int4:owners=2/forget/10.0/1",),  # a spoiled copy, then worker 0 forgets the owners
+        ("owners/int4:owners=2/stamp/10.0/3",),  # one that sends false stamps
         *((k,) for k in FRONTIER),
     ],
 )  # fmt: skip
@@ -655,6 +656,31 @@ def test_an_owner_that_keeps_spoiling_its_shard_is_found_and_dropped(tmp_path):
     assert set(summary["disputed_shards"]) == {"2,0", "2,1"}  # honest pairs never disputed
 
 
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_worker_that_sends_false_stamps_is_dropped(tmp_path):
+    """``--compress int4:owners=2``, worker 2 sending its copies of shards under a false owners'
+    stamp at every mean (``--chaos corrupt:every=1,...,part=stamp``). The first time it reads as
+    an honest worker out of step (a joiner's would); from the second in the same membership
+    epoch it is counted as rejected, 2 steps of that in a row (``--max-rejections 2``) and the
+    others drop it and finish the run together."""
+    import json
+
+    from geotrain.launch.coordinator import read_jsonl
+
+    run = tmp_path / "run"
+    cmd = ["run", "--workers", "3", "--no-netem", "--model", "tiny", "--algo", "localsgd", "--H", "1"]
+    cmd += ["--steps", "40", "--batch-size", "4", "--no-progress", "--compress", "int4:owners=2"]
+    cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,part=stamp"]
+    proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "host 2 sent its copies of shards under another owners' state than most workers" in proc.stderr
+    assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
+    epochs = read_jsonl(run / "control" / "epochs.jsonl")
+    assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["rejected_updates"]["2"] >= 2
+
+
 def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_not_finite():
     """Chunked top-k's messages judged where they arrive: an adopter's empty stand-in (all zero
     bytes) is kept and weighs nothing; one whose indices repeat within a chunk (k copies of a
@@ -835,6 +861,22 @@ def test_owners_states_that_differ_are_restarted_and_nobody_is_blamed():
     assert [r["offsets"] for r in ranks] == [[1, 1, 1], [1, 2, 1], [1, 2, 1]]
     for r in ranks:
         assert r["disputed"] == {(2, 0): 1} and r["rejected"] == {}
+
+
+def test_a_worker_that_keeps_sending_false_stamps_is_blamed_from_the_second():
+    """Worker 2 sends every message under a false owners' stamp (offset 2, where the others'
+    state says 1). Each message is out of step: the two others' stamp decides, and the shards
+    worker 2 owns or holds second are left out alike everywhere, as is shard 0, whose second
+    owner got worker 2's row misrolled (so, of 3, every shard); every worker starts the owners'
+    state again. An honest worker differs at most once in a membership epoch (a joiner, a rebuilt
+    host, a failed message: each comes with a new epoch), so from the second message on worker 2
+    is counted as rejected, and ``--max-rejections`` drops it; the others never are."""
+    ranks = RUNS.get("owners/int4:owners=2/stamp/10.0/3")
+    for step in range(4):
+        assert not _one_mean(ranks, step).any()
+    for r in ranks:
+        assert r["rejected"] == {2: 3} and r["disputed"] == {}
+    assert [r["offsets"] for r in ranks] == [[1] * 4, [1] * 4, [2] * 4]
 
 
 def test_copies_are_judged_from_the_gathered_bytes_alone():

@@ -165,6 +165,9 @@ def test_chaos_specs_parse_and_print_back():
         "kill:every=60s",
     ]
     assert [f.timed for f in faults] == [False, False, True]
+    corrupt = "corrupt:every=1,rank=1,part=stamp;corrupt:step=2,rank=0,kind=signflip,part=shard"
+    assert [f.spec() for f in parse_chaos(corrupt, workers=2)] == corrupt.split(";")
+    assert [f.corruption for f in parse_chaos(corrupt)] == ["stamp", "signflip"]
 
 
 def test_the_cli_refuses_bad_failure_options_with_one_line(tmp_path):

@@ -366,9 +366,11 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             group["lr"] = lr_at(step - 1, cfg)
         for f in faults:  # --chaos corrupt: the communicator spoils this worker's next contribution
             if f.corrupts_at(step, host):
-                what = "shard of a mean" if f.part == "shard" else "contribution"
+                what = {"shard": "shard of a mean", "stamp": "owners' stamp"}.get(f.part, "contribution")
                 if f.part == "shard":
                     comm.corrupt_shard = f.corruption
+                elif f.part == "stamp":
+                    comm.corrupt_stamp = True
                 else:
                     comm.corrupt_next = f.corruption
                 print(

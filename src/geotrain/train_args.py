@@ -172,8 +172,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "holds it before it is let in (geotrain run makes one per run; see README, Trust)",
         "chaos": "fault injection, ';'-separated: kill:step=S,rank=R | kill-host:step=S,host=H | "
         "kill:every=60s, each with optional ,restart=SECONDS; corrupt:step=S|every=K,rank=R"
-        "[,kind=nan|inf|signflip][,scale=X][,part=shard]: that worker's next contribution to an "
-        "average is spoiled (part=shard: its shard of a quantised codec's mean; see README)",
+        "[,kind=nan|inf|signflip][,scale=X][,part=shard|stamp]: that worker's next contribution to "
+        "an average is spoiled (part=shard: its shard of a quantised codec's mean; part=stamp: its "
+        "copies of shards go out under a false owners' stamp, with owners=2; see README)",
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

@@ -343,7 +343,7 @@ class TrainConfig:
             f"and sparse messages ({self.algo}" + (f" --compress {self.compress}" if self.compress else "")
             + ") leave most coordinates zero: use --max-norm-ratio R with --aggregate mean or clip",
         )  # fmt: skip
-        if any(f.kind == "corrupt" and f.part != "shard" for f in faults):
+        if any(f.kind == "corrupt" and not f.part for f in faults):
             need(
                 covered and (self.algo != "ddp" or checking),
                 f"--chaos corrupt spoils what the norm check covers (the averages of "
@@ -357,6 +357,13 @@ class TrainConfig:
                 codec in ROWS_IN_BAND_CODECS,
                 f"--chaos corrupt:...,part=shard spoils a worker's shard of a quantised codec's mean "
                 f"(--compress {'|'.join(ROWS_IN_BAND_CODECS)}); not "
+                + (f"--compress {self.compress}" if self.compress else "an uncompressed average"),
+            )
+        if any(f.kind == "corrupt" and f.part == "stamp" for f in faults):
+            need(
+                codec in ROWS_IN_BAND_CODECS and "owners=2" in self.compress,
+                f"--chaos corrupt:...,part=stamp sends a worker's copies of shards under a false "
+                f"owners' stamp (--compress {'|'.join(ROWS_IN_BAND_CODECS)} with :owners=2); not "
                 + (f"--compress {self.compress}" if self.compress else "an uncompressed average"),
             )
         self.sync_config()  # validates the algorithm's own options

@@ -407,6 +407,20 @@ class CheckedMeans:
             flush=True,
         )
 
+    def blame_stray(self, rank: int) -> None:
+        """An owner that sent its copies under another owners' stamp than most workers, for the
+        second time in one membership epoch (``compress.owners.count_strays``): counted as its
+        rejection. Every worker counts it alike (the same stamps). No communication."""
+        self._rejected(rank)
+        self.step_checked.add(self._host(rank))
+        print(
+            f"geotrain: host {self._host(rank)} sent its copies of shards under another owners' state "
+            "than most workers again since the members last changed (an honest worker differs at "
+            "most once): counted as its rejected contribution",
+            file=sys.stderr,
+            flush=True,
+        )
+
     def weigh_gathered(self, judged: list[tuple[float, bool]]) -> list[float]:
         """The check on contributions every worker already holds (an all-gather's messages,
         decoded; ``judged``: each one's ``guard.message_norm``, in rank order), with no

@@ -120,6 +120,7 @@ class Communicator(CheckedMeans):
         self._bound = False  # rebound once already: later rebinds are regroups
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
+        self.corrupt_stamp = False  # the same for the owners' stamp on its copies (owners=2)
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
         # shards of a mean whose two owners disagreed (a quantised codec's owners=2), by host pair
         self.disputed_shards: dict[tuple[int, int], int] = {}

@@ -24,12 +24,14 @@ average everywhere. One pair cannot say which of its two is wrong. This module k
   the second copies would mean nothing: where the stamps are not all equal, the stamp a strict
   majority sent decides, a shard is left out where its copies differ or either owner sent under
   another stamp (every shard, with no majority), nobody is blamed, and every worker starts the
-  owners' state again (``judge_copies``).
+  owners' state again (``judge_copies``). An honest worker's stamp differs from the majority's
+  at most once per stream in a membership epoch (each of those causes comes with a new epoch, or
+  is the epoch's first message); a worker whose stamp differs again in the same epoch (a
+  *stray*) is counted as rejected at each such message, so ``--max-rejections`` drops one that
+  sends false stamps rather than let it restart everyone's error feedback at every message.
 
 What this cannot do: an owner that spoils its copy *and* misreports its digest reads as a
-dispute over inputs, and is never blamed (its shard is left out every time); a worker that sends
-false stamps loses the shards it owns and makes every worker restart the error feedback of
-the shards at every message.
+dispute over inputs, and is never blamed (its shard is left out every time).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class Copies:
     its second owner, tails cut off), under the stamp most workers sent (``offset``;
     ``in_step``: every worker sent under it). ``disputed``: the shards left out; in step, the
     copies that differ (``Communicator.compare_shards`` fills it), with ``same_inputs`` saying
-    which were computed from the same inputs."""
+    which were computed from the same inputs. ``strays``: the workers that sent under another
+    stamp than a strict majority's (none without one: then nobody can say who is out of step)."""
 
     first: torch.Tensor
     second: torch.Tensor
@@ -97,6 +100,7 @@ class Copies:
     in_step: bool
     same_inputs: list[bool]
     disputed: list[int] = field(default_factory=list)
+    strays: list[int] = field(default_factory=list)
 
     @property
     def spoiled(self) -> list[int]:
@@ -123,6 +127,8 @@ def judge_copies(first: torch.Tensor, second: torch.Tensor) -> Copies:
     first, second = first[:, :-TAIL_BYTES], second[:, :-TAIL_BYTES]
     in_step = majority and stamps.count(common) == world
     copies = Copies(first, second, offset, in_step, same_inputs)
+    if majority:
+        copies.strays = [r for r in range(world) if stamps[r] != common]
     if not in_step:
         differ = (first != second).any(dim=1).tolist()
         copies.disputed = [
@@ -161,6 +167,7 @@ def settle(comm, state: dict, copies: Copies, count: int) -> None:
     add up to a blame."""
     world, rank, offset = comm.world_size, comm.rank, copies.offset
     if not copies.in_step:
+        count_strays(comm, state, copies.strays)
         restart(state)
         if rank == 0:
             print(
@@ -204,3 +211,20 @@ def settle(comm, state: dict, copies: Copies, count: int) -> None:
                     state.pop("second_residual", None)
     state["owners_quiet"] = torch.tensor(quiet)
     state["second_stamp"] = torch.tensor([offset, count], dtype=torch.int32)
+
+
+def count_strays(comm, state: dict, strays: list[int]) -> None:
+    """Blame the workers that sent under another stamp than the majority's for the second time
+    or more in one membership epoch (module docstring), on every worker alike. The record
+    (``stamp_strays``: the epoch, then a flag per rank) outlives ``restart`` and is begun again
+    with each epoch, whose ranks may be other hosts."""
+    epoch = int(getattr(comm.membership, "epoch", 0) or 0)
+    record = state.get("stamp_strays")
+    if record is None or record.numel() != comm.world_size + 1 or int(record[0]) != epoch:
+        record = torch.zeros(comm.world_size + 1, dtype=torch.int64)
+        record[0] = epoch
+    for r in strays:
+        if record[1 + r]:
+            comm.blame_stray(r)
+        record[1 + r] = 1
+    state["stamp_strays"] = record

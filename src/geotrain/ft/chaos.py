@@ -38,7 +38,7 @@ from pathlib import Path
 ACCEPTED = (
     "kill:step=S,rank=R | kill-host:step=S,host=H | stop:step=S,rank=R | cut:step=S,host=H | "
     "kill:every=SECONDS, each with optional ,restart=SECONDS | "
-    "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard]"
+    "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard|stamp]"
 )
 KINDS = ("kill", "kill-host", "stop", "cut", "corrupt")
 CORRUPTIONS = ("nan", "inf", "signflip", "scale")
@@ -59,7 +59,7 @@ class Fault:
     every_steps: int = 0  # corrupt: at every multiple of this step
     corruption: str = ""  # corrupt: nan | inf | signflip | scale=X
     # corrupt: "shard" spoils the worker's shard of a quantised codec's mean (its second phase),
-    # not its contribution
+    # not its contribution; "stamp" sends its copies of shards (owners=2) under a false stamp
     part: str = ""
 
     def corrupts_at(self, step: int, rank: int) -> bool:
@@ -80,6 +80,8 @@ class Fault:
         if self.kind == "corrupt":
             when = f"every={self.every_steps}" if self.every_steps else f"step={self.step}"
             how = self.corruption if self.corruption.startswith("scale=") else f"kind={self.corruption}"
+            if self.part == "stamp":  # nothing spoiled but the stamp: no kind
+                return f"corrupt:{when},rank={self.rank},part=stamp"
             return f"corrupt:{when},rank={self.rank},{how}" + (f",part={self.part}" if self.part else "")
         who = f"host={self.rank}" if self.kind in BY_HOST else f"rank={self.rank}"
         if self.timed:
@@ -140,14 +142,15 @@ def parse_chaos(spec: str, workers: int | None = None) -> list[Fault]:
 
 
 def _corrupt(part: str, fields: dict[str, str], workers: int | None) -> Fault:
-    accepted = "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard]"
+    accepted = "corrupt:step=S|every=K,rank=R[,kind=nan|inf|signflip][,scale=X][,part=shard|stamp]"
     when = {"step", "every"} & set(fields)
     known = {"step", "every", "rank", "kind", "scale", "part"}
     if (
         len(when) != 1
         or "rank" not in fields
         or set(fields) - known
-        or fields.get("part", "shard") != "shard"
+        or fields.get("part", "shard") not in ("shard", "stamp")
+        or (fields.get("part") == "stamp" and {"kind", "scale"} & set(fields))
     ):
         raise ChaosError(f"--chaos {part!r}: accepted: {accepted}")
     try:
@@ -165,6 +168,8 @@ def _corrupt(part: str, fields: dict[str, str], workers: int | None) -> Fault:
     if workers is not None and rank >= workers:
         raise ChaosError(f"--chaos {part!r}: there are {workers} workers (rank 0 to {workers - 1})")
     corruption = f"scale={scale:g}" if scale is not None else kind
+    if fields.get("part") == "stamp":  # a false owners' stamp: nothing else is spoiled
+        corruption = "stamp"
     return Fault(
         "corrupt", step=step, rank=rank, every_steps=every, corruption=corruption, part=fields.get("part", "")
     )
