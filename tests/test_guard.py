@@ -674,6 +674,7 @@ def test_a_worker_that_sends_false_stamps_is_dropped(tmp_path):
     proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "host 2 sent its copies of shards under another owners' state than most workers" in proc.stderr
+    assert "2 shard(s) left out this once" in proc.stderr  # the shards it owns and holds second
     assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
     epochs = read_jsonl(run / "control" / "epochs.jsonl")
     assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
@@ -877,6 +878,18 @@ def test_a_worker_that_keeps_sending_false_stamps_is_blamed_from_the_second():
     for r in ranks:
         assert r["rejected"] == {2: 3} and r["disputed"] == {}
     assert [r["offsets"] for r in ranks] == [[1] * 4, [1] * 4, [2] * 4]
+
+
+def test_the_record_of_false_stamps_is_not_saved_with_a_snapshot():
+    """``stamp_strays`` is keyed by membership epochs, which a resumed run numbers from 0 again:
+    a record restored from before a resume could count an honest joiner's first message, on the
+    workers that saved it only. So it never goes into the codec's saved state."""
+    from geotrain.compress.codec import make_codec
+
+    codec = make_codec("int4:owners=2")
+    codec.state("g").update(residual=torch.ones(3), stamp_strays=torch.tensor([2, 0, 0, 1]))
+    (key, saved), *_ = codec.state_dict()["streams"]
+    assert key == "g" and set(saved) == {"residual"}
 
 
 def test_copies_are_judged_from_the_gathered_bytes_alone():

@@ -361,10 +361,15 @@ class TrainConfig:
             )
         if any(f.kind == "corrupt" and f.part == "stamp" for f in faults):
             need(
-                codec in ROWS_IN_BAND_CODECS and "owners=2" in self.compress,
+                codec in ROWS_IN_BAND_CODECS
+                and getattr(make_codec(run_codec(self.algo, self.compress)), "owners", 1) == 2,
                 f"--chaos corrupt:...,part=stamp sends a worker's copies of shards under a false "
                 f"owners' stamp (--compress {'|'.join(ROWS_IN_BAND_CODECS)} with :owners=2); not "
-                + (f"--compress {self.compress}" if self.compress else "an uncompressed average"),
+                + (
+                    f"--compress {self.compress}"
+                    if self.compress
+                    else f"{self.algo}'s default, {run_codec(self.algo, '') or 'uncompressed'}"
+                ),
             )
         self.sync_config()  # validates the algorithm's own options
 

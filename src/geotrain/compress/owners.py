@@ -28,7 +28,8 @@ average everywhere. One pair cannot say which of its two is wrong. This module k
   at most once per stream in a membership epoch (each of those causes comes with a new epoch, or
   is the epoch's first message); a worker whose stamp differs again in the same epoch (a
   *stray*) is counted as rejected at each such message, so ``--max-rejections`` drops one that
-  sends false stamps rather than let it restart everyone's error feedback at every message.
+  sends false stamps rather than let it restart everyone's error feedback at every message. In a
+  group of two no stamp has a strict majority, and nobody can be counted.
 
 What this cannot do: an owner that spoils its copy *and* misreports its digest reads as a
 dispute over inputs, and is never blamed (its shard is left out every time).

@@ -261,7 +261,6 @@ class _BlockQuantizer(Codec):
             if pairs:  # each copy, the digest of what it was computed from, the owners' stamp
                 kept = verdict.kept if verdict is not None else None
                 said = count + 1 if comm.corrupt_stamp else count  # a false stamp (a test's hook)
-                comm.corrupt_stamp = False
                 stamp = owners.stamp_bytes(offset, said, data.device)
                 tails = [torch.cat([owners.digest(w, kept), stamp]) for w in whole]
                 row = torch.cat([encoded[0], tails[0], encoded[1], tails[1], row.new_empty(bound_room)])
@@ -272,6 +271,8 @@ class _BlockQuantizer(Codec):
             state.update(residuals)
             if spoil:
                 comm.corrupt_shard = ""
+            if pairs:
+                comm.corrupt_stamp = False
 
         def finish() -> None:
             if not gather:  # in band, nothing kept: each keeps its own
