@@ -146,7 +146,9 @@ class Codec(ABC):
         # Keys as they are (tuples, strings): a resumed run must find each stream's residual
         # under the key it will look it up by. What holds for one attempt of a run only (its
         # membership epochs start again at 0 on a resume or a rollback) is not saved.
-        streams = [(k, {n: t for n, t in v.items() if n not in ATTEMPT_STATE}) for k, v in self._state.items()]
+        streams = [
+            (k, {n: t for n, t in v.items() if n not in ATTEMPT_STATE}) for k, v in self._state.items()
+        ]
         return {"spec": self.spec(), "streams": streams}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
