@@ -1,0 +1,140 @@
+"""W1's headline: how soon each algorithm's defaults reach DDP's loss, link by link.
+
+    python benchmarks/w1_headline.py                          # 100 and 20 Mbit/s, ~25 minutes
+    python benchmarks/w1_headline.py --bandwidths 3.5mbit --algos nosync,sparseloco,diloco
+
+Time to a loss is tokens to that loss times time per token. The two are measured apart, as
+``geotrain bench --horizon`` composes them, because a 2,000-step run on shaped links takes hours
+here:
+
+- **tokens**: each default's 2,000-step validation curve on loopback (W1: ``mini``, 4 workers,
+  batch 8 x 128, the same seeds and batches), kept in ``benchmarks/curves/`` and read by
+  ``w1_curves.py``: the tokens it needs to reach DDP's final loss, over DDP's (``~``: read where
+  the curve ends above it, on DDP's curve);
+- **time per step**: each default run on the emulated links for ``--steps`` steps (every
+  algorithm at its own defaults: no ``--H``, no ``--compress``), one after another in one
+  session, beside ``nosync`` (no communication) before and after; the mean of steps 3 to the
+  last but one, on rank 0.
+
+The composed figure is tokens x step / nosync's step: how many of nosync's step-times the
+algorithm needs per DDP step's worth of progress towards DDP's loss (DDP's own is its step over
+nosync's). Lower is sooner; "vs ddp" is DDP's figure over the algorithm's. A rerun with the same
+``--out`` skips the runs already finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from w1_curves import HERE, read_csv, table  # noqa: E402
+
+from geotrain.launch.disk import drop_states  # noqa: E402
+
+# each algorithm's defaults, and the curve that measured them over 2,000 steps
+CURVES = {
+    "ddp": "w1-ddp",
+    "localsgd": "w1-localsgd-H10",
+    "diloco": "w1-diloco-int4-H10",
+    "dreamddp": "w1-dreamddp-int4-H2-lr1",
+    "sparseloco": "w1-sparseloco-H20",
+    "streaming": "w1-streaming-H20",
+    "co2": "w1-co2-H20",
+}
+ALGOS = ["nosync", *CURVES]
+
+
+def tokens_vs_ddp() -> dict[str, tuple[float, str]]:
+    """Per algorithm with a kept curve: its tokens to DDP's final loss over DDP's, and how the
+    figure reads (``~``: approximate)."""
+    names = {curve: algo for algo, curve in CURVES.items() if (HERE / f"{curve}.csv").exists()}
+    rows = table({name: read_csv(HERE / f"{name}.csv") for name in names})
+    out = {}
+    for row in rows:
+        text = str(row["tokens_vs_ddp"])
+        try:
+            out[names[row["curve"]]] = (float(text.lstrip("~")), text)
+        except ValueError:  # "not reached", "to step N": no ratio
+            continue
+    return out
+
+
+def mean_step(run_dir: Path) -> float:
+    """Rank 0's mean step time over steps 3 to the last but one (the first pay for warm-up, the
+    last for the final average and snapshot)."""
+    records = [json.loads(x) for x in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    timed = {r["step"]: r["step_s"] for r in records if "step_s" in r}
+    return statistics.fmean(t for step, t in timed.items() if 3 <= step < max(timed))
+
+
+def run(algo: str, bandwidth: str, steps: int, out: Path, name: str, model: str = "mini") -> dict:
+    run_dir = out / bandwidth / name
+    done = run_dir / "headline.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    cmd = [sys.executable, "-m", "geotrain", "run", "--workers", "4", "--bandwidth", bandwidth,
+           "--model", model, "--batch-size", "8", "--steps", str(steps), "--algo", algo,
+           "--run-dir", str(run_dir), "--no-progress"]  # fmt: skip
+    print(f"w1_headline: {bandwidth} {name} ({steps} steps)", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{algo} at {bandwidth} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    result = {
+        "step_s": mean_step(run_dir),
+        "sent_mb_per_step": summary.get("sent_bytes_per_step", 0) / 1e6,
+        "algo_config": summary.get("algo_config", ""),
+        "codec": summary.get("codec_info", ""),
+    }
+    drop_states(run_dir)
+    done.write_text(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bandwidths", default="100mbit,20mbit")
+    p.add_argument("--algos", default=",".join(ALGOS), help="nosync runs first and last whatever is given")
+    p.add_argument("--steps", type=int, default=23, help="steps per run (H=20's period fits in 3 to 22)")
+    p.add_argument("--ddp-steps", type=int, default=8, help="ddp's steps (a step of 7-32 s here)")
+    p.add_argument("--out", type=Path, default=Path("runs/w1-headline"))
+    p.add_argument("--model", default="mini", help="W1's; another only to try the script out")
+    args = p.parse_args()
+    algos = [a for a in args.algos.split(",") if a and a != "nosync"]
+    unknown = set(algos) - set(ALGOS)
+    if unknown:
+        raise SystemExit(f"--algos: {', '.join(sorted(unknown))} not in {', '.join(ALGOS)}")
+    tokens = tokens_vs_ddp()
+    for bandwidth in args.bandwidths.split(","):
+        results = {
+            "nosync-before": run("nosync", bandwidth, args.steps, args.out, "nosync-before", args.model)
+        }
+        for algo in algos:
+            steps = args.ddp_steps if algo == "ddp" else args.steps
+            results[algo] = run(algo, bandwidth, steps, args.out, algo, args.model)
+        results["nosync-after"] = run("nosync", bandwidth, args.steps, args.out, "nosync-after", args.model)
+        nosync = statistics.fmean([results["nosync-before"]["step_s"], results["nosync-after"]["step_s"]])
+        print(f"\n{bandwidth}: nosync {results['nosync-before']['step_s']:.3f} s before, "
+              f"{results['nosync-after']['step_s']:.3f} s after (mean {nosync:.3f})\n")  # fmt: skip
+        print("| algorithm (defaults) | step s | nosync / step | sent MB/step | tokens to ddp's loss "
+              "| nosync step-times per ddp step | vs ddp |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        ddp_composed = results["ddp"]["step_s"] / nosync if "ddp" in results else None
+        for algo in algos:
+            r = results[algo]
+            ratio, text = tokens.get(algo, (None, "-"))
+            composed = None if ratio is None else ratio * r["step_s"] / nosync
+            vs = f"{ddp_composed / composed:.1f}x" if composed and ddp_composed else "-"
+            shown = "-" if composed is None else f"{ratio:.2f} x {r['step_s'] / nosync:.2f} = {composed:.2f}"
+            print(f"| {algo} | {r['step_s']:.3f} | {nosync / r['step_s']:.2f} | {r['sent_mb_per_step']:.2f} "
+                  f"| {text} | {shown} | {vs} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
