@@ -629,57 +629,52 @@ def test_a_host_rejected_again_and_again_is_dropped_and_the_others_go_on(tmp_pat
     assert summary["rejected_updates"]["2"] >= 2 and summary["max_norm_ratio"] == 10
 
 
+HOSTILE_OWNERS = {
+    # worker 2 flips the sign of its shard of every mean: within every norm's bound, so only the
+    # second owners see it; the first dispute cannot say which owner is wrong, the second owners
+    # move on, the next dispute is with the other worker, and worker 2, in both, is counted
+    "signflip": (
+        "kind=signflip,part=shard",
+        ["host 2 disagreed with hosts 0 and 1 over copies of the same shards"],
+    ),
+    # worker 2 sends its copies under a false owners' stamp at every step: the first time it
+    # reads as an honest worker out of step (a joiner's would), then it is counted
+    "stamp": (
+        "part=stamp",
+        [
+            "host 2 sent its copies of shards under another owners' state than most workers",
+            "2 shard(s) left out this once",  # the shards it owns and holds second
+        ],
+    ),
+}
+
+
 @pytest.mark.usefixtures("no_leftovers")
-def test_an_owner_that_keeps_spoiling_its_shard_is_found_and_dropped(tmp_path):
-    """``--compress int4:owners=2``, worker 2 flipping the sign of its shard of every mean
-    (``--chaos corrupt:every=1,...,part=shard``: within every norm's bound, so only the second
-    owners see it). The first dispute cannot say which owner is wrong; the second owners move
-    on, the next dispute is with the other worker, and worker 2, the one in both, is counted as
-    rejected; 2 steps of that in a row (``--max-rejections 2``) and the others drop it and
-    finish the run together."""
+@pytest.mark.parametrize("how", sorted(HOSTILE_OWNERS))
+def test_a_hostile_owner_is_found_and_dropped(tmp_path, how):
+    """``--compress int4:owners=2``, worker 2 hostile as an owner at every step
+    (``--chaos corrupt:every=1,...``, ``HOSTILE_OWNERS``): it is counted as rejected, 2 steps of
+    that in a row (``--max-rejections 2``) and the others drop it and finish the run together;
+    honest pairs never dispute."""
     import json
 
     from geotrain.launch.coordinator import read_jsonl
 
+    chaos, said = HOSTILE_OWNERS[how]
     run = tmp_path / "run"
     cmd = ["run", "--workers", "3", "--no-netem", "--model", "tiny", "--algo", "localsgd", "--H", "1"]
     cmd += ["--steps", "40", "--batch-size", "4", "--no-progress", "--compress", "int4:owners=2"]
-    cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,kind=signflip,part=shard"]
+    cmd += ["--max-rejections", "2", "--chaos", f"corrupt:every=1,rank=2,{chaos}"]
     proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "host 2 disagreed with hosts 0 and 1 over copies of the same shards" in proc.stderr
-    assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
+    for line in [*said, "host 2's contributions were rejected 2 steps in a row"]:
+        assert line in proc.stderr
     epochs = read_jsonl(run / "control" / "epochs.jsonl")
     assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["rejected_updates"]["2"] >= 2
-    assert set(summary["disputed_shards"]) == {"2,0", "2,1"}  # honest pairs never disputed
-
-
-@pytest.mark.usefixtures("no_leftovers")
-def test_a_worker_that_sends_false_stamps_is_dropped(tmp_path):
-    """``--compress int4:owners=2``, worker 2 sending its copies of shards under a false owners'
-    stamp at every mean (``--chaos corrupt:every=1,...,part=stamp``). The first time it reads as
-    an honest worker out of step (a joiner's would); from the second in the same membership
-    epoch it is counted as rejected, 2 steps of that in a row (``--max-rejections 2``) and the
-    others drop it and finish the run together."""
-    import json
-
-    from geotrain.launch.coordinator import read_jsonl
-
-    run = tmp_path / "run"
-    cmd = ["run", "--workers", "3", "--no-netem", "--model", "tiny", "--algo", "localsgd", "--H", "1"]
-    cmd += ["--steps", "40", "--batch-size", "4", "--no-progress", "--compress", "int4:owners=2"]
-    cmd += ["--max-rejections", "2", "--chaos", "corrupt:every=1,rank=2,part=stamp"]
-    proc = geotrain([*cmd, "--run-dir", str(run)], timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "host 2 sent its copies of shards under another owners' state than most workers" in proc.stderr
-    assert "2 shard(s) left out this once" in proc.stderr  # the shards it owns and holds second
-    assert "host 2's contributions were rejected 2 steps in a row" in proc.stderr
-    epochs = read_jsonl(run / "control" / "epochs.jsonl")
-    assert [(e["members"], e["why"]) for e in epochs][:1] == [([0, 1], "rejected")]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["workers"] == 2 and summary["rejected_updates"]["2"] >= 2
+    disputed = set(summary["disputed_shards"] or {})
+    assert disputed == ({"2,0", "2,1"} if how == "signflip" else set())  # honest pairs never dispute
 
 
 def test_a_gathered_message_is_judged_by_what_it_decodes_to_and_a_forged_one_is_not_finite():
