@@ -876,15 +876,25 @@ def test_a_worker_that_keeps_sending_false_stamps_is_blamed_from_the_second():
 
 
 def test_the_record_of_false_stamps_is_not_saved_with_a_snapshot():
-    """``stamp_strays`` is keyed by membership epochs, which a resumed run numbers from 0 again:
-    a record restored from before a resume could count an honest joiner's first message, on the
-    workers that saved it only. So it never goes into the codec's saved state."""
+    """Who sent a stray stamp is remembered by the communicator, for its current group only: not
+    in the codec's saved state (a resumed run starts its membership afresh, and a restored record
+    could count an honest joiner on the workers that saved it only), and begun again at a
+    regroup. A worker's second stray in the same stream is counted, a first one in another not."""
+    from geotrain.comm.communicator import Communicator
     from geotrain.compress.codec import make_codec
 
-    codec = make_codec("int4:owners=2")
-    codec.state("g").update(residual=torch.ones(3), stamp_strays=torch.tensor([2, 0, 0, 1]))
+    comm, codec = Communicator(), make_codec("int4:owners=2")
+    codec.state("g")["residual"] = torch.ones(3)
+    comm.count_strays("g", [2])
+    comm.count_strays("h", [2])
+    assert comm.rejected_by_rank == {}
+    comm.count_strays("g", [2])
+    assert comm.rejected_by_rank == {2: 1}
     (key, saved), *_ = codec.state_dict()["streams"]
     assert key == "g" and set(saved) == {"residual"}
+    comm.rebind(None)
+    comm.count_strays("g", [2])
+    assert comm.rejected_by_rank == {2: 1}
 
 
 def test_copies_are_judged_from_the_gathered_bytes_alone():

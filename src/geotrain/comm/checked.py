@@ -18,6 +18,7 @@ import math
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,9 @@ class CheckedMeans:
     """The check's part of ``Communicator``, which inherits it: a mixin with no fields and no
     ``__init__``, so the dataclass is as it was. It uses the communicator's fields and state
     (``group``, ``world_size``, ``rank``, ``membership``, ``max_norm_ratio``, ``_aggregate``,
-    ``_trim``, ``left_out``, ``corrupt_next``, ``rejected_by_rank``, ``disputed_shards``, ``step_checked``,
-    ``step_rejected``, ``_spare_buffers``, ``stats``, ``control_calls``, ``min_collective_s``)
+    ``_trim``, ``left_out``, ``corrupt_next``, ``rejected_by_rank``, ``disputed_shards``,
+    ``stamp_strays``, ``step_checked``, ``step_rejected``, ``_spare_buffers``, ``stats``,
+    ``control_calls``, ``min_collective_s``)
     and its collectives (``_launch_sum``, ``_wait``, ``all_gather``)."""
 
     def _in_band(self, op: str) -> bool:
@@ -397,26 +399,34 @@ class CheckedMeans:
         disputed only with it (``compress.owners.blame_disputes``): counted as its rejection, so that
         ``--max-rejections`` drops a worker that keeps spoiling what it computes. Every worker
         counts it alike (the same disputes). No communication."""
-        self._rejected(rank)
-        self.step_checked.add(self._host(rank))
         others = " and ".join(str(self._host(p)) for p in partners)
-        print(
-            f"geotrain: host {self._host(rank)} disagreed with hosts {others} over copies of the same "
-            "shards, each of whom disputed with no one else: counted as its rejected contribution",
-            file=sys.stderr,
-            flush=True,
-        )
+        self._blame(rank, f"disagreed with hosts {others} over copies of the same shards, each of whom "
+                    "disputed with no one else")  # fmt: skip
 
-    def blame_stray(self, rank: int) -> None:
-        """An owner that sent its copies under another owners' stamp than most workers, for the
-        second time in one membership epoch (``compress.owners.count_strays``): counted as its
-        rejection. Every worker counts it alike (the same stamps). No communication."""
+    def count_strays(self, stream: Any, strays: list[int]) -> None:
+        """Owners that sent their copies of a stream's shards under another owners' stamp than a
+        strict majority (``compress.owners``): an honest worker does so at most once per stream
+        between two regroups (a joiner, a rebuilt host, a failed message: each comes with one), so
+        from the second time on it is counted as a rejection. The record (``stamp_strays``) is
+        begun again at every regroup (``rebind``) and is never saved, so a resumed run, whose
+        members start afresh, counts nobody's past. Every worker counts alike (the same stamps)."""
+        seen = self.stamp_strays.setdefault(stream, set())
+        why = (
+            "sent its copies of shards under another owners' state than most workers again since the "
+            "members last changed (an honest worker differs at most once)"
+        )
+        for r in strays:
+            if r in seen:
+                self._blame(r, why)
+            seen.add(r)
+
+    def _blame(self, rank: int, why: str) -> None:
+        """Count ``rank``'s contribution as rejected for what a run of its messages showed, and say
+        why (``--max-rejections`` counts it as a step checked)."""
         self._rejected(rank)
         self.step_checked.add(self._host(rank))
         print(
-            f"geotrain: host {self._host(rank)} sent its copies of shards under another owners' state "
-            "than most workers again since the members last changed (an honest worker differs at "
-            "most once): counted as its rejected contribution",
+            f"geotrain: host {self._host(rank)} {why}: counted as its rejected contribution",
             file=sys.stderr,
             flush=True,
         )

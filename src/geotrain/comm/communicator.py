@@ -121,6 +121,8 @@ class Communicator(CheckedMeans):
         self.corrupt_next = ""  # chaos (--chaos corrupt): how to corrupt the next contribution
         self.corrupt_shard = ""  # the same for a quantised codec's shard of the mean (second phase)
         self.corrupt_stamp = False  # the same for the owners' stamp on its copies (owners=2)
+        # owners that sent a stream's copies under a stray stamp since the last regroup
+        self.stamp_strays: dict[Any, set[int]] = {}
         self.rejected_by_rank: dict[int, int] = {}  # contributions left out, by group rank
         # shards of a mean whose two owners disagreed (a quantised codec's owners=2), by host pair
         self.disputed_shards: dict[tuple[int, int], int] = {}
@@ -144,6 +146,7 @@ class Communicator(CheckedMeans):
         """Talk over ``group`` from now on (a new membership epoch's group; None: the default).
         With sites, collective: the two levels' groups are made for the new members."""
         self.group = group
+        self.stamp_strays = {}  # a new group: each may stray once again (CheckedMeans.count_strays)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0

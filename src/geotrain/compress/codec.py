@@ -144,12 +144,8 @@ class Codec(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         # Keys as they are (tuples, strings): a resumed run must find each stream's residual
-        # under the key it will look it up by. What holds for one attempt of a run only (its
-        # membership epochs start again at 0 on a resume or a rollback) is not saved.
-        streams = [
-            (k, {n: t for n, t in v.items() if n not in ATTEMPT_STATE}) for k, v in self._state.items()
-        ]
-        return {"spec": self.spec(), "streams": streams}
+        # under the key it will look it up by.
+        return {"spec": self.spec(), "streams": [(k, dict(v)) for k, v in self._state.items()]}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore the streams' state; ``device``: the model's (a snapshot holds it on the CPU)."""
@@ -165,11 +161,6 @@ class Codec(ABC):
             }
             for k, v in state["streams"]
         }
-
-
-# a stream's state that holds for one attempt of a run (compress.owners.count_strays' record,
-# keyed by membership epochs, which a resumed run numbers from 0 again): never in a snapshot
-ATTEMPT_STATE = frozenset({"stamp_strays"})
 
 
 def _is_feedback(key: str) -> bool:

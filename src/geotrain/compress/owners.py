@@ -27,7 +27,8 @@ average everywhere. One pair cannot say which of its two is wrong. This module k
   owners' state again (``judge_copies``). An honest worker's stamp differs from the majority's
   at most once per stream in a membership epoch (each of those causes comes with a new epoch, or
   is the epoch's first message); a worker whose stamp differs again in the same epoch (a
-  *stray*) is counted as rejected at each such message, so ``--max-rejections`` drops one that
+  *stray*) is counted as rejected at each such message (``Communicator.count_strays``, whose
+  record a regroup begins again), so ``--max-rejections`` drops one that
   sends false stamps rather than let it restart everyone's error feedback at every message. In a
   group of two no stamp has a strict majority, and nobody can be counted.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -159,7 +161,7 @@ def blame_disputes(partners: torch.Tensor, pairs: list[tuple[int, int]]) -> list
     return blamed if 2 * len(blamed) < partners.shape[0] else []
 
 
-def settle(comm, state: dict, copies: Copies, count: int) -> None:
+def settle(comm, state: dict, copies: Copies, count: int, stream: Any = None) -> None:
     """After a message with two owners per shard, on every worker alike (judged from the same
     gathered bytes): the owners' state for the next message (module docstring). Who disputed
     with whom is kept over the clean messages between spoiled copies (honest owners never
@@ -168,7 +170,7 @@ def settle(comm, state: dict, copies: Copies, count: int) -> None:
     add up to a blame."""
     world, rank, offset = comm.world_size, comm.rank, copies.offset
     if not copies.in_step:
-        count_strays(comm, state, copies.strays)
+        comm.count_strays(stream, copies.strays)
         restart(state)
         if rank == 0:
             print(
@@ -212,20 +214,3 @@ def settle(comm, state: dict, copies: Copies, count: int) -> None:
                     state.pop("second_residual", None)
     state["owners_quiet"] = torch.tensor(quiet)
     state["second_stamp"] = torch.tensor([offset, count], dtype=torch.int32)
-
-
-def count_strays(comm, state: dict, strays: list[int]) -> None:
-    """Blame the workers that sent under another stamp than the majority's for the second time
-    or more in one membership epoch (module docstring), on every worker alike. The record
-    (``stamp_strays``: the epoch, then a flag per rank) outlives ``restart`` and is begun again
-    with each epoch, whose ranks may be other hosts."""
-    epoch = int(getattr(comm.membership, "epoch", 0) or 0)
-    record = state.get("stamp_strays")
-    if record is None or record.numel() != comm.world_size + 1 or int(record[0]) != epoch:
-        record = torch.zeros(comm.world_size + 1, dtype=torch.int64)
-        record[0] = epoch
-    for r in strays:
-        if record[1 + r]:
-            comm.blame_stray(r)
-        record[1 + r] = 1
-    state["stamp_strays"] = record

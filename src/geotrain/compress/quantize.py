@@ -296,7 +296,7 @@ class _BlockQuantizer(Codec):
             if verdict is not None:  # the second phase checked too: each shard against the first's norms
                 everyone = comm.check_shards(everyone, verdict, bound)
             if copies is not None:
-                owners.settle(comm, state, copies, count)
+                owners.settle(comm, state, copies, count, key)
             unflatten_into(everyone.reshape(-1)[:n], tensors)
 
         return Pending(finish, advance)
