@@ -37,7 +37,7 @@ TOPOLOGY = "2x2,lan=1gbit,wan=20mbit"
 CELLS = {  # name: extra flags
     "nosync": ["--algo", "nosync"],
     "ddp": ["--algo", "ddp"],
-    # fp32, as measured in the README (diloco sends int4 by default since; a codec's all-to-all
+    # fp32, as measured in docs/sites.md (diloco sends int4 by default since; a codec's all-to-all
     # runs flat, so the two levels are those of the fp32 all-reduce)
     "diloco flat": ["--algo", "diloco", "--compress", "none"],
     "diloco two-level": ["--algo", "diloco", "--compress", "none", "--hierarchy", "sites"],

@@ -156,7 +156,7 @@ def test_diloco_outer_momentum_rises_from_its_H_value_to_the_papers_over_the_ram
 
     assert [ramped_momentum(0.5, k, 4) for k in range(6)] == pytest.approx([0.5, 0.6, 0.7, 0.8, 0.9, 0.9])
     assert ramped_momentum(0.5, 3, 0) == 0.5 and ramped_momentum(0.95, 0, 4) == 0.95
-    assert sync_config("diloco", {}).momentum_ramp == 0  # off by default (README: mini)
+    assert sync_config("diloco", {}).momentum_ramp == 0  # off by default (docs/reaching-ddp-loss.md: mini)
 
     def momenta(options, steps=8):
         model = _tiny()

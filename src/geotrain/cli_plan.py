@@ -35,7 +35,7 @@ def cmd_plan(argv: list[str]) -> int:
         type=float,
         default=ChooseConfig.penalty,
         help="--choose: extra steps per unit of H, a fraction of synchronous SGD's (default: %(default)s, "
-        "measured on W1; see the README)",
+        "measured on W1; see docs/dreamddp.md)",
     )
     p.add_argument("--max-H", dest="max_H", type=int, default=ChooseConfig.max_H)
     p.add_argument(

@@ -45,24 +45,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "diloco, dreamddp, streaming, co2, sparseloco) run at sqrt(N) x the learning rate, so their "
         "average moves as far as a synchronous step at --lr where gradient noise dominates; auto: at "
         "the factor between 1 and sqrt(N) that the gradient noise measured at each sync calls for "
-        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr (see the README)",
+        "(localsgd, diloco, co2, sparseloco, dreamddp; 1 for the others); 1: at --lr "
+        "(see docs/reaching-ddp-loss.md)",
         "H": "steps between synchronisations (localsgd, diloco, sparseloco, co2; of each fragment, "
         "streaming); the schedule's period (dreamddp; auto: the period with the shortest predicted time "
-        "to a loss, chosen at start-up from the profile, up to one layer per iteration: see the "
-        "README); 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20)",
+        "to a loss, chosen at start-up from the profile, up to one layer per iteration: see "
+        "docs/dreamddp.md); 0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20)",
         "outer_lr": "the outer learning rate of diloco, streaming and co2 (0.7); 0: the algorithm's default",
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
-        "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see the README), "
+        "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see "
+        "docs/reaching-ddp-loss.md), "
         "co2's heavy-ball (-1: 0.5)",
         "momentum_ramp": "diloco, streaming (each fragment): where the outer momentum follows H, it rises "
         "linearly from that value at the first outer step to the paper's 0.9 over this many outer "
-        "steps (-1 or 0: off, the H value throughout; 10 measured best on tiny); see the README",
+        "steps (-1 or 0: off, the H value throughout; 10 measured best on tiny); see "
+        "docs/reaching-ddp-loss.md",
         "warm_start": "localsgd, diloco: the first W steps are synchronous SGD (gradients averaged "
         "every step, uncompressed), then periodic (post-local SGD); 0: periodic from the start",
         "H_schedule": "localsgd, diloco: shorter periods first, then H: grow (periods 2, 4, 8, ... below H, "
         "each for a tenth of the planned steps; grow:every=STEPS,start=P to choose) or PERIODxSTEPS,... "
         "(e.g. 2x50,5x100); each stage ends where both its period and the next divide the step count "
-        "(see the README); empty: H throughout",
+        "(see docs/reaching-ddp-loss.md); empty: H throughout",
         "site_H": "localsgd, diloco with --hierarchy sites or auto: the parameters are averaged inside "
         "each site (over its LAN) every site_H steps, and across sites every H; 0: off (the two levels "
         "then only split each all-reduce)",
@@ -88,12 +91,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
         "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where the first "
         "outer step's gather took over 5%% of the period's compute); demo (on only with --overlap, "
-        "auto is off: the loss suffers, see the README): each step's update lands one step late, its "
+        "auto is off: the loss suffers, see docs/frontier.md): each step's update lands one step late, its "
         "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
         "sent it (senders, the reference code's) or over every worker (workers); auto: senders "
         "without overlap or landing in the period's first half (--tau), workers landing later (each "
-        "measured the better there; see the README)",
+        "measured the better there; see docs/frontier.md)",
         "bucket_mb": "all-reduce bucket size in MB (0: the algorithm's default)",
         "compress": "a codec for the synchronisation messages, e.g. int8, int4, sign, topk:ratio=0.01, "
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (ssgd, ddp, localsgd, diloco, "
@@ -136,7 +139,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--hierarchy sites, all-reduces sum inside each site first",
         "hierarchy": "off; sites: every all-reduce in two levels (inside each site over its LAN, "
         "across sites in stripes carried by every member, then shared inside), so less crosses the "
-        "slow links between sites (see the README); auto: the same, with the sites found by "
+        "slow links between sites (see docs/sites.md); auto: the same, with the sites found by "
         "measuring each pair of hosts' link at start-up",
         "slow": "stragglers: HOST:FACTOR, ';'-separated (e.g. 1:3): that host computes FACTOR times "
         "slower (after each optimizer step it sleeps FACTOR - 1 times its compute: three times its "
@@ -149,7 +152,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "inf: only what is not finite; 0: off; auto (the default): 10 for localsgd, diloco, co2, "
         "streaming, sparseloco and demo (a round trip per sync, or none), inf among 2 workers; off "
         "for the per-step averages (ssgd, ddp, dreamddp, a --warm-start: one step's gradients vary "
-        "too much for a ratio) and --pace time (see the README: what it covers)",
+        "too much for a ratio) and --pace time (see docs/trust.md: what it covers)",
         "aggregate": "mean; clip: every contribution to an average is also scaled down to the "
         "median norm where above it (no extra communication); trimmed:f=F: the coordinate-wise mean "
         "without each coordinate's F largest and F smallest values; median: the coordinate-wise "
@@ -169,12 +172,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "snapshot_bandwidth": "pace of redundancy traffic, e.g. 5mbit (0: as fast as the link goes)",
         "keeper": "this host's keeper socket (`geotrain keeper --socket PATH`); empty: none",
         "token_file": "a file holding the run's secret (else $GEOTRAIN_TOKEN): this worker proves it "
-        "holds it before it is let in (geotrain run makes one per run; see README, Trust)",
+        "holds it before it is let in (geotrain run makes one per run; see docs/trust.md)",
         "chaos": "fault injection, ';'-separated: kill:step=S,rank=R | kill-host:step=S,host=H | "
         "kill:every=60s, each with optional ,restart=SECONDS; corrupt:step=S|every=K,rank=R"
         "[,kind=nan|inf|signflip][,scale=X][,part=shard|stamp]: that worker's next contribution to "
         "an average is spoiled (part=shard: its shard of a quantised codec's mean; part=stamp: its "
-        "copies of shards go out under a false owners' stamp, with owners=2; see README)",
+        "copies of shards go out under a false owners' stamp, with owners=2; see docs/trust.md)",
     }
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

@@ -51,7 +51,7 @@ def warmup_for(planned_steps: int) -> int:
     """``--warmup auto``: a tenth of the steps the schedule is planned over, at most 100. AdamW
     at full rate from step 1 costs a run most of its first hundreds of steps: on ``mini`` (4
     workers, 8 x 128) DDP scored 2.571 at step 150 without a warm-up, 2.143 with 50 steps of it,
-    lower than its 2.176 at step 400 without (README, "Reaching DDP's loss")."""
+    lower than its 2.176 at step 400 without (docs/reaching-ddp-loss.md)."""
     return min(MAX_AUTO_WARMUP, max(0, planned_steps) // 10)
 
 

@@ -15,7 +15,8 @@ def plain_spec(spec: str) -> str:
 # The codec an algorithm sends in where --compress is not given ("": fp32). DiLoCo's
 # pseudo-gradients go in 4 bits, as Streaming DiLoCo sends its outer gradients: on W1 int4 at
 # H=10 scored as fp32 did over 2,000 steps (below it at 25 of 31 evaluations) at 0.90 of
-# nosync's step at 100 Mbit/s where fp32 ran at 0.74 (README, "DiLoCo sends int4 by default").
+# nosync's step at 100 Mbit/s where fp32 ran at 0.74 (docs/reaching-ddp-loss.md, "DiLoCo sends
+# int4 by default").
 # (dreamddp's default, --compress auto, is its planner's choice: sync/dreamddp.py.)
 DEFAULT_CODECS = {"diloco": "int4"}
 

@@ -290,7 +290,7 @@ class ChooseConfig:
     it needs, taken as ``1 + penalty * (H - 1)`` times synchronous SGD's, among the H whose steps
     stay within ``budget`` times those.
 
-    The default penalty is measured (README, "Reaching DDP's loss"): tokens to DDP's loss on
+    The default penalty is measured (docs/reaching-ddp-loss.md): tokens to DDP's loss on
     ``mini`` with W1's batch, DreamDDP at H=10 1.17x at 2,000 steps (0.019 per unit of H beyond
     1), local SGD 1.28x at H=10 (0.031) and 1.02x at H=2 (0.020) and DiLoCo 1.19x at H=10
     (0.021) at 400 steps."""

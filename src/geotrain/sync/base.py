@@ -157,7 +157,7 @@ class SyncAlgorithm:
         learning rate of this step by. Adam's step is its momentum over the root of its second
         moment; a worker's gradient over 1/N of the global batch has about N times the variance
         of DDP's averaged one, so where noise dominates the second moment, the mean of the N
-        workers' steps is DDP's step at lr / sqrt(N) (README, "Reaching DDP's loss")."""
+        workers' steps is DDP's step at lr / sqrt(N) (docs/reaching-ddp-loss.md)."""
         return math.sqrt(self.comm.world_size) if self.steps_locally() else 1.0
 
     def parameters(self) -> list[nn.Parameter]:

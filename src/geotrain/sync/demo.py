@@ -100,7 +100,7 @@ class DeMoConfig(SyncConfig):
     # workers, 400 steps, final validation loss against DDP at AdamW's 1e-3: 1.929 seed 0, 2.196
     # seed 1): 1e-3 2.184, 1.5e-3 2.022, 2e-3 1.961 (seed 1: 2.262), 2.5e-3 2.217, 4e-3 2.218.
     default_lr: ClassVar[float] = 2e-3
-    # A 40-step warm-up took its 400 tiny steps from 1.961 to 2.052 (README): auto gives none.
+    # A 40-step warm-up took its 400 tiny steps from 1.961 to 2.052 (docs/frontier.md): auto gives none.
     auto_warmup: ClassVar[bool] = False
     chunk: int = 64
     k: int = 32

@@ -10,15 +10,15 @@ momentum, theta_outer becomes the mean of the replicas: Local SGD.
 The paper's momentum, 0.9, was tuned at H=500. In a steady state the momentum multiplies each
 outer step by 1 / (1 - momentum): 0.7 x 10 = 7 times the mean local progress of a period. At
 small H that overshoots: on ``mini`` with H=10 (4 workers, 150 steps) 0.9 sat on the early
-plateau for 90 steps and ended 15% above DDP's loss, 0.5 ended 3.9% above it (README,
-"Reaching DDP's loss"). So unless set, the momentum follows H (``outer_momentum_for``): the
+plateau for 90 steps and ended 15% above DDP's loss, 0.5 ended 3.9% above it
+(docs/reaching-ddp-loss.md). So unless set, the momentum follows H (``outer_momentum_for``): the
 outer step's multiple of the local progress, outer_lr / (1 - momentum), grows from 1.4 at H=10
 to the paper's 7 at H=500, log-linearly in H, and the momentum is what gives that multiple at
 the configured ``outer_lr``. Up to H=2 the multiple is 1 and, unless an outer lr is given, the
 outer step is the plain average (``outer_lr`` 1, no momentum: Local SGD's): on W1 (``mini``,
 4 workers, batch 8 x 128, int4, H=2) the multiple of 1.4 scored 1.7152 at step 400, 5.5%
-above DDP's 1.5884 and above H=10's 1.7006, where the plain average scored 1.6381 (README,
-"Reaching DDP's loss"). A period of two steps is two of each worker's AdamW steps, whose own
+above DDP's 1.5884 and above H=10's 1.7006, where the plain average scored 1.6381
+(docs/reaching-ddp-loss.md). A period of two steps is two of each worker's AdamW steps, whose own
 momentum already carries the direction; a momentum on top of them overshoots.
 
 With ``momentum_ramp`` N > 0 (off by default) that value is where the momentum starts: where it
@@ -29,7 +29,7 @@ On GPT ``tiny`` (4 workers, loopback, 2,000 steps, final validation loss; DDP 1.
 seeds 0 / 1): H=20 from 1.5097 / 1.7177 with the H value throughout to 1.4322 / 1.5989 with a
 ramp of 10 (0.9 throughout: 1.4836 / 1.6681; a ramp over 25 outer steps 1.4268), H=10 from
 1.5275 to 1.4350, H=50 from 1.4868 to 1.4730; at 400 steps, H=20, 2.0521 / 2.3036 to 2.0347 /
-2.2893 (README, "Reaching DDP's loss"). But on GPT ``mini`` (W1's batch, H=10) the ramp scored
+2.2893 (docs/reaching-ddp-loss.md). But on GPT ``mini`` (W1's batch, H=10) the ramp scored
 worse at 150 steps (2.398 against 2.340) and at 400 (1.935 against 1.740): the larger model is
 still in its steep start there, where 0.9 overshoots, and on W1 to 1,000 steps it ended 14% above
 (1.4450 against 1.2627). So it is off by default (0: the H value throughout); 10 outer steps is

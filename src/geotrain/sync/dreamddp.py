@@ -129,11 +129,11 @@ class DreamDDPConfig(SyncConfig):
     # for one stop, and on W1 over 2,000 steps at H=10 it needed ~1.28x DDP's tokens for DDP's
     # loss where 1x needed 1.17x (one seed each; its measure counts the layers' staggered
     # averaging as noise and runs near sqrt(N), 1.97 at the end). With int4 at H=2 it needed
-    # 0.96x, and 0.99x at 1x (README): the period, not the rate, closes the gap.
+    # 0.96x, and 0.99x at 1x (docs/reaching-ddp-loss.md): the period, not the rate, closes the gap.
     #
     # H=2 with the codec chosen (int4 on W1 at 100 Mbit/s) by default since: on W1 it reaches
     # DDP's loss at 2,000 steps in 0.99x DDP's tokens where H=10 uncompressed needed 1.17x, and
-    # int4 at H=2 sends 4.2 MB a step where fp32 at H=10 sends 6.5 (README, "Reaching DDP's loss").
+    # int4 at H=2 sends 4.2 MB a step where fp32 at H=10 sends 6.5 (docs/reaching-ddp-loss.md).
 
     H: int | str = 2  # "auto": the period with the shortest predicted time to a loss (choose_period)
     plan_path: str = ""  # a plan from `geotrain plan`; "": profile and plan at start-up

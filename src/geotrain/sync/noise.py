@@ -12,7 +12,7 @@ the signal does. Scaling each local step by the inverse, with rho = s^2 / (s^2 +
 
 makes the mean step DDP's in both its signal and its noise. ``--lr-scale sqrt`` takes the
 noise-dominated end (rho = 0) throughout; early in training the signal dominates and sqrt(N)
-overshoots (README, "Reaching DDP's loss"), which is what measuring rho avoids.
+overshoots (docs/reaching-ddp-loss.md), which is what measuring rho avoids.
 
 How rho is measured: across the workers, at the one point where their gradients are taken at the
 same parameters. Right after a sync every replica holds the same model, so the gradients of the

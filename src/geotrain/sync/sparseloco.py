@@ -32,7 +32,7 @@ Defaults. The paper's: chunks of 4096 with k=64 (1.56% density), 2-bit values, b
 alpha 1. Ours keep them, alpha 1 over senders and 2 over workers (``alpha`` 0), best on our
 workload (above; over workers with overlap, alpha 1 gave 2.40 and alpha 2 2.28 in an earlier
 layout, k=128 2.24 for twice the bytes): a short run has few outer steps for the residual to
-drain through. Measured and not taken (README, "The frontier"): chunks of 1024 with k=16 (within
+drain through. Measured and not taken (docs/frontier.md): chunks of 1024 with k=16 (within
 0.8% either way, 5% fewer bytes on ``mini``), 4 or 8 bits (worse), and a Nesterov momentum on the
 mean (worse by the end: e is the momentum already).
 A message is 1/139 of DiLoCo's fp32 pseudo-gradient (GPT ``mini``); an all-gather among 4
