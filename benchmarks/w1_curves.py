@@ -17,7 +17,7 @@ gives:
   interpolated linearly between its 200-step points, and the ratio 2,000 over that step: an
   approximation, marked ``~``.
 
-A curve saved from a run is dense (every 50 steps); a curve kept from the README's tables has
+A curve saved from a run is dense (every 50 steps); a curve kept from the tables in docs/ has
 200-step points only, and its crossing is read on those, unsmoothed, marked ``~`` too. A run
 stopped before 2,000 steps (to be resumed) gets no ratio.
 """
@@ -49,7 +49,7 @@ def read_csv(path: Path) -> tuple[list[int], list[float]]:
 
 
 def dense(steps: list[int]) -> bool:
-    """Saved from a run (a point every 50 steps), not kept from a README table (every 200)."""
+    """Saved from a run (a point every 50 steps), not kept from a table in docs/ (every 200)."""
     return len(steps) > 1 and steps[1] - steps[0] < 200
 
 

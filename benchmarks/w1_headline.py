@@ -2,6 +2,7 @@
 
     python benchmarks/w1_headline.py                          # 100 and 20 Mbit/s, ~25 minutes
     python benchmarks/w1_headline.py --bandwidths 3.5mbit --algos nosync,sparseloco,diloco
+    python benchmarks/w1_headline.py --algos sparseloco:H=5,diloco:H=2   # a setting beside the defaults
 
 Time to a loss is tokens to that loss times time per token. The two are measured apart, as
 ``geotrain bench --horizon`` composes them, because a 2,000-step run on shaped links takes hours
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -50,14 +52,34 @@ CURVES = {
 ALGOS = ["nosync", *CURVES]
 
 
-def tokens_vs_ddp() -> dict[str, tuple[float, str]]:
-    """Per algorithm with a kept curve: its tokens to DDP's final loss over DDP's, and how the
-    figure reads (``~``: approximate)."""
-    names = {curve: algo for algo, curve in CURVES.items() if (HERE / f"{curve}.csv").exists()}
-    rows = table({name: read_csv(HERE / f"{name}.csv") for name in names})
+def cell(spec: str) -> tuple[str, list[str], str | None]:
+    """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C]`` (a setting beside them): the algorithm,
+    the run's extra flags, and the kept curve that measured it (``w1-ALGO[-C]-HN``; None where
+    no curve is named)."""
+    algo, _, rest = spec.partition(":")
+    if algo not in ALGOS:
+        raise SystemExit(f"--algos: {algo!r} is not one of {', '.join(ALGOS)}")
+    if not rest:
+        return algo, [], CURVES.get(algo)
+    opts = dict(kv.partition("=")[::2] for kv in rest.split(","))
+    unknown = set(opts) - {"H", "compress"}
+    if unknown or not opts.get("H", "").isdigit():
+        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C]")
+    flags = ["--H", opts["H"]] + (["--compress", opts["compress"]] if "compress" in opts else [])
+    codec = f"-{opts['compress']}" if "compress" in opts else ""
+    return algo, flags, f"w1-{algo}{codec}-H{opts['H']}"
+
+
+def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:
+    """Per cell whose curve is kept (cell -> curve name): its tokens to DDP's final loss over
+    DDP's, and how the figure reads (``~``: approximate)."""
+    names = {curve: name for name, curve in curves.items() if (HERE / f"{curve}.csv").exists()}
+    rows = table({curve: read_csv(HERE / f"{curve}.csv") for curve in {"w1-ddp", *names}})
     out = {}
     for row in rows:
         text = str(row["tokens_vs_ddp"])
+        if row["curve"] not in names:
+            continue
         try:
             out[names[row["curve"]]] = (float(text.lstrip("~")), text)
         except ValueError:  # "not reached", "to step N": no ratio
@@ -73,14 +95,16 @@ def mean_step(run_dir: Path) -> float:
     return statistics.fmean(t for step, t in timed.items() if 3 <= step < max(timed))
 
 
-def run(algo: str, bandwidth: str, steps: int, out: Path, name: str, model: str = "mini") -> dict:
+def run(
+    algo: str, bandwidth: str, steps: int, out: Path, name: str, model: str = "mini", flags: list[str] = ()
+) -> dict:
     run_dir = out / bandwidth / name
     done = run_dir / "headline.json"
     if done.exists():
         return json.loads(done.read_text())
     cmd = [sys.executable, "-m", "geotrain", "run", "--workers", "4", "--bandwidth", bandwidth,
            "--model", model, "--batch-size", "8", "--steps", str(steps), "--algo", algo,
-           "--run-dir", str(run_dir), "--no-progress"]  # fmt: skip
+           "--run-dir", str(run_dir), "--no-progress", *flags]  # fmt: skip
     print(f"w1_headline: {bandwidth} {name} ({steps} steps)", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,18 +130,17 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/w1-headline"))
     p.add_argument("--model", default="mini", help="W1's; another only to try the script out")
     args = p.parse_args()
-    algos = [a for a in args.algos.split(",") if a and a != "nosync"]
-    unknown = set(algos) - set(ALGOS)
-    if unknown:
-        raise SystemExit(f"--algos: {', '.join(sorted(unknown))} not in {', '.join(ALGOS)}")
-    tokens = tokens_vs_ddp()
+    specs = [a for a in re.split(r",(?![^:,]*=)", args.algos) if a and a != "nosync"]
+    cells = {spec: cell(spec) for spec in specs}
+    tokens = tokens_vs_ddp({spec: curve for spec, (_, _, curve) in cells.items() if curve})
     for bandwidth in args.bandwidths.split(","):
         results = {
             "nosync-before": run("nosync", bandwidth, args.steps, args.out, "nosync-before", args.model)
         }
-        for algo in algos:
+        for spec, (algo, flags, _) in cells.items():
             steps = args.ddp_steps if algo == "ddp" else args.steps
-            results[algo] = run(algo, bandwidth, steps, args.out, algo, args.model)
+            name = spec.replace(":", "-").replace(",", "-").replace("=", "")
+            results[spec] = run(algo, bandwidth, steps, args.out, name, args.model, flags)
         results["nosync-after"] = run("nosync", bandwidth, args.steps, args.out, "nosync-after", args.model)
         nosync = statistics.fmean([results["nosync-before"]["step_s"], results["nosync-after"]["step_s"]])
         print(f"\n{bandwidth}: nosync {results['nosync-before']['step_s']:.3f} s before, "
@@ -126,7 +149,7 @@ def main() -> None:
               "| nosync step-times per ddp step | vs ddp |")  # fmt: skip
         print("|---|---|---|---|---|---|---|")
         ddp_composed = results["ddp"]["step_s"] / nosync if "ddp" in results else None
-        for algo in algos:
+        for algo in cells:
             r = results[algo]
             ratio, text = tokens.get(algo, (None, "-"))
             composed = None if ratio is None else ratio * r["step_s"] / nosync
