@@ -129,7 +129,7 @@ BAD_INPUTS = [
     (["--algo", "localsgd", "--H", "often"], "--H: takes a period >= 1, 0 (the algorithm's default) or auto"),
     (
         ["--algo", "localsgd", "--H", "auto"],
-        "--H auto is dreamddp's (its planner picks the period); give localsgd",
+        "--H auto is dreamddp's and sparseloco's (each picks its period at start-up); give localsgd",
     ),
     (["--bandwidth", "100mbps"], "bandwidth '100mbps' is not understood; give a positive number with a unit"),
     (["--bandwidth", "-5mbit"], "bandwidth '-5mbit' is not understood"),

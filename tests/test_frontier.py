@@ -7,17 +7,21 @@ step and DeMo's step, then the CLI's refusals.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+import geotrain.sync.sparseloco as sparseloco_module
 from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.chunked import ChunkTopK, index_bits, pack_bits, unpack_bits
 from geotrain.models.gpt import GPT, gpt_config
+from geotrain.plan.gather import choose_sparseloco_period
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.sync.demo import BlockDCT, dct_matrix
 from geotrain.sync.sparseloco import next_landing
-from helpers import Cases, refused
+from helpers import Cases, geotrain, refused
 
 
 # -- pure logic ---------------------------------------------------------------------------------
@@ -152,6 +156,7 @@ def test_a_mean_summed_into_a_used_work_vector_is_the_same_mean():
         ({"beta": 1.0}, "--beta (error-feedback decay) must be in [0, 1)"),
         ({"H": 0}, "H (inner steps between outer steps) must be an integer >= 1"),
         ({"alpha": -1}, "--alpha (outer learning rate) must be > 0"),
+        ({"H": "auto", "tau": 3}, "--H auto chooses the period at start-up: give --H with --tau"),
     ],
 )
 def test_bad_options_say_what_to_change(options, needle):
@@ -417,6 +422,7 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
         ("sparseloco", ["--bits", "3"], "--bits"),
         ("sparseloco", ["--tau", "21"], "--tau (steps after an outer step"),
         ("sparseloco", ["--tau", "3", "--no-overlap"], "drop one of them"),
+        ("sparseloco", ["--H", "auto", "--tau", "3"], "--H auto chooses the period at start-up"),
         ("demo", ["--beta", "1"], "--beta (momentum decay)"),
         ("demo", ["--compress", "int8"], "demo does not take --compress"),
     ],
@@ -426,6 +432,21 @@ def test_the_cli_refuses_bad_options_in_one_line_before_starting(tmp_path, algo,
     cmd = ["run", "--workers", "2", "--no-netem", "--algo", algo, *flags, "--run-dir", str(run_dir)]
     assert needle in refused(cmd)
     assert not run_dir.exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_runs_h_auto_at_the_period_it_measured_and_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = geotrain(
+        ["run", "--workers", "2", "--no-netem", "--model", "tiny", "--steps", "12", "--algo", "sparseloco",
+         "--H", "auto", "--run-dir", str(run_dir), "--no-progress"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (chosen,) = [row["H"] for row in summary["period_choice"] if row["H"] == int(summary["periods"][2:])]
+    assert f"geotrain: sparseloco --H auto: H={chosen}" in proc.stderr
+    assert summary["algo_config"].startswith(f"H=auto (measured: {chosen}) ")
+    assert summary["syncs"] == 12 // chosen
 
 
 # -- the planner's terms ------------------------------------------------------------------------
@@ -586,6 +607,73 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     del state["overlap"], state["landing"]  # saved before --overlap auto: on, a period late
     again.load_state_dict(state)
     assert again.overlap is True and again.landing == 10 and again.alpha == 2.0
+    sync.close()
+    again.close()
+
+
+@pytest.mark.parametrize(
+    "gather_s, chosen",
+    [
+        (0.0, 5),  # nothing to wait for: the shortest period learns most per token
+        (0.2, 5),  # 4% of a period of 5 one-second steps: synchronous, within the 5%
+        (3.0, 5),  # overlapped, hidden under 5 steps (the planner's model of it)
+        (12.0, 20),  # H=5 waits 7 s a period, H=10 2 s; hidden under 20: time to a loss 1.4
+        (50.0, 40),  # H=20 waits 30 s a period: 2.5 x 1.4 = 3.5; H=40 10 s: 1.25 x 1.8 = 2.25
+    ],
+)
+def test_h_auto_takes_the_period_with_the_shortest_predicted_time_to_a_loss(gather_s, chosen):
+    """Closed form, one-second steps, 0.02 more steps to a loss per step of period: time to a
+    loss is (1 + 0.02 H) x the predicted step (the gather every H steps, synchronous where it is
+    within 5% of the period, else overlapped: only what outlasts the period shows)."""
+    H, table = choose_sparseloco_period(1.0, gather_s, penalty=0.02)
+    assert chosen == H
+    for row in table:
+        overlap = gather_s > 0.05 * row["H"]
+        exposed = max(0.0, gather_s - row["H"]) if overlap else gather_s
+        assert row["overlap"] is overlap
+        assert row["predicted_step_s"] == pytest.approx(1.0 + exposed / row["H"])
+        assert row["time_to_loss_factor"] == pytest.approx((1 + 0.02 * row["H"]) * (1.0 + exposed / row["H"]))
+    assert [row["H"] for row in table] == [5, 10, 20, 40]
+    assert choose_sparseloco_period(1.0, 0.0, penalty=0.0)[0] == 5  # a tie goes to the shorter period
+    with pytest.raises(ValueError, match="a step's compute > 0"):
+        choose_sparseloco_period(0.0, 1.0)
+
+
+@pytest.mark.parametrize("gather_s, chosen", [(0.0, 5), (1e6, 40)])
+def test_h_auto_measures_at_start_up_and_a_restored_state_keeps_the_period(gather_s, chosen, monkeypatch):
+    """``prepare`` times steps and one gather (on the test's clock: ``gather_s``) and runs at
+    the period chosen from them: its first sync at step H, the summary's option saying so; a
+    state saved after it carries the period, and a run restored from it (a resume, a joiner)
+    measures nothing again."""
+    comm = _ClockedGather(gather_s)
+    model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    assert sync.config.H == 20 and sync.resolved_options()["H"] == "auto (not measured: 20)"
+    bytes_before = comm.stats.sent_bytes
+
+    def loss():
+        x, y = _batch(1, 0)
+        return sync.model(x, y)[1]
+
+    sync.prepare(loss)
+    assert chosen == sync.config.H and sync.landing == chosen and sync.sync_period() == chosen
+    assert [row["H"] for row in sync.period_choice] == [5, 10, 20, 40]
+    assert sync.resolved_options()["H"] == f"auto (measured: {chosen})"
+    assert comm.stats.sent_bytes == bytes_before  # the probe is control traffic, not the run's
+    assert all(p.grad is None for p in model.parameters())  # the profile leaves nothing behind
+    for step in range(1, 6):
+        x, y = _batch(0, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert sync.after_step() is (step == 5 == chosen)
+    state = sync.state_dict()
+    _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+    again.load_state_dict(state)
+    monkeypatch.setattr(sparseloco_module, "profile_compute", lambda *a, **k: pytest.fail("measured again"))
+    again.prepare(loss)
+    assert chosen == again.config.H and again.period_choice == sync.period_choice
+    assert again.sync_period() == chosen
     sync.close()
     again.close()
 

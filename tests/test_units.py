@@ -506,8 +506,11 @@ def test_H_auto_is_dreamddps_and_round_trips_to_a_worker():
     cfg = TrainConfig(algo="dreamddp", H=AUTO_H)
     assert cfg.sync_options()["H"] == "auto" and cfg.sync_config().H == "auto"
     assert train_parser().parse_args(cfg.to_argv()).H == AUTO_H  # the launcher's argv for a worker
-    with pytest.raises(ConfigError, match="--H auto is dreamddp's .* give localsgd a period >= 1"):
+    with pytest.raises(
+        ConfigError, match="--H auto is dreamddp's and sparseloco's .* give localsgd a period >= 1"
+    ):
         TrainConfig(algo="localsgd", H=AUTO_H)
+    assert TrainConfig(algo="sparseloco", H=AUTO_H).sync_config().H == "auto"
     with pytest.raises(ConfigError, match="or auto, got -2"):
         TrainConfig(algo="dreamddp", H=-2)
     with pytest.raises(ConfigError, match="a --plan brings its own"):

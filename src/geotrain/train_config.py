@@ -55,7 +55,7 @@ def warmup_for(planned_steps: int) -> int:
     return min(MAX_AUTO_WARMUP, max(0, planned_steps) // 10)
 
 
-AUTO_H = -1  # --H auto (dreamddp: its planner picks the period)
+AUTO_H = -1  # --H auto (dreamddp: its planner picks the period; sparseloco: its own measure)
 
 
 def H_arg(text: str) -> int:
@@ -210,9 +210,9 @@ class TrainConfig:
         # resolved once, as --warmup auto is: the saved config (a resume) keeps the stages
         self.H_schedule = resolve_every(self.H_schedule, self.lr_steps or self.steps)
         need(
-            self.H != AUTO_H or self.algo == "dreamddp",
-            f"--H auto is dreamddp's (its planner picks the period); give {self.algo} a period >= 1 "
-            "(0: its default)",
+            self.H != AUTO_H or self.algo in ("dreamddp", "sparseloco"),
+            f"--H auto is dreamddp's and sparseloco's (each picks its period at start-up); give "
+            f"{self.algo} a period >= 1 (0: its default)",
         )
         need(
             self.H != AUTO_H or not self.plan,

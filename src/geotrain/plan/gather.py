@@ -29,6 +29,11 @@ H100_BF16_FLOPS = 989e12
 # SparseLoCo's --overlap auto overlaps where the first outer step's gather took more than this
 # share of the period's compute: the slack left by the target of 0.95 of nosync's step.
 OVERLAP_ABOVE = 0.05
+# sparseloco --H auto: the periods weighed, and the extra steps to a loss per step of period, a
+# fraction of the steps at H=0 (a linear fit to tokens to DDP's loss on W1 over 2,000 steps at
+# H=5, 10 and 20: docs/frontier.md)
+SPARSELOCO_PERIODS = (5, 10, 20, 40)
+SPARSELOCO_PENALTY = 0.02
 
 
 def gather_bytes(payload: int, workers: int) -> int:
@@ -78,10 +83,48 @@ def predict_sparseloco(
     run decides from its first outer step. A synchronous gather also waits ``sync_wait_s`` for
     the slowest worker (``ComputeModel.sync_wait_s``); one landing a period later does not."""
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
+    return sparseloco_step(compute_s, gather, H, overlap, sync_wait_s)[0]
+
+
+def sparseloco_step(
+    compute_s: float, gather: float, H: int, overlap: bool | str = "auto", sync_wait_s: float = 0.0
+) -> tuple[float, bool]:
+    """SparseLoCo's mean step from a step's compute and one outer step's gather (seconds), and
+    whether it overlaps (``predict_sparseloco``)."""
     if overlap == "auto":
         overlap = gather > OVERLAP_ABOVE * H * compute_s
     exposed = max(0.0, gather - H * compute_s) if overlap else gather + sync_wait_s
-    return compute_s + exposed / H
+    return compute_s + exposed / H, bool(overlap)
+
+
+def choose_sparseloco_period(
+    compute_s: float,
+    gather: float,
+    periods: tuple[int, ...] = SPARSELOCO_PERIODS,
+    penalty: float = SPARSELOCO_PENALTY,
+) -> tuple[int, list[dict]]:
+    """``sparseloco --H auto``: the period of ``periods`` with the shortest predicted time to a
+    loss, from a step's compute and one outer step's gather as measured (seconds), and the table
+    it was chosen from (a row per period; ties go to the shorter). Time to a loss is the
+    predicted step (``sparseloco_step``: the gather every H steps, synchronous or overlapped as
+    ``--overlap auto`` would decide) times the steps it needs, ``1 + penalty * H`` (a shorter
+    period learns more per token: ``SPARSELOCO_PENALTY``), over nosync's step."""
+    if compute_s <= 0 or gather < 0 or not periods:
+        raise ValueError(f"need a step's compute > 0 and a gather >= 0, got {compute_s} and {gather}")
+    table = []
+    for H in periods:
+        step, overlap = sparseloco_step(compute_s, gather, H)
+        factor = 1 + penalty * H
+        table.append(
+            {
+                "H": H,
+                "overlap": overlap,
+                "predicted_step_s": step,
+                "steps_factor": factor,
+                "time_to_loss_factor": step * factor / compute_s,
+            }
+        )
+    return min(table, key=lambda row: row["time_to_loss_factor"])["H"], table
 
 
 def predict_demo(

@@ -90,6 +90,7 @@ in flight).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -103,8 +104,11 @@ from typing import Any
 import torch
 
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
-from geotrain.plan.gather import OVERLAP_ABOVE, gather_warning
+from geotrain.plan.gather import OVERLAP_ABOVE, choose_sparseloco_period, gather_warning
+from geotrain.plan.layers import layer_groups
+from geotrain.plan.profile import profile_compute
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
+from geotrain.sync.periods import periods_for
 
 # How the gathered messages are averaged: each entry over the workers that sent it (the reference
 # code's), or over every worker (an entry a worker did not send counts as its zero).
@@ -116,6 +120,11 @@ LAND_MARGIN = 1.5
 ARRIVAL_BYTES = 4
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
+# --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
+# not called: geotrain.wrap without a profile loss), the default before auto
+PROVISIONAL_H = 20
+# --H auto: whole steps timed at start-up (after one warm-up), as a profile times them
+PROBE_STEPS = 2
 
 
 def next_landing(landing: int, arrivals: list[float], H: int) -> int:
@@ -138,7 +147,9 @@ def next_landing(landing: int, arrivals: list[float], H: int) -> int:
 
 @dataclass
 class SparseLoCoConfig(SyncConfig):
-    H: int = 20
+    # "auto": chosen at start-up from a step and an outer step's gather as measured
+    # (``SparseLoCo.prepare``, ``plan.gather.choose_sparseloco_period``)
+    H: int | str = 20
     chunk: int = 4096
     k: int = 64
     bits: int = 2
@@ -151,7 +162,14 @@ class SparseLoCoConfig(SyncConfig):
     mean_over: str = "auto"  # senders, workers; auto: senders unless it lands in a period's second half
 
     def __post_init__(self) -> None:
-        require_period(self.H)
+        if self.H == "auto":
+            require(
+                not self.tau,
+                f"--tau {self.tau} lands a gather within the period, and --H auto chooses the period "
+                "at start-up: give --H with --tau, or drop --tau",
+            )
+        else:
+            require_period(self.H)
         require(
             self.overlap in (True, False, "auto"),
             f"overlap must be True, False or 'auto', got {self.overlap!r}",
@@ -166,7 +184,7 @@ class SparseLoCoConfig(SyncConfig):
         )  # fmt: skip
         require(0 <= self.beta < 1, f"--beta (error-feedback decay) must be in [0, 1), got {self.beta}")
         require(
-            isinstance(self.tau, int) and 0 <= self.tau <= self.H,
+            isinstance(self.tau, int) and 0 <= self.tau <= (0 if self.H == "auto" else self.H),
             f"--tau (steps after an outer step at which its gather lands, with overlap) must be an "
             f"integer in [1, H={self.H}], or 0 for auto; got {self.tau}",
         )
@@ -200,7 +218,13 @@ class SparseLoCo(PeriodicSync):
     name = "sparseloco"
 
     def __init__(self, model, optimizer, comm, config: SparseLoCoConfig | None = None) -> None:
-        super().__init__(model, optimizer, comm, config or SparseLoCoConfig())
+        config = config or SparseLoCoConfig()
+        # --H auto: the provisional period until ``prepare`` measures and chooses
+        self.auto_period = config.H == "auto"
+        if self.auto_period:
+            config = dataclasses.replace(config, H=PROVISIONAL_H)
+        super().__init__(model, optimizer, comm, config)
+        self.period_choice: list[dict] | None = None  # --H auto: the periods weighed
         self.chunker = self.config.codec()
         params = [p.detach() for p in self.parameters()]
         real = sum(p.numel() for p in params)
@@ -255,9 +279,65 @@ class SparseLoCo(PeriodicSync):
             overlap = f"auto ({'undecided' if self.overlap is None else 'on' if self.overlap else 'off'})"
         mean_over = "senders" if self._per_sender() else "workers"
         options = {"alpha": self.alpha, "overlap": overlap, "mean_over": mean_over}
+        if self.auto_period:
+            measured = "measured" if self.period_choice is not None else "not measured"
+            options = {"H": f"auto ({measured}: {self.config.H})"} | options
         if self.overlap:
             options["tau"] = self.landing
         return options
+
+    # -- --H auto ------------------------------------------------------------------------------
+    def prepare(self, loss_fn) -> None:
+        """--H auto: time whole steps (``profile_compute``: the parameters and the optimizer's
+        state untouched, the batches from the profile's own sampler) and one all-gather of an
+        outer step's message, on every worker at once, and take the period with the shortest
+        predicted time to a loss (``choose_sparseloco_period``), the slowest worker's compute
+        and gather deciding for all. Not again where a restored state holds the choice."""
+        if not self.auto_period or self.period_choice is not None:
+            return
+        with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
+            compute_s = profile_compute(
+                self.module,
+                layer_groups(self.module),
+                loss_fn,
+                self.optimizer,
+                reps=PROBE_STEPS,
+                barrier=self.comm.barrier,
+            )["step_s"]
+            gather = self._time_gather()
+        compute_s, gather = self.comm.max_scalars([compute_s, gather])
+        H, self.period_choice = choose_sparseloco_period(compute_s, gather)
+        self._set_period(H)
+        if self.comm.rank == 0:
+            weighed = ", ".join(
+                f"H={row['H']} {row['time_to_loss_factor']:.2f}{' overlapped' if row['overlap'] else ''}"
+                for row in self.period_choice
+            )
+            print(
+                f"geotrain: sparseloco --H auto: H={H} (a step's compute {compute_s:.3f} s, an outer "
+                f"step's gather {gather:.3f} s; time to a loss x nosync's step: {weighed})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _time_gather(self) -> float:
+        """One all-gather of an outer step's message (zeros, its size), after a small one that
+        opens the connections and a barrier, as the first outer step of ``--overlap auto`` times it."""
+        payload = torch.zeros(
+            self.chunker.payload_bytes(self.n), dtype=torch.uint8, device=self._anchor.device
+        )
+        self.comm.all_gather(payload[:1024])
+        self.comm.barrier()
+        started = self.clock()
+        self.comm.all_gather(payload)
+        return self.clock() - started
+
+    def _set_period(self, H: int) -> None:
+        """Run at period H from here (``--H auto``'s choice, made or restored before step 1)."""
+        self.config = dataclasses.replace(self.config, H=H)
+        self.periods = periods_for("", H)
+        self.landing = self.config.tau or H
+        self._stepped_at = deque(self._stepped_at, maxlen=H + 1)
 
     # -- the outer step -------------------------------------------------------------------------
     def _local(self) -> torch.Tensor:
@@ -555,10 +635,15 @@ class SparseLoCo(PeriodicSync):
         state["next_landing"] = self._next_landing
         state["landing_moves"] = self.landing_moves
         state["overlap_decision"] = self.decision
+        if self.auto_period:
+            state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        if self.auto_period and state.get("period"):  # the period chosen at the run's start
+            self._set_period(int(state["period"]["H"]))
+            self.period_choice = state["period"]["choice"]
         self._anchor.copy_(self._in_layout(state["anchor"]))
         self._error.copy_(self._in_layout(state["error"]))
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
