@@ -38,10 +38,13 @@ from geotrain.plan.cost import (
 )
 from geotrain.plan.gather import (
     Accelerator,
+    choose_sparseloco_period,
     format_rate,
+    gather_s,
     predict_demo,
     predict_sparseloco,
     predict_streaming,
+    sparseloco_message_bytes,
     stands_for_bps,
 )
 from geotrain.plan.network import NetworkModel
@@ -59,6 +62,7 @@ from geotrain.plan.schedule import (
 )
 from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
+from geotrain.sync.sparseloco import SparseLoCoConfig
 
 SPARSELOCO_H = 20  # the default period of sparseloco, streaming and co2 (OWN_H)
 
@@ -66,6 +70,17 @@ SPARSELOCO_H = 20  # the default period of sparseloco, streaming and co2 (OWN_H)
 PREDICTED = ("nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp", "sparseloco", "demo", "streaming")
 PREDICTED += ("co2",)
 OWN_H = ("sparseloco", "streaming", "co2")  # priced at their default period, whatever the plan's H
+
+
+def sparseloco_period(compute: ComputeModel, link: LinkModel, workers: int) -> int:
+    """The period sparseloco runs at with its defaults: ``--H auto``'s choice from the predicted
+    step and gather (as a run takes it from the measured ones), or the fixed default."""
+    default = SparseLoCoConfig().H
+    if default != "auto":
+        return int(default)
+    n_params = sum(compute.raw_nbytes or compute.nbytes) // 4
+    gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
+    return choose_sparseloco_period(compute.compute_s, gather)[0]
 
 
 def predict_algo(
@@ -150,6 +165,8 @@ def predictions(
         model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
         if own:
             model = own[0]
+        if algo == "sparseloco":
+            periods[algo] = sparseloco_period(model, line, workers)
         out[algo] = predict_algo(algo, model, line, periods[algo], workers, schedule)
     return out
 
@@ -443,6 +460,8 @@ def make_plan(
             defaults,
         ),  # fmt: skip
         "choose": table,
+        # sparseloco's period as a run with its defaults takes it (--H auto: from the prediction)
+        "sparseloco_H": sparseloco_period(plain_compute if compress else compute, plain or link, group),
         # --compress auto: the codec chosen (a run with --compress auto takes it) and those weighed
         **({"codec": compress, "codec_choice": codec_table} if codec_table is not None else {}),
         # the site averages send fp32 parameters, whatever codec the table prices
@@ -576,6 +595,8 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         if algo in ("localsgd", "diloco") and target.get("mean_period"):
             h = f"~{target['mean_period']:.1f}"  # its steps per sync under --H-schedule
         h = str(SPARSELOCO_H) if algo in OWN_H else h
+        if algo == "sparseloco" and "sparseloco_H" in plan:
+            h = str(plan["sparseloco_H"])
         own = target.get("default_codecs", {}).get(algo)
         with_codec = (
             f"  + {codec}" if codec and algo in CODEC_ALGOS else f"  + {own} (its default)" if own else ""
