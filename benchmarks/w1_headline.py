@@ -63,11 +63,21 @@ def cell(spec: str) -> tuple[str, list[str], str | None]:
         return algo, [], CURVES.get(algo)
     opts = dict(kv.partition("=")[::2] for kv in rest.split(","))
     unknown = set(opts) - {"H", "compress"}
-    if unknown or not opts.get("H", "").isdigit():
-        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C]")
+    if unknown or not (opts.get("H", "").isdigit() or opts.get("H") == "auto"):
+        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C] (N a period or auto)")
     flags = ["--H", opts["H"]] + (["--compress", opts["compress"]] if "compress" in opts else [])
     codec = f"-{opts['compress']}" if "compress" in opts else ""
-    return algo, flags, f"w1-{algo}{codec}-H{opts['H']}"
+    return algo, flags, f"w1-{algo}{codec}-H{opts['H']}" if opts["H"] != "auto" else None
+
+
+def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
+    """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``,
+    sparseloco's default), the curve measured at that period (``w1-ALGO-HN``) where one is kept."""
+    period = str(result.get("periods", ""))
+    chosen = f"w1-{algo}-H{period[2:]}" if period.startswith("H=") and period[2:].isdigit() else None
+    if chosen and (HERE / f"{chosen}.csv").exists() and (curve is None or curve.startswith(f"w1-{algo}-H")):
+        return chosen
+    return curve
 
 
 def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:
@@ -115,6 +125,7 @@ def run(
         "sent_mb_per_step": summary.get("sent_bytes_per_step", 0) / 1e6,
         "algo_config": summary.get("algo_config", ""),
         "codec": summary.get("codec_info", ""),
+        "periods": summary.get("periods", ""),
     }
     drop_states(run_dir)
     done.write_text(json.dumps(result))
@@ -132,7 +143,6 @@ def main() -> None:
     args = p.parse_args()
     specs = [a for a in re.split(r",(?![^:,]*=)", args.algos) if a and a != "nosync"]
     cells = {spec: cell(spec) for spec in specs}
-    tokens = tokens_vs_ddp({spec: curve for spec, (_, _, curve) in cells.items() if curve})
     for bandwidth in args.bandwidths.split(","):
         results = {
             "nosync-before": run("nosync", bandwidth, args.steps, args.out, "nosync-before", args.model)
@@ -143,6 +153,8 @@ def main() -> None:
             results[spec] = run(algo, bandwidth, steps, args.out, name, args.model, flags)
         results["nosync-after"] = run("nosync", bandwidth, args.steps, args.out, "nosync-after", args.model)
         nosync = statistics.fmean([results["nosync-before"]["step_s"], results["nosync-after"]["step_s"]])
+        curves = {spec: curve_of(algo, curve, results[spec]) for spec, (algo, _, curve) in cells.items()}
+        tokens = tokens_vs_ddp({spec: curve for spec, curve in curves.items() if curve})
         print(f"\n{bandwidth}: nosync {results['nosync-before']['step_s']:.3f} s before, "
               f"{results['nosync-after']['step_s']:.3f} s after (mean {nosync:.3f})\n")  # fmt: skip
         print("| algorithm (defaults) | step s | nosync / step | sent MB/step | tokens to ddp's loss "
@@ -155,7 +167,8 @@ def main() -> None:
             composed = None if ratio is None else ratio * r["step_s"] / nosync
             vs = f"{ddp_composed / composed:.1f}x" if composed and ddp_composed else "-"
             shown = "-" if composed is None else f"{ratio:.2f} x {r['step_s'] / nosync:.2f} = {composed:.2f}"
-            print(f"| {algo} | {r['step_s']:.3f} | {nosync / r['step_s']:.2f} | {r['sent_mb_per_step']:.2f} "
+            name = f"{algo} ({r['periods']})" if r.get("periods") and r["periods"] != "-" else algo
+            print(f"| {name} | {r['step_s']:.3f} | {nosync / r['step_s']:.2f} | {r['sent_mb_per_step']:.2f} "
                   f"| {text} | {shown} | {vs} |")  # fmt: skip
 
 
