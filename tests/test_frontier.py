@@ -21,7 +21,7 @@ from geotrain.plan.gather import choose_sparseloco_period
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.sync.demo import BlockDCT, dct_matrix
 from geotrain.sync.sparseloco import next_landing
-from helpers import Cases, geotrain, refused
+from helpers import Cases, geotrain, refused, run_workers
 
 
 # -- pure logic ---------------------------------------------------------------------------------
@@ -639,43 +639,74 @@ def test_h_auto_takes_the_period_with_the_shortest_predicted_time_to_a_loss(gath
         choose_sparseloco_period(0.0, 1.0)
 
 
-@pytest.mark.parametrize("gather_s, chosen", [(0.0, 5), (1e6, 40)])
-def test_h_auto_measures_at_start_up_and_a_restored_state_keeps_the_period(gather_s, chosen, monkeypatch):
-    """``prepare`` times steps and one gather (on the test's clock: ``gather_s``) and runs at
-    the period chosen from them: its first sync at step H, the summary's option saying so; a
-    state saved after it carries the period, and a run restored from it (a resume, a joiner)
-    measures nothing again."""
-    comm = _ClockedGather(gather_s)
+def _h_auto(rank, world_size, gathers: list[float]):
+    """--H auto on a real group: each worker's gather as ``gathers`` says (the rest measured);
+    the period taken, its first syncs, and a restore of the state saved after them."""
+    import geotrain.sync.sparseloco as sparseloco_module
+
+    sparseloco_module.SparseLoCo._time_gather = lambda self: gathers[self.comm.rank]
+    comm = Communicator()
     model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    assert sync.config.H == 20 and sync.resolved_options()["H"] == "auto (not measured: 20)"
-    bytes_before = comm.stats.sent_bytes
+    before = (sync.config.H, sync.resolved_options()["H"])
+    sent = comm.stats.sent_bytes
 
     def loss():
-        x, y = _batch(1, 0)
+        x, y = _batch(rank + 10, 0)
         return sync.model(x, y)[1]
 
     sync.prepare(loss)
-    assert chosen == sync.config.H and sync.landing == chosen and sync.sync_period() == chosen
-    assert [row["H"] for row in sync.period_choice] == [5, 10, 20, 40]
-    assert sync.resolved_options()["H"] == f"auto (measured: {chosen})"
-    assert comm.stats.sent_bytes == bytes_before  # the probe is control traffic, not the run's
-    assert all(p.grad is None for p in model.parameters())  # the profile leaves nothing behind
-    for step in range(1, 6):
-        x, y = _batch(0, step)
+    after = {"H": sync.config.H, "landing": sync.landing, "period": sync.sync_period()}
+    after |= {"option": sync.resolved_options()["H"], "choice": sync.period_choice}
+    after |= {
+        "grads": [p.grad for p in model.parameters() if p.grad is not None],
+        "sent": comm.stats.sent_bytes - sent,
+    }
+    synced = []
+    for step in range(1, 11):
+        x, y = _batch(rank, step)
         sync.model(x, y)[1].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        assert sync.after_step() is (step == 5 == chosen)
+        synced += [step] if sync.after_step() else []
     state = sync.state_dict()
-    _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+    _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, Communicator())
     again.load_state_dict(state)
-    monkeypatch.setattr(sparseloco_module, "profile_compute", lambda *a, **k: pytest.fail("measured again"))
+    sparseloco_module.profile_compute = None  # a restored choice measures nothing again
     again.prepare(loss)
-    assert chosen == again.config.H and again.period_choice == sync.period_choice
-    assert again.sync_period() == chosen
+    restored = {"H": again.config.H, "choice": again.period_choice, "period": again.sync_period()}
     sync.close()
     again.close()
+    return {"before": before, "after": after, "synced": synced, "restored": restored}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("gathers, chosen", [([0.0, 0.0], 5), ([0.0, 1e6], 40)])
+def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the_period(gathers, chosen):
+    """Two workers: ``prepare`` times steps and a gather (here given: 0 s, or 1e6 s on one
+    worker only, which the slowest-decides agreement makes every worker's), and both run at the
+    period chosen from them: their syncs at its multiples, the summary's option saying so, the
+    probe counted outside the run's bytes, no gradient left behind; a state saved after it
+    carries the period, and a worker restored from it (a resume, a joiner) measures nothing."""
+    out = run_workers(_h_auto, 2, gathers, timeout=150)
+    for r in out:
+        assert r["before"] == (20, "auto (not measured: 20)")
+        a = r["after"]
+        assert (a["H"], a["landing"], a["period"]) == (chosen, chosen, chosen)
+        assert a["option"] == f"auto (measured: {chosen})" and not a["grads"] and a["sent"] == 0
+        assert [row["H"] for row in a["choice"]] == [5, 10, 20, 40]
+        assert r["synced"] == [s for s in range(1, 11) if s % chosen == 0]
+        assert r["restored"] == {"H": chosen, "choice": a["choice"], "period": chosen}
+    assert out[0]["after"]["choice"] == out[1]["after"]["choice"]  # one table: the slowest's figures
+
+
+def test_h_auto_alone_measures_nothing_and_takes_the_shortest_period(monkeypatch):
+    """A world of one (a joiner before it is admitted takes the members' period with their
+    state; a one-worker run gathers nothing): no probe, the shortest period."""
+    monkeypatch.setattr(sparseloco_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
+    _, _, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+    sync.prepare(lambda: pytest.fail("a step taken"))
+    assert sync.config.H == 5 and sync.period_choice == [] and sync.sync_period() == 5
+    sync.close()
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,12 @@ from typing import Any
 import torch
 
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
-from geotrain.plan.gather import OVERLAP_ABOVE, choose_sparseloco_period, gather_warning
+from geotrain.plan.gather import (
+    OVERLAP_ABOVE,
+    SPARSELOCO_PERIODS,
+    choose_sparseloco_period,
+    gather_warning,
+)
 from geotrain.plan.layers import layer_groups
 from geotrain.plan.profile import profile_compute
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
@@ -294,6 +299,10 @@ class SparseLoCo(PeriodicSync):
         predicted time to a loss (``choose_sparseloco_period``), the slowest worker's compute
         and gather deciding for all. Not again where a restored state holds the choice."""
         if not self.auto_period or self.period_choice is not None:
+            return
+        if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes the
+            self._set_period(SPARSELOCO_PERIODS[0])  # members' period with their state)
+            self.period_choice = []
             return
         with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
             compute_s = profile_compute(
