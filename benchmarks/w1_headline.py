@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from w1_curves import HERE, read_csv, table  # noqa: E402
 
+from geotrain.compress import run_codec  # noqa: E402
 from geotrain.launch.disk import drop_states  # noqa: E402
 
 # each algorithm's defaults, and the curve that measured them over 2,000 steps
@@ -54,8 +55,9 @@ ALGOS = ["nosync", *CURVES]
 
 def cell(spec: str) -> tuple[str, list[str], str | None]:
     """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C]`` (a setting beside them): the algorithm,
-    the run's extra flags, and the kept curve that measured it (``w1-ALGO[-C]-HN``; None where
-    no curve is named)."""
+    the run's extra flags, and the kept curve that measured it (``w1-ALGO[-C]-HN``, C the codec
+    the run sends, the algorithm's default where none is given; None for ``H=auto``, whose
+    curve is the one of the period it chooses: ``curve_of``)."""
     algo, _, rest = spec.partition(":")
     if algo not in ALGOS:
         raise SystemExit(f"--algos: {algo!r} is not one of {', '.join(ALGOS)}")
@@ -66,13 +68,14 @@ def cell(spec: str) -> tuple[str, list[str], str | None]:
     if unknown or not (opts.get("H", "").isdigit() or opts.get("H") == "auto"):
         raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C] (N a period or auto)")
     flags = ["--H", opts["H"]] + (["--compress", opts["compress"]] if "compress" in opts else [])
-    codec = f"-{opts['compress']}" if "compress" in opts else ""
+    codec = run_codec(algo, opts.get("compress", ""))  # diloco's default: int4
+    codec = f"-{codec}" if codec and codec != "none" else ""
     return algo, flags, f"w1-{algo}{codec}-H{opts['H']}" if opts["H"] != "auto" else None
 
 
 def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
-    """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``,
-    sparseloco's default), the curve measured at that period (``w1-ALGO-HN``) where one is kept."""
+    """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``),
+    the curve measured at that period (``w1-ALGO-HN``) where one is kept."""
     period = str(result.get("periods", ""))
     chosen = f"w1-{algo}-H{period[2:]}" if period.startswith("H=") and period[2:].isdigit() else None
     if chosen and (HERE / f"{chosen}.csv").exists() and (curve is None or curve.startswith(f"w1-{algo}-H")):
@@ -83,18 +86,16 @@ def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
 def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:
     """Per cell whose curve is kept (cell -> curve name): its tokens to DDP's final loss over
     DDP's, and how the figure reads (``~``: approximate)."""
-    names = {curve: name for name, curve in curves.items() if (HERE / f"{curve}.csv").exists()}
-    rows = table({curve: read_csv(HERE / f"{curve}.csv") for curve in {"w1-ddp", *names}})
-    out = {}
+    kept = {curve for curve in curves.values() if (HERE / f"{curve}.csv").exists()}
+    rows = table({curve: read_csv(HERE / f"{curve}.csv") for curve in {"w1-ddp", *kept}})
+    by_curve = {}
     for row in rows:
         text = str(row["tokens_vs_ddp"])
-        if row["curve"] not in names:
-            continue
         try:
-            out[names[row["curve"]]] = (float(text.lstrip("~")), text)
+            by_curve[row["curve"]] = (float(text.lstrip("~")), text)
         except ValueError:  # "not reached", "to step N": no ratio
             continue
-    return out
+    return {name: by_curve[curve] for name, curve in curves.items() if curve in by_curve}
 
 
 def mean_step(run_dir: Path) -> float:
@@ -106,7 +107,7 @@ def mean_step(run_dir: Path) -> float:
 
 
 def run(
-    algo: str, bandwidth: str, steps: int, out: Path, name: str, model: str = "mini", flags: list[str] = ()
+    algo: str, bandwidth: str, steps: int, out: Path, name: str, model: str = "mini", flags: tuple = ()
 ) -> dict:
     run_dir = out / bandwidth / name
     done = run_dir / "headline.json"

@@ -639,16 +639,19 @@ def test_h_auto_takes_the_period_with_the_shortest_predicted_time_to_a_loss(gath
         choose_sparseloco_period(0.0, 1.0)
 
 
-def _h_auto(rank, world_size, gathers: list[float]):
-    """--H auto on a real group: each worker's gather as ``gathers`` says (the rest measured);
-    the period taken, its first syncs, and a restore of the state saved after them."""
-    import geotrain.sync.sparseloco as sparseloco_module
+def _h_auto(rank, world_size, gathers: list[float] | None):
+    """--H auto on a real group: each worker's gather as ``gathers`` says (None: the real one,
+    timed on this loopback group); the period taken, its first syncs, and a worker restored
+    from the state saved after them (through bytes, as a snapshot or a hand-over carries it)."""
+    import io
 
-    sparseloco_module.SparseLoCo._time_gather = lambda self: gathers[self.comm.rank]
+    if gathers is not None:  # and a step of 1 s with no wait (the real ones: the None case)
+        sparseloco_module.SparseLoCo._time_gather = lambda self: gathers[self.comm.rank]
+        sparseloco_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
     comm = Communicator()
     model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
     before = (sync.config.H, sync.resolved_options()["H"])
-    sent = comm.stats.sent_bytes
+    sent, control = comm.stats.sent_bytes, comm.control_calls
 
     def loss():
         x, y = _batch(rank + 10, 0)
@@ -657,10 +660,8 @@ def _h_auto(rank, world_size, gathers: list[float]):
     sync.prepare(loss)
     after = {"H": sync.config.H, "landing": sync.landing, "period": sync.sync_period()}
     after |= {"option": sync.resolved_options()["H"], "choice": sync.period_choice}
-    after |= {
-        "grads": [p.grad for p in model.parameters() if p.grad is not None],
-        "sent": comm.stats.sent_bytes - sent,
-    }
+    after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
+    after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
     synced = []
     for step in range(1, 11):
         x, y = _batch(rank, step)
@@ -668,45 +669,60 @@ def _h_auto(rank, world_size, gathers: list[float]):
         opt.step()
         opt.zero_grad(set_to_none=True)
         synced += [step] if sync.after_step() else []
-    state = sync.state_dict()
+    saved = io.BytesIO()
+    torch.save(sync.state_dict(), saved)
     _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, Communicator())
-    again.load_state_dict(state)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
     sparseloco_module.profile_compute = None  # a restored choice measures nothing again
     again.prepare(loss)
     restored = {"H": again.config.H, "choice": again.period_choice, "period": again.sync_period()}
+    restored |= {"synced_now": again.synced_now()}  # saved at step 10, a boundary of 5 (not of 40)
     sync.close()
     again.close()
     return {"before": before, "after": after, "synced": synced, "restored": restored}
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("gathers, chosen", [([0.0, 0.0], 5), ([0.0, 1e6], 40)])
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("gathers, chosen", [([0.0, 0.0], 5), ([0.0, 1e6], 40), (None, None)])
 def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the_period(gathers, chosen):
-    """Two workers: ``prepare`` times steps and a gather (here given: 0 s, or 1e6 s on one
-    worker only, which the slowest-decides agreement makes every worker's), and both run at the
-    period chosen from them: their syncs at its multiples, the summary's option saying so, the
-    probe counted outside the run's bytes, no gradient left behind; a state saved after it
-    carries the period, and a worker restored from it (a resume, a joiner) measures nothing."""
-    out = run_workers(_h_auto, 2, gathers, timeout=150)
+    """Two workers: ``prepare`` times steps and a gather (given, with 1 s steps: a gather of 0
+    s, or of 1e6 s on one worker only, which the slowest-decides agreement makes every
+    worker's; or the real ones, whose bytes stay out of the run's), and both run at the period
+    chosen from them: their syncs at its multiples, the summary's option saying so, no gradient left behind; a state saved
+    after it carries the period, and a worker restored from it (a resume, a joiner) measures
+    nothing and stands where the saver stood (at a sync boundary, or not)."""
+    out = run_workers(_h_auto, 2, gathers, timeout=210)
+    chosen = chosen or out[0]["after"]["H"]
     for r in out:
         assert r["before"] == (20, "auto (not measured: 20)")
         a = r["after"]
         assert (a["H"], a["landing"], a["period"]) == (chosen, chosen, chosen)
-        assert a["option"] == f"auto (measured: {chosen})" and not a["grads"] and a["sent"] == 0
+        assert a["option"] == f"auto (measured: {chosen})" and not a["grads"]
+        if gathers is None:  # the profile's barriers, the probe's two gathers and its barrier
+            assert a["sent"] == 0 and a["control"] >= 7
         assert [row["H"] for row in a["choice"]] == [5, 10, 20, 40]
         assert r["synced"] == [s for s in range(1, 11) if s % chosen == 0]
-        assert r["restored"] == {"H": chosen, "choice": a["choice"], "period": chosen}
+        boundary = 10 % chosen == 0
+        assert r["restored"] == {"H": chosen, "choice": a["choice"], "period": chosen, "synced_now": boundary}
     assert out[0]["after"]["choice"] == out[1]["after"]["choice"]  # one table: the slowest's figures
 
 
-def test_h_auto_alone_measures_nothing_and_takes_the_shortest_period(monkeypatch):
-    """A world of one (a joiner before it is admitted takes the members' period with their
-    state; a one-worker run gathers nothing): no probe, the shortest period."""
+def test_h_auto_alone_measures_nothing_and_a_joiner_takes_the_members_period(monkeypatch):
+    """A world of one (a joiner before it is admitted; a one-worker run gathers nothing): no
+    probe, the shortest period, the summary saying so; then the members' state handed over
+    sets theirs."""
     monkeypatch.setattr(sparseloco_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
     _, _, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
     sync.prepare(lambda: pytest.fail("a step taken"))
     assert sync.config.H == 5 and sync.period_choice == [] and sync.sync_period() == 5
+    assert sync.resolved_options()["H"] == "auto (alone: 5)"
+    _, _, members = _tiny_sync({"H": 40, "chunk": 256, "k": 8})
+    state = members.state_dict() | {"period": {"H": 40, "choice": [{"H": 40}]}}
+    sync.load_state_dict(state)
+    assert sync.config.H == 40 and sync.sync_period() == 40 and sync.landing == 40
+    assert sync.resolved_options()["H"] == "auto (measured: 40)"
     sync.close()
+    members.close()
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ sent and every second it waited. Options are the algorithm's own config fields (
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -243,6 +244,9 @@ def wrap(
     ``plan=`` (a file from ``geotrain plan``), or ``profile=``, a function that computes a
     training loss on a batch, called a few times here to profile the model and the link; with
     neither it times the loop's first steps (synchronous ones) and plans from them.
+    ``sparseloco`` with ``H="auto"`` times steps and a gather with ``profile=`` to choose its
+    period; without it, it runs at 20 and says so. A ``load_state_dict`` after ``wrap`` (a
+    resume) restores the period chosen before.
     ``max_norm_ratio`` R > 0 leaves out of every average a worker's contribution that is not
     finite or whose norm is more than R times the others' median (inf: only what is not
     finite; 0: off; "auto", the default: 10 for the periodic methods and the gathers, inf
@@ -295,6 +299,13 @@ def wrap(
     algorithm = ALGORITHMS[algo][0](model, optimizer, comm, config)
     if profile is not None:
         algorithm.prepare(profile)
+    elif algo == "sparseloco" and getattr(algorithm, "auto_period", False) and comm.rank == 0:
+        print(
+            f"geotrain: sparseloco H='auto' needs profile= (a function that computes a training loss) "
+            f"to time a step and a gather; running at H={algorithm.config.H}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif algo == "dreamddp" and not options.get("plan"):
         algorithm.observe()  # plans from the first steps of the loop itself
     return Sync(algorithm, optimizer, lr_scale)

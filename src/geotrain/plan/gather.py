@@ -102,23 +102,28 @@ def choose_sparseloco_period(
     gather: float,
     periods: tuple[int, ...] = SPARSELOCO_PERIODS,
     penalty: float = SPARSELOCO_PENALTY,
+    overlap: bool | str = "auto",
+    sync_wait_s: float = 0.0,
 ) -> tuple[int, list[dict]]:
     """``sparseloco --H auto``: the period of ``periods`` with the shortest predicted time to a
     loss, from a step's compute and one outer step's gather as measured (seconds), and the table
     it was chosen from (a row per period; ties go to the shorter). Time to a loss is the
     predicted step (``sparseloco_step``: the gather every H steps, synchronous or overlapped as
-    ``--overlap auto`` would decide) times the steps it needs, ``1 + penalty * H`` (a shorter
-    period learns more per token: ``SPARSELOCO_PENALTY``), over nosync's step."""
-    if compute_s <= 0 or gather < 0 or not periods:
+    the run's ``overlap`` has it, auto deciding as it would; a synchronous gather also waits
+    ``sync_wait_s`` for the slowest worker) times the steps it needs, ``1 + penalty * H`` (a
+    shorter period learns more per token: ``SPARSELOCO_PENALTY``), over nosync's step."""
+    if compute_s <= 0 or gather < 0:
         raise ValueError(f"need a step's compute > 0 and a gather >= 0, got {compute_s} and {gather}")
+    if not periods:
+        raise ValueError("no period to choose from")
     table = []
     for H in periods:
-        step, overlap = sparseloco_step(compute_s, gather, H)
+        step, overlap_H = sparseloco_step(compute_s, gather, H, overlap, sync_wait_s)
         factor = 1 + penalty * H
         table.append(
             {
                 "H": H,
-                "overlap": overlap,
+                "overlap": overlap_H,
                 "predicted_step_s": step,
                 "steps_factor": factor,
                 "time_to_loss_factor": step * factor / compute_s,

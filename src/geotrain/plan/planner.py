@@ -73,14 +73,15 @@ OWN_H = ("sparseloco", "streaming", "co2")  # priced at their default period, wh
 
 
 def sparseloco_period(compute: ComputeModel, link: LinkModel, workers: int) -> int:
-    """The period sparseloco runs at with its defaults: ``--H auto``'s choice from the predicted
-    step and gather (as a run takes it from the measured ones), or the fixed default."""
+    """The period sparseloco runs at with its defaults: the fixed default, or where that is
+    ``auto``, its choice from the predicted step and gather (as a run takes it from the measured
+    ones, with the wait for the slowest worker that a synchronous gather pays)."""
     default = SparseLoCoConfig().H
     if default != "auto":
         return int(default)
     n_params = sum(compute.raw_nbytes or compute.nbytes) // 4
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
-    return choose_sparseloco_period(compute.compute_s, gather)[0]
+    return choose_sparseloco_period(compute.compute_s, gather, sync_wait_s=compute.sync_wait_s)[0]
 
 
 def predict_algo(

@@ -126,7 +126,7 @@ ARRIVAL_BYTES = 4
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
-# not called: geotrain.wrap without a profile loss), the default before auto
+# not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
 # --H auto: whole steps timed at start-up (after one warm-up), as a profile times them
 PROBE_STEPS = 2
@@ -285,8 +285,9 @@ class SparseLoCo(PeriodicSync):
         mean_over = "senders" if self._per_sender() else "workers"
         options = {"alpha": self.alpha, "overlap": overlap, "mean_over": mean_over}
         if self.auto_period:
-            measured = "measured" if self.period_choice is not None else "not measured"
-            options = {"H": f"auto ({measured}: {self.config.H})"} | options
+            choice = self.period_choice
+            how = "not measured" if choice is None else "measured" if choice else "alone"
+            options = {"H": f"auto ({how}: {self.config.H})"} | options
         if self.overlap:
             options["tau"] = self.landing
         return options
@@ -305,17 +306,21 @@ class SparseLoCo(PeriodicSync):
             self.period_choice = []
             return
         with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
-            compute_s = profile_compute(
+            profile = profile_compute(
                 self.module,
                 layer_groups(self.module),
                 loss_fn,
                 self.optimizer,
                 reps=PROBE_STEPS,
                 barrier=self.comm.barrier,
-            )["step_s"]
+            )
             gather = self._time_gather()
-        compute_s, gather = self.comm.max_scalars([compute_s, gather])
-        H, self.period_choice = choose_sparseloco_period(compute_s, gather)
+        compute_s, wait, gather = self.comm.max_scalars(
+            [profile["step_s"], profile["barrier_wait_s"], gather]
+        )
+        H, self.period_choice = choose_sparseloco_period(
+            compute_s, gather, overlap=self.config.overlap, sync_wait_s=wait
+        )
         self._set_period(H)
         if self.comm.rank == 0:
             weighed = ", ".join(
@@ -649,10 +654,10 @@ class SparseLoCo(PeriodicSync):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if self.auto_period and state.get("period"):  # the period chosen at the run's start
-            self._set_period(int(state["period"]["H"]))
+        if self.auto_period and state.get("period"):  # the period chosen at the run's start, first:
+            self._set_period(int(state["period"]["H"]))  # the base reads its boundaries with it
             self.period_choice = state["period"]["choice"]
+        super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
         self._error.copy_(self._in_layout(state["error"]))
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
