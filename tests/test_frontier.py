@@ -688,9 +688,9 @@ def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the
     """Two workers: ``prepare`` times steps and a gather (given, with 1 s steps: a gather of 0
     s, or of 1e6 s on one worker only, which the slowest-decides agreement makes every
     worker's; or the real ones, whose bytes stay out of the run's), and both run at the period
-    chosen from them: their syncs at its multiples, the summary's option saying so, no gradient left behind; a state saved
-    after it carries the period, and a worker restored from it (a resume, a joiner) measures
-    nothing and stands where the saver stood (at a sync boundary, or not)."""
+    chosen from them: their syncs at its multiples, the summary's option saying so, no gradient
+    left behind; a state saved after it carries the period, and a worker restored from it (a
+    resume, a joiner) measures nothing and stands where the saver stood (at a boundary, or not)."""
     out = run_workers(_h_auto, 2, gathers, timeout=210)
     chosen = chosen or out[0]["after"]["H"]
     for r in out:
