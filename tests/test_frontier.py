@@ -156,7 +156,7 @@ def test_a_mean_summed_into_a_used_work_vector_is_the_same_mean():
         ({"beta": 1.0}, "--beta (error-feedback decay) must be in [0, 1)"),
         ({"H": 0}, "H (inner steps between outer steps) must be an integer >= 1"),
         ({"alpha": -1}, "--alpha (outer learning rate) must be > 0"),
-        ({"H": "auto", "tau": 3}, "--H auto chooses the period at start-up: give --H with --tau"),
+        ({"H": "auto", "tau": 41}, "must be an integer in [1, H=auto (at most 40)]"),
     ],
 )
 def test_bad_options_say_what_to_change(options, needle):
@@ -422,7 +422,7 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
         ("sparseloco", ["--bits", "3"], "--bits"),
         ("sparseloco", ["--tau", "21"], "--tau (steps after an outer step"),
         ("sparseloco", ["--tau", "3", "--no-overlap"], "drop one of them"),
-        ("sparseloco", ["--H", "auto", "--tau", "3"], "--H auto chooses the period at start-up"),
+        ("sparseloco", ["--H", "auto", "--tau", "41"], "H=auto (at most 40)"),
         ("demo", ["--beta", "1"], "--beta (momentum decay)"),
         ("demo", ["--compress", "int8"], "demo does not take --compress"),
     ],
@@ -723,6 +723,11 @@ def test_h_auto_alone_measures_nothing_and_a_joiner_takes_the_members_period(mon
     assert sync.resolved_options()["H"] == "auto (measured: 40)"
     sync.close()
     members.close()
+    _, _, landing = _tiny_sync({"H": "auto", "tau": 7, "chunk": 256, "k": 8})  # --tau lands within
+    assert landing.config.H == 20 and landing.landing == 7
+    landing.prepare(lambda: pytest.fail("a step taken"))
+    assert landing.config.H == 10 and landing.landing == 7
+    landing.close()
 
 
 @pytest.mark.parametrize(

@@ -167,13 +167,7 @@ class SparseLoCoConfig(SyncConfig):
     mean_over: str = "auto"  # senders, workers; auto: senders unless it lands in a period's second half
 
     def __post_init__(self) -> None:
-        if self.H == "auto":
-            require(
-                not self.tau,
-                f"--tau {self.tau} lands a gather within the period, and --H auto chooses the period "
-                "at start-up: give --H with --tau, or drop --tau",
-            )
-        else:
+        if self.H != "auto":
             require_period(self.H)
         require(
             self.overlap in (True, False, "auto"),
@@ -188,10 +182,13 @@ class SparseLoCoConfig(SyncConfig):
             self.chunk, f"--chunk={self.chunk}",
         )  # fmt: skip
         require(0 <= self.beta < 1, f"--beta (error-feedback decay) must be in [0, 1), got {self.beta}")
+        # --H auto chooses among the periods the landing fits in
+        most = max(SPARSELOCO_PERIODS) if self.H == "auto" else self.H
         require(
-            isinstance(self.tau, int) and 0 <= self.tau <= (0 if self.H == "auto" else self.H),
+            isinstance(self.tau, int) and 0 <= self.tau <= most,
             f"--tau (steps after an outer step at which its gather lands, with overlap) must be an "
-            f"integer in [1, H={self.H}], or 0 for auto; got {self.tau}",
+            f"integer in [1, H={self.H}{f' (at most {most})' if self.H == 'auto' else ''}], or 0 for "
+            f"auto; got {self.tau}",
         )
         require(
             not (self.tau and self.overlap is False),
@@ -227,7 +224,7 @@ class SparseLoCo(PeriodicSync):
         # --H auto: the provisional period until ``prepare`` measures and chooses
         self.auto_period = config.H == "auto"
         if self.auto_period:
-            config = dataclasses.replace(config, H=PROVISIONAL_H)
+            config = dataclasses.replace(config, H=max(PROVISIONAL_H, config.tau))
         super().__init__(model, optimizer, comm, config)
         self.period_choice: list[dict] | None = None  # --H auto: the periods weighed
         self.chunker = self.config.codec()
@@ -302,7 +299,7 @@ class SparseLoCo(PeriodicSync):
         if not self.auto_period or self.period_choice is not None:
             return
         if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes the
-            self._set_period(SPARSELOCO_PERIODS[0])  # members' period with their state)
+            self._set_period(min(h for h in SPARSELOCO_PERIODS if h >= self.config.tau))  # members')
             self.period_choice = []
             return
         with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
@@ -318,8 +315,9 @@ class SparseLoCo(PeriodicSync):
         compute_s, wait, gather = self.comm.max_scalars(
             [profile["step_s"], profile["barrier_wait_s"], gather]
         )
+        periods = tuple(h for h in SPARSELOCO_PERIODS if h >= self.config.tau)  # --tau lands within
         H, self.period_choice = choose_sparseloco_period(
-            compute_s, gather, overlap=self.config.overlap, sync_wait_s=wait
+            compute_s, gather, periods, overlap=self.config.overlap, sync_wait_s=wait
         )
         self._set_period(H)
         if self.comm.rank == 0:
