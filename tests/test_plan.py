@@ -338,9 +338,11 @@ def test_plan_predicts_every_algorithm_and_choose_respects_the_budget():
     assert set(plan["predicted_s"]) == algos
     assert plan["predicted_s"]["nosync"] == pytest.approx(0.02 + 0.048 + 0.003)
     # 600,000 parameters: 147 chunks of 4096. SparseLoCo's 17,052-byte gather (0.0078 s on 2
-    # workers, priced as an all-reduce of N P / 2 bytes) is 0.55% of the 20 steps' compute
-    # (1.42 s), so --overlap auto runs it synchronously; DeMo's 12,348 bytes wait every step.
-    assert plan["predicted_s"]["sparseloco"] == pytest.approx(0.071 + 0.0078 / 20, abs=1e-5)
+    # workers, priced as an all-reduce of N P / 2 bytes) is 2.2% of 5 steps' compute (0.355 s),
+    # so --H auto takes H=5 (time to a loss 1.1 x 1.022, H=10's 1.2 x 1.011) and --overlap auto
+    # runs it synchronously; DeMo's 12,348 bytes wait every step.
+    assert plan["sparseloco_H"] == 5
+    assert plan["predicted_s"]["sparseloco"] == pytest.approx(0.071 + 0.0078 / 5, abs=1e-5)
     assert plan["predicted_s"]["demo"] == pytest.approx(0.071 + 0.001 + 4e-7 * 12_348)
     # CO2's 2.4 MB all-reduce (0.961 s) hides under 20 steps (1.42 s); so does a Streaming DiLoCo
     # fragment's 77,344-byte gather (0.032 s) under one step (0.071 s).

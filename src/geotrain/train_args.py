@@ -52,7 +52,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "to a loss, chosen at start-up from the profile, up to one layer per iteration: see "
         "docs/dreamddp.md; sparseloco: of 5, 10, 20 and 40, the one with the shortest predicted time "
         "to a loss, from a step and an outer step's gather timed at start-up: see docs/frontier.md); "
-        "0: the algorithm's default (10; dreamddp 2; sparseloco, streaming, co2 20)",
+        "0: the algorithm's default (10; dreamddp 2; sparseloco auto; streaming, co2 20)",
         "outer_lr": "the outer learning rate of diloco, streaming and co2 (0.7); 0: the algorithm's default",
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see "

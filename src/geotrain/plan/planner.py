@@ -64,7 +64,7 @@ from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
 from geotrain.sync.sparseloco import SparseLoCoConfig
 
-SPARSELOCO_H = 20  # the default period of sparseloco, streaming and co2 (OWN_H)
+SPARSELOCO_H = 20  # the default period of streaming and co2 (OWN_H; sparseloco's: sparseloco_period)
 
 
 PREDICTED = ("nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp", "sparseloco", "demo", "streaming")

@@ -28,6 +28,16 @@ bytes counted are the bytes sent. Chunks are cut per tensor, as the paper's are
 took the final loss from 2.2824 to 2.2262 (2.2491 to 2.1822 without overlap), for 1.6% more
 bytes on ``mini``.
 
+The period, ``H``: "auto" by default. The paper runs H=15 to 250; on GPT ``mini`` (W1: 4
+workers, batch 8 x 128, 2,000 steps, no overlap) a shorter period learns more per token, at
+bytes that stay small: H=20 needed about 1.26x DDP's tokens to DDP's loss, H=10 and H=5 fewer
+(docs/frontier.md, "The period"). How short a period the link affords depends on it, so a run
+times whole steps and one all-gather of its message at start-up (``prepare``) and takes, of
+5, 10, 20 and 40, the period with the shortest predicted time to a loss: the step predicted
+with the gather every H steps (synchronous, or overlapped as ``--overlap auto`` decides), times
+1 + ``SPARSELOCO_PENALTY`` x H (``plan.gather.choose_sparseloco_period``). The slowest worker's
+figures decide for all; the choice is saved with the run.
+
 Defaults. The paper's: chunks of 4096 with k=64 (1.56% density), 2-bit values, beta 0.95, and
 alpha 1. Ours keep them, alpha 1 over senders and 2 over workers (``alpha`` 0), best on our
 workload (above; over workers with overlap, alpha 1 gave 2.40 and alpha 2 2.28 in an earlier
@@ -152,9 +162,9 @@ def next_landing(landing: int, arrivals: list[float], H: int) -> int:
 
 @dataclass
 class SparseLoCoConfig(SyncConfig):
-    # "auto": chosen at start-up from a step and an outer step's gather as measured
+    # "auto" (the default): chosen at start-up from a step and an outer step's gather as measured
     # (``SparseLoCo.prepare``, ``plan.gather.choose_sparseloco_period``)
-    H: int | str = 20
+    H: int | str = "auto"
     chunk: int = 4096
     k: int = 64
     bits: int = 2
