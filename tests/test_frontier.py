@@ -420,7 +420,7 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
     [
         ("sparseloco", ["--k", "5000"], "--chunk=4096"),
         ("sparseloco", ["--bits", "3"], "--bits"),
-        ("sparseloco", ["--tau", "21"], "--tau (steps after an outer step"),
+        ("sparseloco", ["--H", "20", "--tau", "21"], "--tau (steps after an outer step"),
         ("sparseloco", ["--tau", "3", "--no-overlap"], "drop one of them"),
         ("sparseloco", ["--H", "auto", "--tau", "41"], "H=auto (at most 40)"),
         ("demo", ["--beta", "1"], "--beta (momentum decay)"),
