@@ -29,11 +29,12 @@ H100_BF16_FLOPS = 989e12
 # SparseLoCo's --overlap auto overlaps where the first outer step's gather took more than this
 # share of the period's compute: the slack left by the target of 0.95 of nosync's step.
 OVERLAP_ABOVE = 0.05
-# sparseloco --H auto: the periods weighed, and the extra steps to a loss per step of period, a
-# fraction of the steps at H=0 (a linear fit to tokens to DDP's loss on W1 over 2,000 steps at
-# H=5, 10 and 20: docs/frontier.md)
+# sparseloco --H auto: the periods weighed, and the extra steps to a loss per step of period, as a
+# fraction of the steps at H -> 0: the least-squares line through tokens to DDP's loss on W1 over
+# 2,000 steps (docs/frontier.md, "The period"): 1.12x at H=5, 1.16x at H=10, 1.26x at H=20, so
+# 1.070 (1 + 0.0088 H)
 SPARSELOCO_PERIODS = (5, 10, 20, 40)
-SPARSELOCO_PENALTY = 0.02
+SPARSELOCO_PENALTY = 0.0088
 
 
 def gather_bytes(payload: int, workers: int) -> int:
