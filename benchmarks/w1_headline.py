@@ -40,13 +40,14 @@ from w1_curves import HERE, read_csv, table  # noqa: E402
 from geotrain.compress import run_codec  # noqa: E402
 from geotrain.launch.disk import drop_states  # noqa: E402
 
-# each algorithm's defaults, and the curve that measured them over 2,000 steps
-CURVES = {
+# each algorithm's defaults, and the curve that measured them over 2,000 steps (None: the run
+# chooses its period, --H auto, and the curve is the one kept at that period: ``curve_of``)
+CURVES: dict[str, str | None] = {
     "ddp": "w1-ddp",
     "localsgd": "w1-localsgd-H10",
     "diloco": "w1-diloco-int4-H10",
     "dreamddp": "w1-dreamddp-int4-H2-lr1",
-    "sparseloco": "w1-sparseloco-H20",
+    "sparseloco": None,
     "streaming": "w1-streaming-H20",
     "co2": "w1-co2-H20",
 }
@@ -77,10 +78,10 @@ def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
     """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``),
     the curve measured at that period (``w1-ALGO-HN``) where one is kept."""
     period = str(result.get("periods", ""))
-    chosen = f"w1-{algo}-H{period[2:]}" if period.startswith("H=") and period[2:].isdigit() else None
-    if chosen and (HERE / f"{chosen}.csv").exists() and (curve is None or curve.startswith(f"w1-{algo}-H")):
-        return chosen
-    return curve
+    if curve is not None or not (period.startswith("H=") and period[2:].isdigit()):
+        return curve
+    chosen = f"w1-{algo}-H{period[2:]}"
+    return chosen if (HERE / f"{chosen}.csv").exists() else None
 
 
 def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:

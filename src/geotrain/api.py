@@ -21,7 +21,6 @@ sent and every second it waited. Options are the algorithm's own config fields (
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -299,13 +298,6 @@ def wrap(
     algorithm = ALGORITHMS[algo][0](model, optimizer, comm, config)
     if profile is not None:
         algorithm.prepare(profile)
-    elif algo == "sparseloco" and getattr(algorithm, "auto_period", False) and comm.rank == 0:
-        print(
-            f"geotrain: sparseloco H='auto' needs profile= (a function that computes a training loss) "
-            f"to time a step and a gather; running at H={algorithm.config.H}",
-            file=sys.stderr,
-            flush=True,
-        )
-    elif algo == "dreamddp" and not options.get("plan"):
-        algorithm.observe()  # plans from the first steps of the loop itself
+    else:
+        algorithm.prepare_unprofiled()
     return Sync(algorithm, optimizer, lr_scale)

@@ -62,7 +62,6 @@ from geotrain.plan.schedule import (
 )
 from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
-from geotrain.sync.sparseloco import SparseLoCoConfig
 
 SPARSELOCO_H = 20  # the default period of streaming and co2 (OWN_H; sparseloco's: sparseloco_period)
 
@@ -73,12 +72,9 @@ OWN_H = ("sparseloco", "streaming", "co2")  # priced at their default period, wh
 
 
 def sparseloco_period(compute: ComputeModel, link: LinkModel, workers: int) -> int:
-    """The period sparseloco runs at with its defaults: the fixed default, or where that is
-    ``auto``, its choice from the predicted step and gather (as a run takes it from the measured
-    ones, with the wait for the slowest worker that a synchronous gather pays)."""
-    default = SparseLoCoConfig().H
-    if default != "auto":
-        return int(default)
+    """The period sparseloco runs at with its defaults (``--H auto``): its choice from the
+    predicted step and gather, as a run takes it from the measured ones, with the wait for the
+    slowest worker that a synchronous gather pays."""
     n_params = sum(compute.raw_nbytes or compute.nbytes) // 4
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
     return choose_sparseloco_period(compute.compute_s, gather, sync_wait_s=compute.sync_wait_s)[0]
@@ -123,10 +119,12 @@ def predictions(
     mean_period: float | None = None,
     compress: str = "",
     defaults: dict[str, tuple[ComputeModel, str]] | None = None,
+    sparseloco_H: int = SPARSELOCO_H,
 ) -> dict[str, float]:
-    """Every algorithm's step; sparseloco, streaming and co2 at their own default period, not
-    the plan's H. With trust options (``options``: aggregate, norm check), ``link`` is the
-    all-reduce under them and ``plain`` the one without: the gathering methods (sparseloco, demo,
+    """Every algorithm's step; sparseloco (at ``sparseloco_H``: ``sparseloco_period``),
+    streaming and co2 at their own default period, not the plan's H. With trust options
+    (``options``: aggregate, norm check), ``link`` is the all-reduce under them and ``plain`` the
+    one without: the gathering methods (sparseloco, demo,
     streaming) judge the messages they hold with no communication, co2's weighted sum pays the
     check's round trip only, and the combinations a run refuses (trimmed or median with them)
     are left out. ``auto_check`` (``--max-norm-ratio auto``): each algorithm checked as a run
@@ -139,6 +137,7 @@ def predictions(
     ``cost.guard_factors``). ``defaults``: methods priced with a codec of their own instead
     (its model and spec: diloco's default int4 where no ``--compress`` was given)."""
     periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
+    periods["sparseloco"] = sparseloco_H
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
     plain = plain or link
@@ -166,8 +165,6 @@ def predictions(
         model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
         if own:
             model = own[0]
-        if algo == "sparseloco":
-            periods[algo] = sparseloco_period(model, line, workers)
         out[algo] = predict_algo(algo, model, line, periods[algo], workers, schedule)
     return out
 
@@ -418,6 +415,8 @@ def make_plan(
         slowest = min(rates_bps or profile_rates(profile))
     except ValueError:  # a loopback profile predicted for its own loopback: no rate to speak of
         slowest = None
+    # sparseloco's period as a run with its defaults takes it (--H auto), on its own line and model
+    sparseloco_H = sparseloco_period(plain_compute if compress else compute, plain, group)
     return {
         "H": H,
         "parameters": sum(plain_compute.nbytes) // 4,
@@ -459,10 +458,10 @@ def make_plan(
             periodic["mean_period"] if periodic else None,
             compress,
             defaults,
+            sparseloco_H,
         ),  # fmt: skip
         "choose": table,
-        # sparseloco's period as a run with its defaults takes it (--H auto: from the prediction)
-        "sparseloco_H": sparseloco_period(plain_compute if compress else compute, plain or link, group),
+        "sparseloco_H": sparseloco_H,
         # --compress auto: the codec chosen (a run with --compress auto takes it) and those weighed
         **({"codec": compress, "codec_choice": codec_table} if codec_table is not None else {}),
         # the site averages send fp32 parameters, whatever codec the table prices

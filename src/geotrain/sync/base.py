@@ -180,6 +180,10 @@ class SyncAlgorithm:
     def prepare(self, loss_fn) -> None:
         """Once before training, with a closure that computes a training loss (for profiling)."""
 
+    def prepare_unprofiled(self) -> None:
+        """Once before training where no such closure is given (``geotrain.wrap`` without
+        ``profile=``): what the algorithm does instead of profiling, if anything."""
+
     def contributes(self) -> bool:
         """Whether this worker's contribution enters the average under way: not where it holds a
         copy of the leader's (an average redone after a regroup, ``Communicator.leaving_out``)."""

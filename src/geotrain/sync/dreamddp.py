@@ -294,6 +294,9 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         if self.schedule is None:
             self._replan()
 
+    def prepare_unprofiled(self) -> None:
+        self.observe()  # plans from the first steps of the loop itself (unless a plan was given)
+
     def observe(self, steps: int = OBSERVED_STEPS) -> None:
         """No plan and no loss function to profile with (``geotrain.wrap`` without either): the
         first ``steps`` + 1 training steps are timed as they run (``StepObserver``), every layer

@@ -308,8 +308,9 @@ class SparseLoCo(PeriodicSync):
         and gather deciding for all. Not again where a restored state holds the choice."""
         if not self.auto_period or self.period_choice is not None:
             return
+        periods = tuple(h for h in SPARSELOCO_PERIODS if h >= self.config.tau)  # --tau lands within
         if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes the
-            self._set_period(min(h for h in SPARSELOCO_PERIODS if h >= self.config.tau))  # members')
+            self._set_period(periods[0])  # members' period with their state)
             self.period_choice = []
             return
         with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
@@ -325,7 +326,6 @@ class SparseLoCo(PeriodicSync):
         compute_s, wait, gather = self.comm.max_scalars(
             [profile["step_s"], profile["barrier_wait_s"], gather]
         )
-        periods = tuple(h for h in SPARSELOCO_PERIODS if h >= self.config.tau)  # --tau lands within
         H, self.period_choice = choose_sparseloco_period(
             compute_s, gather, periods, overlap=self.config.overlap, sync_wait_s=wait
         )
@@ -338,6 +338,15 @@ class SparseLoCo(PeriodicSync):
             print(
                 f"geotrain: sparseloco --H auto: H={H} (a step's compute {compute_s:.3f} s, an outer "
                 f"step's gather {gather:.3f} s; time to a loss x nosync's step: {weighed})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def prepare_unprofiled(self) -> None:
+        if self.auto_period and self.comm.rank == 0:
+            print(
+                f"geotrain: sparseloco H='auto' needs profile= (a function that computes a training "
+                f"loss) to time a step and a gather; running at H={self.config.H}",
                 file=sys.stderr,
                 flush=True,
             )
