@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -75,9 +76,12 @@ def main() -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
     sent = sync.stats["sent_bytes"]
-    print(
-        f"rank {rank}: trainable {trainable} sent {sent} loss {loss.item():.4f} digest {digest}", flush=True
+    # One write per line: both ranks share torchrun's stdout, and print's separate write of the
+    # newline (unbuffered under PYTHONUNBUFFERED) lets the other rank's line land mid-line.
+    sys.stdout.write(
+        f"rank {rank}: trainable {trainable} sent {sent} loss {loss.item():.4f} digest {digest}\n"
     )
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

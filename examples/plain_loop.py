@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import time
 
 import torch
@@ -86,11 +87,13 @@ def main() -> None:
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
-    print(
+    # One write per line: both ranks share torchrun's stdout, and print's separate write of the
+    # newline (unbuffered under PYTHONUNBUFFERED) lets the other rank's line land mid-line.
+    sys.stdout.write(
         f"rank {rank}: loss {loss.item():.4f} sent {sync.stats['sent_bytes']} bytes digest {digest} "
-        f"skipped {skipped}",
-        flush=True,
+        f"skipped {skipped}\n"
     )
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -192,7 +192,7 @@ def test_the_example_loop_runs_under_torchrun_and_ends_with_one_model(algo, extr
     cmd += [str(ROOT / "examples" / "plain_loop.py"), "--algo", algo, "--H", "5", "--steps", "20", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pattern = r"rank (\d): loss ([0-9.]+) sent (\d+) bytes digest (\w+) skipped (\d+)"
+    pattern = r"rank (\d): loss ([0-9.]+) sent (\d+) bytes digest ([0-9a-f]{16}) skipped (\d+)"
     lines = {r: rest for r, *rest in re.findall(pattern, proc.stdout)}
     assert sorted(lines) == ["0", "1"]
     assert len({digest for _, _, digest, _ in lines.values()}) == 1  # the same parameters on both
@@ -214,7 +214,9 @@ def test_a_hugging_face_lm_with_lora_syncs_only_its_adapters():
     cmd += ["--compress", "none"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = re.findall(r"rank (\d): trainable (\d+) sent (\d+) loss [0-9.]+ digest (\w+)", proc.stdout)
+    lines = re.findall(
+        r"rank (\d): trainable (\d+) sent (\d+) loss [0-9.]+ digest ([0-9a-f]{16})", proc.stdout
+    )
     assert sorted(r for r, *_ in lines) == ["0", "1"]
     (trainable,) = {int(t) for _, t, _, _ in lines}
     assert trainable == 2 * (8 * 64 + 8 * 192)  # A (r x in) and B (out x r) on each layer's c_attn
