@@ -1,13 +1,14 @@
 """SparseLoCo and DeMo on a home link, side by side with no communication at all, in one session.
 
-    python benchmarks/bench_frontier.py --bandwidths 350kbit,3.5mbit --steps 80 --H 20
+    python benchmarks/bench_frontier.py --bandwidths 350kbit,3.5mbit --steps 80 [--H 20]
 
 On W1 (GPT ``mini``, 4 hosts, batch 8 x 128, one thread each) every cell runs the same job
 through ``geotrain run`` on the emulated cluster: ``nosync`` (the bound), ``sparseloco`` with its
 defaults (``--overlap auto``: the first outer step synchronous and timed, the rest overlapped
 where its gather took over 5% of the period's compute), ``sparseloco --overlap`` (always),
 ``sparseloco --no-overlap``, ``demo`` and ``demo --overlap`` (fewer steps: ``--demo-steps``), at
-each bandwidth. The table
+each bandwidth, at SparseLoCo's default period (``--H auto``: chosen by the link at start-up; the
+table's H column says which) unless ``--H N`` pins one. The table
 gives each cell's mean step time as a ratio to ``nosync`` at the same rate (``nosync / algo``:
 1.0 is a link as good as none), the bytes each worker sent per step, and what the emulated rate
 stands for on an accelerator (``geotrain.plan.gather``: an H100 at 40% of bf16 peak taking
@@ -46,12 +47,14 @@ CELLS = {  # name: extra flags
 def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
     run_dir = out / rate / name.replace(" ", "_")
     if (run_dir / "summary.json").exists():
-        return _with_steady(run_dir, args.H)
+        return _with_steady(run_dir, args.steady_after)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "geotrain", "run", "--workers", str(args.workers), "--model", args.model,
-           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--H", str(args.H),
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps),
            "--bandwidth", rate, "--no-progress", "--run-dir", str(run_dir),
            *CELLS[name.removesuffix(" (again)")]]  # fmt: skip
+    if args.H != "auto" and not name.startswith("nosync"):
+        cmd += ["--H", args.H]
     if name.startswith("demo"):  # a gather every step: at 350 kbit/s, 80 of them are 20 minutes
         cmd[cmd.index("--steps") + 1] = str(min(args.steps, args.demo_steps))
     print(f"{time.strftime('%H:%M:%S')} {rate} {name} ...", file=sys.stderr, flush=True)
@@ -60,11 +63,11 @@ def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
         raise SystemExit(f"{rate} {name} failed:\n{proc.stderr[-3000:]}")
     if not args.keep_states:
         drop_states(run_dir)
-    return _with_steady(run_dir, args.H)
+    return _with_steady(run_dir, args.steady_after)
 
 
-def _with_steady(run_dir: Path, H: int) -> dict:
-    """The summary, with ``steady_s``: the mean step over every worker after the first H steps,
+def _with_steady(run_dir: Path, after: int) -> dict:
+    """The summary, with ``steady_s``: the mean step over every worker after step ``after``,
     which leaves out start-up and ``--overlap auto``'s first outer step, run synchronously to be
     timed (a one-off: a few hundred steps in, it weighs nothing)."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -72,10 +75,16 @@ def _with_steady(run_dir: Path, H: int) -> dict:
         record["step_s"]
         for path in sorted((run_dir / "metrics").glob("rank*.jsonl"))
         for record in read_metrics(path)
-        if "step_s" in record and record.get("step", 0) > H
+        if "step_s" in record and record.get("step", 0) > after
     ]
     summary["steady_s"] = sum(steps) / len(steps) if steps else summary["step_s_mean"]
     return summary
+
+
+def period_of(summary: dict) -> str:
+    """The period a cell ran at ('' for a method without one): what ``--H auto`` chose."""
+    periods = summary.get("periods") or ""
+    return periods.removeprefix("H=") if periods.startswith("H=") else periods
 
 
 def overlap_verdict(summary: dict) -> str:
@@ -96,13 +105,18 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
-    p.add_argument("--H", type=int, default=20)
+    p.add_argument("--H", default="auto", help="sparseloco's period (auto: its default, chosen by the link)")
+    p.add_argument("--steady-after", type=int, default=20, help="the steady columns' first step")
     p.add_argument("--demo-steps", type=int, default=20, help="demo's steps (it is slow on slow links)")
     p.add_argument("--accel-flops", type=float, default=Accelerator().flops, help="peak FLOP/s")
     p.add_argument("--accel-mfu", type=float, default=Accelerator().mfu)
     p.add_argument("--accel-tokens", type=float, default=Accelerator().tokens_per_step, help="per step")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.H != "auto" and not (args.H.isdigit() and int(args.H) >= 1):
+        p.error(f"--H must be auto or a period >= 1, got {args.H!r}")
+    if not 0 <= args.steady_after < args.steps - 1:
+        p.error(f"--steady-after must be in [0, --steps - 1), got {args.steady_after}")
     accel = Accelerator(args.accel_flops, args.accel_mfu, args.accel_tokens)
     out = Path(args.out or f"runs/bench-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -113,13 +127,13 @@ def main() -> None:
         results[rate] = {name: run_cell(out, rate, name, args) for name in order}
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    job = f"{args.model}, {args.workers} workers, batch {args.batch_size}, {args.steps} steps, H={args.H}"
+    job = f"{args.model}, {args.workers} workers, batch {args.batch_size}, {args.steps} steps, --H {args.H}"
     print(f"\n{job}\n")
     print(
-        "| link here | stands for | algo | step s | nosync / algo | after step H: step s | nosync / algo "
-        "| sent KB/step | val loss | overlap auto |"
+        "| link here | stands for | algo | H | step s | nosync / algo "
+        f"| after step {args.steady_after}: step s | nosync / algo | sent KB/step | val loss | overlap auto |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rate, cells in results.items():
         bound = (cells["nosync"]["step_s_mean"] + cells["nosync (again)"]["step_s_mean"]) / 2
         steady = (cells["nosync"]["steady_s"] + cells["nosync (again)"]["steady_s"]) / 2
@@ -127,7 +141,7 @@ def main() -> None:
         accel_bps = stands_for_bps(parse_bandwidth(rate), bound, n_params, accel)
         for name, r in cells.items():
             print(
-                f"| {rate} | {format_rate(accel_bps)} | {name} | {r['step_s_mean']:.3f} | "
+                f"| {rate} | {format_rate(accel_bps)} | {name} | {period_of(r)} | {r['step_s_mean']:.3f} | "
                 f"{bound / r['step_s_mean']:.2f} | {r['steady_s']:.3f} | {steady / r['steady_s']:.2f} | "
                 f"{r['sent_bytes_per_step'] / 1e3:.1f} | "
                 f"{r['final_val_loss']:.4f} | {overlap_verdict(r)} |"

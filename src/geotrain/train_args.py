@@ -165,8 +165,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "progress": "show a progress bar on rank 0",
         "resume": "continue the run in --run-dir from its newest snapshot every worker can reach",
         "resume_step": "with --resume: restore this snapshot step instead of the newest",
-        "snapshot_every": "steps between in-memory snapshots (0: each sync boundary of a periodic "
-        "method, every 50 steps otherwise)",
+        "snapshot_every": "steps between in-memory snapshots (0: a periodic "
+        "method's first sync boundary at least 20 steps on, every 50 steps otherwise)",
         "checkpoint_every": "steps between disk checkpoints, written by the keeper from its copy "
         "(0: only at the end)",
         "redundancy": "who else holds each worker's unique state: off, ring (the next worker's "

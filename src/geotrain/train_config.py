@@ -155,7 +155,7 @@ class TrainConfig:
     progress: bool = True
     resume: bool = False  # continue the run in run_dir from its newest restorable snapshot
     resume_step: int = 0  # with resume: this snapshot step instead of the newest
-    snapshot_every: int = 0  # 0: every sync boundary (periodic methods), every 50 steps otherwise
+    snapshot_every: int = 0  # 0: a sync boundary >= 20 steps on (periodic methods), every 50 steps otherwise
     checkpoint_every: int = 0  # disk checkpoints, written by the keeper (0: only at the end)
     redundancy: str = "off"  # off | ring | ec:K/N: unique state held by peers' keepers
     snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)
@@ -271,7 +271,7 @@ class TrainConfig:
         need(self.resume_step >= 0, f"--resume-step must be >= 0 (0 = the newest), got {self.resume_step}")
         need(
             self.snapshot_every >= 0,
-            f"--snapshot-every must be >= 0 (0 = each sync boundary, or 50 steps), got {self.snapshot_every}",
+            f"--snapshot-every must be >= 0 (0: the algorithm's default), got {self.snapshot_every}",
         )
         need(
             self.checkpoint_every >= 0,

@@ -42,6 +42,7 @@ from geotrain.comm.guard import message_norm
 from geotrain.compress.codec import Codec, Shapes, numel, require
 
 VALUE_BITS = (2, 4, 8)
+Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a message's scales, value codes, indices
 
 
 def require_chunking(
@@ -88,11 +89,23 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The inverse of ``pack_bits``: ``count`` int64 codes."""
+    """The inverse of ``pack_bits``: ``count`` int64 codes.
+
+    Read whole codes, not bit planes (a plane per bit cost 5 ms for GPT ``mini``'s 12-bit
+    indices, and a message is unpacked by every receiver): where ``bits`` divides 8 each byte
+    holds ``8 / bits`` codes; otherwise each code is cut from the (at most) three bytes it spans."""
+    require(1 <= bits <= 16, f"unpack_bits: bits must be in [1, 16], got {bits}")
     device = packed.device
-    stream = (packed.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
-    planes = stream.reshape(-1)[: count * bits].reshape(count, bits).to(torch.int64)
-    return (planes << torch.arange(bits, dtype=torch.int64, device=device)).sum(dim=1)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+        codes = (packed.reshape(-1, 1) >> shifts) & mask
+        return codes.reshape(-1)[:count].to(torch.int64)
+    start = torch.arange(count, dtype=torch.int64, device=device) * bits
+    first = start >> 3
+    padded = torch.cat([packed.reshape(-1), torch.zeros(2, dtype=torch.uint8, device=device)]).to(torch.int32)
+    word = padded[first] | (padded[first + 1] << 8) | (padded[first + 2] << 16)
+    return ((word >> (start & 7).to(torch.int32)) & mask).to(torch.int64)
 
 
 class TensorChunks:
@@ -203,6 +216,11 @@ class ChunkTopK(Codec):
         )
         return payload, self._scatter(scales, codes, idx, n)
 
+    def parts_of(self, payloads: torch.Tensor, n: int) -> list[Parts | None]:
+        """Each gathered payload's (scales, codes, indices), None for an empty one (an adopter's
+        stand-in: see ``mean_of``): unpacked once for both ``norms`` and ``mean_of``."""
+        return [self._parts(payload, n) if payload.any() else None for payload in payloads]
+
     def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
         """A payload from ``encode`` of a vector of ``n`` values -> that dense float vector."""
         scales, codes, idx = self._parts(payload, n)
@@ -246,24 +264,28 @@ class ChunkTopK(Codec):
 
         def finish() -> None:
             payloads = handle.wait()
-            weights = comm.weigh_gathered(self.norms(payloads, n)) if comm.screening else None
+            parts = self.parts_of(payloads, n)
+            weights = comm.weigh_gathered(self.norms(payloads, n, parts)) if comm.screening else None
             if weights is not None and not any(weights):  # nothing to average: each keeps its own
                 return
-            unflatten_into(self.mean_of(payloads, n, weights), tensors)
+            unflatten_into(self.mean_of(payloads, n, weights, parts=parts), tensors)
 
         return Pending(finish)
 
-    def norms(self, payloads: torch.Tensor, n: int) -> list[tuple[float, bool]]:
+    def norms(
+        self, payloads: torch.Tensor, n: int, parts: list[Parts | None] | None = None
+    ) -> list[tuple[float, bool]]:
         """Each payload's decoded L2 norm and whether it decodes to finite values (the norm
         check's inputs, ``Communicator.weigh_gathered``). A payload whose indices repeat within
         a chunk, or point past it, is counted as not finite: with distinct indices the norm of
-        its values is the norm of the vector it stands for, and only then."""
+        its values is the norm of the vector it stands for, and only then. ``parts``: the
+        payloads' ``parts_of``, where the caller has them."""
         judged = []
-        for payload in payloads:
-            if not payload.any():  # an adopter's empty stand-in (see mean_of): nothing to judge
+        for part in self.parts_of(payloads, n) if parts is None else parts:
+            if part is None:  # an adopter's empty stand-in (see mean_of): nothing to judge
                 judged.append((0.0, True))
                 continue
-            scales, codes, idx = self._parts(payload, n)
+            scales, codes, idx = part
             ordered = idx.sort(dim=1).values  # distinct and inside the chunk, or it is refused
             valid = bool(ordered[:, -1].lt(self.chunk).all() and ordered.diff(dim=1).gt(0).all())
             judged.append(message_norm(self._values(scales, codes), valid))
@@ -276,6 +298,7 @@ class ChunkTopK(Codec):
         weights: list[float] | None = None,
         per_sender: bool = False,
         out: torch.Tensor | None = None,
+        parts: list[Parts | None] | None = None,
     ) -> torch.Tensor:
         """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over
         the workers that sent one: an all-zero payload is the empty stand-in of a worker that
@@ -289,7 +312,8 @@ class ChunkTopK(Codec):
         picked moves by its value, not a fraction of it.
 
         Summed in rank order on every worker, so every replica gets the same bits. ``out``: a
-        vector of ``chunks(n) * chunk`` values to sum into (a caller's work vector), not a new one."""
+        vector of ``chunks(n) * chunk`` values to sum into (a caller's work vector), not a new one.
+        ``parts``: the payloads' ``parts_of``, where the caller has them."""
         if out is None:
             total = torch.zeros(self.chunks(n), self.chunk, device=payloads.device)
         else:
@@ -297,12 +321,12 @@ class ChunkTopK(Codec):
         counts = torch.zeros(self.chunks(n), self.chunk, device=total.device) if per_sender else None
         senders = 0
         # Indices within one payload are distinct: scatter-add is exact.
-        for r, payload in enumerate(payloads):
+        for r, part in enumerate(self.parts_of(payloads, n) if parts is None else parts):
             weight = 1.0 if weights is None else weights[r]
-            if weight == 0 or not payload.any():
+            if weight == 0 or part is None:
                 continue
             senders += 1
-            scales, codes, idx = self._parts(payload, n)
+            scales, codes, idx = part
             values = self._values(scales, codes)
             total.scatter_add_(1, idx, values if weight == 1 else values * weight)
             if counts is not None:  # a sender counts once, its weight (a clip) stays on its values

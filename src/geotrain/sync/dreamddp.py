@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -120,7 +119,6 @@ def _inert(module, args) -> None:
 
 REPLAN_AFTER_PERIODS = 2  # periods in a row that must drift before a re-plan
 OBSERVED_STEPS = 3  # steps timed for the plan when no loss function is given (after a warm-up)
-MIN_SNAPSHOT_EVERY = 10  # steps: snapshots at the first period boundary this far on (H=10 as before)
 
 
 @dataclass
@@ -568,12 +566,11 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         return chosen
 
     def default_snapshot_every(self) -> int:
-        """The first period boundary (where the replicas share the most) at least
-        ``MIN_SNAPSHOT_EVERY`` steps on: a snapshot every 2 steps at H=2 would cost 3-6% of W1's
-        step for little gained."""
+        """The first period boundary at least ``MIN_SNAPSHOT_EVERY`` steps on (not every 2 steps
+        at H=2)."""
         H = self.schedule.H if self.schedule is not None else self.config.H
         H = H if isinstance(H, int) else DreamDDPConfig.H  # "auto" not chosen yet (observe())
-        return H * math.ceil(MIN_SNAPSHOT_EVERY / H)
+        return self.snapshot_boundary(H)
 
     def state_dict(self) -> dict[str, Any]:
         self._land_all_late()  # before the model is read: a snapshot holds no collective in flight

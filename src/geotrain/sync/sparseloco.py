@@ -409,11 +409,12 @@ class SparseLoCo(PeriodicSync):
         the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike).
         Returns the check's weights by rank (None: unchecked)."""
         weights = None
+        parts = self.chunker.parts_of(gathered, self.n)  # unpacked once, for the check and the mean
         if self.comm.checking:
-            weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n))
+            weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n, parts))
         # Into the work vector: the delta it held has gone into the message (``_message``).
         mean = self.chunker.mean_of(
-            gathered, self.n, weights, per_sender=self._per_sender(), out=self._scratch
+            gathered, self.n, weights, per_sender=self._per_sender(), out=self._scratch, parts=parts
         )
         self._anchor.sub_(mean.mul_(self.alpha)).mul_(self._real)
         return weights

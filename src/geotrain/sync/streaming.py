@@ -186,7 +186,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         return math.gcd(self.config.every, self.config.tau) if self.config.tau else self.config.every
 
     def default_snapshot_every(self) -> int:
-        return self.config.H
+        return self.snapshot_boundary(self.config.H)
 
     # -- messages -------------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> torch.Tensor:
