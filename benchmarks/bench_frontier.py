@@ -47,7 +47,7 @@ CELLS = {  # name: extra flags
 def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
     run_dir = out / rate / name.replace(" ", "_")
     if (run_dir / "summary.json").exists():
-        return _with_steady(run_dir, args.steady_after)
+        return _summary(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "geotrain", "run", "--workers", str(args.workers), "--model", args.model,
            "--batch-size", str(args.batch_size), "--steps", str(args.steps),
@@ -63,22 +63,25 @@ def run_cell(out: Path, rate: str, name: str, args: argparse.Namespace) -> dict:
         raise SystemExit(f"{rate} {name} failed:\n{proc.stderr[-3000:]}")
     if not args.keep_states:
         drop_states(run_dir)
-    return _with_steady(run_dir, args.steady_after)
+    return _summary(run_dir)
 
 
-def _with_steady(run_dir: Path, after: int) -> dict:
-    """The summary, with ``steady_s``: the mean step over every worker after step ``after``,
-    which leaves out start-up and ``--overlap auto``'s first outer step, run synchronously to be
-    timed (a one-off: a few hundred steps in, it weighs nothing)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text()) | {"run_dir": str(run_dir)}
+
+
+def steady_s(summary: dict, after: int) -> float:
+    """The mean step over every worker after step ``after``, which leaves out start-up and
+    ``--overlap auto``'s first outer step, run synchronously to be timed (a one-off: a few
+    hundred steps in, it weighs nothing); the whole run's mean where no step is that late."""
+    run_dir = Path(summary["run_dir"])
     steps = [
         record["step_s"]
         for path in sorted((run_dir / "metrics").glob("rank*.jsonl"))
         for record in read_metrics(path)
         if "step_s" in record and record.get("step", 0) > after
     ]
-    summary["steady_s"] = sum(steps) / len(steps) if steps else summary["step_s_mean"]
-    return summary
+    return sum(steps) / len(steps) if steps else summary["step_s_mean"]
 
 
 def period_of(summary: dict) -> str:
@@ -106,7 +109,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--keep-states", action="store_true", help="keep each cell's snapshots and checkpoint")
     p.add_argument("--H", default="auto", help="sparseloco's period (auto: its default, chosen by the link)")
-    p.add_argument("--steady-after", type=int, default=20, help="the steady columns' first step")
+    p.add_argument(
+        "--steady-after",
+        type=int,
+        default=0,
+        help="steady columns: the steps after this one (0: 20, or a longer period a cell ran at)",
+    )
     p.add_argument("--demo-steps", type=int, default=20, help="demo's steps (it is slow on slow links)")
     p.add_argument("--accel-flops", type=float, default=Accelerator().flops, help="peak FLOP/s")
     p.add_argument("--accel-mfu", type=float, default=Accelerator().mfu)
@@ -116,7 +124,7 @@ def main() -> None:
     if args.H != "auto" and not (args.H.isdigit() and int(args.H) >= 1):
         p.error(f"--H must be auto or a period >= 1, got {args.H!r}")
     if not 0 <= args.steady_after < args.steps - 1:
-        p.error(f"--steady-after must be in [0, --steps - 1), got {args.steady_after}")
+        p.error(f"--steady-after must be in [0, --steps - 1) (0: the default), got {args.steady_after}")
     accel = Accelerator(args.accel_flops, args.accel_mfu, args.accel_tokens)
     out = Path(args.out or f"runs/bench-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -125,16 +133,19 @@ def main() -> None:
     for rate in args.bandwidths.split(","):
         order = ["nosync", *names, "nosync (again)"]
         results[rate] = {name: run_cell(out, rate, name, args) for name in order}
-    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
 
     job = f"{args.model}, {args.workers} workers, batch {args.batch_size}, {args.steps} steps, --H {args.H}"
     print(f"\n{job}\n")
     print(
         "| link here | stands for | algo | H | step s | nosync / algo "
-        f"| after step {args.steady_after}: step s | nosync / algo | sent KB/step | val loss | overlap auto |"
+        "| steady from step | step s | nosync / algo | sent KB/step | val loss | overlap auto |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rate, cells in results.items():
+        periods = [int(period_of(r)) for r in cells.values() if period_of(r).isdigit()]
+        after = args.steady_after or max([20, *periods])
+        for r in cells.values():
+            r["steady_s"] = steady_s(r, after)
         bound = (cells["nosync"]["step_s_mean"] + cells["nosync (again)"]["step_s_mean"]) / 2
         steady = (cells["nosync"]["steady_s"] + cells["nosync (again)"]["steady_s"]) / 2
         n_params = cells["nosync"]["parameters"]
@@ -142,10 +153,12 @@ def main() -> None:
         for name, r in cells.items():
             print(
                 f"| {rate} | {format_rate(accel_bps)} | {name} | {period_of(r)} | {r['step_s_mean']:.3f} | "
-                f"{bound / r['step_s_mean']:.2f} | {r['steady_s']:.3f} | {steady / r['steady_s']:.2f} | "
+                f"{bound / r['step_s_mean']:.2f} | {after + 1} | {r['steady_s']:.3f} | "
+                f"{steady / r['steady_s']:.2f} | "
                 f"{r['sent_bytes_per_step'] / 1e3:.1f} | "
                 f"{r['final_val_loss']:.4f} | {overlap_verdict(r)} |"
             )
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")  # with each cell's steady_s
     print(f"\nresults: {out / 'bench.json'}")
 
 

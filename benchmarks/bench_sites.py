@@ -9,7 +9,8 @@ W2 is GPT ``mini`` (batch 8 x 128, one thread per host) on ``--topology 2x2,lan=
 ``geotrain run`` on the emulated cluster: ``nosync`` (the bound, first and last), periodic
 DiLoCo on a flat ring and on two levels (``--hierarchy sites``), two levels with the sites
 averaging inside every ``--site-H`` steps, Streaming DiLoCo, CO2 and SparseLoCo (flat: they hide
-their exchange under compute). With a straggler (``--slow 3:2``, on by default as a second
+their exchange under compute; ``sparseloco`` at H=20; ``sparseloco auto``, named in ``--cells``,
+at the period its ``--H auto`` default chooses). With a straggler (``--slow 3:2``, on by default as a second
 block) the periodic cells run again paced by steps and by time (``--pace time``). ``ddp`` is
 left out unless named in ``--cells``: one all-reduce of ``mini`` across the uplinks takes about
 30 s, so 40 steps of it are 20 minutes.
@@ -48,6 +49,7 @@ CELLS = {  # name: extra flags
     "co2": ["--algo", "co2", "--H", "20"],
     "co2 two-level": ["--algo", "co2", "--H", "20", "--hierarchy", "sites"],
     "sparseloco": ["--algo", "sparseloco", "--H", "20"],
+    "sparseloco auto": ["--algo", "sparseloco", "--H", "auto"],  # its default: the period the link asks for
 }
 DEFAULT = "nosync,diloco flat,diloco two-level,diloco two-level site-H,streaming,co2,sparseloco"
 PACED = ("diloco flat", "diloco two-level", "diloco two-level site-H")  # again with --pace time, straggling

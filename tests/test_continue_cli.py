@@ -81,7 +81,12 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
 @pytest.mark.parametrize(
     "algo, extra, chaos",
     [
-        ("diloco", ["--compress", "int4", "--redundancy", "ring"], "kill:step=6,rank=2"),
+        # a snapshot at every sync (by default at least 20 steps apart): step 4's is shipped
+        (
+            "diloco",
+            ["--compress", "int4", "--redundancy", "ring", "--snapshot-every", "4"],
+            "kill:step=6,rank=2",
+        ),
         ("dreamddp", [], "kill:step=5,rank=1"),
         # (`-m long`: the warm start's redone step is ssgd's path)
         pytest.param("localsgd", ["--warm-start", "6"], "kill:step=3,rank=1", marks=LONG),

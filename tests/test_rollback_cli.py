@@ -11,7 +11,8 @@ from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.netem.cluster import netem_unavailable_reason
 from helpers import geotrain, refused
 
-JOB = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4"]
+# a snapshot at every sync (by default they are at least 20 steps apart: sync/base.py)
+JOB = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4", "--snapshot-every", "4"]
 
 
 def _summary(run_dir: Path) -> dict:

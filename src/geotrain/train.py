@@ -480,7 +480,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Snapshots go on, each into this host's keeper, and redundancy among the new members.
         group = membership.snapshot_group
         snapshots.regroup(Communicator(group=group) if group is not None else None, event["members"])
-        if not cfg.snapshot_every:  # a joiner planned alone (dreamddp --H auto): the members' period now
+        if not cfg.snapshot_every:  # a joiner that chose its period alone (--H auto): the members' now
             snapshots.cfg.every = sync.default_snapshot_every()
         resume = event.pop("resume")
         # The boundary the regroup agreed they all head for (each from its own step).

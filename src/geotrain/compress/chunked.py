@@ -95,6 +95,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     indices, and a message is unpacked by every receiver): where ``bits`` divides 8 each byte
     holds ``8 / bits`` codes; otherwise each code is cut from the (at most) three bytes it spans."""
     require(1 <= bits <= 16, f"unpack_bits: bits must be in [1, 16], got {bits}")
+    require(
+        packed.dtype == torch.uint8 and packed.numel() >= packed_bytes(count, bits),
+        f"unpack_bits: {count} codes of {bits} bits need {packed_bytes(count, bits)} uint8 bytes, "
+        f"got {packed.numel()} {packed.dtype}",
+    )
     device = packed.device
     mask = (1 << bits) - 1
     if 8 % bits == 0:
