@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 # Steps between a periodic method's snapshots at least. One costs W1's 4 workers about 0.1 s on
 # the training thread and 0.5 s of a shared core in the background: every 5 steps (SparseLoCo's
-# H=5) that was 6% of the step; every 20 it is under 2%, and a failure redoes at most 20 steps.
+# H=5) that was 6% of the step; every 20 it is under 2%, and a failure redoes at most max(20, H)
+# steps, rounded up to a whole period.
 MIN_SNAPSHOT_EVERY = 20
 
 
