@@ -93,11 +93,16 @@ def table(curves: dict[str, tuple[list[int], list[float]]]) -> list[dict]:
         elif steps[-1] < STEPS:  # stopped early: its last loss says nothing of 2,000 steps
             row.update(step_at_target=None, tokens_vs_ddp=f"to step {steps[-1]}")
         else:
+            # Where it ends, it is where DDP was at ddp_at: its last step over that. A curve run on
+            # past DDP's steps without reaching its loss has also measured a floor.
             ddp_at = crossing([float(s) for s in ddp_steps], ddp_losses, read[-1])
+            floor = f" (>{steps[-1] / STEPS:.2f})" if steps[-1] > STEPS else ""
             row.update(
                 step_at_target=None,
                 ddp_step_at_its_final=None if ddp_at is None else round(ddp_at),
-                tokens_vs_ddp="not reached" if ddp_at is None else f"~{STEPS / ddp_at:.2f}",
+                tokens_vs_ddp=f"not reached{floor}"
+                if ddp_at is None
+                else f"~{steps[-1] / ddp_at:.2f}{floor}",
             )
         rows.append(row)
     return rows

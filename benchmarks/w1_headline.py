@@ -93,7 +93,7 @@ def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:
     for row in rows:
         text = str(row["tokens_vs_ddp"])
         try:
-            by_curve[row["curve"]] = (float(text.lstrip("~")), text)
+            by_curve[row["curve"]] = (float(text.lstrip("~").split()[0]), text)  # "~1.35 (>1.20)": 1.35
         except ValueError:  # "not reached", "to step N": no ratio
             continue
     return {name: by_curve[curve] for name, curve in curves.items() if curve in by_curve}
