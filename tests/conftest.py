@@ -1,4 +1,5 @@
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,13 @@ def no_leftovers():
     assert not left, f"namespaces left behind: {left}"
     left_links = _geotrain_links() - links
     assert not left_links, f"links left behind: {left_links}"
+    # A trainer the launcher has already stopped may still be exiting on a loaded machine (seen
+    # once in `make test`, never alone): give it seconds, so that only one that stays fails.
+    deadline = time.monotonic() + 10
     stray = _geotrain_processes() - procs
+    while stray and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stray = _geotrain_processes() - procs
     assert not stray, f"processes left behind: {stray}"
 
 
