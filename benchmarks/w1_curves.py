@@ -87,9 +87,9 @@ def table(curves: dict[str, tuple[list[int], list[float]]]) -> list[dict]:
         row = {"curve": name, "points": len(steps), "final": losses[-1], "final_smoothed": read[-1]}
         at = crossing([float(s) for s in steps], read, DDP_FINAL)
         if name == "w1-ddp":
-            row.update(step_at_target=STEPS, tokens_vs_ddp="1.00")
+            row.update(step_at_target=STEPS, tokens_vs_ddp="1.00", ratio=1.0)
         elif at is not None:
-            row.update(step_at_target=round(at), tokens_vs_ddp=f"{approx}{at / STEPS:.2f}")
+            row.update(step_at_target=round(at), tokens_vs_ddp=f"{approx}{at / STEPS:.2f}", ratio=at / STEPS)
         elif steps[-1] < STEPS:  # stopped early: its last loss says nothing of 2,000 steps
             row.update(step_at_target=None, tokens_vs_ddp=f"to step {steps[-1]}")
         else:
@@ -97,12 +97,12 @@ def table(curves: dict[str, tuple[list[int], list[float]]]) -> list[dict]:
             # past DDP's steps without reaching its loss has also measured a floor.
             ddp_at = crossing([float(s) for s in ddp_steps], ddp_losses, read[-1])
             floor = f" (>{steps[-1] / STEPS:.2f})" if steps[-1] > STEPS else ""
+            ratio = None if ddp_at is None else steps[-1] / ddp_at
             row.update(
                 step_at_target=None,
                 ddp_step_at_its_final=None if ddp_at is None else round(ddp_at),
-                tokens_vs_ddp=f"not reached{floor}"
-                if ddp_at is None
-                else f"~{steps[-1] / ddp_at:.2f}{floor}",
+                tokens_vs_ddp=f"not reached{floor}" if ratio is None else f"~{ratio:.2f}{floor}",
+                ratio=ratio,
             )
         rows.append(row)
     return rows

@@ -89,13 +89,8 @@ def tokens_vs_ddp(curves: dict[str, str]) -> dict[str, tuple[float, str]]:
     DDP's, and how the figure reads (``~``: approximate)."""
     kept = {curve for curve in curves.values() if (HERE / f"{curve}.csv").exists()}
     rows = table({curve: read_csv(HERE / f"{curve}.csv") for curve in {"w1-ddp", *kept}})
-    by_curve = {}
-    for row in rows:
-        text = str(row["tokens_vs_ddp"])
-        try:
-            by_curve[row["curve"]] = (float(text.lstrip("~").split()[0]), text)  # "~1.35 (>1.20)": 1.35
-        except ValueError:  # "not reached", "to step N": no ratio
-            continue
+    # "not reached", "to step N": no ratio
+    by_curve = {row["curve"]: (row["ratio"], str(row["tokens_vs_ddp"])) for row in rows if row.get("ratio")}
     return {name: by_curve[curve] for name, curve in curves.items() if curve in by_curve}
 
 

@@ -63,12 +63,12 @@ from geotrain.plan.schedule import (
 from geotrain.plan.sites import choose_periods, format_sites, site_links
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
 
-SPARSELOCO_H = 20  # the default period of streaming and co2 (OWN_H; sparseloco's: sparseloco_period)
+OWN_PERIOD = 20  # the default period of streaming and co2 (sparseloco's: sparseloco_period)
 
 
 PREDICTED = ("nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp", "sparseloco", "demo", "streaming")
 PREDICTED += ("co2",)
-OWN_H = ("sparseloco", "streaming", "co2")  # priced at their default period, whatever the plan's H
+OWN_H = ("streaming", "co2")  # priced at their default period, whatever the plan's H (sparseloco at its own)
 
 
 def sparseloco_period(compute: ComputeModel, link: LinkModel, workers: int) -> int:
@@ -119,7 +119,8 @@ def predictions(
     mean_period: float | None = None,
     compress: str = "",
     defaults: dict[str, tuple[ComputeModel, str]] | None = None,
-    sparseloco_H: int = SPARSELOCO_H,
+    *,
+    sparseloco_H: int,
 ) -> dict[str, float]:
     """Every algorithm's step; sparseloco (at ``sparseloco_H``: ``sparseloco_period``),
     streaming and co2 at their own default period, not the plan's H. With trust options
@@ -136,7 +137,7 @@ def predictions(
     norm in their all-to-all, so a checked one costs what an unchecked one does (but for clip,
     ``cost.guard_factors``). ``defaults``: methods priced with a codec of their own instead
     (its model and spec: diloco's default int4 where no ``--compress`` was given)."""
-    periods: dict[str, float] = {algo: SPARSELOCO_H if algo in OWN_H else H for algo in PREDICTED}
+    periods: dict[str, float] = {algo: OWN_PERIOD if algo in OWN_H else H for algo in PREDICTED}
     periods["sparseloco"] = sparseloco_H
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
@@ -458,7 +459,7 @@ def make_plan(
             periodic["mean_period"] if periodic else None,
             compress,
             defaults,
-            sparseloco_H,
+            sparseloco_H=sparseloco_H,
         ),  # fmt: skip
         "choose": table,
         "sparseloco_H": sparseloco_H,
@@ -594,9 +595,9 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         h = str(plan["H"]) if algo in ("localsgd", "diloco", "dreamddp") else "-"
         if algo in ("localsgd", "diloco") and target.get("mean_period"):
             h = f"~{target['mean_period']:.1f}"  # its steps per sync under --H-schedule
-        h = str(SPARSELOCO_H) if algo in OWN_H else h
-        if algo == "sparseloco" and "sparseloco_H" in plan:
-            h = str(plan["sparseloco_H"])
+        h = str(OWN_PERIOD) if algo in OWN_H else h
+        if algo == "sparseloco":  # a plan saved before --H auto priced it at 20
+            h = str(plan.get("sparseloco_H", OWN_PERIOD))
         own = target.get("default_codecs", {}).get(algo)
         with_codec = (
             f"  + {codec}" if codec and algo in CODEC_ALGOS else f"  + {own} (its default)" if own else ""

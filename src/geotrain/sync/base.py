@@ -519,9 +519,8 @@ class PeriodicSync(SyncAlgorithm):
         return 1 if self.in_warm_start() else self.periods.period(self.step_count)
 
     def default_snapshot_every(self) -> int:
-        # Each sync boundary, where the replicas share the most; under --H-schedule a step that
-        # ends a period of every stage (where that is not far apart), else every H steps.
-        # A snapshot is at least MIN_SNAPSHOT_EVERY steps on from the last.
+        # A sync boundary, where the replicas share the most (under --H-schedule one that ends a
+        # period of every stage, where that is not far apart), at least MIN_SNAPSHOT_EVERY steps on.
         common = self.periods.common_multiple()
         return self.snapshot_boundary(common if common <= 4 * self.config.H else self.config.H)
 
