@@ -47,6 +47,12 @@ def test_encode_sends_the_top_k_of_each_chunk_within_half_a_level(chunk, k, bits
     payload, sent = codec.encode(v)
     assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(n)
     assert torch.equal(codec.decode(payload, n), sent)  # the receivers decode what was kept out
+    # sparse: the same payload, and the same values at the indices it names, with a work vector
+    # for the magnitudes or without one
+    for work in (None, torch.full((codec.chunks(n) * chunk,), 7.0)):
+        same, idx, values = codec.encode_sparse(v, work=work)
+        assert torch.equal(same, payload) and idx.shape == values.shape == (codec.chunks(n), k)
+        assert torch.equal(torch.zeros(codec.chunks(n), chunk).scatter_(1, idx, values).reshape(-1)[:n], sent)
     padded = torch.zeros(codec.chunks(n) * chunk)
     padded[:n] = v
     for c, row in enumerate(padded.reshape(-1, chunk)):
@@ -86,6 +92,8 @@ def test_error_feedback_buffer_before_is_sent_plus_buffer_after():
         sent = sync.chunker.decode(payload, sync.n)
         untouched = sent == 0
         assert torch.equal(after[untouched], before[untouched])  # what was not sent stays, exactly
+        # taken out at the entries sent alone, as the dense subtraction would (padding kept)
+        assert torch.equal(after[real], (before - sent)[real])
         torch.testing.assert_close(sent + after, before, atol=1e-6, rtol=0)
         assert (sent != 0).sum() == sync.chunker.chunks(sync.n) * 8
         assert not after[~real].any()
@@ -135,6 +143,9 @@ def test_chunks_are_cut_per_tensor_and_no_chunk_spans_two():
     assert torch.equal(torch.cat([b.reshape(-1) for b in back]), real)
     assert torch.equal(layout.padded_from_real(real), flat)
     assert torch.equal(layout.flatten(list(model.parameters()), out=torch.full((sync.n,), 7.0)), flat)
+    ones = torch.ones(sync.n)
+    layout.zero_padding(ones)
+    assert torch.equal(ones, layout.mask.float())
 
 
 def test_a_mean_summed_into_a_used_work_vector_is_the_same_mean():
@@ -659,7 +670,7 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
 
     sync.prepare(loss)
     after = {"H": sync.config.H, "landing": sync.landing, "period": sync.sync_period()}
-    after |= {"option": sync.resolved_options()["H"], "choice": sync.period_choice}
+    after |= {"option": sync.resolved_options()["H"], "choice": sync.period_choice, "overlap": sync.overlap}
     after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
     after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
     synced = []
@@ -669,6 +680,9 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         synced += [step] if sync.after_step() else []
+        if step == sync.config.H:  # the first outer step: on the anchor, unless it overlapped
+            after["first_on_anchor"] = torch.equal(sync._local(), sync._anchor)
+            after["flying"] = sync.in_flight.flying
     saved = io.BytesIO()
     torch.save(sync.state_dict(), saved)
     _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, Communicator())
@@ -676,6 +690,7 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
     sparseloco_module.profile_compute = None  # a restored choice measures nothing again
     again.prepare(loss)
     restored = {"H": again.config.H, "choice": again.period_choice, "period": again.sync_period()}
+    restored |= {"overlap": again.overlap, "landing": again.landing}
     restored |= {"synced_now": again.synced_now()}  # saved at step 10, a boundary of 5 (not of 40)
     sync.close()
     again.close()
@@ -683,27 +698,57 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("gathers, chosen", [([0.0, 0.0], 5), ([0.0, 1e6], 40), (None, None)])
-def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the_period(gathers, chosen):
+@pytest.mark.parametrize(
+    "gathers, chosen, overlap",
+    [
+        ([0.0, 0.0], 5, False),
+        ([0.2, 0.0], 5, False),
+        ([3.0, 0.0], 5, True),
+        ([0.0, 1e6], 40, True),
+        (None, None, False),
+    ],
+)
+def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the_period(
+    gathers, chosen, overlap
+):
     """Two workers: ``prepare`` times steps and a gather (given, with 1 s steps: a gather of 0
-    s, or of 1e6 s on one worker only, which the slowest-decides agreement makes every
-    worker's; or the real ones, whose bytes stay out of the run's), and both run at the period
-    chosen from them: their syncs at its multiples, the summary's option saying so, no gradient
-    left behind; a state saved after it carries the period, and a worker restored from it (a
-    resume, a joiner) measures nothing and stands where the saver stood (at a boundary, or not)."""
+    s, of 0.2 s (4% of a period of 5: synchronous), of 3 s (overlapped) or of 1e6 s on one worker
+    only, which the slowest-decides agreement makes every worker's; or the real ones, whose bytes
+    stay out of the run's), and both run at the period chosen from them: their syncs at its
+    multiples, the summary's option saying so, no gradient left behind. ``--overlap auto`` is
+    decided from the same figures before step 1, so a slow link's first outer step overlaps too
+    (its replicas off the anchor, its gather in flight), landing 1.5 times the gather's steps on
+    (4.5 -> 5, a period late). A state saved after it carries the period and the verdict, and a
+    worker restored from it (a resume, a joiner) measures nothing and stands where the saver
+    stood (at a boundary, or not)."""
     out = run_workers(_h_auto, 2, gathers, timeout=210)
-    chosen = chosen or out[0]["after"]["H"]
+    if gathers is None:  # the real figures: the verdict is the chosen row's, landing within the period
+        chosen = out[0]["after"]["H"]
+        (row,) = [row for row in out[0]["after"]["choice"] if row["H"] == chosen]
+        overlap, landing = row["overlap"], out[0]["after"]["landing"]
+        assert 1 <= landing <= chosen
+    else:
+        landing = chosen
     for r in out:
         assert r["before"] == (20, "auto (not measured: 20)")
         a = r["after"]
-        assert (a["H"], a["landing"], a["period"]) == (chosen, chosen, chosen)
+        assert (a["H"], a["landing"], a["period"], a["overlap"]) == (chosen, landing, chosen, overlap)
+        if chosen <= 10:
+            assert a["first_on_anchor"] is not overlap and a["flying"] is overlap
         assert a["option"] == f"auto (measured: {chosen})" and not a["grads"]
         if gathers is None:  # the profile's barriers, the probe's two gathers and its barrier
             assert a["sent"] == 0 and a["control"] >= 7
         assert [row["H"] for row in a["choice"]] == [5, 10, 20, 40]
         assert r["synced"] == [s for s in range(1, 11) if s % chosen == 0]
         boundary = 10 % chosen == 0
-        assert r["restored"] == {"H": chosen, "choice": a["choice"], "period": chosen, "synced_now": boundary}
+        assert r["restored"] == {
+            "H": chosen,
+            "choice": a["choice"],
+            "period": chosen,
+            "synced_now": boundary,
+            "overlap": overlap,
+            "landing": landing,
+        }
     assert out[0]["after"]["choice"] == out[1]["after"]["choice"]  # one table: the slowest's figures
 
 

@@ -119,8 +119,8 @@ def test_the_syncs_and_their_steps_are_exactly_as_configured(algo, options, sync
     for s, period in enumerate(periods):
         if options.get("warm_start", 0) <= s < synced_at[-1]:
             assert -(-(s + 1) // period) * period == min(b for b in synced_at if b > s)
-    # the first boundary of every stage at least 20 steps on (base.MIN_SNAPSHOT_EVERY)
-    assert sync.default_snapshot_every() == (20 if options["H"] == 10 else 24)
+    # the first boundary of every stage at least 50 steps on (base.MIN_SNAPSHOT_EVERY)
+    assert sync.default_snapshot_every() == (50 if options["H"] == 10 else 54)
     assert "period H 2 from step" in sync.info()
 
 

@@ -284,8 +284,20 @@ def test_the_profiler_times_whole_steps_and_leaves_the_training_state_as_it_was(
     with pytest.raises(RuntimeError, match="barrier"):
         profile_compute(model, layer_groups(model), loss_fn, opt, barrier=lost)
     assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
-    with pytest.raises(ValueError, match="at least one timed step"):
-        profile_compute(model, layer_groups(model), loss_fn, opt, reps=0)
+    for bad in ({"reps": 0}, {"warmup": 0}):
+        with pytest.raises(ValueError, match="a timed step and a warm-up at least"):
+            profile_compute(model, layer_groups(model), loss_fn, opt, **bad)
+    calls, waits = [], []
+
+    def counted():
+        calls.append(1)
+        return loss_fn()
+
+    def barrier():
+        waits.append(1)
+
+    profile_compute(model, layer_groups(model), counted, opt, reps=2, warmup=3, barrier=barrier)
+    assert len(calls) == 5 and len(waits) == 6  # 3 untimed steps, 2 timed; a barrier first and after each
 
 
 def test_a_gather_is_priced_as_the_all_reduce_that_sends_as_many_bytes_and_hides_under_h_steps():

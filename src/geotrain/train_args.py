@@ -91,8 +91,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "eager": "co2 (on by default): each period starts from the anchor moved by this worker's own "
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
         "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
-        "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where the first "
-        "outer step's gather took over 5%% of the period's compute); demo (on only with --overlap, "
+        "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where a gather "
+        "takes over 5%% of the period's compute, timed at start-up with --H auto, else at the first "
+        "outer step); demo (on only with --overlap, "
         "auto is off: the loss suffers, see docs/frontier.md): each step's update lands one step late, its "
         "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
@@ -166,7 +167,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "resume": "continue the run in --run-dir from its newest snapshot every worker can reach",
         "resume_step": "with --resume: restore this snapshot step instead of the newest",
         "snapshot_every": "steps between in-memory snapshots (0: a periodic "
-        "method's first sync boundary at least 20 steps on, every 50 steps otherwise)",
+        "method's first sync boundary at least 50 steps on, every 50 steps otherwise)",
         "checkpoint_every": "steps between disk checkpoints, written by the keeper from its copy "
         "(0: only at the end)",
         "redundancy": "who else holds each worker's unique state: off, ring (the next worker's "

@@ -155,7 +155,7 @@ class TrainConfig:
     progress: bool = True
     resume: bool = False  # continue the run in run_dir from its newest restorable snapshot
     resume_step: int = 0  # with resume: this snapshot step instead of the newest
-    snapshot_every: int = 0  # 0: a sync boundary >= 20 steps on (periodic methods), every 50 steps otherwise
+    snapshot_every: int = 0  # 0: a sync boundary >= 50 steps on (periodic methods), every 50 steps otherwise
     checkpoint_every: int = 0  # disk checkpoints, written by the keeper (0: only at the end)
     redundancy: str = "off"  # off | ring | ec:K/N: unique state held by peers' keepers
     snapshot_bandwidth: str = "0"  # pace of redundancy traffic, e.g. 5mbit ("0": unpaced)

@@ -56,9 +56,10 @@ def profile_compute(
     optimizer: torch.optim.Optimizer,
     reps: int = 3,
     barrier: Callable[[], None] | None = None,
+    warmup: int = 1,
 ) -> dict[str, Any]:
     """Time whole steps as a training loop runs them (zero_grad, forward, backward, an optimizer
-    step), 1 warm-up and ``reps`` timed, every worker at once after ``barrier``; and within them
+    step), ``warmup`` untimed and ``reps`` timed, every worker at once after ``barrier``; and within them
     forward, each layer's backward and the optimizer step. The optimizer steps a copy of itself
     over clones of the parameters, so the parameters and the optimizer's state are untouched
     (the forwards draw random numbers and update running statistics, as any forward does);
@@ -76,8 +77,10 @@ def profile_compute(
     def on_grad(p: torch.Tensor) -> None:
         done[owner[id(p)]] = now()  # the last parameter of a layer sets its time
 
-    if reps < 1:
-        raise ValueError(f"the profile needs at least one timed step (reps >= 1), got {reps}")
+    if reps < 1 or warmup < 1:
+        raise ValueError(
+            f"the profile needs a timed step and a warm-up at least (reps, warmup >= 1), got {reps}, {warmup}"
+        )
     copy_opt, clones = _optimizer_copy(optimizer)
     hooks: list[Any] = []
     forward, per_layer, totals, updates, steps = [], [[] for _ in layers], [], [], []
@@ -86,7 +89,7 @@ def profile_compute(
         hooks += [p.register_post_accumulate_grad_hook(on_grad) for layer in layers for p in layer.params]
         if barrier is not None:
             barrier()
-        for rep in range(reps + 1):
+        for rep in range(reps + warmup):
             t0 = now()
             model.zero_grad(set_to_none=True)
             done.clear()
@@ -105,7 +108,7 @@ def profile_compute(
                 # step pays the difference every step (``ComputeModel.sync_wait_s``).
                 barrier()
                 waits.append(now() - t4)
-            if rep == 0:
+            if rep < warmup:
                 continue  # warm-up (and the copy's optimizer state allocated)
             forward.append(t2 - t1)
             totals.append(t3 - t2)
@@ -131,8 +134,8 @@ def profile_compute(
         "backward_cv": statistics.pstdev(totals) / statistics.fmean(totals) if len(totals) > 1 else 0.0,
         "optimizer_s": statistics.fmean(updates),
         "step_s": statistics.fmean(steps),
-        # the warm-up's wait left out: its allocations differ from one worker to the next
-        "barrier_wait_s": statistics.fmean(waits[1:]) if len(waits) > 1 else 0.0,
+        # the warm-up's waits left out: its allocations differ from one worker to the next
+        "barrier_wait_s": statistics.fmean(waits[warmup:]) if len(waits) > warmup else 0.0,
     }
 
 

@@ -77,7 +77,10 @@ it lands later.
 ``overlap`` "auto" (the default) overlaps only where the gather would show: the first outer
 step runs synchronously and times its all-gather against the period's compute (H times the
 median step interval before it); above ``OVERLAP_ABOVE`` (5%, the slack of the 0.95-of-nosync
-target) of the period, every later step overlaps, else none does. Overlapping, each gather
+target) of the period, every later step overlaps, else none does. With ``H`` "auto" (the
+default) the start-up probe has timed a step and a gather already, and the verdict is taken from
+those, before step 1: the first outer step overlaps too where the link is slow (at 350 kbit/s
+its synchronous gather was 26 s of an 80-step run's 160). Overlapping, each gather
 lands ``LAND_MARGIN`` (1.5) times its measured length in steps after it was launched (``tau``
 0, the default; at most H), by when it has arrived. Every worker takes the same verdict (the
 largest ratio measured), and snapshots keep it. Overlap costs loss (above), so a link fast
@@ -109,7 +112,7 @@ import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -138,8 +141,12 @@ WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
-# --H auto: whole steps timed at start-up (after one warm-up), as a profile times them
-PROBE_STEPS = 2
+# --H auto: whole steps timed at start-up, as a profile times them,
+PROBE_STEPS = 3
+# ... after this many untimed: a worker's first steps run slow while its memory is first touched
+# (W1, 4 workers on 2 cores: 2.47, 1.72 and 1.25 s, then 1.07-1.22 s; timed after one warm-up the
+# probe took a step for 1.66 s)
+PROBE_WARMUP = 3
 
 
 def next_landing(landing: int, arrivals: list[float], H: int) -> int:
@@ -158,6 +165,21 @@ def next_landing(landing: int, arrivals: list[float], H: int) -> int:
     if needed < landing - 1:
         return needed + 1
     return landing
+
+
+class Sent(NamedTuple):
+    """What a worker's message decodes to, sparse: in each chunk, the ``idx`` sent and the
+    ``values`` at them ((chunks, k) each)."""
+
+    idx: torch.Tensor
+    values: torch.Tensor
+
+    def taken_from(self, flat: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``flat`` - ``scale`` x the message, in place, touching only the entries sent (the
+        indices of a chunk are distinct: exactly the dense subtraction's result)."""
+        rows = flat.view(self.idx.shape[0], -1)
+        rows.scatter_add_(1, self.idx, self.values * -scale if scale != 1.0 else -self.values)
+        return flat
 
 
 @dataclass
@@ -250,6 +272,7 @@ class SparseLoCo(PeriodicSync):
         self.layout = TensorChunks([p.numel() for p in params], self.config.chunk)
         self.n = self.layout.numel
         self._real = self.layout.mask.float()
+        self._real_rows = self._real.view(-1, self.config.chunk)
         self._anchor = self.layout.flatten(params)  # theta, equal on every worker
         self._error = torch.zeros(self.n)  # e_r
         # Work vectors, reused each outer step: a fresh vector of GPT mini's size costs its page
@@ -320,6 +343,7 @@ class SparseLoCo(PeriodicSync):
                 loss_fn,
                 self.optimizer,
                 reps=PROBE_STEPS,
+                warmup=PROBE_WARMUP,
                 barrier=self.comm.barrier,
             )
             gather = self._time_gather()
@@ -330,6 +354,15 @@ class SparseLoCo(PeriodicSync):
             compute_s, gather, periods, overlap=self.config.overlap, sync_wait_s=wait
         )
         self._set_period(H)
+        if self.overlap is None:  # --overlap auto: the same figures decide it, before step 1
+            period_s = compute_s * H
+            self._decide(
+                gather,
+                period_s,
+                gather / period_s,
+                when="at start-up, a gather",
+                whose="the slowest worker's share",
+            )
         if self.comm.rank == 0:
             weighed = ", ".join(
                 f"H={row['H']} {row['time_to_loss_factor']:.2f}{' overlapped' if row['overlap'] else ''}"
@@ -385,24 +418,27 @@ class SparseLoCo(PeriodicSync):
             self._spare = self._error
         self._error = error
 
-    def _message(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The payload of the chunked top-k of beta e + delta, what it decodes to, and the e
-        that stays. ``self._error`` is not changed yet, so a message that fails to arrive can
-        be made again from the same state (``retry_sync``). A worker left out of the average
-        (``contributes``: its delta is a copy of the leader's) sends the empty payload, which
-        the decoders leave out, and keeps its e as it is."""
+    def _message(self, delta: torch.Tensor) -> tuple[torch.Tensor, Sent, torch.Tensor]:
+        """The payload of the chunked top-k of beta e + delta, what it decodes to (sparse: the
+        indices in each chunk and their values), and the e that stays. ``self._error`` is not
+        changed yet, so a message that fails to arrive can be made again from the same state
+        (``retry_sync``). A worker left out of the average (``contributes``: its delta is a copy
+        of the leader's) sends the empty payload, which the decoders leave out, and keeps its e
+        as it is. ``delta`` may be the work vector: it is used up here."""
         if not self.contributes():
             empty = torch.zeros(self.chunker.payload_bytes(self.n), dtype=torch.uint8)
-            return empty, torch.zeros_like(self._error), self._error.clone()
+            nothing = torch.zeros(self.n // self.config.chunk, 0)
+            return empty, Sent(nothing.long(), nothing), self._error.clone()
         error = torch.mul(self._error, self.config.beta, out=self._spare).add_(delta)
-        payload, sent = self.chunker.encode(error)
+        payload, idx, values = self.chunker.encode_sparse(error, work=delta)
         # A chunk with fewer than k real entries sends some of its padding (a zero picked codes to
         # a level of +-scale/3): none of it may stay here, in the start point or in the anchor.
-        sent.mul_(self._real)
+        values.mul_(self._real_rows.gather(1, idx))
         spoiled = self.comm.spoiled(error)  # --chaos corrupt: the message only, e stays clean
         if spoiled is not None:
             payload = self.chunker.encode(spoiled)[0]
-        return payload, sent, error.sub_(sent)
+        sent = Sent(idx, values)
+        return payload, sent, sent.taken_from(error)
 
     def _land(self, gathered: torch.Tensor) -> list[float] | None:
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
@@ -416,7 +452,8 @@ class SparseLoCo(PeriodicSync):
         mean = self.chunker.mean_of(
             gathered, self.n, weights, per_sender=self._per_sender(), out=self._scratch, parts=parts
         )
-        self._anchor.sub_(mean.mul_(self.alpha)).mul_(self._real)
+        self._anchor.sub_(mean.mul_(self.alpha) if self.alpha != 1.0 else mean)
+        self.layout.zero_padding(self._anchor)  # another's message may hold its padding
         return weights
 
     @property
@@ -544,7 +581,7 @@ class SparseLoCo(PeriodicSync):
             self._keep_error(error)
             self.in_flight.launch(self._with_arrival(payload))
             # Eager: this worker's own message stands in for the mean until the mean lands.
-            torch.sub(self._anchor, sent.mul_(self.alpha), out=self._start)
+            sent.taken_from(self._start.copy_(self._anchor), self.alpha)
             self._set_params(self._start)
         self.syncs += 1
 
@@ -568,7 +605,19 @@ class SparseLoCo(PeriodicSync):
         (most,) = self.comm.max_scalars([ratio])
         return gather_s, period_s, most
 
-    def _decide(self, gather_s: float, period_s: float, ratio: float) -> None:
+    def _decide(
+        self,
+        gather_s: float,
+        period_s: float,
+        ratio: float,
+        when: str = "the first outer step's gather",
+        whose: str = "the largest share on any worker",
+    ) -> None:
+        """Take auto's verdict: overlap where the gather is over ``OVERLAP_ABOVE`` of the
+        period's compute (``ratio``, the largest over the workers), landing ``LAND_MARGIN`` times
+        its steps later. Made at the first outer step, or before step 1 where ``--H auto``
+        measured a gather and a step already (``prepare``), so that the first outer step of a
+        slow link is not waited for."""
         self._start = self._anchor.clone()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
@@ -579,9 +628,9 @@ class SparseLoCo(PeriodicSync):
             self.landing = min(H, max(1, math.ceil(round(LAND_MARGIN * ratio * H, 6))))
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
         self.decision = (
-            f"--overlap auto: {'on' if self.overlap else 'off'} (the first outer step's gather took "
-            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; the largest share on "
-            f"any worker {100 * ratio:.1f}%, overlap above {100 * OVERLAP_ABOVE:.0f}%{lands})"
+            f"--overlap auto: {'on' if self.overlap else 'off'} ({when} took "
+            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
+            f"{100 * ratio:.1f}%, overlap above {100 * OVERLAP_ABOVE:.0f}%{lands})"
         )
         if self.comm.rank == 0:
             print(f"geotrain: sparseloco {self.decision}", file=sys.stderr, flush=True)
