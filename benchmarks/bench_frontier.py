@@ -4,9 +4,10 @@
 
 On W1 (GPT ``mini``, 4 hosts, batch 8 x 128, one thread each) every cell runs the same job
 through ``geotrain run`` on the emulated cluster: ``nosync`` (the bound), ``sparseloco`` with its
-defaults (``--overlap auto``: the first outer step synchronous and timed, the rest overlapped
-where its gather took over 5% of the period's compute), ``sparseloco --overlap`` (always),
-``sparseloco --no-overlap``, ``demo`` and ``demo --overlap`` (fewer steps: ``--demo-steps``), at
+defaults (``--overlap auto``: overlapped where a gather takes over 5% of the period's compute, as
+the start-up probe of ``--H auto`` times them, or the first outer step, synchronous, with ``--H
+N``), ``sparseloco --overlap`` (always), ``sparseloco --no-overlap``, ``demo`` and ``demo
+--overlap`` (fewer steps: ``--demo-steps``), at
 each bandwidth, at SparseLoCo's default period (``--H auto``: chosen by the link at start-up; the
 table's H column says which) unless ``--H N`` pins one. The table
 gives each cell's mean step time as a ratio to ``nosync`` at the same rate (``nosync / algo``:
@@ -71,9 +72,10 @@ def _summary(run_dir: Path) -> dict:
 
 
 def steady_s(summary: dict, after: int) -> float:
-    """The mean step over every worker after step ``after``, which leaves out start-up and
-    ``--overlap auto``'s first outer step, run synchronously to be timed (a one-off: a few
-    hundred steps in, it weighs nothing); the whole run's mean where no step is that late."""
+    """The mean step over every worker after step ``after``, which leaves out start-up (a
+    worker's first steps touch their memory) and, with ``--H N``, ``--overlap auto``'s first outer
+    step, run synchronously to be timed (one-offs: a few hundred steps in, they weigh nothing);
+    the whole run's mean where no step is that late."""
     run_dir = Path(summary["run_dir"])
     steps = [
         record["step_s"]

@@ -8,8 +8,8 @@ For each link rate the same job (``mini``, 4 emulated hosts, DiLoCo H=10, batch 
 
 - ``final only``: ``--snapshot-every`` beyond the run, so only the final snapshot is taken (the
   bound: what training costs without in-memory snapshots);
-- ``default``: a snapshot into the host's keeper at the first sync boundary at least 20 steps on
-  (every other one at H=10), no redundancy;
+- ``default``: a snapshot into the host's keeper at the first sync boundary at least 50 steps on
+  (every 5th at H=10), no redundancy;
 - ``ring`` and ``ec:2/3``: the same, and each worker's unique state shipped to its peers.
 
 Reported per cell: mean step time and its ratio to ``final only`` (both runs minutes apart on a

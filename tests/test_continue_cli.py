@@ -81,7 +81,7 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
 @pytest.mark.parametrize(
     "algo, extra, chaos",
     [
-        # a snapshot at every sync (by default at least 20 steps apart): step 4's is shipped
+        # a snapshot at every sync (by default at least 50 steps apart): step 4's is shipped
         (
             "diloco",
             ["--compress", "int4", "--redundancy", "ring", "--snapshot-every", "4"],

@@ -12,6 +12,7 @@ from geotrain.comm.communicator import Communicator
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.plan.layers import layer_groups
 from geotrain.sync import build_sync
+from geotrain.sync.base import MIN_SNAPSHOT_EVERY
 from helpers import run_workers
 
 BATCH, BLOCK, LR = 2, 16, 0.1
@@ -310,7 +311,10 @@ def test_H_auto_chooses_the_period_at_start_up_and_every_worker_takes_rank_0s():
     assert [r["H"] for r in a["rows"]][:2] == [1, 2] and a["H"] != 7
     assert a["H"] == min(a["rows"], key=lambda r: r["time_to_loss_factor"])["H"]
     assert a["options"] == {"H": f"auto ({a['H']})", "lag": 1}  # the summary says what ran
-    assert a["snapshot_every"] % a["H"] == 0 and 20 <= a["snapshot_every"] < 20 + a["H"]
+    assert (
+        a["snapshot_every"] % a["H"] == 0
+        and MIN_SNAPSHOT_EVERY <= a["snapshot_every"] < MIN_SNAPSHOT_EVERY + a["H"]
+    )
 
 
 INT4 = "int4:warmup=0,block=256"

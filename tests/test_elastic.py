@@ -132,7 +132,12 @@ def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
     the decoders and the weighted mean leave out, and keeps its error feedback as it was."""
     from geotrain.sync import build_sync
 
-    for algo, options in (("sparseloco", {"H": 2, "overlap": False}), ("co2", {"H": 2})):
+    cases = (
+        ("sparseloco", {"H": 2, "overlap": False}),
+        ("sparseloco", {"H": 2, "overlap": True}),
+        ("co2", {"H": 2}),
+    )
+    for algo, options in cases:
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -150,6 +155,8 @@ def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
         if algo == "sparseloco":  # the empty payload decodes to nothing: no outer step moved it
             assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
             assert not sync._error.any()
+            if options["overlap"]:  # nor stands in for the mean in the start point, and flies empty
+                assert torch.equal(sync._start, sync._anchor) and not sync.in_flight.saved().any()
         else:  # its message in flight, the weight last: all zero
             assert not sync.in_flight.saved().any()
         sync.close()

@@ -11,7 +11,7 @@ from geotrain.ft.chaos import ChaosError, parse_chaos
 from geotrain.netem.cluster import netem_unavailable_reason
 from helpers import geotrain, refused
 
-# a snapshot at every sync (by default they are at least 20 steps apart: sync/base.py)
+# a snapshot at every sync (by default they are at least 50 steps apart: sync/base.py)
 JOB = ["--model", "tiny", "--batch-size", "4", "--no-progress", "--H", "4", "--snapshot-every", "4"]
 
 

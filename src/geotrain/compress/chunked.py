@@ -159,6 +159,27 @@ class TensorChunks:
         for (offset, _, n), t in zip(self._spans(), tensors, strict=True):
             t.copy_(flat[offset : offset + n].view(t.shape))
 
+    def difference(self, flat: torch.Tensor, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``flat`` - ``tensors`` (in the layout) into ``out``, its padding zero: one pass per
+        tensor, without copying them into the layout first (where they are on ``out``'s device;
+        a GPU's are copied over first)."""
+        for (offset, _, n), t in zip(self._spans(), tensors, strict=True):
+            part, src = out[offset : offset + n], t.detach().reshape(-1)
+            if src.device != part.device:
+                src = part.copy_(src)
+            torch.sub(flat[offset : offset + n], src, out=part)
+        self.zero_padding(out)
+        return out
+
+    def add_into(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` += ``flat``'s real entries, in place (added on ``flat``'s device)."""
+        for (offset, _, n), t in zip(self._spans(), tensors, strict=True):
+            part = flat[offset : offset + n].view(t.shape)
+            if t.device == part.device:
+                t.add_(part)
+            else:
+                t.copy_(t.detach().to(part.device).add_(part))
+
     def zero_padding(self, flat: torch.Tensor) -> None:
         """Set a padded vector's padding to zero, in place (a slice per tensor, not a pass over
         the whole vector)."""
@@ -350,21 +371,24 @@ class ChunkTopK(Codec):
         else:
             total = out.view(self.chunks(n), self.chunk).zero_()
         counts = torch.zeros(self.chunks(n), self.chunk, device=total.device) if per_sender else None
-        senders = 0
+        senders: list[torch.Tensor] = []  # each sender's indices
         # Indices within one payload are distinct: scatter-add is exact.
         for r, part in enumerate(self.parts_of(payloads, n) if parts is None else parts):
             weight = 1.0 if weights is None else weights[r]
             if weight == 0 or part is None:
                 continue
-            senders += 1
             scales, codes, idx = part
+            senders.append(idx)
             values = self._values(scales, codes)
             total.scatter_add_(1, idx, values if weight == 1 else values * weight)
             if counts is not None:  # a sender counts once, its weight (a clip) stays on its values
                 counts.scatter_add_(1, idx, torch.ones(idx.shape, device=idx.device))
         if counts is not None:
-            return total.div_(counts.clamp_(min=1)).reshape(-1)[:n]
-        return total.reshape(-1)[:n].div_(max(1, senders))
+            if senders:  # only the entries some sender sent (the rest are 0 / 1): not a pass over all
+                touched = torch.cat(senders, dim=1)  # an entry two sent is divided twice alike
+                total.scatter_(1, touched, total.gather(1, touched) / counts.gather(1, touched))
+            return total.reshape(-1)[:n]
+        return total.reshape(-1)[:n].div_(max(1, len(senders)))
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return (world_size - 1) * self.payload_bytes(sum(numel(s) for s in shapes))

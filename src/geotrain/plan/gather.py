@@ -26,8 +26,9 @@ from geotrain.compress.chunked import ChunkTopK
 from geotrain.plan.cost import LinkModel
 
 H100_BF16_FLOPS = 989e12
-# SparseLoCo's --overlap auto overlaps where the first outer step's gather took more than this
-# share of the period's compute: the slack left by the target of 0.95 of nosync's step.
+# SparseLoCo's --overlap auto overlaps where a gather (the start-up probe's, or the first outer
+# step's) took more than this share of the period's compute: the slack left by the target of
+# 0.95 of nosync's step.
 OVERLAP_ABOVE = 0.05
 # sparseloco --H auto: the periods weighed, and the extra steps to a loss per step of period, as a
 # fraction of the steps at H -> 0: the line through tokens to DDP's final loss on W1, measured on
@@ -82,8 +83,9 @@ def predict_sparseloco(
     """Mean step: compute every step, and one gather of the message every H steps; with overlap
     the gather runs under the next H steps, and only what outlasts them shows. ``auto`` (the
     default) overlaps where the gather is over ``OVERLAP_ABOVE`` of the period's compute, as the
-    run decides from its first outer step. A synchronous gather also waits ``sync_wait_s`` for
-    the slowest worker (``ComputeModel.sync_wait_s``); one landing a period later does not."""
+    run decides from its start-up probe (``--H auto``) or its first outer step. A synchronous
+    gather also waits ``sync_wait_s`` for the slowest worker (``ComputeModel.sync_wait_s``); one
+    landing a period later does not."""
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
     return sparseloco_step(compute_s, gather, H, overlap, sync_wait_s)[0]
 

@@ -192,7 +192,7 @@ class SparseLoCoConfig(SyncConfig):
     bits: int = 2
     beta: float = 0.95
     alpha: float = 0.0  # 0: 1 over senders (the paper's), 2 over workers (each the better measured)
-    overlap: bool | str = "auto"  # True, False; auto: decided at the first outer step
+    overlap: bool | str = "auto"  # True, False; auto: decided at start-up (--H auto) or the first outer step
     # overlap: steps into the next period at which an outer step's gather lands (1 to H; H: at
     # the next outer step, a period late). 0: auto (measured under --overlap auto, else H).
     tau: int = 0
@@ -309,7 +309,7 @@ class SparseLoCo(PeriodicSync):
         return self.config.per_sender(bool(self.overlap), self.landing)
 
     def resolved_options(self) -> dict[str, Any]:
-        overlap: bool | str = self.overlap  # as given, or auto's verdict (none before its first outer step)
+        overlap: bool | str = self.overlap  # as given, or auto's verdict (none before it is taken)
         if self.config.overlap == "auto":
             overlap = f"auto ({'undecided' if self.overlap is None else 'on' if self.overlap else 'off'})"
         mean_over = "senders" if self._per_sender() else "workers"
@@ -356,12 +356,14 @@ class SparseLoCo(PeriodicSync):
         self._set_period(H)
         if self.overlap is None:  # --overlap auto: the same figures decide it, before step 1
             period_s = compute_s * H
+            (row,) = [row for row in self.period_choice if row["H"] == H]
             self._decide(
                 gather,
                 period_s,
                 gather / period_s,
                 when="at start-up, a gather",
                 whose="the slowest worker's share",
+                overlap=row["overlap"],  # as the choice priced it, whatever the rounding
             )
         if self.comm.rank == 0:
             weighed = ", ".join(
@@ -409,8 +411,7 @@ class SparseLoCo(PeriodicSync):
 
     def _delta(self, start: torch.Tensor) -> torch.Tensor:
         """The pseudo-gradient ``start`` - this worker's parameters, in the work vector."""
-        local = self.layout.flatten(self.parameters(), out=self._scratch)
-        return torch.sub(start, local, out=local)
+        return self.layout.difference(start, self.parameters(), out=self._scratch)
 
     def _keep_error(self, error: torch.Tensor) -> None:
         """The message has gone: ``error`` (from ``_message``) becomes e, the old e the spare."""
@@ -556,8 +557,8 @@ class SparseLoCo(PeriodicSync):
         self._land_in_flight()
         change = torch.sub(self._anchor, self._start, out=self._spare)
         self._start.copy_(self._anchor)
-        local = self.layout.flatten(self.parameters(), out=self._scratch)
-        self._set_params(local.add_(change))
+        with torch.no_grad():
+            self.layout.add_into(change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
         if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
@@ -612,6 +613,7 @@ class SparseLoCo(PeriodicSync):
         ratio: float,
         when: str = "the first outer step's gather",
         whose: str = "the largest share on any worker",
+        overlap: bool | None = None,
     ) -> None:
         """Take auto's verdict: overlap where the gather is over ``OVERLAP_ABOVE`` of the
         period's compute (``ratio``, the largest over the workers), landing ``LAND_MARGIN`` times
@@ -622,7 +624,7 @@ class SparseLoCo(PeriodicSync):
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
             return
-        self.overlap = ratio > OVERLAP_ABOVE
+        self.overlap = ratio > OVERLAP_ABOVE if overlap is None else overlap
         H = self.config.H
         if self.overlap and not self.config.tau:  # lands once it has arrived, with a margin
             self.landing = min(H, max(1, math.ceil(round(LAND_MARGIN * ratio * H, 6))))
