@@ -8,6 +8,7 @@ step and DeMo's step, then the CLI's refusals.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -935,3 +936,30 @@ def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_s
     assert late.collective_period() == off.collective_period() == 4  # landing at the outer step
     for s in (sync, late, off):
         s.close()
+
+
+@pytest.mark.parametrize("senders", [False, True])
+def test_the_chunked_codec_averages_over_every_worker_or_over_the_senders_as_its_spec_says(senders):
+    """``chunktopk:senders=true`` (for DreamDDP and the other algorithms that take a codec): each
+    entry of the mean over the workers whose message holds it, as SparseLoCo's reference
+    averages; by default over every worker. The option stays out of the default's spec."""
+    from geotrain.compress.codec import make_codec
+
+    codec = make_codec(f"chunktopk:chunk=8,k=2,bits=8{',senders=true' if senders else ''}")
+    assert codec.senders is senders and ("senders" in codec.spec()) is senders
+    other = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, -3.0] * 2)
+    theirs = codec.encode(other)[0]
+
+    class TwoWorkers(Communicator):
+        def all_gather(self, tensor, async_op=False, control_bytes=0):
+            gathered = torch.stack([tensor, theirs])
+            return SimpleNamespace(wait=lambda: gathered) if async_op else gathered
+
+    mine = torch.tensor([4.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0] * 2)
+    tensors = [mine.clone()]
+    codec.reduce(TwoWorkers(), "layer", tensors).wait()
+    # index 0: mine alone; 2: both (5 and 5); 7: theirs alone
+    expected = (
+        [4.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, -3.0] if senders else [2.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, -1.5]
+    )
+    torch.testing.assert_close(tensors[0], torch.tensor(expected * 2), atol=0.05, rtol=0)

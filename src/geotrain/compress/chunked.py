@@ -31,7 +31,7 @@ algorithm that takes ``--compress`` (``decay`` < 1 decays the residual, SparseLo
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -201,6 +201,10 @@ class ChunkTopK(Codec):
     k: int = 64
     bits: int = 2
     decay: float = 1.0  # the residual is multiplied by this before the next message is added
+    # As a codec for any algorithm: each entry of the mean over the workers that sent it (the
+    # SparseLoCo reference's mean), not over every worker (an entry one worker sent moves by 1/N
+    # of it). Left out of the spec at its default, so specs saved before it still match.
+    senders: bool = field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -320,7 +324,7 @@ class ChunkTopK(Codec):
             weights = comm.weigh_gathered(self.norms(payloads, n, parts)) if comm.screening else None
             if weights is not None and not any(weights):  # nothing to average: each keeps its own
                 return
-            unflatten_into(self.mean_of(payloads, n, weights, parts=parts), tensors)
+            unflatten_into(self.mean_of(payloads, n, weights, per_sender=self.senders, parts=parts), tensors)
 
         return Pending(finish)
 
