@@ -902,7 +902,7 @@ def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
         if step == 5:
             assert not torch.equal(start, anchor)  # the period started off the anchor: own message
             mean = sync.chunker.mean_of(gathered, sync.n, per_sender=True)
-            assert torch.equal(sync._anchor, torch.sub(anchor, mean.mul_(1.0)).mul_(sync._real))
+            assert torch.equal(sync._anchor, torch.sub(anchor, mean.mul_(1.0)).mul_(sync.layout.mask.float()))
             assert torch.equal(sync._start, sync._anchor)
             assert torch.equal(sync._local(), stepped + (sync._anchor - start))
     sync.close()

@@ -90,13 +90,20 @@ def predict_sparseloco(
     return sparseloco_step(compute_s, gather, H, overlap, sync_wait_s)[0]
 
 
+def gather_share(gather: float, period_s: float) -> float:
+    """A gather's seconds as a share of the period's compute: ``--overlap auto`` overlaps above
+    ``OVERLAP_ABOVE``. One expression for the choice of H and the run's verdict, so that the
+    two never differ at the boundary."""
+    return gather / period_s
+
+
 def sparseloco_step(
     compute_s: float, gather: float, H: int, overlap: bool | str = "auto", sync_wait_s: float = 0.0
 ) -> tuple[float, bool]:
     """SparseLoCo's mean step from a step's compute and one outer step's gather (seconds), and
     whether it overlaps (``predict_sparseloco``)."""
     if overlap == "auto":
-        overlap = gather > OVERLAP_ABOVE * H * compute_s
+        overlap = gather_share(gather, H * compute_s) > OVERLAP_ABOVE
     exposed = max(0.0, gather - H * compute_s) if overlap else gather + sync_wait_s
     return compute_s + exposed / H, bool(overlap)
 

@@ -121,6 +121,7 @@ from geotrain.plan.gather import (
     OVERLAP_ABOVE,
     SPARSELOCO_PERIODS,
     choose_sparseloco_period,
+    gather_share,
     gather_warning,
 )
 from geotrain.plan.layers import layer_groups
@@ -141,11 +142,10 @@ WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
-# --H auto: whole steps timed at start-up, as a profile times them,
+# --H auto: whole steps timed at start-up, as a profile times them, after PROBE_WARMUP untimed:
+# a worker's first steps run slow while their memory is first touched (W1, 4 workers on 2 cores:
+# 2.47, 1.72 and 1.25 s, then 1.07-1.22 s; after one warm-up the probe took a step for 1.66 s)
 PROBE_STEPS = 3
-# ... after this many untimed: a worker's first steps run slow while its memory is first touched
-# (W1, 4 workers on 2 cores: 2.47, 1.72 and 1.25 s, then 1.07-1.22 s; timed after one warm-up the
-# probe took a step for 1.66 s)
 PROBE_WARMUP = 3
 
 
@@ -178,7 +178,7 @@ class Sent(NamedTuple):
         """``flat`` - ``scale`` x the message, in place, touching only the entries sent (the
         indices of a chunk are distinct: exactly the dense subtraction's result)."""
         rows = flat.view(self.idx.shape[0], -1)
-        rows.scatter_add_(1, self.idx, self.values * -scale if scale != 1.0 else -self.values)
+        rows.scatter_add_(1, self.idx, self.values * -scale)
         return flat
 
 
@@ -268,11 +268,9 @@ class SparseLoCo(PeriodicSync):
             "use a smaller --chunk",
         )
         # Per tensor: each parameter padded to whole chunks; every vector below is in this layout
-        # and keeps its padding at zero (_real).
+        # and keeps its padding at zero (``layout.zero_padding``, ``layout.mask``).
         self.layout = TensorChunks([p.numel() for p in params], self.config.chunk)
         self.n = self.layout.numel
-        self._real = self.layout.mask.float()
-        self._real_rows = self._real.view(-1, self.config.chunk)
         self._anchor = self.layout.flatten(params)  # theta, equal on every worker
         self._error = torch.zeros(self.n)  # e_r
         # Work vectors, reused each outer step: a fresh vector of GPT mini's size costs its page
@@ -355,16 +353,8 @@ class SparseLoCo(PeriodicSync):
         )
         self._set_period(H)
         if self.overlap is None:  # --overlap auto: the same figures decide it, before step 1
-            period_s = compute_s * H
-            (row,) = [row for row in self.period_choice if row["H"] == H]
-            self._decide(
-                gather,
-                period_s,
-                gather / period_s,
-                when="at start-up, a gather",
-                whose="the slowest worker's share",
-                overlap=row["overlap"],  # as the choice priced it, whatever the rounding
-            )
+            period_s = H * compute_s
+            self._decide(gather, period_s, gather_share(gather, period_s), at_start=True)
         if self.comm.rank == 0:
             weighed = ", ".join(
                 f"H={row['H']} {row['time_to_loss_factor']:.2f}{' overlapped' if row['overlap'] else ''}"
@@ -434,7 +424,7 @@ class SparseLoCo(PeriodicSync):
         payload, idx, values = self.chunker.encode_sparse(error, work=delta)
         # A chunk with fewer than k real entries sends some of its padding (a zero picked codes to
         # a level of +-scale/3): none of it may stay here, in the start point or in the anchor.
-        values.mul_(self._real_rows.gather(1, idx))
+        values.mul_(self.layout.mask.view(-1, self.config.chunk).gather(1, idx))
         spoiled = self.comm.spoiled(error)  # --chaos corrupt: the message only, e stays clean
         if spoiled is not None:
             payload = self.chunker.encode(spoiled)[0]
@@ -602,7 +592,7 @@ class SparseLoCo(PeriodicSync):
         period_s = self._step_s() * self.config.H
         # A worker that timed no step here (it adopted another's state for this sync) has no
         # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
-        ratio = gather_s / period_s if period_s > 0 else -1.0
+        ratio = gather_share(gather_s, period_s) if period_s > 0 else -1.0
         (most,) = self.comm.max_scalars([ratio])
         return gather_s, period_s, most
 
@@ -611,9 +601,7 @@ class SparseLoCo(PeriodicSync):
         gather_s: float,
         period_s: float,
         ratio: float,
-        when: str = "the first outer step's gather",
-        whose: str = "the largest share on any worker",
-        overlap: bool | None = None,
+        at_start: bool = False,
     ) -> None:
         """Take auto's verdict: overlap where the gather is over ``OVERLAP_ABOVE`` of the
         period's compute (``ratio``, the largest over the workers), landing ``LAND_MARGIN`` times
@@ -624,13 +612,15 @@ class SparseLoCo(PeriodicSync):
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
             return
-        self.overlap = ratio > OVERLAP_ABOVE if overlap is None else overlap
+        self.overlap = ratio > OVERLAP_ABOVE
         H = self.config.H
         if self.overlap and not self.config.tau:  # lands once it has arrived, with a margin
             self.landing = min(H, max(1, math.ceil(round(LAND_MARGIN * ratio * H, 6))))
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
+        timed = "at start-up, a gather" if at_start else "the first outer step's gather"
+        whose = "the slowest worker's share" if at_start else "the largest share on any worker"
         self.decision = (
-            f"--overlap auto: {'on' if self.overlap else 'off'} ({when} took "
+            f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
             f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
             f"{100 * ratio:.1f}%, overlap above {100 * OVERLAP_ABOVE:.0f}%{lands})"
         )
@@ -743,7 +733,8 @@ class SparseLoCo(PeriodicSync):
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
         if self.overlap and resend is not None:
-            sent = self.chunker.decode(self._message_part(resend)[0], self.n).mul_(self._real)
+            sent = self.chunker.decode(self._message_part(resend)[0], self.n)
+            self.layout.zero_padding(sent)
             self._start = self._anchor - self.alpha * sent
         else:
             self._start = self._anchor.clone()
