@@ -908,6 +908,67 @@ def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
     sync.close()
 
 
+def _dense_land_early(sync) -> None:
+    """The landing as three passes over the model (what ``_land_early`` computed before it
+    worked at the gathered entries alone): the reference the sparse landing must equal."""
+    sync._land_in_flight()
+    change = sync._anchor - sync._start
+    sync._start.copy_(sync._anchor)
+    with torch.no_grad():
+        sync.layout.add_into(change, [p.data for p in sync.parameters()])
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit(tau, monkeypatch):
+    """H=4 with a peer whose messages differ from this worker's, landing in the first half
+    (mean over senders) or the second (over workers), and a resume while a gather is in flight
+    (the start rebuilt from the saved message): the anchor, the start and the parameters after
+    12 steps equal, bitwise, those of the dense landing; after each landing start == anchor."""
+
+    def run(dense: bool):
+        comm = _WithAPeer()
+        options = {"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": tau}
+        model, opt, sync = _tiny_sync(options, comm)
+        gen = torch.Generator().manual_seed(5)
+        comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=gen) * 1e-2)[0]
+        if dense:
+            monkeypatch.setattr(sync, "_land_early", lambda s=sync: _dense_land_early(s))
+        for step in range(1, 13):
+            if step == 6:  # resume: the message in flight is saved and sent again
+                state = {"model": model.state_dict(), "opt": opt.state_dict(), "sync": sync.state_dict()}
+                sync.close()
+                model, opt, sync = _tiny_sync(options, comm)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["opt"])
+                sync.load_state_dict(state["sync"])
+                if dense:
+                    monkeypatch.setattr(sync, "_land_early", lambda s=sync: _dense_land_early(s))
+            _local_step(sync, opt, step)
+            sync.after_step()
+            if step % 4 == tau:
+                assert torch.equal(sync._start, sync._anchor), step
+        out = (sync._anchor.clone(), sync._start.clone(), sync._local())
+        sync.close()
+        return out
+
+    for sparse, dense in zip(run(False), run(True), strict=True):
+        assert torch.equal(sparse, dense)
+
+
+def test_a_sparse_add_into_the_tensors_adds_each_named_entry_once_and_skips_the_padding():
+    from geotrain.compress.chunked import TensorChunks
+
+    layout = TensorChunks([5, 8], chunk=4)  # rows: tensor 0 in rows 0-1 (3 padding), tensor 1 in 2-3
+    tensors = [torch.zeros(5), torch.zeros(2, 4)]
+    idx = torch.tensor([[0, 0], [0, 3], [1, 1], [2, 3]])  # row 1's 3 is padding; named twice: once
+    values = torch.tensor([[1.0, 1.0], [2.0, 9.0], [3.0, 3.0], [4.0, 5.0]])
+    layout.add_into_at(idx, values, tensors)
+    assert torch.equal(tensors[0], torch.tensor([1.0, 0, 0, 0, 2.0]))
+    assert torch.equal(tensors[1], torch.tensor([[0, 3.0, 0, 0], [0, 0, 4.0, 5.0]]))
+    layout.add_into_at(torch.zeros(4, 0, dtype=torch.int64), torch.zeros(4, 0), tensors)  # nothing named
+    assert tensors[0].sum() == 3.0
+
+
 def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_see_it():
     """tau=1 of H=4: the wait at step 5 fails (a member lost); after the regroup (``rebind``)
     ``retry_sync`` sends the message again and lands it then, as the step would have. And the

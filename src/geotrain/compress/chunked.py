@@ -129,6 +129,7 @@ class TensorChunks:
 
     def __init__(self, sizes: list[int], chunk: int, device: torch.device | str | None = None) -> None:
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.chunk = chunk
         self.sizes = list(sizes)
         self.padded = [-(-n // chunk) * chunk for n in self.sizes]
         self.numel = sum(self.padded)
@@ -179,6 +180,24 @@ class TensorChunks:
                 t.add_(part)
             else:
                 t.copy_(t.detach().to(part.device).add_(part))
+
+    def add_into_at(self, idx: torch.Tensor, values: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` += a sparse vector in the layout, in place: ``values`` at ``idx``, each
+        (chunks, m), the indices within each chunk of the layout. An entry named twice must
+        carry the same value each time (it is added once); one in the padding is left out. A
+        pass over the entries named, not over the tensors."""
+        if idx.shape[1] == 0:
+            return
+        for (offset, _, n), padded, t in zip(self._spans(), self.padded, tensors, strict=True):
+            first, last = offset // self.chunk, (offset + padded) // self.chunk
+            starts = torch.arange(0, padded, self.chunk, device=idx.device).view(-1, 1)
+            at = (idx[first:last] + starts).reshape(-1)
+            real = at < n
+            at, add = at[real].to(t.device), values[first:last].reshape(-1)[real].to(t.device)
+            flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+            flat.index_put_((at,), flat[at] + add)  # written, not accumulated: a twice-named entry once
+            if flat.data_ptr() != t.data_ptr():
+                t.copy_(flat.view(t.shape))
 
     def zero_padding(self, flat: torch.Tensor) -> None:
         """Set a padded vector's padding to zero, in place (a slice per tensor, not a pass over
@@ -356,43 +375,81 @@ class ChunkTopK(Codec):
         out: torch.Tensor | None = None,
         parts: list[Parts | None] | None = None,
     ) -> torch.Tensor:
-        """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over
-        the workers that sent one: an all-zero payload is the empty stand-in of a worker that
-        adopted another's state (``sync.base.InFlight.adopted``), and counting it would shrink
-        the mean. (A real payload is never all zero bytes unless its whole chunk of the buffer is
-        zero with k = 1, which then adds nothing either way but the divisor.) ``weights`` (the
-        norm check's, by rank): a payload of weight 0 is left out of the sum and the divisor, one
-        below 1 is scaled down (``--aggregate clip``). ``per_sender``: each entry is divided by
-        the number of workers whose message holds it, not by the number of workers (the SparseLoCo
-        reference's ``scatter_reduce(reduce="mean", include_self=False)``): an entry one worker
-        picked moves by its value, not a fraction of it.
+        """Every worker's payload (stacked, rank order) -> the dense mean of the decoded vectors
+        (``sparse_mean`` spread into a vector of ``n``, zero where no message holds an entry).
+        ``out``: a vector of ``chunks(n) * chunk`` values to make it in (a caller's work vector),
+        not a new one."""
+        c = self.chunks(n)
+        work = None if out is None else out.view(c, self.chunk)
+        touched, mean = self.sparse_mean(payloads, n, weights, per_sender, work=work, parts=parts)
+        total = torch.zeros(c, self.chunk, device=payloads.device) if work is None else work.zero_()
+        total.scatter_(1, touched, mean)
+        return total.reshape(-1)[:n]
 
-        Summed in rank order on every worker, so every replica gets the same bits. ``out``: a
-        vector of ``chunks(n) * chunk`` values to sum into (a caller's work vector), not a new one.
-        ``parts``: the payloads' ``parts_of``, where the caller has them."""
-        if out is None:
-            total = torch.zeros(self.chunks(n), self.chunk, device=payloads.device)
-        else:
-            total = out.view(self.chunks(n), self.chunk).zero_()
-        counts = torch.zeros(self.chunks(n), self.chunk, device=total.device) if per_sender else None
-        senders: list[torch.Tensor] = []  # each sender's indices
-        # Indices within one payload are distinct: scatter-add is exact.
+    def sparse_mean(
+        self,
+        payloads: torch.Tensor,
+        n: int,
+        weights: list[float] | None = None,
+        per_sender: bool = False,
+        work: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+        parts: list[Parts | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every worker's payload (stacked, rank order) -> the mean of the decoded vectors over
+        the workers that sent one, sparse: ``(touched, mean)``, (chunks, m) each, the indices
+        within each chunk that some message holds (an entry two sent appears twice, with the
+        same mean) and the mean there; it is zero everywhere else. An all-zero payload is the
+        empty stand-in of a worker that adopted another's state (``sync.base.InFlight.adopted``),
+        and counting it would shrink the mean. (A real payload is never all zero bytes unless its
+        whole chunk of the buffer is zero with k = 1, which then adds nothing either way but the
+        divisor.) ``weights`` (the norm check's, by rank): a payload of weight 0 is left out of
+        the sum and the divisor, one below 1 is scaled down (``--aggregate clip``).
+        ``per_sender``: each entry is divided by the number of workers whose message holds it,
+        not by the number of workers (the SparseLoCo reference's ``scatter_reduce(reduce="mean",
+        include_self=False)``): an entry one worker picked moves by its value, not a fraction of
+        it.
+
+        Summed in rank order on every worker, so every replica gets the same bits. Nothing here
+        is a pass over the whole vector: a caller that applies the mean where it is nonzero
+        spares the passes and the vector of a dense mean (on a CPU, GPT ``mini``'s dense mean
+        and count vectors cost 25 ms of page faults and fills per outer step). ``work``: a
+        (chunks, chunk) float tensor the sums are made in, at the touched entries only (the rest
+        of it is left as it was); ``counts``: a (chunks, chunk) integer tensor, all zero, that
+        the per-sender counts are made in and that is left all zero (a caller keeps one across
+        outer steps); each is made where not given. ``parts``: the payloads' ``parts_of``, where
+        the caller has them."""
+        c = self.chunks(n)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # each sender's indices and values
         for r, part in enumerate(self.parts_of(payloads, n) if parts is None else parts):
             weight = 1.0 if weights is None else weights[r]
             if weight == 0 or part is None:
                 continue
             scales, codes, idx = part
-            senders.append(idx)
             values = self._values(scales, codes)
-            total.scatter_add_(1, idx, values if weight == 1 else values * weight)
-            if counts is not None:  # a sender counts once, its weight (a clip) stays on its values
-                counts.scatter_add_(1, idx, torch.ones(idx.shape, device=idx.device))
-        if counts is not None:
-            if senders:  # only the entries some sender sent (the rest are 0 / 1): not a pass over all
-                touched = torch.cat(senders, dim=1)  # an entry two sent is divided twice alike
-                total.scatter_(1, touched, total.gather(1, touched) / counts.gather(1, touched))
-            return total.reshape(-1)[:n]
-        return total.reshape(-1)[:n].div_(max(1, len(senders)))
+            kept.append((idx, values if weight == 1 else values * weight))
+        if not kept:
+            return torch.zeros(c, 0, dtype=torch.int64, device=payloads.device), torch.zeros(c, 0)
+        touched = torch.cat([idx for idx, _ in kept], dim=1)
+        sums = torch.empty(c, self.chunk, device=touched.device) if work is None else work
+        sums.scatter_(1, touched, 0.0)
+        for idx, values in kept:  # indices within one payload are distinct: scatter-add is exact
+            sums.scatter_add_(1, idx, values)
+        mean = sums.gather(1, touched)
+        if not per_sender:
+            return touched, mean.div_(len(kept))
+        if counts is None:
+            counts = torch.zeros(c, self.chunk, dtype=torch.int32, device=touched.device)
+        require(
+            len(kept) <= torch.iinfo(counts.dtype).max,
+            f"{self.name}: {len(kept)} senders overflow a {counts.dtype} count",
+        )
+        one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
+        for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
+            counts.scatter_add_(1, idx, one)
+        mean.div_(counts.gather(1, touched))
+        counts.scatter_(1, touched, 0)
+        return touched, mean
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return (world_size - 1) * self.payload_bytes(sum(numel(s) for s in shapes))

@@ -280,6 +280,7 @@ class SparseLoCo(PeriodicSync):
         self._scratch = torch.zeros(self.n)
         self._spare = torch.zeros(self.n)
         self._start = self._anchor.clone()  # where this period started (overlap)
+        self._sender_counts: torch.Tensor | None = None  # ``_counts``, made at the first per-sender mean
         self.in_flight = InFlight(comm)  # this worker's message, landing later (``landing``)
         # Overlap on or off; None: auto, not yet decided (the steps so far ran synchronously).
         self.overlap: bool | None = None if self.config.overlap == "auto" else bool(self.config.overlap)
@@ -431,21 +432,38 @@ class SparseLoCo(PeriodicSync):
         sent = Sent(idx, values)
         return payload, sent, sent.taken_from(error)
 
-    def _land(self, gathered: torch.Tensor) -> list[float] | None:
+    def _land(self, gathered: torch.Tensor) -> tuple[list[float] | None, torch.Tensor]:
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
-        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike).
-        Returns the check's weights by rank (None: unchecked)."""
+        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike),
+        at the entries they hold alone. Returns the check's weights by rank (None: unchecked)
+        and the entries every message holds, the check's rejects too ((chunks, m) indices
+        within each chunk, an entry two sent named twice): outside them the anchor is as it was."""
         weights = None
         parts = self.chunker.parts_of(gathered, self.n)  # unpacked once, for the check and the mean
         if self.comm.checking:
             weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n, parts))
-        # Into the work vector: the delta it held has gone into the message (``_message``).
-        mean = self.chunker.mean_of(
-            gathered, self.n, weights, per_sender=self._per_sender(), out=self._scratch, parts=parts
-        )
-        self._anchor.sub_(mean.mul_(self.alpha) if self.alpha != 1.0 else mean)
+        per_sender = self._per_sender()
+        # Summed in the work vector: the delta it held has gone into the message (``_message``).
+        touched, mean = self.chunker.sparse_mean(
+            gathered, self.n, weights, per_sender, work=self._scratch.view(-1, self.config.chunk),
+            counts=self._counts() if per_sender else None, parts=parts,
+        )  # fmt: skip
+        if self.alpha != 1.0:
+            mean.mul_(self.alpha)
+        rows = self._anchor.view(-1, self.config.chunk)
+        rows.scatter_(1, touched, rows.gather(1, touched).sub_(mean))
         self.layout.zero_padding(self._anchor)  # another's message may hold its padding
-        return weights
+        named = [part[2] for part in parts if part is not None]
+        every = torch.cat(named, dim=1) if named else touched
+        return weights, every
+
+    def _counts(self) -> torch.Tensor:
+        """The per-sender mean's count per entry, all zero between outer steps (kept: a fresh
+        one is a vector of the model's size)."""
+        if self._sender_counts is None:
+            dtype = torch.uint8 if self.comm.world_size < 256 else torch.int32
+            self._sender_counts = torch.zeros(self.n // self.config.chunk, self.config.chunk, dtype=dtype)
+        return self._sender_counts
 
     @property
     def follows_link(self) -> bool:
@@ -466,20 +484,21 @@ class SparseLoCo(PeriodicSync):
         figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
         return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
 
-    def _land_in_flight(self) -> None:
+    def _land_in_flight(self) -> torch.Tensor | None:
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
-        noted (none for a gather sent again after a regroup: its wait is the regroup's)."""
+        noted (none for a gather sent again after a regroup: its wait is the regroup's). Returns
+        the entries the messages held (``_land``), None where none was in flight."""
         timed = not self.in_flight.resending
         started = self.clock()
         gathered = self.in_flight.land()
         waited = self.clock() - started
         if gathered is None:
-            return
+            return None
         gathered, arrivals = self._message_part(gathered)
-        weights = self._land(gathered)
+        weights, touched = self._land(gathered)
         if not self.follows_link:
-            return
+            return touched
         if weights is not None:  # a message the check left out has no say in the landing either
             arrivals = [a for a, w in zip(arrivals, weights, strict=False) if w > 0]
         step_s = self._step_s()
@@ -489,6 +508,7 @@ class SparseLoCo(PeriodicSync):
         # Taken at the next outer step: until then every worker must see this period's landing
         # (``collective_period``, a landing redone after a regroup), wherever it is in the period.
         self._next_landing = next_landing(self.landing, arrivals, self.config.H)
+        return touched
 
     def _take_next_landing(self) -> None:
         moved, self._next_landing = self._next_landing, 0
@@ -543,12 +563,25 @@ class SparseLoCo(PeriodicSync):
         this worker's stand-in for it (its own message, in the period's start) is replaced by
         it, in the start and in the parameters alike: x <- x + (new anchor - start). From here
         the period goes on as if it had started from the new anchor; the next pseudo-gradient
-        is still the whole period's progress (start - x)."""
-        self._land_in_flight()
-        change = torch.sub(self._anchor, self._start, out=self._spare)
-        self._start.copy_(self._anchor)
+        is still the whole period's progress (start - x).
+
+        The start differs from the anchor only where this worker's own message (or, for one
+        that adopted another's state, that worker's) took it off, and the mean moves the anchor
+        only where a message holds an entry: both are in the gathered messages, so the change
+        is made at their entries alone, not by three passes over the model."""
+        touched = self._land_in_flight()
+        if touched is None:  # nothing was in flight (a state saved without its message)
+            change = torch.sub(self._anchor, self._start, out=self._spare)
+            self._start.copy_(self._anchor)
+            with torch.no_grad():
+                self.layout.add_into(change, [p.data for p in self.parameters()])
+            return
+        anchor = self._anchor.view(-1, self.config.chunk).gather(1, touched)
+        start = self._start.view(-1, self.config.chunk)
+        change = anchor - start.gather(1, touched)
+        start.scatter_(1, touched, anchor)
         with torch.no_grad():
-            self.layout.add_into(change, [p.data for p in self.parameters()])
+            self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
         if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
