@@ -908,25 +908,82 @@ def test_with_tau_the_outer_steps_mean_lands_tau_steps_into_the_next_period():
     sync.close()
 
 
+def _old_dense_mean(codec, payloads, n, weights=None, per_sender=False):
+    """The dense mean ``ChunkTopK.mean_of`` computed before ``sparse_mean``: a vector of sums
+    and one of counts the model's size, a pass over each. The reference the sparse mean must
+    equal to the bit."""
+    total = torch.zeros(codec.chunks(n), codec.chunk)
+    counts = torch.zeros(codec.chunks(n), codec.chunk)
+    senders = []
+    for r, part in enumerate(codec.parts_of(payloads, n)):
+        weight = 1.0 if weights is None else weights[r]
+        if weight == 0 or part is None:
+            continue
+        scales, codes, idx = part
+        senders.append(idx)
+        values = codec._values(scales, codes)
+        total.scatter_add_(1, idx, values if weight == 1 else values * weight)
+        counts.scatter_add_(1, idx, torch.ones(idx.shape))
+    if per_sender:
+        if senders:
+            touched = torch.cat(senders, dim=1)
+            total.scatter_(1, touched, total.gather(1, touched) / counts.gather(1, touched))
+        return total.reshape(-1)[:n]
+    return total.reshape(-1)[:n].div_(max(1, len(senders)))
+
+
+@pytest.mark.parametrize("per_sender", [False, True])
+def test_the_sparse_mean_equals_the_old_dense_mean_to_the_bit(per_sender):
+    """Four payloads over a vector that does not fill its last chunk (padding), one of them an
+    adopter's empty stand-in, weighed [1, 0.5, 0, 1] (a clip and a reject): ``mean_of`` (built
+    on ``sparse_mean``) and the sparse mean spread out equal the dense computation bitwise, and
+    a kept count tally is left all zero."""
+    codec = ChunkTopK(chunk=64, k=16, bits=4)
+    gen = torch.Generator().manual_seed(11)
+    n = 64 * 5 + 17
+    payloads = [codec.encode(torch.randn(n, generator=gen))[0] for _ in range(3)]
+    payloads.insert(2, torch.zeros_like(payloads[0]))
+    gathered = torch.stack(payloads)
+    for weights in (None, [1.0, 0.5, 0.0, 1.0]):
+        want = _old_dense_mean(codec, gathered, n, weights, per_sender)
+        assert torch.equal(codec.mean_of(gathered, n, weights, per_sender=per_sender), want)
+        tally = torch.zeros(codec.chunks(n), 64, dtype=torch.uint8)
+        work = torch.full((codec.chunks(n), 64), 7.0)
+        touched, mean = codec.sparse_mean(gathered, n, weights, per_sender, work=work, counts=tally)
+        spread = torch.zeros(codec.chunks(n), 64).scatter_(1, touched, mean).reshape(-1)[:n]
+        assert torch.equal(spread, want) and not tally.any()
+
+
 def _dense_land_early(sync) -> None:
-    """The landing as three passes over the model (what ``_land_early`` computed before it
-    worked at the gathered entries alone): the reference the sparse landing must equal."""
-    sync._land_in_flight()
+    """The landing as it was before it worked at the gathered entries alone: the dense mean
+    (``_old_dense_mean``) off the anchor, then three passes over the model. The reference the
+    sparse landing must equal."""
+    gathered = sync._message_part(sync.in_flight.land())[0]
+    codec, n, comm = sync.chunker, sync.n, sync.comm
+    weights = comm.weigh_gathered(codec.norms(gathered, n)) if comm.checking else None
+    mean = _old_dense_mean(codec, gathered, n, weights, per_sender=sync._per_sender())
+    sync._anchor.sub_(mean.mul_(sync.alpha) if sync.alpha != 1.0 else mean)
+    sync.layout.zero_padding(sync._anchor)
     change = sync._anchor - sync._start
     sync._start.copy_(sync._anchor)
     with torch.no_grad():
         sync.layout.add_into(change, [p.data for p in sync.parameters()])
 
 
-@pytest.mark.parametrize("tau", [1, 3])
-def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit(tau, monkeypatch):
+@pytest.mark.parametrize("tau,spoil", [(1, ""), (3, ""), (3, "nan"), (1, "scale=0")])
+def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit(tau, spoil, monkeypatch):
     """H=4 with a peer whose messages differ from this worker's, landing in the first half
     (mean over senders) or the second (over workers), and a resume while a gather is in flight
     (the start rebuilt from the saved message): the anchor, the start and the parameters after
-    12 steps equal, bitwise, those of the dense landing; after each landing start == anchor."""
+    12 steps equal, bitwise, those of the dense landing; after each landing start == anchor.
+    ``spoil``: the first outer step's message is spoiled on the way (``--chaos corrupt``; NaNs
+    the norm check leaves out, zeros it keeps): what was sent holds other entries than those
+    the start was moved at (this worker's clean message), and the resume rebuilds the start
+    from the clean one."""
 
     def run(dense: bool):
         comm = _WithAPeer()
+        comm.max_norm_ratio = 10.0 if spoil else 0.0
         options = {"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": tau}
         model, opt, sync = _tiny_sync(options, comm)
         gen = torch.Generator().manual_seed(5)
@@ -944,15 +1001,19 @@ def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit
                 if dense:
                     monkeypatch.setattr(sync, "_land_early", lambda s=sync: _dense_land_early(s))
             _local_step(sync, opt, step)
+            comm.corrupt_next = spoil if step == 4 else ""
             sync.after_step()
             if step % 4 == tau:
                 assert torch.equal(sync._start, sync._anchor), step
         out = (sync._anchor.clone(), sync._start.clone(), sync._local())
+        assert all(t.isfinite().all() for t in out)
         sync.close()
-        return out
+        return out, comm.rejected_by_rank
 
-    for sparse, dense in zip(run(False), run(True), strict=True):
-        assert torch.equal(sparse, dense)
+    (sparse, rejected), (dense, _) = run(False), run(True)
+    assert rejected == ({0: 1} if spoil == "nan" else {})  # NaNs left out; zeros averaged in
+    for a, b in zip(sparse, dense, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_sparse_add_into_the_tensors_adds_each_named_entry_once_and_skips_the_padding():

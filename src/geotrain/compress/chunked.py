@@ -293,7 +293,7 @@ class ChunkTopK(Codec):
 
     def parts_of(self, payloads: torch.Tensor, n: int) -> list[Parts | None]:
         """Each gathered payload's (scales, codes, indices), None for an empty one (an adopter's
-        stand-in: see ``mean_of``): unpacked once for both ``norms`` and ``mean_of``."""
+        stand-in: see ``sparse_mean``): unpacked once for both ``norms`` and the mean."""
         return [self._parts(payload, n) if payload.any() else None for payload in payloads]
 
     def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
@@ -429,7 +429,8 @@ class ChunkTopK(Codec):
             values = self._values(scales, codes)
             kept.append((idx, values if weight == 1 else values * weight))
         if not kept:
-            return torch.zeros(c, 0, dtype=torch.int64, device=payloads.device), torch.zeros(c, 0)
+            nothing = torch.zeros(c, 0, device=payloads.device)
+            return nothing.long(), nothing
         touched = torch.cat([idx for idx, _ in kept], dim=1)
         sums = torch.empty(c, self.chunk, device=touched.device) if work is None else work
         sums.scatter_(1, touched, 0.0)
@@ -445,10 +446,12 @@ class ChunkTopK(Codec):
             f"{self.name}: {len(kept)} senders overflow a {counts.dtype} count",
         )
         one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
-        for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
-            counts.scatter_add_(1, idx, one)
-        mean.div_(counts.gather(1, touched))
-        counts.scatter_(1, touched, 0)
+        try:
+            for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
+                counts.scatter_add_(1, idx, one)
+            mean.div_(counts.gather(1, touched))
+        finally:  # left all zero, for the next mean, whatever happens here
+            counts.scatter_(1, touched, 0)
         return touched, mean
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:

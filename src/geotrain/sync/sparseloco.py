@@ -98,7 +98,7 @@ the landing with it.
 
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
 work vectors of the same size (snapshots hold theta and e; the start is rebuilt from the message
-in flight).
+in flight), and, for the mean over senders, a count of a byte per entry.
 """
 
 from __future__ import annotations
@@ -275,11 +275,19 @@ class SparseLoCo(PeriodicSync):
         self._error = torch.zeros(self.n)  # e_r
         # Work vectors, reused each outer step: a fresh vector of GPT mini's size costs its page
         # faults (about 0.1 s of CPU here), and an outer step made nine. The parameters in the
-        # layout, then the delta, then (once the message is made) the mean landed; and the next
-        # e, made beside the current one until it is kept.
+        # layout, then the delta, then (once the message is made) the sums of the mean at the
+        # entries the messages hold; and the next e, made beside the current one until it is kept.
         self._scratch = torch.zeros(self.n)
         self._spare = torch.zeros(self.n)
         self._start = self._anchor.clone()  # where this period started (overlap)
+        # Where the start was moved off the anchor (the entries of the message that stood in for
+        # the mean: (chunks, k) indices, none at first); a landing inside the period changes the
+        # start there and where the gathered messages hold an entry, nowhere else (``_land_early``).
+        self._start_moved_at = self._no_entries()
+        # The message the start was moved by, where it is not the one in flight (--chaos spoiled
+        # what was sent): a snapshot rebuilds the start from it (None: from the one in flight).
+        self._start_message: torch.Tensor | None = None
+        self._unspoiled: torch.Tensor | None = None  # the last message made, where it was spoiled
         self._sender_counts: torch.Tensor | None = None  # ``_counts``, made at the first per-sender mean
         self.in_flight = InFlight(comm)  # this worker's message, landing later (``landing``)
         # Overlap on or off; None: auto, not yet decided (the steps so far ran synchronously).
@@ -427,8 +435,9 @@ class SparseLoCo(PeriodicSync):
         # a level of +-scale/3): none of it may stay here, in the start point or in the anchor.
         values.mul_(self.layout.mask.view(-1, self.config.chunk).gather(1, idx))
         spoiled = self.comm.spoiled(error)  # --chaos corrupt: the message only, e stays clean
+        self._unspoiled = None
         if spoiled is not None:
-            payload = self.chunker.encode(spoiled)[0]
+            self._unspoiled, payload = payload, self.chunker.encode(spoiled)[0]
         sent = Sent(idx, values)
         return payload, sent, sent.taken_from(error)
 
@@ -459,11 +468,14 @@ class SparseLoCo(PeriodicSync):
 
     def _counts(self) -> torch.Tensor:
         """The per-sender mean's count per entry, all zero between outer steps (kept: a fresh
-        one is a vector of the model's size)."""
-        if self._sender_counts is None:
-            dtype = torch.uint8 if self.comm.world_size < 256 else torch.int32
+        one is a vector of the model's size; a byte per entry while the group is under 256)."""
+        dtype = torch.uint8 if self.comm.world_size < 256 else torch.int32
+        if self._sender_counts is None or self._sender_counts.dtype != dtype:  # made, or the group grew
             self._sender_counts = torch.zeros(self.n // self.config.chunk, self.config.chunk, dtype=dtype)
         return self._sender_counts
+
+    def _no_entries(self) -> torch.Tensor:
+        return torch.zeros(self.n // self.config.chunk, 0, dtype=torch.int64)
 
     @property
     def follows_link(self) -> bool:
@@ -565,10 +577,11 @@ class SparseLoCo(PeriodicSync):
         the period goes on as if it had started from the new anchor; the next pseudo-gradient
         is still the whole period's progress (start - x).
 
-        The start differs from the anchor only where this worker's own message (or, for one
-        that adopted another's state, that worker's) took it off, and the mean moves the anchor
-        only where a message holds an entry: both are in the gathered messages, so the change
-        is made at their entries alone, not by three passes over the model."""
+        The start differs from the anchor only where the message that stood in for the mean
+        took it off (``_start_moved_at``: this worker's own, clean even where ``--chaos``
+        spoiled what was sent, or, for one that adopted another's state, that worker's), and
+        the mean moves the anchor only where a gathered message holds an entry: the change is
+        made at those entries alone, not by three passes over the model."""
         touched = self._land_in_flight()
         if touched is None:  # nothing was in flight (a state saved without its message)
             change = torch.sub(self._anchor, self._start, out=self._spare)
@@ -576,6 +589,8 @@ class SparseLoCo(PeriodicSync):
             with torch.no_grad():
                 self.layout.add_into(change, [p.data for p in self.parameters()])
             return
+        touched = torch.cat([touched, self._start_moved_at], dim=1)  # an entry in both: read alike
+        self._start_moved_at, self._start_message = self._no_entries(), None
         anchor = self._anchor.view(-1, self.config.chunk).gather(1, touched)
         start = self._start.view(-1, self.config.chunk)
         change = anchor - start.gather(1, touched)
@@ -606,6 +621,7 @@ class SparseLoCo(PeriodicSync):
             self.in_flight.launch(self._with_arrival(payload))
             # Eager: this worker's own message stands in for the mean until the mean lands.
             sent.taken_from(self._start.copy_(self._anchor), self.alpha)
+            self._start_moved_at, self._start_message = sent.idx, self._unspoiled
             self._set_params(self._start)
         self.syncs += 1
 
@@ -642,6 +658,7 @@ class SparseLoCo(PeriodicSync):
         measured a gather and a step already (``prepare``), so that the first outer step of a
         slow link is not waited for."""
         self._start = self._anchor.clone()
+        self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
             return
@@ -735,6 +752,8 @@ class SparseLoCo(PeriodicSync):
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
+        if self._start_message is not None and self.in_flight.flying:
+            state["start_message"] = self._start_message
         state["overlap"] = self.overlap  # None: auto, not yet decided
         state["landing"] = self.landing
         state["arrival"] = self._arrival
@@ -765,9 +784,14 @@ class SparseLoCo(PeriodicSync):
         self._arrival, self._seen = state.get("arrival", 0.0), 0
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
+        self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
-            sent = self.chunker.decode(self._message_part(resend)[0], self.n)
+            # the message the start was moved by: the one in flight, unless it was spoiled
+            saved = self._message_part(state.get("start_message", resend))[0]
+            sent = self.chunker.decode(saved, self.n)
             self.layout.zero_padding(sent)
             self._start = self._anchor - self.alpha * sent
+            if saved.any():  # an adopter's empty stand-in moved nothing
+                self._start_moved_at = self.chunker.parts_of(saved.unsqueeze(0), self.n)[0][2]
         else:
             self._start = self._anchor.clone()
