@@ -50,6 +50,8 @@ CELLS = {  # name: extra flags
     "co2 two-level": ["--algo", "co2", "--H", "20", "--hierarchy", "sites"],
     "sparseloco": ["--algo", "sparseloco", "--H", "20"],
     "sparseloco auto": ["--algo", "sparseloco", "--H", "auto"],  # its default: the period the link asks for
+    # its gather in two levels: each message carried across by its own host
+    "sparseloco auto two-level": ["--algo", "sparseloco", "--H", "auto", "--hierarchy", "sites"],
 }
 DEFAULT = "nosync,diloco flat,diloco two-level,diloco two-level site-H,streaming,co2,sparseloco"
 PACED = ("diloco flat", "diloco two-level", "diloco two-level site-H")  # again with --pace time, straggling

@@ -257,3 +257,45 @@ def test_site_h_averages_inside_each_site_between_the_syncs_across_sites(algo):
         torch.testing.assert_close(out[r]["after"][3], everyone, atol=1e-6, rtol=1e-6)
     assert out[0]["stats"]["calls"] == 1 + 1 and out[3]["stats"]["calls"] == 1  # site + across
     assert out[0]["stats"]["payload_bytes"] == 2 * 84 and out[3]["stats"]["payload_bytes"] == 84
+
+
+def _two_level_gather(rank, world_size, site_of_host):
+    import geotrain.comm.communicator as communicator
+
+    communicator.TWO_LEVEL_GATHER_BYTES = 6  # these messages: two levels; a smaller one flat
+    comm = Communicator(site_of_host=site_of_host)
+    message = torch.arange(6, dtype=torch.uint8) + 10 * rank  # a rank's own bytes, told apart
+    gathered = comm.all_gather(message, async_op=True).wait()
+    again = comm.all_gather(message.float())  # blocking, another dtype, after the first
+    before = comm.stats.as_dict()
+    small = comm.all_gather(message[:5])
+    return {
+        "gathered": gathered,
+        "again": again,
+        "small": small,
+        "stats": before,
+        "small_wan": comm.stats.wan_sent_bytes - before["wan_sent_bytes"],
+        "even": comm.two_level.even,
+    }
+
+
+@pytest.mark.parametrize("sites", [[0, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]], ids=str)
+def test_a_two_level_all_gather_gives_every_rank_every_message_in_rank_order(sites):
+    """Sites of equal size gather in two levels (each message carried across by its own host,
+    then shared over the LAN), wherever the sites' ranks lie; unequal sites gather flat. Either
+    way every rank holds every rank's message, in rank order; the WAN bytes counted are the
+    two levels': (S-1) messages out of each member, against a ring's N-1. A gather under
+    ``TWO_LEVEL_GATHER_BYTES`` (latency-bound, a control figure) goes flat."""
+    out = run_workers(_two_level_gather, 4, sites, timeout=120)
+    want = torch.stack([torch.arange(6, dtype=torch.uint8) + 10 * r for r in range(4)])
+    even = len({sites.count(s) for s in set(sites)}) == 1
+    for r in out:
+        assert torch.equal(r["gathered"], want) and torch.equal(r["again"], want.float())
+        assert torch.equal(r["small"], want[:, :5]) and r["small_wan"] == 0  # below the floor: flat
+        assert r["even"] == even
+        stats = r["stats"]
+        if even:  # 2 sites of 2: one message across, the two carried to the site-mate
+            assert stats["wan_sent_bytes"] == 6 + 24
+            assert stats["sent_bytes"] == (2 * 6) + 6 + (2 * 24) + 24
+        else:
+            assert stats["wan_sent_bytes"] == 0 and stats["sent_bytes"] == 3 * (6 + 24)

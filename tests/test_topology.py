@@ -218,6 +218,26 @@ def test_across_two_sites_two_levels_send_less_across(tmp_path):
 
 
 @pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
+@pytest.mark.long  # 60 s; CI has the two-level gather's order and bytes in test_hierarchy_gloo.py
+def test_across_two_sites_sparselocos_gather_in_two_levels_sends_less_across(tmp_path):
+    """SparseLoCo's messages, all-gathered: flat, a ring of 4 pushes 3 messages through each
+    crossing; in two levels each crosses once, carried by its own host (2 per uplink). The
+    replicas end as one model either way."""
+    sparse = ["--algo", "sparseloco", "--H", "4", "--chunk", "256", "--k", "64"]
+    runs = {}
+    for name, extra in (("flat", []), ("two-level", ["--hierarchy", "sites"])):
+        cmd = ["run", "--topology", "2x2,lan=1gbit,wan=50mbit", *sparse, *extra]
+        cmd += ["--model", "tiny", "--batch-size", "4", "--steps", "8", "--no-progress", "--threads", "1"]
+        proc = geotrain([*cmd, "--run-dir", str(tmp_path / name)], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        logs = sorted((tmp_path / name / "metrics").glob("rank*.jsonl"))
+        assert len({json.loads(f.read_text().splitlines()[-1])["param_digest"] for f in logs}) == 1
+    # On the wire, headers and heartbeats and all (2 / 3 of the messages' bytes, and less)
+    assert 0.5 < runs["two-level"]["wan_bytes_per_step"] / runs["flat"]["wan_bytes_per_step"] < 0.8
+
+
+@pytest.mark.usefixtures("netns_or_skip", "no_leftovers")
 def test_two_levels_go_on_after_a_site_loses_a_host(tmp_path, cleanup_keepers):
     """PyTorch DDP over 2 sites of 2 with --hierarchy auto: the pairs inside a site measure far
     faster than any across, so the sites come out as the topology's, and DDP's buckets go through

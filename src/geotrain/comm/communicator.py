@@ -38,7 +38,7 @@ import torch.distributed as dist
 from geotrain.comm.checked import CheckedMeans, corrupt_
 from geotrain.comm.digest import bytes_digest
 from geotrain.comm.guard import GATHERED, parse_aggregate
-from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_sum_
+from geotrain.comm.hierarchy import Chain, SiteGroups, site_groups, two_level_gather, two_level_sum_
 
 # The names marked F401 are used in waits.py only since the split: importable from here as before
 from geotrain.comm.waits import (
@@ -70,7 +70,7 @@ class CommStats:
     sent_bytes: int = 0
     recv_bytes: int = 0
     blocked_s: float = 0.0
-    wan_sent_bytes: int = 0  # of sent_bytes, what crossed sites (two-level all-reduces only)
+    wan_sent_bytes: int = 0  # of sent_bytes, what crossed sites (two-level all-reduces and gathers only)
 
     def copy(self) -> CommStats:
         return CommStats(**asdict(self))
@@ -80,6 +80,12 @@ class CommStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# A smaller all-gather goes flat even across sites: it is a control figure (``--pace time``'s, a
+# snapshot's sizes), latency-bound (two levels are two round trips), and must not queue on the
+# two-level chain behind a message in flight there.
+TWO_LEVEL_GATHER_BYTES = 4096
 
 
 @dataclass
@@ -402,13 +408,25 @@ class Communicator(CheckedMeans):
             handle = Handle(self, None, tensor.unsqueeze(0), 1, launched)
             return handle if async_op else handle.wait()
         nbytes = tensor.numel() * tensor.element_size() - control_bytes
-        # Ring all-gather: each worker forwards N-1 parts of this size.
         self.stats.calls += 1
         self.stats.payload_bytes += nbytes
-        self.stats.sent_bytes += (self.world_size - 1) * nbytes
-        self.stats.recv_bytes += (self.world_size - 1) * nbytes
         out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        work = dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group, async_op=True)
+        groups = self.two_level
+        two_level = groups is not None and groups.even and self._chain is not None
+        if two_level and nbytes >= TWO_LEVEL_GATHER_BYTES:
+            # In two levels (comm/hierarchy.py): each message crosses each uplink once, carried
+            # by its own host; on the chain, in launch order with the two-level sums.
+            lan, wan = groups.gather_wire_bytes(nbytes)
+            self.stats.sent_bytes += lan + wan
+            self.stats.recv_bytes += lan + wan
+            self.stats.wan_sent_bytes += wan
+            mine = tensor.contiguous()
+            work = self._chain.submit(lambda: two_level_gather(mine, out, groups))
+        else:
+            # Ring all-gather: each worker forwards N-1 parts of this size.
+            self.stats.sent_bytes += (self.world_size - 1) * nbytes
+            self.stats.recv_bytes += (self.world_size - 1) * nbytes
+            work = dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.group, async_op=True)
         handle = Handle(self, work, out, 1, launched, "all-gather", nbytes)
         return handle if async_op else handle.wait()
 

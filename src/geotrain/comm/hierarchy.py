@@ -22,6 +22,14 @@ order, as torch requires), so they are remade with each membership epoch.
 The three phases run one after another in a worker thread of the communicator (``Chain``), in
 the order the collectives were launched, which is the same on every rank: an async all-reduce
 launched during backward (DreamDDP, the bucketed S-SGD) overlaps compute as a flat one does.
+
+**Two-level all-gather** (SparseLoCo's and DeMo's messages, which cannot be summed on the way):
+where every site has the same number of hosts k, member j of each site all-gathers its own
+message with member j of every other site (the stripe-j carriers), then each site all-gathers
+over its LAN what its members carried. Each message crosses each uplink once, carried by its own
+host: (S-1) messages out of a site per member, where a flat ring all-gather of N = S k hosts
+pushes N-1 of them through each boundary it crosses, one host's link at a time (2x2: 2 per
+uplink against 3; 2x4: 4 against 7). Sites of unequal size gather flat (``gather_in_two_levels``).
 """
 
 from __future__ import annotations
@@ -57,6 +65,23 @@ class SiteGroups:
     @property
     def site_size(self) -> int:
         return self.site_of_rank.count(self.site_of_rank[self.rank])
+
+    @property
+    def even(self) -> bool:
+        """Every site has the same number of hosts: a message's carrier is its own host."""
+        return len({self.site_of_rank.count(s) for s in set(self.site_of_rank)}) == 1
+
+    def gather_wire_bytes(self, nbytes: int) -> tuple[int, int]:
+        """(LAN, WAN) bytes this rank sends in a two-level all-gather of ``nbytes`` per rank:
+        its message to the S-1 other sites' carriers (a ring among them), then the S messages
+        it carried to its k-1 site-mates."""
+        k, s = self.site_size, self.sites
+        return (k - 1) * s * nbytes, (s - 1) * nbytes
+
+    def member_ranks(self) -> list[list[int]]:
+        """The ranks of each site (sites in order), members in rank order."""
+        sites = sorted(set(self.site_of_rank))
+        return [[r for r, x in enumerate(self.site_of_rank) if x == s] for s in sites]
 
     def wire_bytes(self, numel: int, element_size: int) -> tuple[int, int]:
         """(LAN, WAN) bytes this rank sends for an all-reduce of ``numel`` elements, by the ring
@@ -118,6 +143,29 @@ def two_level_sum_(flat: torch.Tensor, groups: SiteGroups) -> torch.Tensor:
                 stripe.zero_()
         dist.all_reduce(flat, group=groups.intra)
     return flat
+
+
+def two_level_gather(tensor: torch.Tensor, out: torch.Tensor, groups: SiteGroups) -> torch.Tensor:
+    """Every rank's ``tensor`` into ``out`` ((N, ...), rank order), in two levels (blocking).
+    Sites of equal size only (``SiteGroups.even``): member i of each site carries its own
+    message across, to member i of every other site; then each site shares over its LAN what
+    its members carried."""
+    sites = groups.member_ranks()
+    ((_, carriers),) = groups.carried  # sites of equal size: one stripe per member, its own
+    across = torch.empty((len(sites), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(across.unbind(0)), tensor.contiguous(), group=carriers)
+    if groups.intra is None:  # sites of one host: the carriers' gather was every rank's
+        carried = across.unsqueeze(0)
+    else:
+        carried = torch.empty((groups.site_size, *across.shape), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather(list(carried.unbind(0)), across, group=groups.intra)
+    # carried[i]: what member i of this site carried, in its carriers' group's order (their ranks
+    # sorted, as torch orders a group's ranks); the site's members are in rank order too
+    for i in range(len(carried)):
+        order = sorted(members[i] for members in sites)
+        for members in sites:
+            out[members[i]].copy_(carried[i][order.index(members[i])])
+    return out
 
 
 class ChainWork:
