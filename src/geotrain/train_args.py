@@ -139,9 +139,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "before the run fails (0: twice what the slowest link, --link-rate, needs for three copies of "
         "the model, plus a minute, at least 600)",
         "sites": "the site of each host, e.g. 0,0,1,1 (geotrain run --topology sets it): with "
-        "--hierarchy sites, all-reduces sum inside each site first",
+        "--hierarchy sites, all-reduces sum inside each site first and all-gathers carry each message "
+        "across once",
         "hierarchy": "off; sites: every all-reduce in two levels (inside each site over its LAN, "
-        "across sites in stripes carried by every member, then shared inside), so less crosses the "
+        "across sites in stripes carried by every member, then shared inside), and every all-gather "
+        "where sites are of equal size (each message carried across by its own host, then shared "
+        "inside), so less crosses the "
         "slow links between sites (see docs/sites.md); auto: the same, with the sites found by "
         "measuring each pair of hosts' link at start-up",
         "slow": "stragglers: HOST:FACTOR, ';'-separated (e.g. 1:3): that host computes FACTOR times "

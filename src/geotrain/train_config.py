@@ -145,7 +145,7 @@ class TrainConfig:
     timeout_s: float = 0.0  # 0: derived from the model's size and link_rate (collective_timeout_s)
     link_rate: str = ""  # the slowest host's link, e.g. 10mbit ("": unshaped or unknown)
     sites: str = ""  # the site of each host, e.g. 0,0,1,1 ("": one site; geotrain run --topology sets it)
-    hierarchy: str = "off"  # off | sites | auto: all-reduces in two levels (comm/hierarchy.py)
+    hierarchy: str = "off"  # off | sites | auto: all-reduces, all-gathers in two levels (comm/hierarchy.py)
     slow: str = ""  # stragglers: HOST:FACTOR[;HOST:FACTOR], that host's compute FACTOR x slower
     # > 0: leave out of averages what is not finite or R x the median norm; 0: off; AUTO (-1):
     # 10 where it is (nearly) free, the periodic methods and the gathers (comm/guard.py)

@@ -104,7 +104,8 @@ class Communicator(CheckedMeans):
     membership: Any = None  # with .epoch and .published (ft.membership.Membership): waits give up
     timeout_s: float = 0.0  # the process group's timeout, for the message when one expires
     link: str = ""  # the links, described, for the same message
-    # The site of each host: all-reduces over the default group go in two levels (comm/hierarchy.py)
+    # The site of each host: all-reduces over the default group go in two levels, and all-gathers
+    # where sites are of equal size (comm/hierarchy.py)
     site_of_host: list[int] | None = None
     # > 0: every mean all-reduce leaves out contributions that are not finite or whose norm is
     # more than this times the others' median (comm/guard.py); 0: off

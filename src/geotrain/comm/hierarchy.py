@@ -1,4 +1,5 @@
-"""Two-level all-reduce: sum inside each site over its LAN, across sites in stripes, then share.
+"""Two-level all-reduce (sum inside each site over its LAN, across sites in stripes, then share)
+and all-gather.
 
 On sites joined by slow uplinks (``netem/topology.py``), a flat ring all-reduce of M bytes pushes
 ``2 (N-1)/N M`` through each site boundary the ring crosses, funnelled through one host's link at
@@ -29,7 +30,7 @@ message with member j of every other site (the stripe-j carriers), then each sit
 over its LAN what its members carried. Each message crosses each uplink once, carried by its own
 host: (S-1) messages out of a site per member, where a flat ring all-gather of N = S k hosts
 pushes N-1 of them through each boundary it crosses, one host's link at a time (2x2: 2 per
-uplink against 3; 2x4: 4 against 7). Sites of unequal size gather flat (``gather_in_two_levels``).
+uplink against 3; 2x4: 4 against 7). Sites of unequal size gather flat (``SiteGroups.even``).
 """
 
 from __future__ import annotations
@@ -154,11 +155,9 @@ def two_level_gather(tensor: torch.Tensor, out: torch.Tensor, groups: SiteGroups
     ((_, carriers),) = groups.carried  # sites of equal size: one stripe per member, its own
     across = torch.empty((len(sites), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather(list(across.unbind(0)), tensor.contiguous(), group=carriers)
-    if groups.intra is None:  # sites of one host: the carriers' gather was every rank's
-        carried = across.unsqueeze(0)
-    else:
-        carried = torch.empty((groups.site_size, *across.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather(list(carried.unbind(0)), across, group=groups.intra)
+    # (sites of one host each make no groups: ``intra`` is there)
+    carried = torch.empty((groups.site_size, *across.shape), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(carried.unbind(0)), across, group=groups.intra)
     # carried[i]: what member i of this site carried, in its carriers' group's order (their ranks
     # sorted, as torch orders a group's ranks); the site's members are in rank order too
     for i in range(len(carried)):
@@ -181,7 +180,7 @@ class ChainWork:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._done.wait(None if timeout is None else timeout.total_seconds()):
-            raise RuntimeError("the two-level all-reduce is still running")  # as gloo's timed-out wait
+            raise RuntimeError("the two-level collective is still running")  # as gloo's timed-out wait
         if self._error is not None:
             raise self._error
         return True
@@ -192,7 +191,7 @@ class ChainWork:
 
 
 class Chain:
-    """One thread that runs two-level all-reduces in the order they were launched.
+    """One thread that runs two-level all-reduces and all-gathers in the order they were launched.
 
     After one fails, every later one fails with the same error without running: its phases would
     otherwise pair with a peer's phases of another job on a healthy site group (a member whose

@@ -4,11 +4,12 @@
 picks other entries), so they travel by all-gather: each worker sends its P-byte message to the
 N-1 others, ``(N-1) P`` bytes, growing with N. A quantised all-reduce (int4: half a byte per value
 and a scale per block) sends ``2 (N-1)/N M`` for an M-byte message, which hardly grows. The gather
-stops sending fewer bytes once ``N > 2 M / P`` (``crossover_workers``); past that a two-level
-gather through site leaders (issue 14's sites) or an int4 all-reduce of the dense pseudo-gradient
-is cheaper, and ``geotrain`` says so when a run is larger (``gather_warning``). The planner prices
-a gather on the profiled all-reduce line (``gather_s``): SparseLoCo's every H steps, under the next
-H steps' compute with overlap; DeMo's every step (``predict_sparseloco``, ``predict_demo``).
+stops sending fewer bytes once ``N > 2 M / P`` (``crossover_workers``); past that an int4
+all-reduce of the dense pseudo-gradient is cheaper (across sites of equal size the two-level
+gather of ``comm/hierarchy.py`` sends each message through each uplink once, not N-1 times), and
+``geotrain`` says so when a run is larger (``gather_warning``). The planner prices a gather on the
+profiled all-reduce line (``gather_s``): SparseLoCo's every H steps, under the next H steps'
+compute with overlap; DeMo's every step (``predict_sparseloco``, ``predict_demo``).
 
 **What an emulated rate stands for.** What decides efficiency is link time over compute time per
 step. A worker here computes a step's share of a parameter in ``step_s / n_params`` seconds; an

@@ -524,7 +524,9 @@ def plan_sites(
     links = site_links(profile_network(profile), topology)
     n, aggregate = topology.workers, options[0]
     flat = guarded_link(links.flat, n, *options)
-    if aggregate in GATHERED:  # a coordinate-wise statistic gathers over the flat group: no two levels
+    if aggregate in GATHERED:
+        # A coordinate-wise statistic gathers every contribution: priced as a flat gather (on
+        # sites of equal size it goes in two levels, each crossing an uplink once: priced high).
         two_level = flat
     elif aggregate != "mean":  # clip's verdict comes first: a flat all-reduce of 2 N floats
         two_level = replace(links.two_level, alpha_s=links.two_level.alpha_s + links.flat.alpha_s)

@@ -164,8 +164,8 @@ class DiLoCo(PeriodicSync):
         if self.codec is not None and comm.two_level is not None and comm.rank == 0:
             print(
                 f"geotrain: diloco sends {self.codec.spec().partition(':')[0]} across all the hosts at once "
-                "(a codec's collectives are flat, not in two levels); --compress none averages in fp32 "
-                "over the two levels",
+                "(a codec's all-to-all is flat; only its gather, where sites are of equal size, goes in two "
+                "levels); --compress none averages in fp32 over the two levels",
                 file=sys.stderr,
                 flush=True,
             )

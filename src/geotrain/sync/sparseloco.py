@@ -116,6 +116,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
 from geotrain.plan.gather import (
     OVERLAP_ABOVE,
@@ -391,7 +392,7 @@ class SparseLoCo(PeriodicSync):
         payload = torch.zeros(
             self.chunker.payload_bytes(self.n), dtype=torch.uint8, device=self._anchor.device
         )
-        self.comm.all_gather(payload[:1024])
+        self.comm.all_gather(payload[:TWO_LEVEL_GATHER_BYTES])  # large enough to take two levels too
         self.comm.barrier()
         started = self.clock()
         self.comm.all_gather(payload)
