@@ -279,23 +279,28 @@ def _two_level_gather(rank, world_size, site_of_host):
     }
 
 
-@pytest.mark.parametrize("sites", [[0, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1]], ids=str)
+@pytest.mark.parametrize(
+    "sites", [[0, 0, 1, 1], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 0, 1], [2, 0, 1, 2, 0, 1]], ids=str
+)
 def test_a_two_level_all_gather_gives_every_rank_every_message_in_rank_order(sites):
     """Sites of equal size gather in two levels (each message carried across by its own host,
-    then shared over the LAN), wherever the sites' ranks lie; unequal sites gather flat. Either
+    then shared over the LAN), wherever the sites' ranks lie (three sites of two, interleaved,
+    too); unequal sites gather flat. Either
     way every rank holds every rank's message, in rank order; the WAN bytes counted are the
     two levels': (S-1) messages out of each member, against a ring's N-1. A gather under
     ``TWO_LEVEL_GATHER_BYTES`` (latency-bound, a control figure) goes flat."""
-    out = run_workers(_two_level_gather, 4, sites, timeout=120)
-    want = torch.stack([torch.arange(6, dtype=torch.uint8) + 10 * r for r in range(4)])
+    n = len(sites)
+    out = run_workers(_two_level_gather, n, sites, timeout=120)
+    want = torch.stack([torch.arange(6, dtype=torch.uint8) + 10 * r for r in range(n)])
     even = len({sites.count(s) for s in set(sites)}) == 1
+    S, k = len(set(sites)), n // len(set(sites))
     for r in out:
         assert torch.equal(r["gathered"], want) and torch.equal(r["again"], want.float())
         assert torch.equal(r["small"], want[:, :5]) and r["small_wan"] == 0  # below the floor: flat
         assert r["even"] == even
         stats = r["stats"]
-        if even:  # 2 sites of 2: one message across, the two carried to the site-mate
-            assert stats["wan_sent_bytes"] == 6 + 24
-            assert stats["sent_bytes"] == (2 * 6) + 6 + (2 * 24) + 24
+        if even:  # its message to S-1 other sites, then the S it carried to its k-1 site-mates
+            assert stats["wan_sent_bytes"] == (S - 1) * (6 + 24)
+            assert stats["sent_bytes"] == (S - 1) * (6 + 24) + (k - 1) * S * (6 + 24)
         else:
-            assert stats["wan_sent_bytes"] == 0 and stats["sent_bytes"] == 3 * (6 + 24)
+            assert stats["wan_sent_bytes"] == 0 and stats["sent_bytes"] == (n - 1) * (6 + 24)
