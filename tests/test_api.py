@@ -171,7 +171,11 @@ def test_dreamddp_without_a_plan_times_its_first_steps_and_plans_from_them(compr
     for r in ranks:
         assert r["synced"][:4] == [True] * 4 and r["H"] == 2 and r["observed"] == 3
         if compress:
-            assert r["timed_codecs"] == ["int4:warmup=0,block=256", "int8:warmup=0,block=256"]
+            assert r["timed_codecs"] == [
+                "chunktopk:warmup=0,chunk=4096,k=64,bits=2,decay=1.0",
+                "int4:warmup=0,block=256",
+                "int8:warmup=0,block=256",
+            ]
             assert {row["codec"] for row in r["codec_choice"]} == {"", *r["timed_codecs"]}
         else:
             assert r["timed_codecs"] == [] and r["codec_choice"] is None

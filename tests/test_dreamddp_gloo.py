@@ -389,9 +389,9 @@ def test_compress_auto_chooses_the_codec_at_start_up_rank_0s_everywhere_and_keep
     a, b = run_workers(_auto_codec, 2)
     assert a["codec"] == b["codec"] == a["replanned_codec"] == a["resumed_codec"] == INT4
     assert a["H"] == b["H"] == a["resumed_H"] and a["lag"] == b["lag"] == 0  # a codec lands at once
-    int8 = "int8:warmup=0,block=256"
-    assert a["seen"]["candidates"] == {"": 1, int8: 0, INT4: 0} and a["seen"]["encoding_priced"]
-    assert a["choice"] == b["choice"] and {r["codec"] for r in a["choice"]} == {"", int8, INT4}
+    int8, ctk = "int8:warmup=0,block=256", "chunktopk:warmup=0,chunk=4096,k=64,bits=2,decay=1.0"
+    assert a["seen"]["candidates"] == {"": 1, int8: 0, INT4: 0, ctk: 0} and a["seen"]["encoding_priced"]
+    assert a["choice"] == b["choice"] and {r["codec"] for r in a["choice"]} == {"", int8, INT4, ctk}
     assert a["period_rows"] == b["period_rows"] and all("codec" not in r for r in a["period_rows"])
     assert a["options"]["compress"] == "auto (int4:warmup=0,block=256)" and a["options"]["H"].startswith(
         "auto"

@@ -1266,21 +1266,26 @@ def test_compress_auto_takes_a_codec_only_where_it_reaches_the_loss_sooner_by_th
         choose_codec({}, 4, ChooseConfig())
 
     names = compute.names
-    int8, int4 = codec_key("int8"), codec_key("int4")
+    int8, int4, ctk = codec_key("int8"), codec_key("int4"), codec_key("chunktopk")
 
-    def timed(seconds):
-        return {key: {"workers": 2, "layers": dict.fromkeys(names, seconds)} for key in (int8, int4)}
+    def timed(seconds, chunked=None):
+        costs = {int8: seconds, int4: seconds, ctk: seconds if chunked is None else chunked}
+        return {key: {"workers": 2, "layers": dict.fromkeys(names, cost)} for key, cost in costs.items()}
 
-    slow = _profile() | {"codecs": timed(0.0005)}  # 20 Mbit/s: fp32 cannot hide at H=4
+    # 20 Mbit/s: fp32 cannot hide at H=4; the chunked top-k's encoding costs what int4's saves on it
+    slow = _profile() | {"codecs": timed(0.0005, chunked=0.05)}
     plan = make_plan(slow, H=4, compress="auto")
     assert plan["codec"] == plan["target"]["compress"] == int4
     assert plan["models"]["codec"] == f"{int4} x2"  # priced as a run with int4 prices its own
     rows = {row["codec"]: row for row in plan["codec_choice"]}
-    assert set(rows) == {"", int8, int4} and {row["H"] for row in rows.values()} == {4}
+    assert set(rows) == {"", int8, int4, ctk} and {row["H"] for row in rows.values()} == {4}
     assert (rows[""]["lag"], rows[int8]["lag"], rows[int4]["lag"]) == (1, 0, 0)  # each as a run lands it
     assert rows[int4]["predicted_step_s"] == pytest.approx(plan["predicted_s"]["dreamddp"], rel=0.02)
     shown = format_plan(plan)
     assert "--compress auto" in shown and f"{int4:<28}" in shown and "<- chosen" in shown
+    # encoded as cheaply, its messages (1.6% of the values, in 14 bits) are the smallest: chosen
+    cheap = make_plan(_profile() | {"codecs": timed(0.0005)}, H=4, compress="auto")
+    assert cheap["codec"] == ctk and cheap["models"]["codec"] == f"{ctk} x2"
     fast = slow | {"allreduce": {"alpha_s": 0.0001, "beta_s_per_byte": 1e-10}}  # fp32 hides: none
     assert make_plan(fast, H=4, compress="auto")["codec"] == ""
     costly = _profile() | {"codecs": timed(0.2)}  # its encoding costs more than the link saves

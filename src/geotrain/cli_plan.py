@@ -98,7 +98,8 @@ def cmd_plan(argv: list[str]) -> int:
         "--compress",
         default="",
         help="price a codec (int4, int8, sign, topk:ratio=0.01, powersgd:rank=4, ..., or auto: "
-        "none, int8 or int4, as a run's --compress auto chooses, with the table it chose from): the DreamDDP "
+        "none, int8, int4 or chunktopk, as a run's --compress auto chooses, with the table it chose "
+        "from): the DreamDDP "
         "schedule is searched on its messages (a run with that codec and worker count takes the plan "
         "as it is), and ssgd, ddp, localsgd and diloco are predicted with it; the others send their "
         "own messages. Its encoding and decoding are priced where the profile timed them (`geotrain "

@@ -105,7 +105,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "adatopk:ratio=0.01, powersgd:rank=4, acpsgd:rank=4, fp16, bf16 (ssgd, ddp, localsgd, diloco, "
         "dreamddp; empty: the algorithm's default: int4 for diloco, auto for dreamddp, uncompressed "
         "for the others; none: uncompressed); auto (dreamddp's default): its planner chooses fp32, "
-        "int8 or int4 with the schedule, by predicted time to a loss",
+        "int8, int4 or chunktopk with the schedule, by predicted time to a loss",
         "plan": "dreamddp: a plan JSON from `geotrain plan` (empty: profile and plan at start-up)",
         "fill_in": "dreamddp (off by default: no loss gained, 5-10%% of the step lost on W1): each "
         "iteration also averages the layers whose all-reduce fits in the link's idle time, beyond "

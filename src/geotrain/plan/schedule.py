@@ -343,10 +343,12 @@ def choose_period(
     return min(table, key=lambda row: row["time_to_loss_factor"])["H"], table
 
 
-# ``--compress auto``'s candidates: uncompressed, and the quantisers with error feedback, whose
-# cost in loss was measured within noise (int4 at H=2 on `tiny` over 2,000 steps: 0.004, 0.3%).
+# ``--compress auto``'s candidates: uncompressed, the quantisers with error feedback, whose cost
+# in loss was measured within noise (int4 at H=2 on `tiny` over 2,000 steps: 0.004, 0.3%), and
+# the chunked top-k (SparseLoCo's message per layer), which on W1 at H=2 reached DDP's loss at
+# 2,000 steps in 0.97x its tokens, where int4 needed 0.99x (benchmarks/curves/).
 AUTO_CODEC = "auto"
-AUTO_CODECS = ("", "int8", "int4")
+AUTO_CODECS = ("", "int8", "int4", "chunktopk")
 # A codec is taken only where it is predicted this much sooner to a loss than sending fp32:
 # lossless wins the near-ties, where the prediction's own error (a few percent) decides nothing.
 CODEC_MARGIN = 0.02

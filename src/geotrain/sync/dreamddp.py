@@ -37,7 +37,8 @@ backward, and its second (the quantisers' all-gather of the averaged shards) is 
 ``before_step`` and runs under the update and the forward (``plan.cost.exposed_for_layers``).
 
 ``compress="auto"`` (beyond the paper): the planner chooses the codec with the period, among
-uncompressed and the quantisers (``plan.schedule.AUTO_CODECS``), by predicted time to a loss:
+uncompressed, the quantisers and the chunked top-k (``plan.schedule.AUTO_CODECS``), by predicted
+time to a loss:
 each codec's messages and its encoding (timed by the profile) priced, at the lag a run with it
 lands at; a codec must come out ``CODEC_MARGIN`` sooner than fp32. Chosen once, at the first
 plan, like ``H="auto"``; re-plans and a resumed run keep it (the plan records it).

@@ -112,7 +112,8 @@ class DreamDDPPlanning:
             spec = str(plan.get("models", {}).get("codec", "")).rsplit(" x", 1)[0]
             if spec not in {codec_key(c) if c else "" for c in AUTO_CODECS}:
                 raise ConfigError(
-                    f"--compress auto (dreamddp's default) chooses among fp32, int8 and int4, and this plan "
+                    f"--compress auto (dreamddp's default) chooses among fp32, "
+                    f"{', '.join(c for c in AUTO_CODECS if c)}, and this plan "
                     f"was priced for {spec}: give the run --compress {spec}, or make the plan with "
                     "`geotrain plan --compress auto`"
                 )
