@@ -76,7 +76,13 @@ def cell(spec: str) -> tuple[str, list[str], str | None]:
 
 def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
     """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``),
-    the curve measured at that period (``w1-ALGO-HN``) where one is kept."""
+    the curve measured at that period (``w1-ALGO-HN``) where one is kept; for DreamDDP's default
+    (``--compress auto``), the curve of the codec it chose (``w1-dreamddp-CODEC-H2``; int4's is
+    ``CURVES``'s)."""
+    chosen_codec = re.search(r"compress=auto \((\w+)", str(result.get("algo_config", "")))
+    if algo == "dreamddp" and curve == CURVES["dreamddp"] and chosen_codec and chosen_codec[1] != "int4":
+        kept = f"w1-dreamddp-{chosen_codec[1]}-H2"
+        return kept if (HERE / f"{kept}.csv").exists() else None
     period = str(result.get("periods", ""))
     if curve is not None or not (period.startswith("H=") and period[2:].isdigit()):
         return curve
