@@ -1110,7 +1110,13 @@ def test_time_codec_times_each_layer_and_the_profile_records_it_for_the_plan():
     calls = []
     times = time_codec("int8", shapes, 4, reps=2, barrier=lambda: calls.append(1))
     assert calls == [1] and len(times) == 3 and all(t > 0 for t in times)
-    assert times[2] > times[1]  # 262,000 values take longer than 64
+    # 262,000 values take longer than 64 (3.6 ms against 0.1 ms); on cores the suite's other half
+    # shares, one stall of a few ms can land on the small layer: timed again, up to three times
+    for _ in range(3):
+        if times[2] > times[1]:
+            break
+        times = time_codec("int8", shapes, 4, reps=2)
+    assert times[2] > times[1]
     with pytest.raises(ValueError, match="reps >= 1"):
         time_codec("int8", shapes, 4, reps=0)
     with pytest.raises(ConfigError, match="unknown codec"):
