@@ -1292,6 +1292,16 @@ def test_compress_auto_takes_a_codec_only_where_it_reaches_the_loss_sooner_by_th
     # encoded as cheaply, its messages (1.6% of the values, in 14 bits) are the smallest: chosen
     cheap = make_plan(_profile() | {"codecs": timed(0.0005)}, H=4, compress="auto")
     assert cheap["codec"] == ctk and cheap["models"]["codec"] == f"{ctk} x2"
+    # a profile made before it was a candidate (the quantisers timed, not it) does not price it
+    # as free: it is left out of the choice
+    older = {key: v for key, v in timed(0.0005).items() if key != ctk}
+    old = make_plan(_profile() | {"codecs": older}, H=4, compress="auto")
+    assert old["codec"] == int4 and {row["codec"] for row in old["codec_choice"]} == {"", int8, int4}
+    # a coordinate-wise statistic needs every worker's value at each coordinate: no sparse codec
+    from geotrain.plan.schedule import AUTO_CODECS, auto_codecs
+
+    assert auto_codecs() == auto_codecs("clip") == AUTO_CODECS and "chunktopk" in AUTO_CODECS
+    assert auto_codecs("median") == auto_codecs("trimmed:f=1") == ("", "int8", "int4")
     fast = slow | {"allreduce": {"alpha_s": 0.0001, "beta_s_per_byte": 1e-10}}  # fp32 hides: none
     assert make_plan(fast, H=4, compress="auto")["codec"] == ""
     costly = _profile() | {"codecs": timed(0.2)}  # its encoding costs more than the link saves
@@ -1358,3 +1368,24 @@ def test_shared_cores_moves_compute_by_the_share_and_lockstep_and_latency_by_the
     assert free_back.compute_s == pytest.approx(compute.compute_s * 2 / (1 + LOCKSTEP_SLOWDOWN))
     with pytest.raises(ValueError, match="processes per core"):
         shared_cores(compute, link, 0.5)
+
+
+def test_a_dreamddp_run_under_a_coordinate_wise_aggregate_weighs_no_sparse_codec():
+    """``--aggregate median`` with DreamDDP's default ``--compress auto``: the chunked top-k is
+    not among the codecs its start-up weighs or times (chosen, it would drop the median), and
+    the config's check and the profile's codecs agree."""
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+    from geotrain.train_config import TrainConfig
+
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters())
+    for aggregate, sparse in (("median", False), ("trimmed:f=1", False), ("mean", True), ("clip", True)):
+        sync = build_sync("dreamddp", model, opt, Communicator(aggregate=aggregate), {"compress": "auto"})
+        assert ("chunktopk" in sync._auto_codecs()) is sparse, aggregate
+        sync.close()
+        specs = TrainConfig(algo="dreamddp", compress="auto", aggregate=aggregate).profile_codec_specs()
+        assert ("chunktopk" in specs) is sparse and "int4" in specs

@@ -30,7 +30,7 @@ from geotrain.launch.dist import BACKENDS
 from geotrain.models import ModelError, ModelSpec, parameter_count
 from geotrain.netem.links import LinkSpecError, parse_bandwidth
 from geotrain.plan.network import collective_timeout_s
-from geotrain.plan.schedule import AUTO_CODEC, AUTO_CODECS
+from geotrain.plan.schedule import AUTO_CODEC, auto_codecs
 from geotrain.sync import ALGORITHMS, ConfigError, sync_config
 from geotrain.sync.periods import resolve_every
 
@@ -321,7 +321,8 @@ class TrainConfig:
                 raise ConfigError(f"--profile-codecs: {e}") from None
         codec = run_codec(self.algo, self.compress).partition(":")[0]  # the algorithm's default too
         checking = self.norm_ratio() > 0 or self.aggregate != "mean"
-        codecs = AUTO_CODECS if self.compress == AUTO_CODEC else (codec,)  # auto: any it may choose
+        auto = self.compress == AUTO_CODEC
+        codecs = auto_codecs(self.aggregate) if auto else (codec,)  # auto: any it may choose
         covered = self.algo in GUARDED_ALGOS and all(c in GUARDED_CODECS for c in codecs)
         need(
             covered or not checking,
@@ -410,7 +411,11 @@ class TrainConfig:
     def profile_codec_specs(self) -> list[str]:
         """The codecs a profile times: ``compress``'s (every candidate under auto), then
         ``profile_codecs``'; each once (``time_codecs`` times one spelling of a codec once)."""
-        own = list(AUTO_CODECS) if self.compress == AUTO_CODEC else [run_codec(self.algo, self.compress)]
+        own = (
+            list(auto_codecs(self.aggregate))
+            if self.compress == AUTO_CODEC
+            else [run_codec(self.algo, self.compress)]
+        )
         return list(dict.fromkeys(c for c in own + self._extra_profile_codecs() if c))  # "": fp32
 
     def site_of_host(self) -> list[int] | None:

@@ -51,10 +51,10 @@ from geotrain.plan.network import NetworkModel
 from geotrain.plan.profile import codec_times, models_from_profile
 from geotrain.plan.schedule import (
     AUTO_CODEC,
-    AUTO_CODECS,
     CODEC_MARGIN,
     ChooseConfig,
     Schedule,
+    auto_codecs,
     choose_codec,
     choose_period,
     schedule_to_json,
@@ -494,7 +494,12 @@ def choose_plan_codec(
     checked = False if checked == "auto" else checked  # auto leaves DreamDDP's averages unchecked
     group = int(workers or profile["workers"])
     candidates = {}
-    for spec in AUTO_CODECS:
+    timed = profile.get("codecs", {})
+    for spec in auto_codecs(aggregate):
+        if spec and timed and codec_key(spec) not in timed:
+            # a profile that timed other codecs (made before this one was a candidate): unpriced,
+            # its encoding would look free; `geotrain profile --compress auto` times them all
+            continue
         # priced as make_plan prices the one it plans
         compute, link = retarget(
             profile, workers, rates_bps, compute_scale, aggregate=aggregate, checked=checked, compress=spec

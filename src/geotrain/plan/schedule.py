@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from geotrain.comm.guard import GATHERED, SPARSE_CODECS
 from geotrain.plan.cost import (
     ComputeModel,
     LinkModel,
@@ -349,6 +350,16 @@ def choose_period(
 # 2,000 steps in 0.97x its tokens, where int4 needed 0.99x (benchmarks/curves/).
 AUTO_CODEC = "auto"
 AUTO_CODECS = ("", "int8", "int4", "chunktopk")
+
+
+def auto_codecs(aggregate: str | None = "mean") -> tuple[str, ...]:
+    """``AUTO_CODECS`` a run may choose under ``--aggregate``: a coordinate-wise statistic
+    (median, trimmed mean) needs every worker's value at each coordinate, which a sparse message
+    does not carry, so the chunked top-k is left out there (chosen, the statistic would be lost)."""
+    kind = (aggregate or "mean").partition(":")[0]
+    return tuple(c for c in AUTO_CODECS if not (kind in GATHERED and c in SPARSE_CODECS))
+
+
 # A codec is taken only where it is predicted this much sooner to a loss than sending fp32:
 # lossless wins the near-ties, where the prediction's own error (a few percent) decides nothing.
 CODEC_MARGIN = 0.02

@@ -35,6 +35,7 @@ from geotrain.plan.schedule import (
     AUTO_CODECS,
     ChooseConfig,
     Schedule,
+    auto_codecs,
     choose_codec,
     choose_period,
     search_schedule,
@@ -55,7 +56,7 @@ class DreamDDPPlanning:
         try:
             codecs = [self.codec.spec()] if self.codec is not None else []
             if self._choosing_codec():
-                codecs = [spec for spec in AUTO_CODECS if spec]
+                codecs = [spec for spec in self._auto_codecs() if spec]
             profile = build_profile(
                 self.module, self.layers, self._profile_fn, self.optimizer, self.comm, codecs=codecs
             )
@@ -71,6 +72,10 @@ class DreamDDPPlanning:
         self._plan_with(self._priced(compute, self.codec, profile), link, H)
         self.profile = profile
 
+    def _auto_codecs(self) -> tuple[str, ...]:
+        """The codecs ``--compress auto`` weighs under this run's ``--aggregate``."""
+        return auto_codecs(getattr(self.comm, "aggregate", "mean"))
+
     def _choosing_codec(self) -> bool:
         return self.config.compress == AUTO_CODEC and self.codec_choice is None
 
@@ -79,11 +84,11 @@ class DreamDDPPlanning:
         else None) by predicted time to a loss (``choose_codec``), rank 0's choice on every
         worker, and adopt it. Codecs the profile did not time (steps observed, not profiled)
         are timed here first: without their encoding a codec would look free."""
-        specs = [spec for spec in AUTO_CODECS if spec]
+        specs = [spec for spec in self._auto_codecs() if spec]
         if not all(codec_key(spec) in profile.get("codecs", {}) for spec in specs):
             profile.setdefault("codecs", {}).update(time_codecs(self.layers, self.comm, specs))
         candidates = {}  # keyed by the full spec, as `geotrain plan --compress auto` names them
-        for spec in AUTO_CODECS:
+        for spec in self._auto_codecs():
             codec = make_codec(spec) if spec else None
             key = codec.spec() if codec is not None else ""
             candidates[key] = (self._priced(compute, codec, profile), link, self._lag_with(codec))
