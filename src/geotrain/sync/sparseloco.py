@@ -446,8 +446,8 @@ class SparseLoCo(PeriodicSync):
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
         the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike),
         at the entries they hold alone. Returns the check's weights by rank (None: unchecked)
-        and the entries every message holds, the check's rejects too ((chunks, m) indices
-        within each chunk, an entry two sent named twice): outside them the anchor is as it was."""
+        and the entries the kept messages hold ((chunks, m) indices within each chunk, an entry
+        two sent named twice): outside them the anchor is as it was."""
         weights = None
         parts = self.chunker.parts_of(gathered, self.n)  # unpacked once, for the check and the mean
         if self.comm.checking:
@@ -463,9 +463,7 @@ class SparseLoCo(PeriodicSync):
         rows = self._anchor.view(-1, self.config.chunk)
         rows.scatter_(1, touched, rows.gather(1, touched).sub_(mean))
         self.layout.zero_padding(self._anchor)  # another's message may hold its padding
-        named = [part[2] for part in parts if part is not None]
-        every = torch.cat(named, dim=1) if named else touched
-        return weights, every
+        return weights, touched
 
     def _counts(self) -> torch.Tensor:
         """The per-sender mean's count per entry, all zero between outer steps (kept: a fresh
@@ -497,17 +495,17 @@ class SparseLoCo(PeriodicSync):
         figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
         return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
 
-    def _land_in_flight(self) -> torch.Tensor | None:
+    def _land_in_flight(self) -> torch.Tensor:
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
         noted (none for a gather sent again after a regroup: its wait is the regroup's). Returns
-        the entries the messages held (``_land``), None where none was in flight."""
+        the entries the anchor moved at (``_land``): none where nothing was in flight."""
         timed = not self.in_flight.resending
         started = self.clock()
         gathered = self.in_flight.land()
         waited = self.clock() - started
         if gathered is None:
-            return None
+            return self._no_entries()
         gathered, arrivals = self._message_part(gathered)
         weights, touched = self._land(gathered)
         if not self.follows_link:
@@ -581,16 +579,10 @@ class SparseLoCo(PeriodicSync):
         The start differs from the anchor only where the message that stood in for the mean
         took it off (``_start_moved_at``: this worker's own, clean even where ``--chaos``
         spoiled what was sent, or, for one that adopted another's state, that worker's), and
-        the mean moves the anchor only where a gathered message holds an entry: the change is
+        the mean moves the anchor only where a message it kept holds an entry: the change is
         made at those entries alone, not by three passes over the model."""
-        touched = self._land_in_flight()
-        if touched is None:  # nothing was in flight (a state saved without its message)
-            change = torch.sub(self._anchor, self._start, out=self._spare)
-            self._start.copy_(self._anchor)
-            with torch.no_grad():
-                self.layout.add_into(change, [p.data for p in self.parameters()])
-            return
-        touched = torch.cat([touched, self._start_moved_at], dim=1)  # an entry in both: read alike
+        # an entry in both is read alike
+        touched = torch.cat([self._land_in_flight(), self._start_moved_at], dim=1)
         self._start_moved_at, self._start_message = self._no_entries(), None
         anchor = self._anchor.view(-1, self.config.chunk).gather(1, touched)
         start = self._start.view(-1, self.config.chunk)
