@@ -36,6 +36,19 @@ def test_pack_and_unpack_round_trip_every_width(bits, count):
     assert torch.equal(unpack_bits(packed, bits, count), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 12])
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 64, 1001])
+def test_packing_whole_codes_lays_out_the_bytes_bit_planes_do(bits, count):
+    """The fast paths (widths dividing 8, and 12) write the stream the bit planes write: a
+    message in flight in a snapshot, or from a worker of another version, decodes the same."""
+    from geotrain.compress.chunked import _pack_bit_planes
+
+    gen = torch.Generator().manual_seed(7 * bits + count)
+    codes = torch.randint(0, 2**bits, (count,), generator=gen)
+    codes[0] = 2**bits - 1  # every bit of a code set, where a cast could drop the high ones
+    assert torch.equal(pack_bits(codes, bits), _pack_bit_planes(codes, bits))
+
+
 def test_an_index_in_a_chunk_of_4096_takes_12_bits():
     assert [index_bits(c) for c in (2, 64, 4096, 4097)] == [1, 6, 12, 13]
 
@@ -1058,6 +1071,39 @@ def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_s
     assert late.collective_period() == off.collective_period() == 4  # landing at the outer step
     for s in (sync, late, off):
         s.close()
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_the_chunked_codec_keeps_what_it_did_not_send_exactly_across_streams_of_any_size(decay):
+    """The codec's reduce (made in scratch vectors it shares across streams) against the dense
+    formulas it replaced, bitwise: the message is v = x + decay * residual, the residual after
+    it v - decode(payload), and the mean the dense mean of the gathered payloads; for two streams
+    of different sizes, neither a multiple of the chunk, the larger second (the scratch grows)."""
+    codec = ChunkTopK(chunk=64, k=4, bits=2, decay=decay)
+
+    class Replicas(Communicator):
+        world_size = 3
+        screening = False
+
+        def all_gather(self, tensor, async_op=False, control_bytes=0):
+            gathered = torch.stack([tensor] * 3)
+            return SimpleNamespace(wait=lambda: gathered) if async_op else gathered
+
+    comm = Replicas()
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"small": [(5, 7), (3,)], "large": [(40, 9), (17,), (2, 2)]}
+    residual = {key: None for key in shapes}
+    for _ in range(3):
+        for key, sizes in shapes.items():
+            tensors = [torch.randn(size, generator=gen) for size in sizes]
+            v = flatten(tensors)
+            if residual[key] is not None:
+                v = v + residual[key] * decay if decay != 1 else v + residual[key]
+            payload, sent = codec.encode(v)
+            codec.reduce(comm, key, tensors).wait()
+            residual[key] = v - sent
+            assert torch.equal(codec.state(key)["residual"], residual[key])
+            assert torch.equal(flatten(tensors), codec.mean_of(torch.stack([payload] * 3), v.numel()))
 
 
 @pytest.mark.parametrize("senders", [False, True])
