@@ -60,7 +60,7 @@ from geotrain.plan.schedule import (
     schedule_to_json,
     search_schedule,
 )
-from geotrain.plan.sites import choose_periods, format_sites, site_links
+from geotrain.plan.sites import choose_periods, format_sites, site_links, two_level_gather_link
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
 
 OWN_PERIOD = 20  # the default period of streaming and co2 (sparseloco's: sparseloco_period)
@@ -526,13 +526,16 @@ def plan_sites(
     """The two levels priced on ``topology`` and their periods chosen (``plan/sites.py``). The
     trust options (``options``) weigh on the averages across sites; a site's own average is
     not checked (``Communicator.site_mean``)."""
-    links = site_links(profile_network(profile), topology)
+    net = profile_network(profile)
+    links = site_links(net, topology)
     n, aggregate = topology.workers, options[0]
     flat = guarded_link(links.flat, n, *options)
+    gather = two_level_gather_link(net, topology)
     if aggregate in GATHERED:
-        # A coordinate-wise statistic gathers every contribution: priced as a flat gather (on
-        # sites of equal size it goes in two levels, each crossing an uplink once: priced high).
-        two_level = flat
+        # A coordinate-wise statistic gathers every contribution: on sites of equal size in two
+        # levels, each message crossing each uplink once, after the verdict's flat round trip
+        # (``Communicator._screen``); on uneven sites a flat gather.
+        two_level = flat if gather is None else replace(gather, alpha_s=gather.alpha_s + links.flat.alpha_s)
     elif aggregate != "mean":  # clip's verdict comes first: a flat all-reduce of 2 N floats
         two_level = replace(links.two_level, alpha_s=links.two_level.alpha_s + links.flat.alpha_s)
     else:

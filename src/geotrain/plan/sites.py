@@ -58,6 +58,23 @@ def site_links(net: NetworkModel, topology: Topology) -> SiteLinks:
     return SiteLinks(flat, two_level, site)
 
 
+def two_level_gather_link(net: NetworkModel, topology: Topology) -> LinkModel | None:
+    """A gather of every worker's message in two levels (``comm.hierarchy.two_level_gather``: a
+    coordinate-wise statistic's, ``--aggregate median|trimmed``) as a line in an all-reduce's
+    units (``alpha + beta * M``, M the bytes of one worker's message). Each of a site's k members
+    carries its own message to the S - 1 other sites, the k of them through the site's uplink at
+    once: k (S - 1) M; then each shares the S messages it holds with its k - 1 site-mates on the
+    LAN: (k - 1) S M. A flat ring gather puts N - 1 = k S - 1 messages through an uplink it
+    crosses, so on 2 sites of 2 the two levels carry two thirds of it. None where a run gathers
+    flat: sites of unequal size (``SiteGroups.even``), or one site."""
+    if len(topology.sites) < 2 or len(set(topology.sites)) != 1:
+        return None
+    k, s = topology.sites[0], len(topology.sites)
+    wan = net.efficiency * min(topology.wan_bps) / 8
+    lan = net.efficiency * topology.lan_bps / 8
+    return LinkModel((s - 1 + k - 1) * net.hop_latency_s, k * (s - 1) / wan + (k - 1) * s / lan)
+
+
 def predict_two_level(compute: ComputeModel, links: SiteLinks, H: int, site_H: int = 0) -> float:
     """A periodic method (localsgd, diloco) over two levels: across sites every H steps, inside
     them every ``site_H`` (0: never)."""
