@@ -1104,6 +1104,15 @@ def test_the_chunked_codec_keeps_what_it_did_not_send_exactly_across_streams_of_
             residual[key] = v - sent
             assert torch.equal(codec.state(key)["residual"], residual[key])
             assert torch.equal(flatten(tensors), codec.mean_of(torch.stack([payload] * 3), v.numel()))
+    # A codec loaded from this one's state keeps copies (as torch's optimizers do): the next
+    # message, which updates the residual in place, leaves the other codec's as it was.
+    saved = codec.state_dict()
+    before = saved["streams"][0][1]["residual"].clone()
+    twin = ChunkTopK(chunk=64, k=4, bits=2, decay=decay)
+    twin.load_state_dict(saved)
+    codec.reduce(comm, "small", [torch.randn(size, generator=gen) for size in shapes["small"]]).wait()
+    assert torch.equal(twin.state("small")["residual"], before)
+    assert not torch.equal(codec.state("small")["residual"], before)
 
 
 @pytest.mark.parametrize("senders", [False, True])

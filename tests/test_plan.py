@@ -771,6 +771,11 @@ def test_the_planner_prices_two_levels_on_sites_and_picks_the_period_of_each():
         _profile(), H=4, topology=parse_topology("3+1,lan=1gbit,wan=20mbit"), speed=0.5, aggregate="median"
     )["sites"]["allreduce_s"]
     assert uneven["two_level"] == uneven["flat"] == pytest.approx(median["flat"])
+    # and so do sites of one host each (they form no site groups)
+    from geotrain.plan.network import NetworkModel
+    from geotrain.plan.sites import two_level_gather_link
+
+    assert two_level_gather_link(NetworkModel(5e-4, 1.0), parse_topology("4x1,wan=20mbit")) is None
 
 
 def test_a_codecs_messages_are_priced_by_their_wire_bytes_and_phases():

@@ -377,6 +377,8 @@ class ChunkTopK(Codec):
         message[n:].zero_()
         v = message[:n]
         residual = state.get("residual")
+        if residual is not None and residual.shape != v.shape:
+            residual = None  # another layout's (a group of another size): not this message's
         if residual is not None:
             v += residual.mul_(self.decay) if self.decay != 1 else residual
         spoiled = comm.spoiled(v)  # --chaos corrupt: a spoiled message, the residual kept clean
@@ -384,7 +386,7 @@ class ChunkTopK(Codec):
         rows = message.view(c, self.chunk)
         rows.scatter_add_(1, idx, values.neg_())  # v - sent: what was kept out (padding dropped)
         values.neg_()
-        if residual is None or residual.shape != v.shape:
+        if residual is None:
             state["residual"] = v.clone()
         else:
             residual.copy_(v)
@@ -411,7 +413,7 @@ class ChunkTopK(Codec):
         snapshot does not hold them."""
         held = getattr(self, "_held", None)
         if held is None or held[0].numel() < size or held[0].device != torch.device(device):
-            held = (torch.empty(size, device=device), torch.empty(size, device=device))
+            held = tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
             self._held = held
         return held[0][:size], held[1][:size]
 

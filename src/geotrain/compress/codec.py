@@ -143,6 +143,8 @@ class Codec(ABC):
         return self._state.setdefault(key, {})
 
     def state_dict(self) -> dict[str, Any]:
+        """The streams' state: live tensors, as torch's own state dicts hold (a residual is
+        updated in place by the next message): copy or save them before it."""
         # Keys as they are (tuples, strings): a resumed run must find each stream's residual
         # under the key it will look it up by.
         return {"spec": self.spec(), "streams": [(k, dict(v)) for k, v in self._state.items()]}
@@ -154,9 +156,11 @@ class Codec(ABC):
         )
         # counters and the owners' stamps stay on the CPU, where they are read (an int() of a
         # GPU tensor would wait for the device at every message)
+        # copies: a residual is updated in place (``ChunkTopK._reduce``), and the caller's dict
+        # must not change under it
         self._state = {
             k: {
-                name: t.to(device) if device is not None and t.is_floating_point() else t
+                name: t.to(device or t.device, copy=True) if t.is_floating_point() else t
                 for name, t in v.items()
             }
             for k, v in state["streams"]

@@ -66,8 +66,9 @@ def two_level_gather_link(net: NetworkModel, topology: Topology) -> LinkModel | 
     once: k (S - 1) M; then each shares the S messages it holds with its k - 1 site-mates on the
     LAN: (k - 1) S M. A flat ring gather puts N - 1 = k S - 1 messages through an uplink it
     crosses, so on 2 sites of 2 the two levels carry two thirds of it. None where a run gathers
-    flat: sites of unequal size (``SiteGroups.even``), or one site."""
-    if len(topology.sites) < 2 or len(set(topology.sites)) != 1:
+    flat: sites of unequal size (``SiteGroups.even``), one site, or sites of one host (which
+    form no site groups: ``comm.hierarchy.site_groups``)."""
+    if len(topology.sites) < 2 or len(set(topology.sites)) != 1 or topology.sites[0] == 1:
         return None
     k, s = topology.sites[0], len(topology.sites)
     wan = net.efficiency * min(topology.wan_bps) / 8
