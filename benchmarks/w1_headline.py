@@ -3,6 +3,7 @@
     python benchmarks/w1_headline.py                          # 100 and 20 Mbit/s, ~25 minutes
     python benchmarks/w1_headline.py --bandwidths 3.5mbit --algos nosync,sparseloco,diloco
     python benchmarks/w1_headline.py --algos sparseloco:H=5,diloco:H=2   # a setting beside the defaults
+    python benchmarks/w1_headline.py --plot docs/w1-headline.png          # and draw what it measured
 
 Time to a loss is tokens to that loss times time per token. The two are measured apart, as
 ``geotrain bench --horizon`` composes them, because a 2,000-step run on shaped links takes hours
@@ -21,6 +22,10 @@ The composed figure is tokens x step / nosync's step: how many of nosync's step-
 algorithm needs per DDP step's worth of progress towards DDP's loss (DDP's own is its step over
 nosync's). Lower is sooner; "vs ddp" is DDP's figure over the algorithm's. A rerun with the same
 ``--out`` skips the runs already finished.
+
+``--plot PNG`` draws it: each cell's kept curve against tokens, then, one panel per rate, the
+same curves against time in nosync's step-times (each step stretched by the cell's measured step
+over nosync's, on a log scale), where the curve furthest left reaches a loss soonest.
 """
 
 from __future__ import annotations
@@ -135,6 +140,41 @@ def run(
     return result
 
 
+def plot(measured: dict[str, dict], out: Path) -> None:
+    """``measured``: per rate, the cells' curves and step times over nosync's (``main``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from w1_curves import DDP_FINAL
+
+    rates = list(measured)
+    fig, axes = plt.subplots(1, 1 + len(rates), figsize=(5.2 * (1 + len(rates)), 4.6), sharey=True)
+    first = measured[rates[0]]
+    for name, (curve, _) in first.items():
+        steps, losses = read_csv(HERE / f"{curve}.csv")
+        axes[0].plot([s * 4096 / 1e6 for s in steps], losses, lw=2.2 if name == "ddp" else 1.3, label=name)
+    axes[0].set_xlabel("tokens (millions)")
+    axes[0].set_title("per token (2,000-step curves on loopback)")
+    for ax, rate in zip(axes[1:], rates, strict=True):
+        for name, (curve, stretch) in measured[rate].items():
+            steps, losses = read_csv(HERE / f"{curve}.csv")
+            ax.plot([s * stretch for s in steps], losses, lw=2.2 if name == "ddp" else 1.3, label=name)
+        ax.set_xlabel("time, in nosync's step-times (log)")
+        ax.set_xscale("log")
+        ax.set_xlim(100, None)
+        ax.set_title(f"per unit of time at {rate}")
+    for ax in axes:
+        ax.axhline(DDP_FINAL, color="grey", ls=":", lw=1)
+        ax.set_ylim(0.95, 2.2)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (W1: mini, 4 workers, 8 x 128)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"w1_headline: drew {out}", file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bandwidths", default="100mbit,20mbit")
@@ -143,7 +183,9 @@ def main() -> None:
     p.add_argument("--ddp-steps", type=int, default=8, help="ddp's steps (a step of 7-32 s here)")
     p.add_argument("--out", type=Path, default=Path("runs/w1-headline"))
     p.add_argument("--model", default="mini", help="W1's; another only to try the script out")
+    p.add_argument("--plot", type=Path, default=None, help="draw the curves per token and per unit of time")
     args = p.parse_args()
+    drawn: dict[str, dict] = {}
     specs = [a for a in re.split(r",(?![^:,]*=)", args.algos) if a and a != "nosync"]
     cells = {spec: cell(spec) for spec in specs}
     for bandwidth in args.bandwidths.split(","):
@@ -158,6 +200,11 @@ def main() -> None:
         nosync = statistics.fmean([results["nosync-before"]["step_s"], results["nosync-after"]["step_s"]])
         curves = {spec: curve_of(algo, curve, results[spec]) for spec, (algo, _, curve) in cells.items()}
         tokens = tokens_vs_ddp({spec: curve for spec, curve in curves.items() if curve})
+        drawn[bandwidth] = {
+            spec: (curve, results[spec]["step_s"] / nosync)
+            for spec, curve in curves.items()
+            if curve and (HERE / f"{curve}.csv").exists()
+        }
         print(f"\n{bandwidth}: nosync {results['nosync-before']['step_s']:.3f} s before, "
               f"{results['nosync-after']['step_s']:.3f} s after (mean {nosync:.3f})\n")  # fmt: skip
         print("| algorithm (defaults) | step s | nosync / step | sent MB/step | tokens to ddp's loss "
@@ -173,6 +220,8 @@ def main() -> None:
             name = f"{algo} ({r['periods']})" if r.get("periods") and r["periods"] != "-" else algo
             print(f"| {name} | {r['step_s']:.3f} | {nosync / r['step_s']:.2f} | {r['sent_mb_per_step']:.2f} "
                   f"| {text} | {shown} | {vs} |")  # fmt: skip
+    if args.plot:
+        plot(drawn, args.plot)
 
 
 if __name__ == "__main__":
