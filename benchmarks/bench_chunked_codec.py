@@ -12,47 +12,23 @@ with a communicator whose gather returns the worker's own message ``--workers`` 
 the link is left out. One thread, denormals flushed, the median of ``--rounds`` rounds after a
 first that touches the memory. On W1 four workers share two cores, so a message costs about
 twice this on the wall. The older revision's module is loaded from ``git show
-REV:src/geotrain/compress/chunked.py`` beside today's, and both runs must leave the same
-residuals and means (the check prints whether they do).
+REV:src/geotrain/compress/chunked.py`` beside today's (``bench_codecs.load_revision``), and both
+runs must leave the same residuals and means (the check prints whether they do).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from bench_codecs import load_revision
 
 from geotrain.comm.communicator import Communicator
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.plan.layers import layer_groups
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_revision(rev: str):
-    """``geotrain.compress.chunked`` as of git revision ``rev``, as a module of its own."""
-    text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:src/geotrain/compress/chunked.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / f"chunked_{rev}.py"
-    path.write_text(text)
-    name = f"chunked_{rev}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 class Gathered(Communicator):
@@ -105,7 +81,7 @@ def main() -> None:
 
     cells = [("today", ChunkTopK)]
     if args.against:
-        cells.insert(0, (args.against, load_revision(args.against).ChunkTopK))
+        cells.insert(0, (args.against, load_revision(args.against, "chunked").ChunkTopK))
     results = {}
     for _ in range(2):  # each cell twice, interleaved: the machine drifts
         for label, cls in cells:

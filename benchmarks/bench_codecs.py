@@ -28,17 +28,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_revision(rev: str):
-    """``geotrain.compress.quantize`` as of git revision ``rev``, as a module of its own."""
+def load_revision(rev: str, module: str = "quantize"):
+    """``geotrain.compress.MODULE`` as of git revision ``rev``, as a module of its own."""
     text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:src/geotrain/compress/quantize.py"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:src/geotrain/compress/{module}.py"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / f"quantize_{rev}.py"
+    path = Path(tempfile.mkdtemp()) / f"{module}_{rev}.py"
     path.write_text(text)
-    name = f"quantize_{rev}"
+    name = f"{module}_{rev}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up

@@ -264,6 +264,7 @@ class ChunkTopK(Codec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._held: tuple[torch.Tensor, ...] | None = None  # ``_scratch``'s vectors
         require_chunking(
             self.chunk, self.k, self.bits, lambda f: f"{self.name}: {f}", "values per chunk",
             self.chunk, f"chunk={self.chunk}",
@@ -385,7 +386,6 @@ class ChunkTopK(Codec):
         payload, idx, values = self.encode_sparse(message, work=work)
         rows = message.view(c, self.chunk)
         rows.scatter_add_(1, idx, values.neg_())  # v - sent: what was kept out (padding dropped)
-        values.neg_()
         if residual is None:
             state["residual"] = v.clone()
         else:
@@ -400,8 +400,7 @@ class ChunkTopK(Codec):
             weights = comm.weigh_gathered(self.norms(payloads, n, parts)) if comm.screening else None
             if weights is not None and not any(weights):  # nothing to average: each keeps its own
                 return
-            out = self._scratch(c * self.chunk, tensors[0].device)[1]
-            mean = self.mean_of(payloads, n, weights, per_sender=self.senders, out=out, parts=parts)
+            mean = self.mean_of(payloads, n, weights, per_sender=self.senders, out=work, parts=parts)
             unflatten_into(mean, tensors)
 
         return Pending(finish)
@@ -411,10 +410,9 @@ class ChunkTopK(Codec):
         and shared by every stream (the largest stream's size): a message is encoded, and a mean
         made, whole, one at a time on the calling thread, so no two uses overlap. Not state: a
         snapshot does not hold them."""
-        held = getattr(self, "_held", None)
+        held = self._held
         if held is None or held[0].numel() < size or held[0].device != torch.device(device):
-            held = tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
-            self._held = held
+            held = self._held = tuple(torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
         return held[0][:size], held[1][:size]
 
     def norms(

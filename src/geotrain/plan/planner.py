@@ -530,11 +530,11 @@ def plan_sites(
     links = site_links(net, topology)
     n, aggregate = topology.workers, options[0]
     flat = guarded_link(links.flat, n, *options)
-    gather = two_level_gather_link(net, topology)
     if aggregate in GATHERED:
         # A coordinate-wise statistic gathers every contribution: on sites of equal size in two
         # levels, each message crossing each uplink once, after the verdict's flat round trip
         # (``Communicator._screen``); on uneven sites a flat gather.
+        gather = two_level_gather_link(net, topology)
         two_level = flat if gather is None else replace(gather, alpha_s=gather.alpha_s + links.flat.alpha_s)
     elif aggregate != "mean":  # clip's verdict comes first: a flat all-reduce of 2 N floats
         two_level = replace(links.two_level, alpha_s=links.two_level.alpha_s + links.flat.alpha_s)

@@ -84,11 +84,12 @@ class DreamDDPPlanning:
         else None) by predicted time to a loss (``choose_codec``), rank 0's choice on every
         worker, and adopt it. Codecs the profile did not time (steps observed, not profiled)
         are timed here first: without their encoding a codec would look free."""
-        specs = [spec for spec in self._auto_codecs() if spec]
+        weighed = self._auto_codecs()
+        specs = [spec for spec in weighed if spec]
         if not all(codec_key(spec) in profile.get("codecs", {}) for spec in specs):
             profile.setdefault("codecs", {}).update(time_codecs(self.layers, self.comm, specs))
         candidates = {}  # keyed by the full spec, as `geotrain plan --compress auto` names them
-        for spec in self._auto_codecs():
+        for spec in weighed:
             codec = make_codec(spec) if spec else None
             key = codec.spec() if codec is not None else ""
             candidates[key] = (self._priced(compute, codec, profile), link, self._lag_with(codec))
