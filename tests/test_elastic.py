@@ -136,6 +136,7 @@ def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
         ("sparseloco", {"H": 2, "overlap": False}),
         ("sparseloco", {"H": 2, "overlap": True}),
         ("co2", {"H": 2}),
+        ("co2", {"H": 2, "bits": 4}),
     )
     for algo, options in cases:
         torch.manual_seed(0)
@@ -157,8 +158,10 @@ def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():
             assert not sync._error.any()
             if options["overlap"]:  # nor stands in for the mean in the start point, and flies empty
                 assert torch.equal(sync._start, sync._anchor) and not sync.in_flight.saved().any()
-        else:  # its message in flight, the weight last: all zero
+        else:  # its message in flight (fp32, the weight last; or 4-bit), all zero
             assert not sync.in_flight.saved().any()
+            if options.get("bits") == 4:  # and what its rounding lost is as it was: nothing
+                assert sync.in_flight.saved().dtype == torch.uint8 and not sync._residual.any()
         sync.close()
 
 

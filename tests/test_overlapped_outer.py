@@ -56,6 +56,7 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("co2", {"gap_penalty": 0.5}, "stale pseudo-gradient) must be >= 1"),
         ("co2", {"clip": -1.0}, "--clip (outer momentum threshold; 0: off) must be >= 0"),
         ("co2", {"outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
+        ("co2", {"bits": 2}, "--bits for co2 must be one of (4, 8, 32)"),
         ("diloco", {"tau": 2}, "diloco does not take --tau; algorithms that do: sparseloco, streaming"),
         ("sparseloco", {"clip": 0.0}, "sparseloco does not take --clip; algorithms that do: co2"),
     ],
@@ -152,8 +153,9 @@ def _streaming_run(
     return {"records": records, "final": [sync._local(f) for f in frags]}
 
 
-def _co2_run(rank: int, world_size: int, eager: bool) -> dict:
+def _co2_run(rank: int, world_size: int, eager: bool, bits: int = 32) -> dict:
     options = {
+        "bits": bits,
         "H": 2,
         "outer_lr": 0.8,
         "outer_momentum": 0.5,
@@ -170,8 +172,10 @@ def _co2_run(rank: int, world_size: int, eager: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         local = sync._local()
         anchor = sync._anchor.clone()
+        before = sync.comm.stats.sent_bytes
         sync.after_step()
-        records.append({"local": local, "anchor": anchor, "after": sync._local()})
+        sent = sync.comm.stats.sent_bytes - before
+        records.append({"local": local, "anchor": anchor, "after": sync._local(), "sent": sent})
     sync.finalize()
     return {"records": records, "final": sync._local()}
 
@@ -191,6 +195,7 @@ RUNS = Cases(
         ("streaming", 0, 0.0, 32, 0.5),
         ("co2", False),
         ("co2", True),
+        ("co2", True, 4),
     ],
 )
 
@@ -288,13 +293,19 @@ def test_an_overlapped_fragment_mixes_the_local_steps_taken_in_flight(bits):
     assert all(torch.equal(a, b) for r in ranks for a, b in zip(r["final"], ranks[0]["final"], strict=True))
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentum(eager):
+@pytest.mark.parametrize("eager, bits", [(False, 32), (True, 32), (True, 4)])
+def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentum(eager, bits):
     """H 2: the outer step after step 2k lands the mean pseudo-gradient of period k-1 (sent a
     period ago): m <- 0.5 m + mean / 2 (clamped to +-1), A <- A - 0.8 m, bitwise on every worker.
     Each worker starts the next period from A, or (eager) from A - 0.4 x its own pseudo-gradient;
-    its next pseudo-gradient is taken from that start."""
-    ranks = RUNS.get("co2", eager)
+    its next pseudo-gradient is taken from that start. With ``bits`` 4 the mean is of the
+    messages as decoded, each of Delta plus what the last one's rounding lost (error feedback),
+    and each worker sends its message to the 2 others; fp32 sends a ring all-reduce's bytes."""
+    ranks = RUNS.get("co2", eager, *([bits] if bits != 32 else []))
+    codec = Int4()
+    n = ranks[0]["records"][0]["anchor"].numel()
+    block, chunk = codec.layout(n, 1)
+    residuals = [torch.zeros(n) for _ in ranks]
     momentum = torch.zeros_like(ranks[0]["records"][0]["anchor"])
     in_flight = None
     anchor = ranks[0]["records"][0]["anchor"].clone()
@@ -312,7 +323,14 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
         if in_flight is not None:
             momentum = (momentum * 0.5 + in_flight / 2).clamp(-1, 1)
             anchor = anchor - 0.8 * momentum
-        in_flight = torch.stack(deltas).mean(dim=0)
+        sent = deltas
+        if bits == 4:
+            sent = [codec.roundtrip(d + r) for d, r in zip(deltas, residuals, strict=True)]
+            residuals = [d + r - q for d, r, q in zip(deltas, residuals, sent, strict=True)]
+            assert all(rec["sent"] == 2 * codec.row_bytes(chunk, block) for rec in recs)
+        else:
+            assert all(rec["sent"] == 2 * 2 * 4 * (n + 1) // 3 for rec in recs)  # the weight travels too
+        in_flight = torch.stack(sent).mean(dim=0)
         starts = [anchor - 0.4 * d if eager else anchor for d in deltas]
         for rec, start in zip(recs, starts, strict=True):
             torch.testing.assert_close(rec["after"], start, atol=1e-6, rtol=1e-6)

@@ -1404,3 +1404,17 @@ def test_a_dreamddp_run_under_a_coordinate_wise_aggregate_weighs_no_sparse_codec
         sync.close()
         specs = TrainConfig(algo="dreamddp", compress="auto", aggregate=aggregate).profile_codec_specs()
         assert ("chunktopk" in specs) is sparse and "int4" in specs
+
+
+def test_co2_with_quantised_messages_is_priced_by_its_gather():
+    """CO2 with --bits 4: each worker's 4-bit pseudo-gradient (half a byte a value, an fp32 scale
+    per 256) gathered among N, priced as an all-reduce of N P / 2 bytes, hidden under H steps."""
+    from geotrain.plan.gather import predict_co2_gathered, quantized_message_bytes
+
+    assert quantized_message_bytes(600_000, 4) == 300_000 + 4 * 2344
+    assert quantized_message_bytes(600_000, 8) == 600_000 + 4 * 2344
+    assert quantized_message_bytes(600_000, 32) == 2_400_000
+    link = LinkModel(0.001, 4e-6)
+    gather = 0.001 + 4e-6 * 4 * 309_376 / 2  # 4 workers: 2.476 s
+    assert predict_co2_gathered(0.071, link, 600_000, 4, 10, 4) == pytest.approx(0.071 + (gather - 0.71) / 10)
+    assert predict_co2_gathered(0.5, link, 600_000, 4, 10, 4) == 0.5  # hidden under 5 s of compute

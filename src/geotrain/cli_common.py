@@ -60,7 +60,7 @@ def check_disk(run_dir: Path, cfg, workers: int) -> None:
         vocab = load_corpus(cfg.data or None, cfg.tokenizer).vocab_size
         n_params = parameter_count(cfg.model_spec(), vocab)
         need = disk_need(
-            n_params, workers, cfg.algo, cfg.compress, bool(cfg.lora), bool(cfg.checkpoint_every)
+            n_params, workers, cfg.algo, cfg.compress, bool(cfg.lora), bool(cfg.checkpoint_every), cfg.bits
         )
         warning = check_room(run_dir, need)
     except (NoRoom, DataError, ModelError) as e:

@@ -77,7 +77,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk": "sparseloco: values per top-k chunk (default 4096); demo: DCT block per dimension (64)",
         "k": "values sent per chunk: sparseloco 64 of 4096 (1.56%%), demo 32 of 64x64",
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8); streaming 4, 8 or "
-        "32 (default 4)",
+        "32 (default 4); co2 4, 8 (gathered, with error feedback) or 32 (an fp32 all-reduce; default)",
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
         "alpha": "sparseloco: outer learning rate (default 1 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",

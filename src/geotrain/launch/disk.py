@@ -47,11 +47,16 @@ class DiskNeed:
         return self.state_bytes * (KEEP * self.hosts + 1)
 
 
-def state_copies(algo: str, compress: str = "", lora: bool = False) -> float:
-    """fp32 copies of the parameters in one host's saved state."""
+def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 0) -> float:
+    """fp32 copies of the parameters in one host's saved state (``bits``: co2's, 0 its default)."""
     if lora:
         return 1.0
     copies = 3 + ALGORITHM_COPIES.get(algo, 0)
+    if algo == "co2":
+        from geotrain.sync.co2 import CO2Config
+
+        if (bits or CO2Config.bits) < 32:  # its start and error feedback, where the message was fp32
+            copies += 1
     if not compress:  # the algorithm's default: dreamddp's chooses one (--compress auto)
         from geotrain.sync import ALGORITHMS
 
@@ -64,9 +69,15 @@ def state_copies(algo: str, compress: str = "", lora: bool = False) -> float:
 
 
 def disk_need(
-    n_params: int, hosts: int, algo: str, compress: str = "", lora: bool = False, periodic: bool = False
+    n_params: int,
+    hosts: int,
+    algo: str,
+    compress: str = "",
+    lora: bool = False,
+    periodic: bool = False,
+    bits: int = 0,
 ) -> DiskNeed:
-    return DiskNeed(int(4 * n_params * state_copies(algo, compress, lora)), hosts, periodic)
+    return DiskNeed(int(4 * n_params * state_copies(algo, compress, lora, bits)), hosts, periodic)
 
 
 def free_bytes(path: Path) -> int:

@@ -55,6 +55,11 @@ def int4_message_bytes(n_values: int, block: int = 256) -> int:
     return n_values // 2 + 4 * -(-n_values // block)
 
 
+def quantized_message_bytes(n_values: int, bits: int, block: int = 256) -> int:
+    """A worker's message of ``n_values`` in ``bits`` (4 or 8, an fp32 scale per block; 32: fp32)."""
+    return 4 * n_values if bits == 32 else n_values * bits // 8 + 4 * -(-n_values // block)
+
+
 def gather_s(link: LinkModel, payload: int, workers: int) -> float:
     """An all-gather of a ``payload``-byte message, priced on the all-reduce line ``link``: a ring
     all-gather sends (N-1) P per worker and a ring all-reduce of M bytes 2 (N-1)/N M, so the
@@ -172,6 +177,15 @@ def predict_streaming(
     every = max(1, H // fragments)
     gather = gather_s(link, int4_message_bytes(-(-n_params // fragments)), workers)
     return compute_s + max(0.0, gather - tau * compute_s) / every
+
+
+def predict_co2_gathered(
+    compute_s: float, link: LinkModel, n_params: int, workers: int, H: int, bits: int
+) -> float:
+    """CO2 with ``--bits`` 4 or 8: compute every step, and every H steps a gather of each
+    worker's quantised pseudo-gradient under the next H steps of compute."""
+    gather = gather_s(link, quantized_message_bytes(n_params, bits), workers)
+    return compute_s + max(0.0, gather - H * compute_s) / H
 
 
 def crossover_workers(payload: int, message: int) -> int:

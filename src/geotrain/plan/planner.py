@@ -41,6 +41,7 @@ from geotrain.plan.gather import (
     choose_sparseloco_period,
     format_rate,
     gather_s,
+    predict_co2_gathered,
     predict_demo,
     predict_sparseloco,
     predict_streaming,
@@ -61,14 +62,21 @@ from geotrain.plan.schedule import (
     search_schedule,
 )
 from geotrain.plan.sites import choose_periods, format_sites, site_links, two_level_gather_link
+from geotrain.sync.co2 import CO2Config
 from geotrain.sync.periods import check_schedule, periods_for, resolve_every
+from geotrain.sync.streaming import StreamingConfig
 
-OWN_PERIOD = 20  # the default period of streaming and co2 (sparseloco's: sparseloco_period)
+OWN_PERIOD = 20  # what a plan saved before sparseloco's --H auto priced it at (sparseloco_period)
 
 
 PREDICTED = ("nosync", "ddp", "ssgd", "localsgd", "diloco", "dreamddp", "sparseloco", "demo", "streaming")
 PREDICTED += ("co2",)
 OWN_H = ("streaming", "co2")  # priced at their default period, whatever the plan's H (sparseloco at its own)
+
+
+def own_period(algo: str) -> int:
+    """The period streaming and co2 are priced at: their configs' defaults."""
+    return {"streaming": StreamingConfig.H, "co2": CO2Config.H}[algo]
 
 
 def sparseloco_period(compute: ComputeModel, link: LinkModel, workers: int) -> int:
@@ -99,6 +107,8 @@ def predict_algo(
         return predict_demo(compute.compute_s, link, n_params, workers, sync_wait_s=wait)
     if algo == "streaming":
         return predict_streaming(compute.compute_s, link, n_params, workers, H)
+    if algo == "co2" and CO2Config.bits < 32:  # its default: quantised messages, gathered
+        return predict_co2_gathered(compute.compute_s, link, n_params, workers, H, CO2Config.bits)
     if algo == "co2":
         return predict_co2(compute, link, H)
     if algo == "dreamddp" and schedule is not None:
@@ -137,7 +147,7 @@ def predictions(
     norm in their all-to-all, so a checked one costs what an unchecked one does (but for clip,
     ``cost.guard_factors``). ``defaults``: methods priced with a codec of their own instead
     (its model and spec: diloco's default int4 where no ``--compress`` was given)."""
-    periods: dict[str, float] = {algo: OWN_PERIOD if algo in OWN_H else H for algo in PREDICTED}
+    periods: dict[str, float] = {algo: own_period(algo) if algo in OWN_H else H for algo in PREDICTED}
     periods["sparseloco"] = sparseloco_H
     if mean_period is not None:
         periods["localsgd"] = periods["diloco"] = mean_period
@@ -159,8 +169,8 @@ def predictions(
             if on == checked and not own
             else guarded_link(plain, workers, aggregate, on, rows_in_band=quantised)
         )
-        if algo in ("sparseloco", "demo", "streaming"):
-            line = plain
+        if algo in ("sparseloco", "demo", "streaming") or (algo == "co2" and CO2Config.bits < 32):
+            line = plain  # each worker judges the messages it holds
         elif algo == "co2":  # its checked weighted sum waits for the verdict
             line = guarded_link(plain, workers, "mean", on or aggregate != "mean", round_trip=True)
         model = uncompressed if uncompressed is not None and algo not in CODEC_ALGOS else compute
@@ -605,7 +615,7 @@ def format_plan(plan: dict[str, Any], accel: Accelerator | None = None) -> str:
         h = str(plan["H"]) if algo in ("localsgd", "diloco", "dreamddp") else "-"
         if algo in ("localsgd", "diloco") and target.get("mean_period"):
             h = f"~{target['mean_period']:.1f}"  # its steps per sync under --H-schedule
-        h = str(OWN_PERIOD) if algo in OWN_H else h
+        h = str(own_period(algo)) if algo in OWN_H else h
         if algo == "sparseloco":  # a plan saved before --H auto priced it at 20
             h = str(plan.get("sparseloco_H", OWN_PERIOD))
         own = target.get("default_codecs", {}).get(algo)

@@ -41,10 +41,15 @@ beta 0.5, lambda 1 and phi 1.0; H 20 (the paper runs 12 and 48; at 20 a ``mini``
 a period late.
 
 The all-reduce is the one periodic averaging already uses, in fp32 (``comm.all_reduce``; in two
-levels with ``--hierarchy``). ``finalize`` lands the message in flight and, inside a period,
+levels with ``--hierarchy``). With ``bits`` 4 or 8 each worker's Delta travels quantised instead
+(``sync/quantized_gather.py``, Streaming DiLoCo's messages: an fp32 scale per 256 values),
+all-gathered and averaged in fp32 after decoding, with error feedback: what a message's rounding
+lost is added to the next one (the eager start takes the fp32 Delta). Gathered among N that is
+N / 16 of the fp32 ring's bytes with int4 (1/4 at 4 workers), flat (no two levels). ``finalize`` lands the message in flight and, inside a period,
 takes one last synchronous outer step for its steps, so the run ends with one model.
 
-Memory: the anchor, the momentum, and the message in flight (three copies of the parameters).
+Memory: the anchor, the momentum, and the message in flight (three copies of the parameters);
+with ``bits``, the error feedback's residual and the eager start besides, the message an eighth.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import torch
 
 from geotrain.comm.buckets import flatten, unflatten_into
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
+from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
 
 @dataclass
@@ -66,9 +72,11 @@ class CO2Config(SyncConfig):
     gap_penalty: float = 1.0
     clip: float = 1.0
     eager: bool = True
+    bits: int = 32  # 32: an fp32 all-reduce; 4 or 8: quantised messages, gathered, with error feedback
 
     def __post_init__(self) -> None:
         require_period(self.H)
+        require(self.bits in BITS, f"--bits for co2 must be one of {BITS}, got {self.bits}")
         require(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         require(
             0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}"
@@ -89,7 +97,12 @@ class CO2(PeriodicSync):
         self._anchor = self._local()  # A_k, equal on every worker
         self._start = self._anchor  # where this period started (eager: A_k - own Delta)
         self._momentum = torch.zeros_like(self._anchor)  # m, equal on every worker
-        self.in_flight = InFlight(comm, op="mean")  # this worker's Delta, landing a period late
+        cfg = self.config
+        # this worker's Delta, landing a period late: an fp32 mean all-reduce, or with --bits 4
+        # or 8 quantised messages gathered and averaged after decoding, with error feedback
+        self.messages = QuantizedGather(comm, cfg.bits) if cfg.bits < 32 else None
+        self.in_flight = InFlight(comm, op="mean" if self.messages is None else "gather")
+        self._residual = torch.zeros_like(self._anchor) if self.messages is not None else None
         self._final_delta: torch.Tensor | None = None  # finalize's, kept for a retry
 
     def _local(self) -> torch.Tensor:
@@ -109,8 +122,27 @@ class CO2(PeriodicSync):
 
     def _land_in_flight(self) -> None:
         landed = self.in_flight.land()
+        if landed is not None and self.messages is not None:  # the gathered messages, decoded
+            landed = self.messages.mean(landed, self._anchor.numel())
         if landed is not None:
             self._outer_update(landed)
+
+    def _launch(self, delta: torch.Tensor) -> None:
+        if self.messages is None:
+            if self.contributes():
+                self.in_flight.launch(delta)
+            else:  # a copy of the leader's (an average redone after a regroup): it weighs nothing
+                self.in_flight.launch_weighted(delta.new_zeros(delta.numel() + 1))
+            return
+        if not self.contributes():  # all zero bytes: left out of the mean
+            nbytes = self.messages.payload_bytes(delta.numel())
+            self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=delta.device))
+            return
+        spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays clean
+        if spoiled is None:
+            self.in_flight.launch(self.messages.encode(delta, self._residual))
+        else:
+            self.in_flight.launch(self.messages.encode(spoiled + self._residual))
 
     def _eager_start(self, delta: torch.Tensor) -> torch.Tensor:
         """The next period's start: the anchor, or with ``eager`` the anchor moved by this
@@ -124,10 +156,7 @@ class CO2(PeriodicSync):
         # The last period's message: if its wait fails (a lost member), nothing here has changed
         # and ``retry_sync`` sends it again on the new group.
         self._land_in_flight()
-        if self.contributes():
-            self.in_flight.launch(delta)
-        else:  # a copy of the leader's (an average redone after a regroup): it weighs nothing
-            self.in_flight.launch_weighted(delta.new_zeros(delta.numel() + 1))
+        self._launch(delta)
         self._start = self._eager_start(delta)
         self._set_params(self._start)
         self.syncs += 1
@@ -156,6 +185,8 @@ class CO2(PeriodicSync):
 
     def adopted_state(self) -> None:
         self.in_flight.adopted()  # the message it loaded is the other worker's
+        if self._residual is not None:
+            self._residual.zero_()  # and so is what its rounding lost
 
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]
@@ -171,8 +202,11 @@ class CO2(PeriodicSync):
         return {"model"} if shared else set()
 
     def info(self) -> str:
-        n = self._anchor.numel()
-        return f"outer all-reduce of {4 * n:,} bytes per worker every {self.config.H} steps, one period late"
+        n, H = self._anchor.numel(), self.config.H
+        if self.messages is None:
+            return f"outer all-reduce of {4 * n:,} bytes per worker every {H} steps, one period late"
+        message = f"{self.config.bits}-bit messages of {self.messages.payload_bytes(n):,} bytes"
+        return f"outer all-gather of {message} per worker every {H} steps, one period late"
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -182,6 +216,11 @@ class CO2(PeriodicSync):
         # A resumed run sends this worker's message in flight again at its next outer step, so
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
+        if self._residual is not None:
+            # the eager start is moved by this worker's fp32 Delta, which the message in flight
+            # holds only rounded
+            state["start"] = self._start
+            state["residual"] = self._residual
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,4 +229,8 @@ class CO2(PeriodicSync):
         self._momentum.copy_(state["momentum"])
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
-        self._start = self._anchor if flying is None else self._eager_start(flying[:-1])
+        if self._residual is None:  # the message in flight is the fp32 Delta, its weight last
+            self._start = self._anchor if flying is None else self._eager_start(flying[:-1])
+        else:
+            self._start = self._anchor if flying is None else state["start"].to(self._anchor).clone()
+            self._residual.copy_(state["residual"])

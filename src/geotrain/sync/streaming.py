@@ -52,12 +52,9 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.buckets import flatten, unflatten_into
-from geotrain.comm.guard import message_norm
-from geotrain.compress.quantize import Int4, Int8
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
-
-BITS = (4, 8, 32)
+from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
 
 @dataclass
@@ -168,7 +165,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             )
             for theta in self._global
         ]
-        self.quantizer = {4: Int4(), 8: Int8()}.get(cfg.bits)
+        self.messages = QuantizedGather(comm, cfg.bits)  # Delta_f in ``bits`` bits, averaged in fp32
         self.in_flight = InFlight(comm)  # this worker's Delta of the fragment in flight
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
 
@@ -190,31 +187,10 @@ class StreamingDiLoCo(SyncAlgorithm):
 
     # -- messages -------------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> torch.Tensor:
-        """The message of ``delta``, quantised on ``delta``'s device (the model's, on every worker
-        alike: a restored or an adopter's empty message is made there too)."""
-        if self.quantizer is None:
-            return delta
-        block, chunk = self.quantizer.layout(delta.numel(), 1)
-        padded = delta.new_zeros(chunk, dtype=torch.float32)
-        padded[: delta.numel()] = delta.detach()
-        return self.quantizer.encode(padded.unsqueeze(0), block)[0]
+        return self.messages.encode(delta)
 
     def _mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 mean of the decoded messages (rows in rank order) over the workers that sent
-        one: an adopter's empty message (all zero bytes, ``InFlight.adopted``) is left out. A
-        real 4- or 8-bit message is never all zero bytes (its scales are not zero unless its
-        values are, and int4 codes zero as 8), nor, in practice, an fp32 pseudo-gradient.
-        On the messages' device."""
-        sent = gathered.reshape(gathered.shape[0], -1).ne(0).any(dim=1)
-        if self.quantizer is not None:
-            block, chunk = self.quantizer.layout(n, 1)
-            gathered = self.quantizer.decode(gathered, chunk, block)[:, :n]
-        if self.comm.checking:  # the norm check on the decoded messages: no communication
-            judged = self.comm.weigh_gathered([message_norm(row) for row in gathered])
-            weights = torch.tensor(judged, device=gathered.device)
-            sent &= weights > 0
-            gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
-        return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
+        return self.messages.mean(gathered, n)
 
     def _local(self, f: int) -> torch.Tensor:
         return flatten([p.detach() for p in self.fragments[f]])
@@ -306,7 +282,7 @@ class StreamingDiLoCo(SyncAlgorithm):
 
     def info(self) -> str:
         sizes = [t.numel() for t in self._global]
-        payload = [self._encode(torch.zeros(n)).numel() * (4 if self.quantizer is None else 1) for n in sizes]
+        payload = [self.messages.payload_bytes(n) for n in sizes]
         return (
             f"{self.config.fragments} fragments, one every {self.config.every} steps, landing "
             f"{self.config.tau} step(s) late; {self.config.bits}-bit messages of "
