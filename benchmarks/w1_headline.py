@@ -60,7 +60,7 @@ ALGOS = ["nosync", *CURVES]
 
 
 def cell(spec: str) -> tuple[str, list[str], str | None]:
-    """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C]`` (a setting beside them): the algorithm,
+    """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C][,bits=B]`` (a setting beside them): the algorithm,
     the run's extra flags, and the kept curve that measured it (``w1-ALGO[-C]-HN``, C the codec
     the run sends, the algorithm's default where none is given; None for ``H=auto``, whose
     curve is the one of the period it chooses: ``curve_of``)."""
@@ -70,11 +70,14 @@ def cell(spec: str) -> tuple[str, list[str], str | None]:
     if not rest:
         return algo, [], CURVES.get(algo)
     opts = dict(kv.partition("=")[::2] for kv in rest.split(","))
-    unknown = set(opts) - {"H", "compress"}
+    unknown = set(opts) - {"H", "compress", "bits"}
     if unknown or not (opts.get("H", "").isdigit() or opts.get("H") == "auto"):
-        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C] (N a period or auto)")
+        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C][,bits=B] (N a period or auto)")
     flags = ["--H", opts["H"]] + (["--compress", opts["compress"]] if "compress" in opts else [])
+    flags += ["--bits", opts["bits"]] if "bits" in opts else []
     codec = run_codec(algo, opts.get("compress", ""))  # diloco's default: int4
+    if opts.get("bits") in ("4", "8"):  # co2's and streaming's own messages
+        codec = f"int{opts['bits']}"
     codec = f"-{codec}" if codec and codec != "none" else ""
     return algo, flags, f"w1-{algo}{codec}-H{opts['H']}" if opts["H"] != "auto" else None
 

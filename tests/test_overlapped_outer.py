@@ -337,15 +337,55 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
         if not eager:
             assert all(torch.equal(rec["after"], recs[0]["after"]) for rec in recs)
     # finalize after step 7 (inside a period): this period's pseudo-gradient from where each
-    # worker started it, then the landing of step 6's message, then one outer step with it.
+    # worker started it (with bits, plus what the last message's rounding lost), then the
+    # landing of step 6's message, then one outer step with it.
     last = [r["records"][6] for r in ranks]
-    final_delta = torch.stack([s - rec["local"] for s, rec in zip(starts, last, strict=True)]).mean(dim=0)
+    finals = [
+        s - rec["local"] + (r if bits == 4 else 0) for s, rec, r in zip(starts, last, residuals, strict=True)
+    ]
+    final_delta = torch.stack(finals).mean(dim=0)
     for mean in (in_flight, final_delta):
         momentum = (momentum * 0.5 + mean / 2).clamp(-1, 1)
         anchor = anchor - 0.8 * momentum
     for r in ranks:
         assert torch.equal(r["final"], ranks[0]["final"])
         torch.testing.assert_close(r["final"], anchor, atol=1e-6, rtol=1e-6)
+
+
+def test_co2_error_feedback_stays_honest_under_chaos_and_restarts_where_its_message_is_left_out():
+    """With --bits 4: a --chaos-spoiled message leaves the residual the honest message would
+    have left; a message left out of the mean (or one not finite) drops what its rounding lost,
+    which would otherwise be sent again at every later message."""
+    _, opt, sync = _tiny("co2", {"H": 1, "bits": 4})
+    _, honest_opt, honest = _tiny("co2", {"H": 1, "bits": 4})
+    _train_step(sync, opt, 0, 1)
+    _train_step(honest, honest_opt, 0, 1)
+    assert torch.equal(sync._residual, honest._residual) and sync._residual.any()
+    sync.comm.corrupt_next = "signflip"
+    _train_step(sync, opt, 0, 2)
+    _train_step(honest, honest_opt, 0, 2)
+    assert not sync.comm.corrupt_next  # spent on this message
+    assert not torch.equal(sync.in_flight.saved(), honest.in_flight.saved())
+    assert torch.equal(sync._residual, honest._residual) and sync._residual.any()
+    # the message in flight left out of the mean (as the norm check leaves one out)
+    real_mean = sync.messages.mean
+
+    def left_out(gathered: torch.Tensor, n: int) -> torch.Tensor:
+        mean = real_mean(gathered, n)
+        sync.messages.kept = [False]
+        return mean
+
+    sync.messages.mean = left_out
+    sync._land_in_flight()
+    assert not sync._residual.any()
+    honest._land_in_flight()
+    assert honest._residual.any()  # kept where its message was taken
+    # a pseudo-gradient that is not finite: nothing of it is kept for the next message
+    residual = torch.ones(300)
+    sync.messages.encode(torch.full((300,), float("nan")), residual)
+    assert not residual.any()
+    sync.close()
+    honest.close()
 
 
 def test_a_mean_in_flight_is_over_the_workers_that_sent_one():

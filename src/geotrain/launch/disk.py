@@ -55,8 +55,8 @@ def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 
     if algo == "co2":
         from geotrain.sync.co2 import CO2Config
 
-        if (bits or CO2Config.bits) < 32:  # its start and error feedback, where the message was fp32
-            copies += 1
+        if (bits or CO2Config.bits) < 32:  # its start and error feedback; its message an eighth
+            copies += 1.125
     if not compress:  # the algorithm's default: dreamddp's chooses one (--compress auto)
         from geotrain.sync import ALGORITHMS
 

@@ -171,11 +171,13 @@ def predict_streaming(
     H: int = 20,
     fragments: int = 4,
     tau: int = 1,
+    bits: int = 4,
 ) -> float:
     """Streaming DiLoCo's mean step: compute every step, and every H / fragments steps one
-    fragment's gather of 4-bit messages, under tau steps of compute (fragments of equal size)."""
+    fragment's gather of ``bits``-bit messages, under tau steps of compute (fragments of equal
+    size)."""
     every = max(1, H // fragments)
-    gather = gather_s(link, int4_message_bytes(-(-n_params // fragments)), workers)
+    gather = gather_s(link, quantized_message_bytes(-(-n_params // fragments), bits), workers)
     return compute_s + max(0.0, gather - tau * compute_s) / every
 
 

@@ -106,7 +106,10 @@ def predict_algo(
     if algo == "demo":
         return predict_demo(compute.compute_s, link, n_params, workers, sync_wait_s=wait)
     if algo == "streaming":
-        return predict_streaming(compute.compute_s, link, n_params, workers, H)
+        cfg = StreamingConfig  # its defaults (H: the period it is priced at)
+        return predict_streaming(
+            compute.compute_s, link, n_params, workers, H, cfg.fragments, cfg.tau, cfg.bits
+        )
     if algo == "co2" and CO2Config.bits < 32:  # its default: quantised messages, gathered
         return predict_co2_gathered(compute.compute_s, link, n_params, workers, H, CO2Config.bits)
     if algo == "co2":

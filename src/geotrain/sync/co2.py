@@ -45,8 +45,9 @@ levels with ``--hierarchy``). With ``bits`` 4 or 8 each worker's Delta travels q
 (``sync/quantized_gather.py``, Streaming DiLoCo's messages: an fp32 scale per 256 values),
 all-gathered and averaged in fp32 after decoding, with error feedback: what a message's rounding
 lost is added to the next one (the eager start takes the fp32 Delta). Gathered among N that is
-N / 16 of the fp32 ring's bytes with int4 (1/4 at 4 workers), flat (no two levels). ``finalize`` lands the message in flight and, inside a period,
-takes one last synchronous outer step for its steps, so the run ends with one model.
+N / 16 of the fp32 ring's bytes with int4 (1/4 at 4 workers). ``finalize`` lands the message in
+flight and, inside a period, takes one last synchronous outer step for its steps (and with
+``bits``, what the last message's rounding lost), so the run ends with one model.
 
 Memory: the anchor, the momentum, and the message in flight (three copies of the parameters);
 with ``bits``, the error feedback's residual and the eager start besides, the message an eighth.
@@ -124,6 +125,8 @@ class CO2(PeriodicSync):
         landed = self.in_flight.land()
         if landed is not None and self.messages is not None:  # the gathered messages, decoded
             landed = self.messages.mean(landed, self._anchor.numel())
+            if not self.messages.kept[self.comm.rank]:  # left out: what its rounding lost goes too
+                self._residual.zero_()
         if landed is not None:
             self._outer_update(landed)
 
@@ -138,11 +141,15 @@ class CO2(PeriodicSync):
             nbytes = self.messages.payload_bytes(delta.numel())
             self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=delta.device))
             return
-        spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays clean
-        if spoiled is None:
-            self.in_flight.launch(self.messages.encode(delta, self._residual))
-        else:
-            self.in_flight.launch(self.messages.encode(spoiled + self._residual))
+        # encoded with a copy of the error feedback, kept once the message is on its way (a
+        # launch that fails is sent again from the same residual)
+        residual = self._residual.clone()
+        message = self.messages.encode(delta, residual)
+        spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays the honest one's
+        if spoiled is not None:
+            message = self.messages.encode(spoiled + self._residual)
+        self.in_flight.launch(message)
+        self._residual = residual
 
     def _eager_start(self, delta: torch.Tensor) -> torch.Tensor:
         """The next period's start: the anchor, or with ``eager`` the anchor moved by this
@@ -170,6 +177,9 @@ class CO2(PeriodicSync):
         pseudo-gradient is kept, and a message that landed is not landed twice."""
         if self._final_delta is None:
             self._final_delta = None if self.at_boundary() else self._start - self._local()
+            if self._final_delta is not None and self._residual is not None:  # what rounding lost
+                self._final_delta += self._residual
+                self._residual.zero_()
         self._land_in_flight()
         if self._final_delta is not None:
             self._outer_update(self.comm.all_reduce(self._final_delta.clone(), op="mean"))

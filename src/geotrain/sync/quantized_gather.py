@@ -33,6 +33,7 @@ class QuantizedGather:
         self.comm = comm
         self.bits = bits
         self.quantizer = {4: Int4(), 8: Int8()}.get(bits)
+        self.kept: list[bool] = []  # the last mean's: which rows (ranks) it took
 
     def payload_bytes(self, n: int) -> int:
         """Bytes of one worker's message for ``n`` values."""
@@ -57,6 +58,8 @@ class QuantizedGather:
         message, decoded = self.quantizer.encode_with_values(padded.unsqueeze(0), block)
         if residual is not None:
             residual.copy_(padded[:n] - decoded[0, :n])
+            if not torch.isfinite(residual).all():  # a NaN kept would spoil every later message
+                residual.zero_()
         return message[0]
 
     def mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
@@ -73,4 +76,5 @@ class QuantizedGather:
             weights = torch.tensor(judged, device=gathered.device)
             sent &= weights > 0
             gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
+        self.kept = sent.tolist()
         return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
