@@ -352,6 +352,26 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
         torch.testing.assert_close(r["final"], anchor, atol=1e-6, rtol=1e-6)
 
 
+def test_quantized_messages_with_error_feedback_lose_nothing_over_time():
+    """What every message's rounding lost is sent with the next: over any run of messages the
+    decoded ones sum to the inputs' sum less the last residual (bitwise up to fp32 sums), and a
+    message is 1/8 of fp32 plus a scale per 256 values (int4) or 1/4 plus them (int8)."""
+    from geotrain.sync.quantized_gather import QuantizedGather
+
+    for bits, factor in ((4, 2), (8, 1)):
+        messages = QuantizedGather(Communicator(), bits)
+        assert messages.payload_bytes(1000) == 1024 // factor + 4 * 4
+        gen = torch.Generator().manual_seed(bits)
+        residual, sent, total = torch.zeros(1000), torch.zeros(1000), torch.zeros(1000)
+        for _ in range(6):
+            delta = torch.randn(1000, generator=gen)
+            total += delta
+            message = messages.encode(delta, residual)
+            sent += messages.mean(message.unsqueeze(0), 1000)
+        torch.testing.assert_close(sent + residual, total, atol=1e-5, rtol=0)
+        assert residual.abs().max() < 0.5 and residual.any()  # at most half a level, per block
+
+
 def test_co2_error_feedback_stays_honest_under_chaos_and_restarts_where_its_message_is_left_out():
     """With --bits 4: a --chaos-spoiled message leaves the residual the honest message would
     have left; a message left out of the mean (or one not finite) drops what its rounding lost,
