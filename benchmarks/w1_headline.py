@@ -54,7 +54,7 @@ CURVES: dict[str, str | None] = {
     "dreamddp": "w1-dreamddp-int4-H2-lr1",
     "sparseloco": None,
     "streaming": "w1-streaming-H20",
-    "co2": "w1-co2-H20",
+    "co2": "w1-co2-int4-H10",
 }
 ALGOS = ["nosync", *CURVES]
 

@@ -52,7 +52,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "to a loss, chosen at start-up from the profile, up to one layer per iteration: see "
         "docs/dreamddp.md; sparseloco: of 5, 10, 20 and 40, the one with the shortest predicted time "
         "to a loss, from a step and an outer step's gather timed at start-up: see docs/frontier.md); "
-        "0: the algorithm's default (10; dreamddp 2; sparseloco auto; streaming, co2 20)",
+        "0: the algorithm's default (10; dreamddp 2; sparseloco auto; co2 10; streaming 20)",
         "outer_lr": "the outer learning rate of diloco, streaming and co2 (0.7); 0: the algorithm's default",
         "outer_momentum": "the outer momentum: diloco's and streaming's Nesterov (-1: follows H: "
         "with --outer-lr 0.7, 0.5 up to H=10, rising to the paper's 0.9 at H=500; see "
@@ -77,7 +77,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk": "sparseloco: values per top-k chunk (default 4096); demo: DCT block per dimension (64)",
         "k": "values sent per chunk: sparseloco 64 of 4096 (1.56%%), demo 32 of 64x64",
         "bits": "bits per value sent: 2, 4 or 8 (default: sparseloco 2, demo 8); streaming 4, 8 or "
-        "32 (default 4); co2 4, 8 (gathered, with error feedback) or 32 (an fp32 all-reduce; default)",
+        "32 (default 4); co2 4 (default), 8 (gathered, with error feedback) or 32 (an fp32 all-reduce)",
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
         "alpha": "sparseloco: outer learning rate (default 1 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",

@@ -95,7 +95,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine: the learning rate at the last step, as a fraction of --lr
     lr_steps: int = 0  # the steps the schedule is planned over (0: --steps)
     lr_scale: str = LR_SCALE_DEFAULT  # "": the algorithm's own (1 for every one today); api.py
-    H: int = 0  # 0: the default (10; dreamddp 2; sparseloco auto; streaming, co2 20); AUTO_H: chosen
+    H: int = 0  # 0: the default (10; dreamddp 2; sparseloco auto; co2 10; streaming 20); AUTO_H: chosen
     outer_lr: float = 0.0  # 0: the algorithm's default (0.7)
     outer_momentum: float = -1.0  # < 0: follows H (geotrain.sync.diloco.outer_momentum_for)
     momentum_ramp: int = -1  # diloco, streaming: outer steps for a momentum following H to reach 0.9

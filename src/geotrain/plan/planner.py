@@ -138,11 +138,12 @@ def predictions(
     """Every algorithm's step; sparseloco (at ``sparseloco_H``: ``sparseloco_period``),
     streaming and co2 at their own default period, not the plan's H. With trust options
     (``options``: aggregate, norm check), ``link`` is the all-reduce under them and ``plain`` the
-    one without: the gathering methods (sparseloco, demo,
-    streaming) judge the messages they hold with no communication, co2's weighted sum pays the
-    check's round trip only, and the combinations a run refuses (trimmed or median with them)
-    are left out. ``auto_check`` (``--max-norm-ratio auto``): each algorithm checked as a run
-    of it would be by default (``guard.default_norm_ratio``), ``link`` being the unchecked line.
+    one without: the gathering methods (sparseloco, demo, streaming, and co2 with its default
+    4-bit messages) judge the messages they hold with no communication, co2's fp32 weighted sum
+    (``CO2Config.bits`` 32) pays the check's round trip only, and the combinations a run
+    refuses (trimmed or median with them) are left out. ``auto_check`` (``--max-norm-ratio
+    auto``): each algorithm checked as a run of it would be by default
+    (``guard.default_norm_ratio``), ``link`` being the unchecked line.
     ``uncompressed``: where ``compute`` prices a codec's messages, the model without it, for the
     methods that take no codec (their own messages: nosync, sparseloco, demo, streaming, co2).
     ``mean_period``: localsgd's and diloco's steps per sync under an ``--H-schedule``.

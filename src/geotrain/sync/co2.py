@@ -67,13 +67,13 @@ from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
 @dataclass
 class CO2Config(SyncConfig):
-    H: int = 20
+    H: int = 10
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     gap_penalty: float = 1.0
     clip: float = 1.0
     eager: bool = True
-    bits: int = 32  # 32: an fp32 all-reduce; 4 or 8: quantised messages, gathered, with error feedback
+    bits: int = 4  # 4 or 8: quantised messages, gathered, with error feedback; 32: an fp32 all-reduce
 
     def __post_init__(self) -> None:
         require_period(self.H)
