@@ -366,8 +366,8 @@ def test_quantized_messages_with_error_feedback_lose_nothing_over_time():
         for _ in range(6):
             delta = torch.randn(1000, generator=gen)
             total += delta
-            message = messages.encode(delta, residual)
-            sent += messages.mean(message.unsqueeze(0), 1000)
+            message, residual = messages.encode_with_feedback(delta, residual)
+            sent += messages.mean(message.unsqueeze(0), 1000)[0]
         torch.testing.assert_close(sent + residual, total, atol=1e-5, rtol=0)
         assert residual.abs().max() < 0.5 and residual.any()  # at most half a level, per block
 
@@ -390,10 +390,8 @@ def test_co2_error_feedback_stays_honest_under_chaos_and_restarts_where_its_mess
     # the message in flight left out of the mean (as the norm check leaves one out)
     real_mean = sync.messages.mean
 
-    def left_out(gathered: torch.Tensor, n: int) -> torch.Tensor:
-        mean = real_mean(gathered, n)
-        sync.messages.kept = [False]
-        return mean
+    def left_out(gathered: torch.Tensor, n: int) -> tuple[torch.Tensor, list[bool]]:
+        return real_mean(gathered, n)[0], [False]
 
     sync.messages.mean = left_out
     sync._land_in_flight()
@@ -401,8 +399,7 @@ def test_co2_error_feedback_stays_honest_under_chaos_and_restarts_where_its_mess
     honest._land_in_flight()
     assert honest._residual.any()  # kept where its message was taken
     # a pseudo-gradient that is not finite: nothing of it is kept for the next message
-    residual = torch.ones(300)
-    sync.messages.encode(torch.full((300,), float("nan")), residual)
+    _, residual = sync.messages.encode_with_feedback(torch.full((300,), float("nan")), torch.ones(300))
     assert not residual.any()
     sync.close()
     honest.close()

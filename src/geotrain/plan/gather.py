@@ -52,7 +52,7 @@ def allreduce_bytes(message: int, workers: int) -> int:
 
 def int4_message_bytes(n_values: int, block: int = 256) -> int:
     """The int4 codec's message for ``n_values``: half a byte each and an fp32 scale per block."""
-    return n_values // 2 + 4 * -(-n_values // block)
+    return quantized_message_bytes(n_values, 4, block)
 
 
 def quantized_message_bytes(n_values: int, bits: int, block: int = 256) -> int:

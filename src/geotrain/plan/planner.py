@@ -74,6 +74,10 @@ PREDICTED += ("co2",)
 OWN_H = ("streaming", "co2")  # priced at their default period, whatever the plan's H (sparseloco at its own)
 
 
+# judged where their messages land, with no communication (co2 where it gathers quantised ones)
+GATHERING = ("sparseloco", "demo", "streaming") + (("co2",) if CO2Config.bits < 32 else ())
+
+
 def own_period(algo: str) -> int:
     """The period streaming and co2 are priced at: their configs' defaults."""
     return {"streaming": StreamingConfig.H, "co2": CO2Config.H}[algo]
@@ -173,7 +177,7 @@ def predictions(
             if on == checked and not own
             else guarded_link(plain, workers, aggregate, on, rows_in_band=quantised)
         )
-        if algo in ("sparseloco", "demo", "streaming") or (algo == "co2" and CO2Config.bits < 32):
+        if algo in GATHERING:
             line = plain  # each worker judges the messages it holds
         elif algo == "co2":  # its checked weighted sum waits for the verdict
             line = guarded_link(plain, workers, "mean", on or aggregate != "mean", round_trip=True)

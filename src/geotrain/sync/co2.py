@@ -125,8 +125,8 @@ class CO2(PeriodicSync):
     def _land_in_flight(self) -> None:
         landed = self.in_flight.land()
         if landed is not None and self.messages is not None:  # the gathered messages, decoded
-            landed = self.messages.mean(landed, self._anchor.numel())
-            if not self.messages.kept[self.comm.rank]:  # left out: what its rounding lost goes too
+            landed, kept = self.messages.mean(landed, self._anchor.numel())
+            if not kept[self.comm.rank]:  # left out: what its rounding lost goes too
                 self._residual.zero_()
         if landed is not None:
             self._outer_update(landed)
@@ -142,10 +142,9 @@ class CO2(PeriodicSync):
             nbytes = self.messages.payload_bytes(delta.numel())
             self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=delta.device))
             return
-        # encoded with a copy of the error feedback, kept once the message is on its way (a
-        # launch that fails is sent again from the same residual)
-        residual = self._residual.clone()
-        message = self.messages.encode(delta, residual)
+        # the next residual is kept once the message is on its way (a launch that fails is sent
+        # again from this one)
+        message, residual = self.messages.encode_with_feedback(delta, self._residual)
         spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays the honest one's
         if spoiled is not None:
             message = self.messages.encode(spoiled + self._residual)

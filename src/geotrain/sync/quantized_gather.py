@@ -33,7 +33,6 @@ class QuantizedGather:
         self.comm = comm
         self.bits = bits
         self.quantizer = {4: Int4(), 8: Int8()}.get(bits)
-        self.kept: list[bool] = []  # the last mean's: which rows (ranks) it took
 
     def payload_bytes(self, n: int) -> int:
         """Bytes of one worker's message for ``n`` values."""
@@ -42,13 +41,20 @@ class QuantizedGather:
         block, chunk = self.quantizer.layout(n, 1)
         return self.quantizer.row_bytes(chunk, block)
 
-    def encode(self, delta: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, delta: torch.Tensor) -> torch.Tensor:
         """The message of ``delta`` (1-d), made on ``delta``'s device (on every worker alike: a
-        restored or an adopter's empty message is made there too). With ``residual`` (error
-        feedback, the shape of ``delta``), the message is of ``delta + residual``, and
-        ``residual`` is set in place to what its rounding lost."""
+        restored or an adopter's empty message is made there too)."""
+        return self.encode_with_feedback(delta, None)[0]
+
+    def encode_with_feedback(
+        self, delta: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The message of ``delta + residual`` (error feedback; ``residual`` None: of ``delta``),
+        and what its rounding lost, the next message's residual (a new tensor: ``residual`` is
+        left as it was, for a launch that fails to be sent again from it). Zeros where that is
+        not finite: a NaN kept would spoil every later message."""
         if self.quantizer is None:
-            return delta if residual is None else delta + residual
+            return (delta if residual is None else delta + residual), None
         n = delta.numel()
         block, chunk = self.quantizer.layout(n, 1)
         padded = delta.new_zeros(chunk, dtype=torch.float32)
@@ -56,17 +62,17 @@ class QuantizedGather:
         if residual is not None:
             padded[:n] += residual
         message, decoded = self.quantizer.encode_with_values(padded.unsqueeze(0), block)
-        if residual is not None:
-            residual.copy_(padded[:n] - decoded[0, :n])
-            if not torch.isfinite(residual).all():  # a NaN kept would spoil every later message
-                residual.zero_()
-        return message[0]
+        if residual is None:
+            return message[0], None
+        lost = padded[:n] - decoded[0, :n]
+        return message[0], lost if torch.isfinite(lost).all() else torch.zeros_like(lost)
 
-    def mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 mean of the decoded messages over the workers that sent one: an adopter's
-        empty message (all zero bytes, ``InFlight.adopted``) is left out. A real 4- or 8-bit
-        message is never all zero bytes (its scales are not zero unless its values are, and int4
-        codes zero as 8), nor, in practice, an fp32 vector. On the messages' device."""
+    def mean(self, gathered: torch.Tensor, n: int) -> tuple[torch.Tensor, list[bool]]:
+        """The fp32 mean of the decoded messages over the workers that sent one, and which rows
+        (ranks) it took: an adopter's empty message (all zero bytes, ``InFlight.adopted``) is left
+        out, and so is a row the norm check leaves out. A real 4- or 8-bit message is never all
+        zero bytes (its scales are not zero unless its values are, and int4 codes zero as 8),
+        nor, in practice, an fp32 vector. On the messages' device."""
         sent = gathered.reshape(gathered.shape[0], -1).ne(0).any(dim=1)
         if self.quantizer is not None:
             block, chunk = self.quantizer.layout(n, 1)
@@ -76,5 +82,4 @@ class QuantizedGather:
             weights = torch.tensor(judged, device=gathered.device)
             sent &= weights > 0
             gathered = gathered * weights.unsqueeze(1)  # 0 * NaN is NaN: left-out rows are dropped below
-        self.kept = sent.tolist()
-        return gathered[sent].sum(dim=0) / max(1, int(sent.sum()))
+        return gathered[sent].sum(dim=0) / max(1, int(sent.sum())), sent.tolist()

@@ -185,20 +185,13 @@ class StreamingDiLoCo(SyncAlgorithm):
     def default_snapshot_every(self) -> int:
         return self.snapshot_boundary(self.config.H)
 
-    # -- messages -------------------------------------------------------------------------------
-    def _encode(self, delta: torch.Tensor) -> torch.Tensor:
-        return self.messages.encode(delta)
-
-    def _mean(self, gathered: torch.Tensor, n: int) -> torch.Tensor:
-        return self.messages.mean(gathered, n)
-
     def _local(self, f: int) -> torch.Tensor:
         return flatten([p.detach() for p in self.fragments[f]])
 
     def _launch(self, f: int) -> None:
         delta = self._global[f] - self._local(f)
         spoiled = self.comm.spoiled(delta)  # --chaos corrupt
-        self.in_flight.launch(self._encode(delta if spoiled is None else spoiled))
+        self.in_flight.launch(self.messages.encode(delta if spoiled is None else spoiled))
 
     def _land(self, f: int) -> None:
         gathered = self.in_flight.land()
@@ -206,7 +199,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             return
         theta = self._global[f]
         # The mean in theta's device and dtype (a grad must match its tensor's: bf16 parameters)
-        theta.grad = self._mean(gathered, theta.numel()).to(theta)
+        theta.grad = self.messages.mean(gathered, theta.numel())[0].to(theta)
         cfg = self.config
         if cfg.momentum_follows_H:  # landings come in turn: fragment f has taken syncs // P before
             momentum = ramped_momentum(cfg.outer_momentum, self.syncs // cfg.fragments, cfg.momentum_ramp)
@@ -257,8 +250,8 @@ class StreamingDiLoCo(SyncAlgorithm):
             f = self._final_stage
             theta = self._global[f]
             if not self.in_flight.flying:
-                self.in_flight.launch(self._encode(theta - self._local(f)))
-            mean = self._mean(self.in_flight.land(), theta.numel()).to(theta.device)
+                self.in_flight.launch(self.messages.encode(theta - self._local(f)))
+            mean = self.messages.mean(self.in_flight.land(), theta.numel())[0].to(theta.device)
             with torch.no_grad():
                 unflatten_into(theta - mean, [p.data for p in self.fragments[f]])
             self._final_stage += 1
