@@ -269,17 +269,21 @@ def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_cou
 def test_an_overlapped_fragment_mixes_the_local_steps_taken_in_flight(bits):
     """tau 1, mix 0.5: the fragment landing after step 2k was sent after step 2k-1, so theta
     becomes theta - mean_r(Delta_r), Delta_r = theta - x_r(2k-1) (each decoded from its 4-bit
-    message where bits=4), and each worker's fragment 0.5 x_r(2k) + 0.5 theta; each worker
-    sends its message N-1 = 2 times, at the launch."""
+    message where bits=4, of Delta plus what the fragment's last message's rounding lost: error
+    feedback), and each worker's fragment 0.5 x_r(2k) + 0.5 theta; each worker sends its message
+    N-1 = 2 times, at the launch."""
     ranks = RUNS.get("streaming", 1, 0.5, bits)
     codec = Int4()
+    residuals: dict[tuple[int, int], torch.Tensor] = {}  # (rank, fragment): error feedback
     for i in range(1, 8, 2):  # the landings after steps 2, 4, 6, 8
         f = _landing(i + 1)
         launch = [r["records"][i - 1] for r in ranks]
         theta = launch[0]["theta"][f]
         deltas = [theta - rec["local"][f] for rec in launch]
-        if bits == 4:
-            deltas = [codec.roundtrip(d) for d in deltas]
+        if bits == 4:  # each message of Delta plus what the fragment's last one's rounding lost
+            meant = [d + residuals.get((r, f), torch.zeros_like(d)) for r, d in enumerate(deltas)]
+            deltas = [codec.roundtrip(m) for m in meant]
+            residuals |= {(r, f): m - q for r, (m, q) in enumerate(zip(meant, deltas, strict=True))}
         theta = theta - torch.stack(deltas).mean(dim=0)
         for r in ranks:
             rec = r["records"][i]

@@ -48,7 +48,8 @@ class DiskNeed:
 
 
 def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 0) -> float:
-    """fp32 copies of the parameters in one host's saved state (``bits``: co2's, 0 its default)."""
+    """fp32 copies of the parameters in one host's saved state (``bits``: co2's or streaming's,
+    0 its default)."""
     if lora:
         return 1.0
     copies = 3 + ALGORITHM_COPIES.get(algo, 0)
@@ -57,6 +58,11 @@ def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 
 
         if (bits or CO2Config.bits) < 32:  # its start and error feedback; its message an eighth
             copies += 1.125
+    if algo == "streaming":
+        from geotrain.sync.streaming import StreamingConfig
+
+        if (bits or StreamingConfig.bits) < 32:  # each fragment's error feedback
+            copies += 1
     if not compress:  # the algorithm's default: dreamddp's chooses one (--compress auto)
         from geotrain.sync import ALGORITHMS
 
