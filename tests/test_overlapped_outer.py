@@ -131,11 +131,12 @@ def test_co2_clips_the_outer_momentum_in_place():
 
 # -- real gloo groups -----------------------------------------------------------------------------
 def _streaming_run(
-    rank: int, world_size: int, tau: int, mix: float, bits: int, momentum: float = 0.0
+    rank: int, world_size: int, tau: int, mix: float, bits: int, momentum: float = 0.0, carry: bool = False
 ) -> dict:
     """8 steps of H 4 in 2 fragments (one lands every 2 steps), outer lr 1; per step each
     fragment's flat values before and after the sync, and theta before it."""
     options = {"H": 4, "fragments": 2, "tau": tau, "mix": mix, "outer_lr": 1.0, "outer_momentum": momentum}
+    options["carry"] = carry
     model, opt, sync = _tiny("streaming", options | {"bits": bits}, Communicator())
     frags = range(len(sync.fragments))
     records = []
@@ -193,6 +194,7 @@ RUNS = Cases(
         ("streaming", 1, 0.5, 32),
         ("streaming", 1, 0.5, 4),
         ("streaming", 0, 0.0, 32, 0.5),
+        ("streaming", 1, 0.5, 32, 0.0, True),
         ("co2", False),
         ("co2", True),
         ("co2", True, 4),
@@ -242,24 +244,36 @@ def test_each_fragment_takes_its_own_nesterov_outer_step():
     assert sorted(buffers) == [0, 1]
 
 
-def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_counts_twice():
+@pytest.mark.parametrize("carry", [False, True])
+def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_counts_twice(carry):
     """A joiner (or a survivor behind) loads a member's replica, which holds the member's
     progress since each fragment's last sync. Kept, that progress would be in both workers'
     Delta_f at the fragment's next landing: counted twice. The adopter restarts each fragment
-    from theta_f and takes part in the gather in flight with an empty message."""
-    member, member_opt, member_sync = _tiny("streaming", {"H": 8, "fragments": 4, "tau": 1})
+    from theta_f and takes part in the gather in flight with an empty message, with no residual
+    of the member's rounding; with --carry, what it carries at that landing is its own steps
+    from theta_f, not the member's since its launch."""
+    options = {"H": 8, "fragments": 4, "tau": 1, "carry": carry}
+    member, member_opt, member_sync = _tiny("streaming", options)
     for step in range(3):  # fragment 0 landed after step 2; fragment 1 is in flight
         _train_step(member_sync, member_opt, 0, step)
     assert member_sync.in_flight.flying
     moved = [not torch.equal(member_sync._local(f), theta) for f, theta in enumerate(member_sync._global)]
     assert sum(moved) >= 3  # the member's replica is ahead of theta in the unsynced fragments
-    joiner, _, joiner_sync = _tiny("streaming", {"H": 8, "fragments": 4, "tau": 1}, seed=1)
+    joiner, _, joiner_sync = _tiny("streaming", options, seed=1)
     joiner.load_state_dict(member.state_dict())
     joiner_sync.load_state_dict(member_sync.state_dict())
+    assert any(r.any() for r in joiner_sync._residual)  # the member's rounding, loaded
     joiner_sync.adopted_state()
     for f, theta in enumerate(joiner_sync._global):
         assert torch.equal(theta, member_sync._global[f])
         assert torch.equal(joiner_sync._local(f), theta)  # its next Delta_f is its own progress only
+    assert not any(r.any() for r in joiner_sync._residual)
+    if carry:  # fragment 1 in flight: the member carries from its launch, the adopter from theta_1
+        f, start = joiner_sync._launched_from
+        assert f == member_sync._launched_from[0] == 1 and torch.equal(start, member_sync._global[1])
+        assert not torch.equal(member_sync._launched_from[1], start)
+    else:
+        assert joiner_sync._launched_from is None
     member_sync.rebind()
     assert not joiner_sync.in_flight.saved().any() and member_sync.in_flight.saved().any()
     member_sync.close()
@@ -294,6 +308,24 @@ def test_an_overlapped_fragment_mixes_the_local_steps_taken_in_flight(bits):
         n = theta.numel()
         block, chunk = codec.layout(n, 1)
         assert launch[0]["sent"] == 2 * (4 * n if bits == 32 else codec.row_bytes(chunk, block))
+    assert all(torch.equal(a, b) for r in ranks for a, b in zip(r["final"], ranks[0]["final"], strict=True))
+
+
+def test_a_carried_fragment_is_the_new_theta_plus_the_steps_taken_in_flight():
+    """--carry, tau 1: the fragment landing after step 2k was sent after step 2k-1; it becomes
+    theta - mean_r(Delta_r) plus what each worker's step 2k moved it (x_r(2k) - x_r(2k-1)), in
+    place of the mix (0.5 given, not used): every replica re-synchronised, no step lost."""
+    ranks = RUNS.get("streaming", 1, 0.5, 32, 0.0, True)
+    for i in range(1, 8, 2):  # the landings after steps 2, 4, 6, 8
+        f = _landing(i + 1)
+        launch = [r["records"][i - 1] for r in ranks]
+        theta = launch[0]["theta"][f]
+        theta = theta - torch.stack([theta - rec["local"][f] for rec in launch]).mean(dim=0)
+        for r, start in zip(ranks, launch, strict=True):
+            rec = r["records"][i]
+            carried = theta + (rec["local"][f] - start["local"][f])
+            torch.testing.assert_close(rec["after"][f], carried, atol=1e-6, rtol=1e-5)
+            assert torch.equal(rec["after"][1 - f], rec["local"][1 - f])
     assert all(torch.equal(a, b) for r in ranks for a, b in zip(r["final"], ranks[0]["final"], strict=True))
 
 

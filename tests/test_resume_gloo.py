@@ -42,6 +42,7 @@ CASES = [
     ("diloco", "chunktopk:chunk=256,k=16"),
     ("diloco", "warm"),  # stops inside its warm start (7 synchronous steps), goes on periodic
     ("streaming", ""),  # 2 fragments, one every 2 steps: stops with one in flight (tau 1)
+    ("streaming", "carry"),  # the same, keeping where the fragment in flight was launched from
     ("co2", ""),  # stops with its 4-bit message in flight (launched at step 4), and its error feedback
     ("co2", "bits32"),  # the same with its fp32 outer all-reduce in flight
     # --lr-scale auto at H=2: stops holding its sample of step 5 for the sync at 6, and the
@@ -81,9 +82,10 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         common = dict(
             algo=algo,
             compress=""
-            if codec in ("overlap", "tau1", "tau2", "warm", "lrauto", "grow", "bits32")
+            if codec in ("overlap", "tau1", "tau2", "warm", "lrauto", "grow", "bits32", "carry")
             else codec,
             bits=32 if codec == "bits32" else 0,
+            carry=True if codec == "carry" else None,
             H_schedule="1x3,2x2" if codec == "grow" else "",
             lr_scale="auto" if codec == "lrauto" else "1",
             overlap=True if codec in ("overlap", "tau1", "tau2") else None,

@@ -115,6 +115,7 @@ class TrainConfig:
     fragments: int = 0
     tau: int = -1
     mix: float = -1.0
+    carry: bool | None = None
     # co2 (0, or -1: the algorithm's default)
     gap_penalty: float = 0.0
     clip: float = -1.0
@@ -461,6 +462,8 @@ class TrainConfig:
         opts["overlap"] = self.overlap
         if self.eager is not None:
             opts["eager"] = self.eager
+        if self.carry is not None:
+            opts["carry"] = self.carry
         if self.outer_momentum >= 0:
             opts["outer_momentum"] = self.outer_momentum
         if self.momentum_ramp >= 0:

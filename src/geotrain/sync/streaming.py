@@ -15,6 +15,10 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
    landing the outer optimizer (Nesterov SGD, as DiLoCo's) steps theta_f with the mean of the
    Delta_f, and the worker merges: x_f <- alpha x_f + (1 - alpha) theta_f (``mix``, the
    paper's alpha), keeping part of the tau steps it took meanwhile. tau = 0 synchronises in place.
+   With ``carry`` (ours, as CO2's eager start keeps a worker's own progress) the worker instead
+   takes x_f <- theta_f + (x_f - x_f at launch): the new global fragment plus exactly the tau
+   steps it took while the message flew. The mix keeps alpha of each replica's drift from the
+   others across the sync; carry keeps none of it, and loses none of the tau steps either.
 3. **Quantised outer gradients.** Each Delta_f travels in ``bits`` = 4 bits (int4 with one
    fp32 scale per block of 256 values; the paper uses 4-bit floats, E3M0), gathered, and
    averaged in fp32 after decoding, as the paper accumulates in full precision. Each fragment
@@ -42,7 +46,8 @@ from theta_f, not from the member's replica it loaded: the member's progress sin
 fragment's last sync is the member's, and counts once, in the member's own Delta_f.
 
 Memory: one copy of the parameters (theta) and the outer momentum, as DiLoCo; with ``bits`` 4 or
-8 the error feedback's residuals besides (one more copy).
+8 the error feedback's residuals besides (one more copy); with ``carry`` the fragment in flight's
+parameters at its launch (1 / P of a copy).
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class StreamingConfig(SyncConfig):
     momentum_ramp: int = 0
     momentum_follows_H: bool = field(default=False, init=False, repr=False)
     bits: int = 4
+    # at landing, the fragment becomes theta_f plus this worker's steps taken since its launch,
+    # in place of the mix (every replica re-synchronised, none of the tau steps lost)
+    carry: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -174,6 +182,8 @@ class StreamingDiLoCo(SyncAlgorithm):
         # per fragment, what its last message's rounding lost, added to its next (error feedback)
         self._residual = [torch.zeros_like(t) for t in self._global] if cfg.bits < 32 else None
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
+        # carry: (f, x_f at its launch) for the fragment in flight
+        self._launched_from: tuple[int, torch.Tensor] | None = None
 
     # -- the schedule -----------------------------------------------------------------------------
     def _landing(self, step: int) -> int | None:
@@ -195,7 +205,10 @@ class StreamingDiLoCo(SyncAlgorithm):
         return flatten([p.detach() for p in self.fragments[f]])
 
     def _launch(self, f: int) -> None:
-        delta = self._global[f] - self._local(f)
+        local = self._local(f)
+        delta = self._global[f] - local
+        if self.config.carry:
+            self._launched_from = (f, local)
         residual = None if self._residual is None else self._residual[f]
         message, next_residual = self.messages.encode_with_feedback(delta, residual)
         spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays the honest one's
@@ -221,7 +234,10 @@ class StreamingDiLoCo(SyncAlgorithm):
             self.outer_optimizers[f].param_groups[0]["momentum"] = momentum
         self.outer_optimizers[f].step()
         theta.grad = None
-        merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
+        if self.config.carry and self._launched_from is not None:  # theta_f + (x_f - x_f at launch)
+            merged = self._local(f).sub_(self._launched_from[1]).add_(theta)
+        else:
+            merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
         with torch.no_grad():
             unflatten_into(merged, [p.data for p in self.fragments[f]])
         self.syncs += 1
@@ -289,6 +305,9 @@ class StreamingDiLoCo(SyncAlgorithm):
         with torch.no_grad():
             for theta, fragment in zip(self._global, self.fragments, strict=True):
                 unflatten_into(theta, [p.data for p in fragment])
+        if self._launched_from is not None:  # its steps from here on are what it carries at landing
+            f = self._launched_from[0]
+            self._launched_from = (f, self._global[f].clone())
 
     def replicated_parts(self) -> set[str]:
         return set()  # the fragments are never all equal at once: each worker's own
@@ -310,6 +329,8 @@ class StreamingDiLoCo(SyncAlgorithm):
         state["in_flight"] = self.in_flight.saved()
         if self._residual is not None:
             state["residual"] = list(self._residual)
+        if self._launched_from is not None and self.in_flight.flying:
+            state["launched_from"] = self._launched_from
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -322,3 +343,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         if self._residual is not None and "residual" in state:  # absent: saved before it had one
             for dst, src in zip(self._residual, state["residual"], strict=True):
                 dst.copy_(src)
+        launched = state.get("launched_from")  # carry: where the fragment in flight left from
+        if launched is not None:
+            launched = (int(launched[0]), launched[1].to(self.device).clone())
+        self._launched_from = launched
