@@ -53,6 +53,10 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("streaming", {"mix": 1.5}, "--mix (weight of the local parameters) must be in [0, 1]"),
         ("streaming", {"bits": 2}, "--bits for streaming must be one of (4, 8, 32)"),
         ("streaming", {"fragments": 0}, "--fragments must be an integer >= 1"),
+        ("streaming", {"carry": True, "mix": 0.3}, "--carry replaces --mix"),
+        ("streaming", {"carry": True, "tau": 0}, "raise --tau or drop --carry"),
+        ("diloco", {"carry": True}, "diloco does not take --carry; algorithms that do: streaming"),
+        ("diloco", {"eager": True}, "diloco does not take --eager; algorithms that do: co2"),
         ("co2", {"gap_penalty": 0.5}, "stale pseudo-gradient) must be >= 1"),
         ("co2", {"clip": -1.0}, "--clip (outer momentum threshold; 0: off) must be >= 0"),
         ("co2", {"outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
@@ -65,6 +69,83 @@ def test_bad_options_are_refused_with_what_to_change(algo, options, needle):
     with pytest.raises(ConfigError, match=None) as e:
         sync_config(algo, options)
     assert needle in str(e.value)
+
+
+def test_carry_reaches_streaming_from_the_command_line_config():
+    from geotrain.train import TrainConfig
+
+    assert TrainConfig(algo="streaming", carry=True).sync_config().carry is True
+    assert TrainConfig(algo="streaming").sync_config().mix == 0.5
+    assert TrainConfig(algo="streaming", carry=True).sync_config().mix is None
+
+
+def test_a_carried_fragment_of_one_parameter_keeps_its_steps():
+    """One worker, outer lr 1, no momentum: theta_f lands on x_f at launch, so a carried fragment
+    is x_f at landing again, every fragment, also one of a single tensor (the embeddings of
+    ``tiny`` in 6 fragments), whose flat view must not stand in for its value at launch."""
+    _, opt, sync = _tiny("streaming", {"H": 12, "fragments": 6, "tau": 1, "carry": True, "bits": 32,
+                                       "outer_lr": 1.0, "outer_momentum": 0.0})  # fmt: skip
+    assert any(len(fragment) == 1 for fragment in sync.fragments)
+    landed = set()
+    for step in range(1, 13):
+        x, y = _batch(0, step)
+        sync.model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        before = [sync._local(f).clone() for f in range(6)]  # (the buggy view would move with it)
+        if sync.after_step():
+            f = sync._landing(step)
+            landed.add(f)
+            torch.testing.assert_close(sync._local(f), before[f], atol=1e-6, rtol=0)
+    assert landed == set(range(6))
+    sync.close()
+
+
+def test_streaming_error_feedback_stays_honest_under_chaos_restarts_where_left_out_and_ends_sent():
+    """With 4-bit messages: a --chaos-spoiled message leaves the residual the honest one would
+    have; a message left out of the mean drops what its rounding lost; ``finalize`` sends each
+    fragment's last residual with its Delta_f (theta_f - decoded(theta_f - x_f + e_f)), then
+    holds none."""
+    options = {"H": 4, "fragments": 2, "tau": 1, "bits": 4}
+    _, opt, sync = _tiny("streaming", options)
+    _, honest_opt, honest = _tiny("streaming", options)
+    sync.comm.corrupt_next = "signflip"
+    _train_step(sync, opt, 0, 1)  # launches fragment 0
+    _train_step(honest, honest_opt, 0, 1)
+    assert not sync.comm.corrupt_next  # spent on this message
+    assert not torch.equal(sync.in_flight.saved(), honest.in_flight.saved())
+    assert torch.equal(sync._residual[0], honest._residual[0]) and sync._residual[0].any()
+    real_mean = sync.messages.mean
+    sync.messages.mean = lambda gathered, n: (real_mean(gathered, n)[0], [False])  # left out
+    _train_step(sync, opt, 0, 2)  # fragment 0 lands
+    _train_step(honest, honest_opt, 0, 2)
+    assert not sync._residual[0].any() and honest._residual[0].any()
+    assert not honest.in_flight.flying
+    codec = Int4()
+    expected = [
+        theta - codec.roundtrip(theta - honest._local(f) + honest._residual[f])
+        for f, theta in enumerate(honest._global)
+    ]
+    assert honest._residual[0].any()
+    honest.finalize()
+    for f, want in enumerate(expected):
+        torch.testing.assert_close(honest._local(f), want, atol=1e-6, rtol=0)
+    assert not any(r.any() for r in honest._residual)
+    sync.close()
+    honest.close()
+
+
+def test_error_feedback_residuals_are_fp32_under_bf16_parameters():
+    """What a message's rounding lost is kept in fp32 from the start: a residual made in the
+    parameters' bf16 would round the fp32 one a resume copies back into it."""
+    for algo in ("streaming", "co2"):
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", 256, 16)).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sync = build_sync(algo, model, opt, Communicator(), {"bits": 4})
+        residuals = sync._residual if algo == "streaming" else [sync._residual]
+        assert all(r.dtype == torch.float32 for r in residuals), algo
+        sync.close()
 
 
 def test_more_fragments_than_the_model_has_units_is_refused():
@@ -131,12 +212,18 @@ def test_co2_clips_the_outer_momentum_in_place():
 
 # -- real gloo groups -----------------------------------------------------------------------------
 def _streaming_run(
-    rank: int, world_size: int, tau: int, mix: float, bits: int, momentum: float = 0.0, carry: bool = False
+    rank: int,
+    world_size: int,
+    tau: int,
+    mix: float | None,
+    bits: int,
+    momentum: float = 0.0,
+    carry: bool = False,
 ) -> dict:
     """8 steps of H 4 in 2 fragments (one lands every 2 steps), outer lr 1; per step each
     fragment's flat values before and after the sync, and theta before it."""
     options = {"H": 4, "fragments": 2, "tau": tau, "mix": mix, "outer_lr": 1.0, "outer_momentum": momentum}
-    options["carry"] = carry
+    options |= {"carry": True, "mix": None} if carry else {}
     model, opt, sync = _tiny("streaming", options | {"bits": bits}, Communicator())
     frags = range(len(sync.fragments))
     records = []
@@ -194,7 +281,7 @@ RUNS = Cases(
         ("streaming", 1, 0.5, 32),
         ("streaming", 1, 0.5, 4),
         ("streaming", 0, 0.0, 32, 0.5),
-        ("streaming", 1, 0.5, 32, 0.0, True),
+        ("streaming", 1, None, 32, 0.0, True),
         ("co2", False),
         ("co2", True),
         ("co2", True, 4),
@@ -314,8 +401,8 @@ def test_an_overlapped_fragment_mixes_the_local_steps_taken_in_flight(bits):
 def test_a_carried_fragment_is_the_new_theta_plus_the_steps_taken_in_flight():
     """--carry, tau 1: the fragment landing after step 2k was sent after step 2k-1; it becomes
     theta - mean_r(Delta_r) plus what each worker's step 2k moved it (x_r(2k) - x_r(2k-1)), in
-    place of the mix (0.5 given, not used): every replica re-synchronised, no step lost."""
-    ranks = RUNS.get("streaming", 1, 0.5, 32, 0.0, True)
+    place of the mix: every replica re-synchronised, no step lost."""
+    ranks = RUNS.get("streaming", 1, None, 32, 0.0, True)
     for i in range(1, 8, 2):  # the landings after steps 2, 4, 6, 8
         f = _landing(i + 1)
         launch = [r["records"][i - 1] for r in ranks]

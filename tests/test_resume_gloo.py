@@ -119,6 +119,7 @@ def _resume_cases(rank, world_size, tmp: str, cases):
             "resumed": resumed["resumed_from"],
             "steps": resumed["steps"],
             "lr_factor": resumed["local_lr_factor"],
+            "algo_config": resumed["algo_config"],
             # int4:owners=2: honest owners agree before and after the resume
             "disputed": (whole["disputed_shards"], resumed["disputed_shards"]),
         }
@@ -137,6 +138,7 @@ def _check_exact(results: list[dict], world_size: int) -> None:
             assert r["resumed"]["step"] == N and r["resumed"]["sources"] == ["disk"] * world_size
             assert r["steps"] == 2 * N
             assert (r["lr_factor"] > 1.0) == (case == "localsgd+lrauto")
+            assert ("carry=True" in r["algo_config"]) == (case == "streaming+carry")
     assert not bad, "resume is not exact:\n" + "\n".join(bad)
 
 

@@ -43,7 +43,7 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     why_not = {"compress": "", "warm_start": " (it synchronises every step, or plans its own schedule)"}
     # Options of one algorithm, given only when set (0 is a value for some of them).
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip", "pace", "site_H"), "")
-    why_not |= dict.fromkeys(("fill_in", "lag", "mean_over", "momentum_ramp"), "")
+    why_not |= dict.fromkeys(("fill_in", "lag", "mean_over", "momentum_ramp", "carry", "eager"), "")
     why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
     zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp")  # 0 is a value of these
     for option, why in why_not.items():

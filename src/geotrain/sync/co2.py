@@ -104,11 +104,18 @@ class CO2(PeriodicSync):
         # or 8 quantised messages gathered and averaged after decoding, with error feedback
         self.messages = QuantizedGather(comm, cfg.bits) if cfg.bits < 32 else None
         self.in_flight = InFlight(comm, op="mean" if self.messages is None else "gather")
-        self._residual = torch.zeros_like(self._anchor) if self.messages is not None else None
+        # fp32 whatever the parameters' dtype: what a message's rounding lost, not a parameter
+        self._residual = (
+            torch.zeros(self._anchor.numel(), dtype=torch.float32, device=self._anchor.device)
+            if self.messages is not None
+            else None
+        )
         self._final_delta: torch.Tensor | None = None  # finalize's, kept for a retry
 
     def _local(self) -> torch.Tensor:
-        return flatten([p.detach() for p in self.parameters()])
+        """The parameters, flat: a new tensor (flattening one tensor would view it)."""
+        params = [p.detach() for p in self.parameters()]
+        return flatten(params).clone() if len(params) == 1 else flatten(params)
 
     def _set_params(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
@@ -230,7 +237,8 @@ class CO2(PeriodicSync):
             # the eager start is moved by this worker's fp32 Delta, which the message in flight
             # holds only rounded
             state["start"] = self._start
-            state["residual"] = self._residual
+            # this worker's alone ("own"): in its snapshots, never handed to an adopter
+            state["own"] = {**state.get("own", {}), "residual": self._residual}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -243,4 +251,5 @@ class CO2(PeriodicSync):
             self._start = self._anchor if flying is None else self._eager_start(flying[:-1])
         else:
             self._start = self._anchor if flying is None else state["start"].to(self._anchor).clone()
-            self._residual.copy_(state["residual"])
+            saved = state.get("own", {}).get("residual")  # absent where the state was handed over
+            self._residual.copy_(saved) if saved is not None else self._residual.zero_()

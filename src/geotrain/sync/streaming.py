@@ -71,7 +71,7 @@ class StreamingConfig(SyncConfig):
     H: int = 20
     fragments: int = 4
     tau: int = 1
-    mix: float = 0.5
+    mix: float | None = None  # None: 0.5 (carry: not used)
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (diloco.outer_momentum_for)
     # where the momentum follows H: each fragment's rises to 0.9 over its first outer steps (diloco's)
@@ -99,7 +99,19 @@ class StreamingConfig(SyncConfig):
             f"got {self.tau}: raise H or lower --fragments",
         )
         require(
-            0 <= self.mix <= 1, f"--mix (weight of the local parameters) must be in [0, 1], got {self.mix}"
+            not (self.carry and self.mix is not None),
+            "--carry replaces --mix (the local parameters' weight at a landing): give one of them",
+        )
+        require(
+            not (self.carry and self.tau == 0),
+            "--carry keeps the steps taken while a fragment's sync is in flight, and at --tau 0 there "
+            "are none (it would be --mix 0): raise --tau or drop --carry",
+        )
+        if self.mix is None and not self.carry:
+            self.mix = 0.5
+        require(
+            self.mix is None or 0 <= self.mix <= 1,
+            f"--mix (weight of the local parameters) must be in [0, 1], got {self.mix}",
         )
         require(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         if self.outer_momentum is None:
@@ -180,7 +192,12 @@ class StreamingDiLoCo(SyncAlgorithm):
         self.messages = QuantizedGather(comm, cfg.bits)  # Delta_f in ``bits`` bits, averaged in fp32
         self.in_flight = InFlight(comm)  # this worker's Delta of the fragment in flight
         # per fragment, what its last message's rounding lost, added to its next (error feedback)
-        self._residual = [torch.zeros_like(t) for t in self._global] if cfg.bits < 32 else None
+        # (fp32 whatever the parameters' dtype: what a message's rounding lost, not a parameter)
+        self._residual = (
+            [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in self._global]
+            if cfg.bits < 32
+            else None
+        )
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
         # carry: (f, x_f at its launch) for the fragment in flight
         self._launched_from: tuple[int, torch.Tensor] | None = None
@@ -202,7 +219,9 @@ class StreamingDiLoCo(SyncAlgorithm):
         return self.snapshot_boundary(self.config.H)
 
     def _local(self, f: int) -> torch.Tensor:
-        return flatten([p.detach() for p in self.fragments[f]])
+        """Fragment f's parameters, flat: a new tensor (flattening one tensor would view it)."""
+        flat = flatten([p.detach() for p in self.fragments[f]])
+        return flat.clone() if len(self.fragments[f]) == 1 else flat
 
     def _launch(self, f: int) -> None:
         local = self._local(f)
@@ -234,10 +253,12 @@ class StreamingDiLoCo(SyncAlgorithm):
             self.outer_optimizers[f].param_groups[0]["momentum"] = momentum
         self.outer_optimizers[f].step()
         theta.grad = None
-        if self.config.carry and self._launched_from is not None:  # theta_f + (x_f - x_f at launch)
-            merged = self._local(f).sub_(self._launched_from[1]).add_(theta)
+        launched, self._launched_from = self._launched_from, None
+        if self.config.carry and launched is not None and launched[0] == f:  # theta_f + (x_f - x_f at launch)
+            merged = self._local(f).sub_(launched[1]).add_(theta)
         else:
-            merged = self._local(f).mul_(self.config.mix).add_(theta, alpha=1 - self.config.mix)
+            mix = self.config.mix or 0.0  # carry with nothing to carry (a state saved without it): theta_f
+            merged = self._local(f).mul_(mix).add_(theta, alpha=1 - mix)
         with torch.no_grad():
             unflatten_into(merged, [p.data for p in self.fragments[f]])
         self.syncs += 1
@@ -271,11 +292,11 @@ class StreamingDiLoCo(SyncAlgorithm):
         the replicas (theta_f minus the mean of the Delta_f, in ``bits`` bits, no outer step), so
         what every worker did since its fragment's last sync counts once. Safe to call again
         after a failed collective: it goes on from the stage it reached, and ``rebind`` keeps the
-        message of that stage, which ``land`` sends again."""
-        s = self.config.every
+        message of that stage, which ``land`` sends again. With ``bits`` 4 or 8 each message
+        carries what its fragment's last one's rounding lost, at weight 1 as its Delta_f."""
         if self._final_stage < 0:
             if self.in_flight.flying:
-                self._land(self._landing(-(-self.step_count // s) * s))
+                self._land(self._in_flight_fragment())
             self._final_stage = 0
         while self._final_stage < len(self._global):
             f = self._final_stage
@@ -305,9 +326,16 @@ class StreamingDiLoCo(SyncAlgorithm):
         with torch.no_grad():
             for theta, fragment in zip(self._global, self.fragments, strict=True):
                 unflatten_into(theta, [p.data for p in fragment])
-        if self._launched_from is not None:  # its steps from here on are what it carries at landing
-            f = self._launched_from[0]
+        self._launched_from = None
+        if self.config.carry and self.in_flight.flying:  # its steps from here on are what it carries
+            f = self._in_flight_fragment()
             self._launched_from = (f, self._global[f].clone())
+
+    def _in_flight_fragment(self) -> int:
+        """The fragment of the message in flight: the next to land (a landing that failed at
+        this step is this step's; a launch is never at a landing step, tau < H / P)."""
+        s = self.config.every
+        return self._landing(-(-self.step_count // s) * s)
 
     def replicated_parts(self) -> set[str]:
         return set()  # the fragments are never all equal at once: each worker's own
@@ -327,10 +355,15 @@ class StreamingDiLoCo(SyncAlgorithm):
         state["global"] = list(self._global)
         state["outer_optimizers"] = [o.state_dict() for o in self.outer_optimizers]
         state["in_flight"] = self.in_flight.saved()
+        # This worker's alone ("own"): kept in its snapshots, never handed to an adopter over the
+        # link (a model's worth of residuals that the adopter would drop).
+        own = {}
         if self._residual is not None:
-            state["residual"] = list(self._residual)
+            own["residual"] = list(self._residual)
         if self._launched_from is not None and self.in_flight.flying:
-            state["launched_from"] = self._launched_from
+            own["launched_from"] = self._launched_from
+        if own:
+            state["own"] = {**state.get("own", {}), **own}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -340,10 +373,11 @@ class StreamingDiLoCo(SyncAlgorithm):
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
         self.in_flight.restore(state["in_flight"], self.device)
-        if self._residual is not None and "residual" in state:  # absent: saved before it had one
-            for dst, src in zip(self._residual, state["residual"], strict=True):
-                dst.copy_(src)
-        launched = state.get("launched_from")  # carry: where the fragment in flight left from
-        if launched is not None:
+        own = state.get("own", {})  # absent where another worker handed the state over
+        saved = own.get("residual")
+        for f, residual in enumerate(self._residual or []):
+            residual.copy_(saved[f]) if saved is not None else residual.zero_()
+        launched = own.get("launched_from") if self.config.carry else None
+        if launched is not None:  # carry: where the fragment in flight left from
             launched = (int(launched[0]), launched[1].to(self.device).clone())
         self._launched_from = launched
