@@ -74,9 +74,13 @@ def test_bad_options_are_refused_with_what_to_change(algo, options, needle):
 def test_carry_reaches_streaming_from_the_command_line_config():
     from geotrain.train import TrainConfig
 
+    default = TrainConfig(algo="streaming").sync_config()
+    assert default.carry is True and default.mix is None  # on by default
     assert TrainConfig(algo="streaming", carry=True).sync_config().carry is True
-    assert TrainConfig(algo="streaming").sync_config().mix == 0.5
-    assert TrainConfig(algo="streaming", carry=True).sync_config().mix is None
+    for off in (TrainConfig(algo="streaming", mix=0.5), TrainConfig(algo="streaming", carry=False)):
+        assert off.sync_config().carry is False and off.sync_config().mix == 0.5
+    at_once = TrainConfig(algo="streaming", tau=0).sync_config()  # nothing in flight to carry
+    assert at_once.carry is False and at_once.mix == 0.5
 
 
 def test_a_carried_fragment_of_one_parameter_keeps_its_steps():

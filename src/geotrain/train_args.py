@@ -84,9 +84,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none); "
         "sparseloco with overlap: steps into the next period at which an outer step's gather lands, 1 to H "
         "(0, the default: 1.5 times the first gather's length under --overlap auto, H under --overlap)",
-        "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1] (0.5)",
-        "carry": "streaming: where a fragment's sync lands, it becomes the new global fragment plus "
-        "the steps this worker took since its launch (in place of --mix)",
+        "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1], the "
+        "paper's alpha (0.5; given, it turns --carry off)",
+        "carry": "streaming (on by default; off with --mix or --tau 0): where a fragment's sync lands, "
+        "it becomes the new global fragment plus the steps this worker took since its launch, in "
+        "place of the paper's mix",
         "gap_penalty": "co2: the staleness gap penalty lambda >= 1 dividing the stale "
         "pseudo-gradient (1: none)",
         "clip": "co2: clamp the outer momentum element-wise to +-this (1.0; 0: off)",

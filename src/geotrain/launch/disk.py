@@ -63,6 +63,9 @@ def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 
 
         if (bits or StreamingConfig.bits) < 32:  # each fragment's error feedback
             copies += 1
+        default = StreamingConfig()
+        if default.carry:  # the fragment in flight at its launch
+            copies += 1 / default.fragments
     if not compress:  # the algorithm's default: dreamddp's chooses one (--compress auto)
         from geotrain.sync import ALGORITHMS
 

@@ -15,10 +15,11 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
    landing the outer optimizer (Nesterov SGD, as DiLoCo's) steps theta_f with the mean of the
    Delta_f, and the worker merges: x_f <- alpha x_f + (1 - alpha) theta_f (``mix``, the
    paper's alpha), keeping part of the tau steps it took meanwhile. tau = 0 synchronises in place.
-   With ``carry`` (ours, as CO2's eager start keeps a worker's own progress) the worker instead
-   takes x_f <- theta_f + (x_f - x_f at launch): the new global fragment plus exactly the tau
-   steps it took while the message flew. The mix keeps alpha of each replica's drift from the
-   others across the sync; carry keeps none of it, and loses none of the tau steps either.
+   With ``carry`` (ours, the default; as CO2's eager start keeps a worker's own progress) the
+   worker instead takes x_f <- theta_f + (x_f - x_f at launch): the new global fragment plus
+   exactly the tau steps it took while the message flew. The mix keeps alpha of each replica's
+   drift from the others across the sync; carry keeps none of it, and loses none of the tau
+   steps either. A given ``mix`` (or tau = 0, where nothing is in flight) turns it off.
 3. **Quantised outer gradients.** Each Delta_f travels in ``bits`` = 4 bits (int4 with one
    fp32 scale per block of 256 values; the paper uses 4-bit floats, E3M0), gathered, and
    averaged in fp32 after decoding, as the paper accumulates in full precision. Each fragment
@@ -29,8 +30,9 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
    messages of DiLoCo's fp32 ring all-reduce: N / 16 of its bytes per fragment (1/4 at N = 4;
    beyond 16 workers the gather sends more, and ``bits`` 8 or an all-reduce would be better).
 
-Defaults: H = 20 and P = 4 (a fragment every 5 steps), tau = 1, alpha (``mix``) = 0.5 as in the
-paper and torchft's ``fragment_update_alpha`` convention (alpha weighs the local parameters), the
+Defaults: H = 20 and P = 4 (a fragment every 5 steps), tau = 1, ``carry`` (where a mix is given,
+alpha 0.5 as in the paper and torchft's ``fragment_update_alpha`` convention: alpha weighs the
+local parameters; see docs/reaching-ddp-loss.md for carry against it on W1), the
 outer learning rate 0.7 and momentum following H as DiLoCo's (``outer_momentum_for``), with
 ``momentum_ramp`` N (off by default, as DiLoCo's) each fragment's ramped to 0.9 over its own first
 N outer steps (GPT ``tiny``, 4 workers, 2,000 steps, final validation loss at seeds 0 / 1: 1.5604
@@ -71,7 +73,7 @@ class StreamingConfig(SyncConfig):
     H: int = 20
     fragments: int = 4
     tau: int = 1
-    mix: float | None = None  # None: 0.5 (carry: not used)
+    mix: float | None = None  # None: 0.5 where carry is off (carry does not use it)
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (diloco.outer_momentum_for)
     # where the momentum follows H: each fragment's rises to 0.9 over its first outer steps (diloco's)
@@ -79,8 +81,9 @@ class StreamingConfig(SyncConfig):
     momentum_follows_H: bool = field(default=False, init=False, repr=False)
     bits: int = 4
     # at landing, the fragment becomes theta_f plus this worker's steps taken since its launch,
-    # in place of the mix (every replica re-synchronised, none of the tau steps lost)
-    carry: bool = False
+    # in place of the mix (every replica re-synchronised, none of the tau steps lost); None: on,
+    # unless a mix is given or tau is 0
+    carry: bool | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -107,6 +110,8 @@ class StreamingConfig(SyncConfig):
             "--carry keeps the steps taken while a fragment's sync is in flight, and at --tau 0 there "
             "are none (it would be --mix 0): raise --tau or drop --carry",
         )
+        if self.carry is None:
+            self.carry = self.mix is None and self.tau > 0
         if self.mix is None and not self.carry:
             self.mix = 0.5
         require(
