@@ -350,7 +350,7 @@ def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_cou
     assert member_sync.in_flight.flying
     moved = [not torch.equal(member_sync._local(f), theta) for f, theta in enumerate(member_sync._global)]
     assert sum(moved) >= 3  # the member's replica is ahead of theta in the unsynced fragments
-    joiner, _, joiner_sync = _tiny("streaming", options, seed=1)
+    joiner, joiner_opt, joiner_sync = _tiny("streaming", options, seed=1)
     joiner.load_state_dict(member.state_dict())
     joiner_sync.load_state_dict(member_sync.state_dict())
     assert any(r.any() for r in joiner_sync._residual)  # the member's rounding, loaded
@@ -368,6 +368,19 @@ def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_cou
     member_sync.rebind()
     assert not joiner_sync.in_flight.saved().any() and member_sync.in_flight.saved().any()
     member_sync.close()
+    # The adopter's step 4, then fragment 1 lands: the mean of its empty message is 0 and it is
+    # fragment 1's first outer step, so theta_1 stays; carried, the adopter keeps its own step.
+    theta = joiner_sync._global[1].clone()
+    x, y = _batch(1, 4)
+    joiner_sync.model(x, y)[1].backward()
+    joiner_sync.before_step()
+    joiner_opt.step()
+    joiner_opt.zero_grad(set_to_none=True)
+    stepped = joiner_sync._local(1)
+    assert joiner_sync.after_step() and torch.equal(joiner_sync._global[1], theta)
+    want = stepped if carry else 0.5 * stepped + 0.5 * theta
+    torch.testing.assert_close(joiner_sync._local(1), want, atol=1e-6, rtol=0)
+    joiner_sync.close()
 
 
 @pytest.mark.parametrize("bits", [32, 4])
