@@ -53,7 +53,7 @@ CURVES: dict[str, str | None] = {
     "diloco": "w1-diloco-int4-H10",
     "dreamddp": "w1-dreamddp-int4-H2-lr1",
     "sparseloco": None,
-    "streaming": "w1-streaming-H20",
+    "streaming": "w1-streaming-carry-H20",  # --carry, its default since; w1-streaming-H20: the mix
     "co2": "w1-co2-int4-H10",
 }
 ALGOS = ["nosync", *CURVES]
