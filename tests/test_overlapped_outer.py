@@ -57,6 +57,8 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("streaming", {"carry": True, "tau": 0}, "raise --tau or drop --carry"),
         ("diloco", {"carry": True}, "diloco does not take --carry; algorithms that do: streaming"),
         ("diloco", {"eager": True}, "diloco does not take --eager; algorithms that do: co2"),
+        ("co2", {"carry": False}, "co2 does not take --carry"),
+        ("streaming", {"eager": False}, "streaming does not take --eager"),
         ("co2", {"gap_penalty": 0.5}, "stale pseudo-gradient) must be >= 1"),
         ("co2", {"clip": -1.0}, "--clip (outer momentum threshold; 0: off) must be >= 0"),
         ("co2", {"outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),

@@ -605,6 +605,11 @@ def test_a_run_saved_before_algorithm_defaults_resumes_with_them():
     assert saved_train_config(chosen) == chosen
     new = {"algo": "demo", "overlap": True, "timeout_s": 600.0, "link_rate": "", "lr_scale": "sqrt"}
     assert saved_train_config(new) == new
+    # saved before --carry: streaming merged with the mix, and goes on doing so
+    streaming = {"algo": "streaming", "link_rate": "", "lr_scale": "1"}
+    assert saved_train_config(streaming) == streaming | {"carry": False}
+    streaming["carry"] = None  # saved since: the default (carry), left alone
+    assert saved_train_config(streaming) == streaming
 
 
 class _RecordingSGD(torch.optim.SGD):

@@ -159,6 +159,8 @@ def saved_train_config(train_saved: dict[str, Any]) -> dict[str, Any]:
     saved.setdefault("lr_scale", "1")  # saved before --lr-scale: off, its only behaviour then
     if saved.get("algo") == "sparseloco":  # saved before --mean-over: every worker's mean
         saved.setdefault("mean_over", "workers")
+    if saved.get("algo") == "streaming":  # saved before --carry: the paper's mix, its only merge then
+        saved.setdefault("carry", False)
     if "link_rate" not in saved:
         if saved.get("overlap") is True:
             saved["overlap"] = None

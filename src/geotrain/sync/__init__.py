@@ -45,7 +45,8 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip", "pace", "site_H"), "")
     why_not |= dict.fromkeys(("fill_in", "lag", "mean_over", "momentum_ramp", "carry", "eager"), "")
     why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
-    zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp")  # 0 is a value of these
+    # 0 (or False) is a value of these
+    zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp", "carry", "eager")
     for option, why in why_not.items():
         value = options.get(option)
         given = value is not None if option in zero_given else bool(value)

@@ -251,5 +251,7 @@ class CO2(PeriodicSync):
             self._start = self._anchor if flying is None else self._eager_start(flying[:-1])
         else:
             self._start = self._anchor if flying is None else state["start"].to(self._anchor).clone()
-            saved = state.get("own", {}).get("residual")  # absent where the state was handed over
+            # absent where the state was handed over; at the top level in snapshots made before
+            # it was the worker's own part (an adopter zeroes it anyway: adopted_state)
+            saved = state.get("own", {}).get("residual", state.get("residual"))
             self._residual.copy_(saved) if saved is not None else self._residual.zero_()
