@@ -362,9 +362,10 @@ def test_a_streaming_adopter_starts_every_fragment_from_theta_so_no_progress_cou
         assert torch.equal(joiner_sync._local(f), theta)  # its next Delta_f is its own progress only
     assert not any(r.any() for r in joiner_sync._residual)
     if carry:  # fragment 1 in flight: the member carries from its launch, the adopter from theta_1
-        f, start = joiner_sync._launched_from
-        assert f == member_sync._launched_from[0] == 1 and torch.equal(start, member_sync._global[1])
-        assert not torch.equal(member_sync._launched_from[1], start)
+        start = joiner_sync._launched_from
+        assert joiner_sync._in_flight_fragment() == member_sync._in_flight_fragment() == 1
+        assert torch.equal(start, member_sync._global[1])
+        assert not torch.equal(member_sync._launched_from, start)
     else:
         assert joiner_sync._launched_from is None
     member_sync.rebind()

@@ -39,7 +39,16 @@ def make_buckets(tensors: Sequence[torch.Tensor], cap_mb: float = DEFAULT_BUCKET
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one flat tensor: a new one, but one contiguous tensor flattens to a view of
+    itself (a collective run on it in place then writes the tensor directly)."""
     return _flatten_dense_tensors(list(tensors))
+
+
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``flatten``, always a new tensor: for a value kept while the tensors go on changing (a
+    message in flight, a replica's parameters at a launch)."""
+    flat = flatten(tensors)
+    return flat.clone() if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr() else flat
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import flat_copy, unflatten_into
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
@@ -113,9 +113,7 @@ class CO2(PeriodicSync):
         self._final_delta: torch.Tensor | None = None  # finalize's, kept for a retry
 
     def _local(self) -> torch.Tensor:
-        """The parameters, flat: a new tensor (flattening one tensor would view it)."""
-        params = [p.detach() for p in self.parameters()]
-        return flatten(params).clone() if len(params) == 1 else flatten(params)
+        return flat_copy([p.detach() for p in self.parameters()])
 
     def _set_params(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
@@ -154,7 +152,7 @@ class CO2(PeriodicSync):
         message, residual = self.messages.encode_with_feedback(delta, self._residual)
         spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays the honest one's
         if spoiled is not None:
-            message = self.messages.encode(spoiled + self._residual)
+            message = self.messages.encode_with_feedback(spoiled, self._residual)[0]
         self.in_flight.launch(message)
         self._residual = residual
 

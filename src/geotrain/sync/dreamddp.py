@@ -72,7 +72,14 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.buckets import advance_behind, flatten, reduce_tensors, unflatten_into, wait_all
+from geotrain.comm.buckets import (
+    advance_behind,
+    flat_copy,
+    flatten,
+    reduce_tensors,
+    unflatten_into,
+    wait_all,
+)
 from geotrain.compress.codec import Codec, ConfigError
 from geotrain.plan.cost import (
     ADVANCE_DEPTH,
@@ -350,10 +357,10 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
             sent = [d.clone() for d in deltas] if not self._lands_now() else None
             self._inflight[i] = (self.codec.reduce(self.comm, name, deltas), (deltas, sent))
             return
-        message = flatten(params)
-        if not self._lands_now():
-            if message.data_ptr() == params[0].data_ptr():  # one tensor flattens to a view of it,
-                message = message.clone()  # which the update would write while the mean lands
+        lands_now = self._lands_now()
+        # landing late, a copy: the update would write a view of one tensor while the mean lands
+        message = flatten(params) if lands_now else flat_copy(params)
+        if not lands_now:
             self._sent[i] = message.clone()
         self._inflight[i] = self.comm.all_reduce(message, op="mean", async_op=True)
 

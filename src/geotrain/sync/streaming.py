@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geotrain.comm.buckets import flatten, unflatten_into
+from geotrain.comm.buckets import flat_copy, unflatten_into
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
@@ -187,7 +187,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         cfg = self.config
         self.fragments = strided_fragments(model, cfg.fragments)
         # theta per fragment, one flat tensor each, and its outer optimizer
-        self._global = [flatten([p.detach() for p in frag]).clone() for frag in self.fragments]
+        self._global = [flat_copy([p.detach() for p in frag]) for frag in self.fragments]
         self.outer_optimizers = [
             torch.optim.SGD(
                 [theta], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0
@@ -204,8 +204,8 @@ class StreamingDiLoCo(SyncAlgorithm):
             else None
         )
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
-        # carry: (f, x_f at its launch) for the fragment in flight
-        self._launched_from: tuple[int, torch.Tensor] | None = None
+        # carry: x_f at the launch of the fragment in flight (``_in_flight_fragment``)
+        self._launched_from: torch.Tensor | None = None
 
     # -- the schedule -----------------------------------------------------------------------------
     def _landing(self, step: int) -> int | None:
@@ -224,23 +224,22 @@ class StreamingDiLoCo(SyncAlgorithm):
         return self.snapshot_boundary(self.config.H)
 
     def _local(self, f: int) -> torch.Tensor:
-        """Fragment f's parameters, flat: a new tensor (flattening one tensor would view it)."""
-        flat = flatten([p.detach() for p in self.fragments[f]])
-        return flat.clone() if len(self.fragments[f]) == 1 else flat
+        return flat_copy([p.detach() for p in self.fragments[f]])
 
     def _launch(self, f: int) -> None:
         local = self._local(f)
         delta = self._global[f] - local
-        if self.config.carry:
-            self._launched_from = (f, local)
         residual = None if self._residual is None else self._residual[f]
         message, next_residual = self.messages.encode_with_feedback(delta, residual)
         spoiled = self.comm.spoiled(delta)  # --chaos corrupt: the error feedback stays the honest one's
         if spoiled is not None:
-            message = self.messages.encode(spoiled if residual is None else spoiled + residual)
+            message = self.messages.encode_with_feedback(spoiled, residual)[0]
         self.in_flight.launch(message)
-        if self._residual is not None:  # kept once the message is on its way: a retry sends it again
+        # kept once the message is on its way (a retry sends it again from the residual before)
+        if self._residual is not None:
             self._residual[f] = next_residual
+        if self.config.carry:
+            self._launched_from = local
 
     def _land(self, f: int) -> None:
         gathered = self.in_flight.land()
@@ -258,9 +257,9 @@ class StreamingDiLoCo(SyncAlgorithm):
             self.outer_optimizers[f].param_groups[0]["momentum"] = momentum
         self.outer_optimizers[f].step()
         theta.grad = None
-        launched, self._launched_from = self._launched_from, None
-        if self.config.carry and launched is not None and launched[0] == f:  # theta_f + (x_f - x_f at launch)
-            merged = self._local(f).sub_(launched[1]).add_(theta)
+        launched, self._launched_from = self._launched_from, None  # set under carry only
+        if launched is not None:  # theta_f + (x_f - x_f at launch)
+            merged = self._local(f).sub_(launched).add_(theta)
         else:
             mix = self.config.mix or 0.0  # carry with nothing to carry (a state saved without it): theta_f
             merged = self._local(f).mul_(mix).add_(theta, alpha=1 - mix)
@@ -333,8 +332,7 @@ class StreamingDiLoCo(SyncAlgorithm):
                 unflatten_into(theta, [p.data for p in fragment])
         self._launched_from = None
         if self.config.carry and self.in_flight.flying:  # its steps from here on are what it carries
-            f = self._in_flight_fragment()
-            self._launched_from = (f, self._global[f].clone())
+            self._launched_from = self._global[self._in_flight_fragment()].clone()
 
     def _in_flight_fragment(self) -> int:
         """The fragment of the message in flight: the next to land (a landing that failed at
@@ -365,7 +363,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         own = {}
         if self._residual is not None:
             own["residual"] = list(self._residual)
-        if self._launched_from is not None and self.in_flight.flying:
+        if self._launched_from is not None:  # a fragment in flight (cleared where it lands)
             own["launched_from"] = self._launched_from
         if own:
             state["own"] = {**state.get("own", {}), **own}
@@ -382,7 +380,5 @@ class StreamingDiLoCo(SyncAlgorithm):
         saved = own.get("residual")
         for f, residual in enumerate(self._residual or []):
             residual.copy_(saved[f]) if saved is not None else residual.zero_()
-        launched = own.get("launched_from") if self.config.carry else None
-        if launched is not None:  # carry: where the fragment in flight left from
-            launched = (int(launched[0]), launched[1].to(self.device).clone())
-        self._launched_from = launched
+        launched = own.get("launched_from") if self.config.carry else None  # where it left from
+        self._launched_from = None if launched is None else launched.to(self.device).clone()
