@@ -12,8 +12,8 @@
 # 4. What int4's mean costs the GPU besides the link, owners=2's digests included
 #    (benchmarks/gpu_codec_cost.py).
 # Uses the machine's python3 and its torch (the pins are for CPU machines); needs pytest,
-# pytest-timeout and pytest-xdist there, and blake3 (installed from ./.whl where that holds its
-# wheel, for a machine without an index).
+# pytest-timeout and pytest-xdist there, and blake3 and zfec (installed from the wheels in ./.whl
+# where it holds them, for a machine without an index; from the index otherwise).
 set -u -o pipefail
 failed=0
 cd "$(dirname "$0")/.."
@@ -22,8 +22,10 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 workers=${WORKERS:-12}
-whl=$(ls .whl/blake3-*.whl 2>/dev/null | head -n 1)
-$py -c "import blake3" 2>/dev/null || $py -m pip install -q --no-deps "${whl:-blake3}"
+for pkg in blake3 zfec; do
+    whl=$(ls .whl/"$pkg"-*.whl 2>/dev/null | head -n 1)
+    $py -c "import $pkg" 2>/dev/null || $py -m pip install -q --no-deps "${whl:-$pkg}"
+done
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -39,8 +39,10 @@ CASES = [
     ("dreamddp", {"H": 3}),
     ("dreamddp", {"H": 2, "compress": "int4"}),
     ("dreamddp", {"H": 2, "compress": "powersgd:rank=2"}),
-    ("streaming", {"H": 4, "fragments": 2}),
-    ("co2", {"H": 3}),
+    ("streaming", {"H": 4, "fragments": 2}),  # carry (its default) and 4-bit error feedback
+    ("streaming", {"H": 4, "fragments": 2, "carry": False}),  # the paper's mix
+    ("co2", {"H": 3}),  # int4 gathered, with error feedback
+    ("co2", {"H": 3, "bits": 32}),  # the fp32 all-reduce
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8}),  # overlap auto: decided from a timed gather
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": False}),
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": True, "tau": 1}),
@@ -107,6 +109,7 @@ def _decides_from_timings(algo: str, options: dict) -> bool:
 def _case_id(algo: str, options: dict) -> str:
     overlap = options.get("overlap")
     suffix = "" if overlap is None else "-overlap" if overlap else "-no-overlap"
+    suffix += "".join(f"-{key}={options[key]}" for key in ("carry", "bits") if key in options)
     return f"{algo}-{options.get('compress', 'fp32')}{suffix}"
 
 
@@ -222,18 +225,19 @@ def _resumed(rank: int, world_size: int, algo: str, options: dict) -> dict:
     return {"whole": flat[0], "resumed": flat[1]}
 
 
-@pytest.mark.parametrize(
-    "algo, options",
-    [
-        ("ssgd", {"compress": "powersgd:rank=2"}),
-        ("ssgd", {"compress": "int8"}),
-        ("diloco", {"H": 3, "compress": "chunktopk:chunk=64,k=8"}),
-        ("co2", {"H": 3}),
-        ("streaming", {"H": 4, "fragments": 2}),
-        ("demo", {"chunk": 8, "k": 4}),
-    ],
-    ids=lambda v: v if isinstance(v, str) else v.get("compress", "fp32"),
-)
+RESUMED_CASES = [
+    ("ssgd", {"compress": "powersgd:rank=2"}),
+    ("ssgd", {"compress": "int8"}),
+    ("diloco", {"H": 3, "compress": "chunktopk:chunk=64,k=8"}),
+    ("co2", {"H": 3}),
+    ("co2", {"H": 3, "bits": 32}),
+    ("streaming", {"H": 4, "fragments": 2}),
+    ("streaming", {"H": 4, "fragments": 2, "carry": False}),
+    ("demo", {"chunk": 8, "k": 4}),
+]
+
+
+@pytest.mark.parametrize("algo, options", RESUMED_CASES, ids=[_case_id(a, o) for a, o in RESUMED_CASES])
 def test_a_state_restored_from_the_cpu_resumes_on_cuda_where_the_run_would_have_been(algo, options):
     ranks = run_workers(_resumed, 2, algo, options, timeout=240)
     for r in ranks:
