@@ -9,16 +9,22 @@ test_continue_cli.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+import geotrain.sync.streaming as streaming_module
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.quantize import Int4
 from geotrain.models.gpt import GPT, gpt_config
+from geotrain.plan.cost import LinkModel
+from geotrain.plan.gather import gather_s, predict_streaming, quantized_message_bytes, streaming_tau
 from geotrain.sync import ConfigError, build_sync, sync_config
 from geotrain.sync.base import InFlight
 from geotrain.sync.streaming import fragment_units, strided_fragments
-from helpers import Cases, refused
+from geotrain.train_config import AUTO_TAU, TrainConfig
+from helpers import Cases, refused, run_workers
 
 
 def _tiny(algo: str, options: dict, comm: Communicator | None = None, seed: int = 0):
@@ -48,8 +54,10 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
     "algo, options, needle",
     [
         ("streaming", {"H": 10, "fragments": 4}, "must be a multiple of --fragments 4"),
-        ("streaming", {"H": 8, "fragments": 4, "tau": 2}, "must be in [0, H / fragments) = [0, 2)"),
-        ("streaming", {"tau": -1}, "must be in [0, H / fragments) = [0, 5)"),
+        ("streaming", {"H": 8, "fragments": 4, "tau": 2}, "must be auto or in [0, H / fragments) = [0, 2)"),
+        ("streaming", {"tau": -1}, "must be auto or in [0, H / fragments) = [0, 5)"),
+        ("streaming", {"tau": "soon"}, "must be auto or in [0, H / fragments) = [0, 5)"),
+        ("sparseloco", {"tau": "auto"}, "or 0 for auto; got auto"),
         ("streaming", {"mix": 1.5}, "--mix (weight of the local parameters) must be in [0, 1]"),
         ("streaming", {"bits": 2}, "--bits for streaming must be one of (4, 8, 32)"),
         ("streaming", {"fragments": 0}, "--fragments must be an integer >= 1"),
@@ -83,6 +91,45 @@ def test_carry_reaches_streaming_from_the_command_line_config():
         assert off.sync_config().carry is False and off.sync_config().mix == 0.5
     at_once = TrainConfig(algo="streaming", tau=0).sync_config()  # nothing in flight to carry
     assert at_once.carry is False and at_once.mix == 0.5
+
+
+@pytest.mark.parametrize(
+    "compute_s, gather, every, tau",
+    [
+        (1.0, 0.0, 5, 1),  # nothing to hide: one step, as the fixed default
+        (1.0, 0.6, 5, 1),  # 0.9 steps
+        (1.0, 1.0, 5, 2),  # 1.5 steps
+        (1.0, 2.0, 5, 3),  # 3.0 steps exactly (no rounding up past it)
+        (1.0, 100.0, 5, 4),  # never one fragment past the next one's launch
+        (1.0, 100.0, 2, 1),
+        (1.0, 5.0, 1, 0),  # no step to overlap
+        (0.0, 1.0, 5, 4),
+    ],
+)
+def test_tau_auto_takes_the_fewest_steps_that_cover_one_and_a_half_gathers(compute_s, gather, every, tau):
+    assert streaming_tau(compute_s, gather, every) == tau
+
+
+def test_the_planner_prices_tau_auto_at_the_tau_it_would_take():
+    n, workers, compute_s = 10_900_000, 4, 1.2  # W1
+    for rate, expected in ((100e6, 1), (20e6, 3)):  # a fragment's gather of 4.2 MB: 0.35 s, 1.7 s
+        link = LinkModel(0.01, 2 * (workers - 1) / workers * 8 / rate)  # a ring all-reduce's line
+        gather = gather_s(link, quantized_message_bytes(-(-n // 4), 4), workers)
+        assert streaming_tau(compute_s, gather, 5) == expected
+    tau = 3
+    auto = predict_streaming(compute_s, link, n, workers, 20, 4, "auto", 4)
+    assert auto == predict_streaming(compute_s, link, n, workers, 20, 4, tau, 4)
+    assert auto < predict_streaming(compute_s, link, n, workers, 20, 4, 1, 4)
+
+
+def test_tau_auto_reaches_streaming_from_the_command_line_and_back():
+    auto = TrainConfig(algo="streaming", tau=AUTO_TAU)
+    cfg = auto.sync_config()
+    assert cfg.tau_auto and cfg.tau == 1 and cfg.carry is True  # 1 until the probe, with carry
+    argv = auto.to_argv()
+    assert argv[argv.index("--tau") + 1] == "auto"
+    one_step = TrainConfig(algo="streaming", tau=AUTO_TAU, H=4).sync_config()  # a fragment every step
+    assert not one_step.tau_auto and one_step.tau == 0 and one_step.carry is False
 
 
 def test_a_carried_fragment_of_one_parameter_keeps_its_steps():
@@ -566,9 +613,106 @@ def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
     "args, needle",
     [
         (["--algo", "diloco", "--tau", "2"], "diloco does not take --tau"),
+        (["--algo", "co2", "--tau", "auto"], "co2 does not take --tau"),
+        (["--algo", "streaming", "--tau", "soon"], "takes a number of steps >= 0 or auto"),
         (["--algo", "streaming", "--H", "10"], "must be a multiple of --fragments 4"),
         (["--algo", "co2", "--gap-penalty", "0.5"], "--gap-penalty"),
     ],
 )
 def test_the_cli_refuses_bad_streaming_and_co2_options_in_one_line(args, needle):
     assert needle in refused(["run", "--workers", "2", "--no-netem", *args])
+
+
+def _tau_auto(rank, world_size, gathers: list[float] | None):
+    """--tau auto on a real group: each worker's gather as ``gathers`` says, with 1 s steps
+    (None: the real ones, timed on this loopback group); the tau taken, the steps it launches and
+    lands at, and a worker restored from the state saved after them (through bytes, as a
+    snapshot or a hand-over carries it)."""
+    import io
+
+    if gathers is not None:
+        streaming_module.StreamingDiLoCo._time_gather = lambda self: gathers[self.comm.rank]
+        streaming_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
+    comm = Communicator()
+    options = {"H": 20, "fragments": 4, "tau": "auto"}
+    model, opt, sync = _tiny("streaming", options, comm)
+    before = (sync.config.tau, sync.resolved_options()["tau"])
+    sent, control = comm.stats.sent_bytes, comm.control_calls
+
+    def loss():
+        x, y = _batch(rank + 10, 0)
+        return sync.model(x, y)[1]
+
+    sync.prepare(loss)
+    after = {"tau": sync.config.tau, "option": sync.resolved_options()["tau"], "period": sync.sync_period()}
+    after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
+    after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
+    launched, landed = [], []
+    for step in range(1, 12):
+        flying = sync.in_flight.flying
+        _train_step(sync, opt, rank, step)
+        launched += [step] if sync.in_flight.flying and not flying else []
+        landed += [step] if sync._landing(step) is not None else []
+    saved = io.BytesIO()
+    torch.save(sync.state_dict(), saved)
+    _, _, again = _tiny("streaming", options, Communicator(), seed=1)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    streaming_module.profile_compute = None  # a restored choice measures nothing again
+    again.prepare(loss)
+    restored = {"tau": again.config.tau, "option": again.resolved_options()["tau"]}
+    restored |= {"flying": again.in_flight.flying, "fragment": again._in_flight_fragment()}
+    sync.close()
+    again.close()
+    return {"before": before, "after": after, "launched": launched, "landed": landed, "restored": restored}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("gathers, chosen", [([0.0, 0.0], 1), ([0.0, 2.0], 3), ([1e6, 0.0], 4), (None, None)])
+def test_tau_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_it(gathers, chosen):
+    """Two workers: ``prepare`` times steps and a gather (given, with 1 s steps: none, 2 s on
+    one worker, which the slowest-decides agreement makes both workers', or 1e6 s, capped one
+    step before the next fragment's launch; or the real ones, whose bytes stay out of the run's),
+    and both launch each fragment tau steps before it lands (steps 5, 10 at H=20 in 4 fragments),
+    the summary's option saying so, no gradient left behind. A state saved with a fragment in
+    flight carries tau, and a worker restored from it (a resume, a joiner) measures nothing and
+    has the same fragment in flight."""
+    out = run_workers(_tau_auto, 2, gathers, timeout=210)
+    if gathers is None:
+        chosen = out[0]["after"]["tau"]
+        assert 1 <= chosen <= 4
+    for r in out:
+        assert r["before"] == (1, "auto (not measured: 1)")
+        a = r["after"]
+        assert (a["tau"], a["option"]) == (chosen, f"auto (measured: {chosen})")
+        assert a["period"] == math.gcd(5, chosen) and not a["grads"]
+        if gathers is None:  # the profile's barriers, the probe's two gathers and its barrier
+            assert a["sent"] == 0 and a["control"] >= 7
+        in_flight = 15 - chosen <= 11  # fragment 2, launched at step 15 - tau
+        assert r["launched"] == [5 - chosen, 10 - chosen] + ([15 - chosen] if in_flight else [])
+        assert r["landed"] == [5, 10]
+        assert r["restored"]["tau"] == chosen and r["restored"]["option"] == f"auto (restored: {chosen})"
+        assert r["restored"]["flying"] is in_flight
+        if in_flight:
+            assert r["restored"]["fragment"] == 2
+
+
+def test_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
+    """A world of one (a joiner before it is admitted): no probe, tau 1; the members' state
+    handed over sets theirs, and a state saved before --tau auto existed (no tau in it) 1,
+    the default it ran under."""
+    monkeypatch.setattr(streaming_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
+    _, _, sync = _tiny("streaming", {"tau": "auto"})
+    sync.prepare(lambda: pytest.fail("a step taken"))
+    assert sync.config.tau == 1 and sync.resolved_options()["tau"] == "auto (restored: 1)"
+    _, _, members = _tiny("streaming", {"tau": 3})
+    sync.load_state_dict(members.state_dict())
+    assert sync.config.tau == 3 and sync.sync_period() == 1
+    older = members.state_dict()
+    del older["tau"]
+    sync.load_state_dict(older)
+    assert sync.config.tau == 1
+    _, _, fixed = _tiny("streaming", {"tau": 2})  # a tau given is kept whatever the state says
+    fixed.load_state_dict(members.state_dict())
+    assert fixed.config.tau == 2 and fixed.resolved_options() == {}
+    for s in (sync, members, fixed):
+        s.close()

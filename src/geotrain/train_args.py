@@ -12,7 +12,7 @@ from geotrain.api import LR_SCALE_DEFAULT
 from geotrain.comm.guard import norm_ratio_arg
 from geotrain.models import MODEL_SIZES
 from geotrain.sync import ALGORITHMS
-from geotrain.train_config import OPTIMIZERS, H_arg, TrainConfig, warmup_arg
+from geotrain.train_config import OPTIMIZERS, H_arg, TrainConfig, tau_arg, warmup_arg
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "beta": "sparseloco: error-feedback decay (0.95); demo: momentum decay (0.999); in [0, 1)",
         "alpha": "sparseloco: outer learning rate (default 1 over senders, 2 over workers: --mean-over)",
         "fragments": "streaming: fragments that synchronise in turn, one every H / fragments steps (4)",
-        "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none); "
+        "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none; "
+        "auto: the fewest that hide 1.5 times its gather, timed at start-up); "
         "sparseloco with overlap: steps into the next period at which an outer step's gather lands, 1 to H "
         "(0, the default: 1.5 times the first gather's length under --overlap auto, H under --overlap)",
         "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1], the "
@@ -213,6 +214,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             typ = norm_ratio_arg if f.name == "max_norm_ratio" else typ  # a number or "auto"
             typ = warmup_arg if f.name == "warmup" else typ  # a number or "auto"
             typ = H_arg if f.name == "H" else typ
+            typ = tau_arg if f.name == "tau" else typ
             typ = _lr_scale_arg if f.name == "lr_scale" else typ
             default = "auto" if f.name == "warmup" else f.default  # argparse runs it through typ
             default = LR_SCALE_SHOWN if f.name == "lr_scale" else default

@@ -70,6 +70,24 @@ def H_arg(text: str) -> int:
     return int(word)
 
 
+AUTO_TAU = -2  # --tau auto (streaming: the overlap its start-up probe finds hides a gather)
+
+
+def tau_arg(text: str) -> int:
+    """``--tau``'s value: ``auto`` (AUTO_TAU), or a number of steps (-1, as a worker's argv
+    passes it on: the algorithm's default; the config refuses other negatives)."""
+    word = str(text).strip()
+    if word.lower() == "auto":
+        return AUTO_TAU
+    try:
+        value = int(word)
+    except ValueError:
+        value = AUTO_TAU  # refused below, as a negative would be
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"takes a number of steps >= 0 or auto; got {text!r}")
+    return value
+
+
 def warmup_arg(text: str) -> int:
     """``--warmup``'s value: ``auto`` (AUTO_WARMUP), or a number of steps."""
     return AUTO_WARMUP if str(text).strip().lower() == "auto" else int(text)
@@ -113,7 +131,7 @@ class TrainConfig:
     alpha: float = 0.0
     # streaming (0, or -1: the algorithm's default)
     fragments: int = 0
-    tau: int = -1
+    tau: int = -1  # AUTO_TAU: auto
     mix: float = -1.0
     carry: bool | None = None
     # co2 (0, or -1: the algorithm's default)
@@ -471,6 +489,8 @@ class TrainConfig:
         unset = {"chunk": 0, "k": 0, "bits": 0, "beta": -1.0, "alpha": 0.0}  # the algorithm's default
         unset |= {"fragments": 0, "tau": -1, "mix": -1.0, "gap_penalty": 0.0, "clip": -1.0}
         opts |= {name: getattr(self, name) for name, no in unset.items() if getattr(self, name) != no}
+        if self.tau == AUTO_TAU:
+            opts["tau"] = "auto"
         if self.bucket_mb:
             opts["bucket_mb"] = self.bucket_mb
         if self.warm_start:
@@ -507,7 +527,7 @@ class TrainConfig:
                 continue
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
-            elif f.name == "H" and value == AUTO_H:
+            elif (f.name, value) in (("H", AUTO_H), ("tau", AUTO_TAU)):
                 argv += [flag, "auto"]
             else:
                 argv += [flag, str(value)]

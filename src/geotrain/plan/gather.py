@@ -21,6 +21,7 @@ on it (``stands_for_bps``; W1 here at 350 kbit/s is an H100 on about 10 Mbit/s).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from geotrain.compress.chunked import ChunkTopK
@@ -38,6 +39,10 @@ OVERLAP_ABOVE = 0.05
 # DDP's curve, they were 1.12x and 1.16x, and H=20's ~1.26x: 1.070 (1 + 0.0088 H) before.)
 SPARSELOCO_PERIODS = (5, 10, 20, 40)
 SPARSELOCO_PENALTY = 0.0126
+# An overlapped gather lands this many times its measured duration (in steps) after its launch
+# (SparseLoCo's --overlap auto, Streaming's --tau auto): the gather was timed alone at start-up,
+# and later ones share the link and the cores with compute
+LAND_MARGIN = 1.5
 
 
 def gather_bytes(payload: int, workers: int) -> int:
@@ -170,15 +175,27 @@ def predict_streaming(
     workers: int,
     H: int = 20,
     fragments: int = 4,
-    tau: int = 1,
+    tau: int | str = 1,
     bits: int = 4,
 ) -> float:
     """Streaming DiLoCo's mean step: compute every step, and every H / fragments steps one
     fragment's gather of ``bits``-bit messages, under tau steps of compute (fragments of equal
-    size)."""
+    size; ``tau`` "auto": as ``streaming_tau`` would choose from this gather)."""
     every = max(1, H // fragments)
     gather = gather_s(link, quantized_message_bytes(-(-n_params // fragments), bits), workers)
+    if tau == "auto":
+        tau = streaming_tau(compute_s, gather, every)
     return compute_s + max(0.0, gather - tau * compute_s) / every
+
+
+def streaming_tau(compute_s: float, gather: float, every: int) -> int:
+    """Streaming's ``--tau auto``: the fewest steps of compute (at least 1) that cover
+    ``LAND_MARGIN`` times a fragment's gather, below ``every`` = H / fragments (one fragment in
+    flight at most); 0 where every is 1 (no step to overlap)."""
+    if every <= 1:
+        return 0
+    needed = math.ceil(round(LAND_MARGIN * gather / compute_s, 6)) if compute_s > 0 else every
+    return min(every - 1, max(1, needed))
 
 
 def predict_co2_gathered(

@@ -32,6 +32,12 @@ from geotrain.plan.cost import MAX_COMM_SLOWDOWN, ComputeModel, LinkModel
 from geotrain.plan.layers import Layer
 
 PROFILE_VERSION = 1
+# A start-up probe's steps (sparseloco --H auto, streaming --tau auto): whole steps timed as a
+# profile times them, after PROBE_WARMUP untimed: a worker's first steps run slow while their
+# memory is first touched (W1, 4 workers on 2 cores: 2.47, 1.72 and 1.25 s, then 1.07-1.22 s;
+# after one warm-up the probe took a step for 1.66 s)
+PROBE_STEPS = 3
+PROBE_WARMUP = 3
 
 
 def clock(device: torch.device) -> Callable[[], float]:

@@ -119,6 +119,7 @@ import torch
 from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
 from geotrain.plan.gather import (
+    LAND_MARGIN,
     OVERLAP_ABOVE,
     SPARSELOCO_PERIODS,
     choose_sparseloco_period,
@@ -126,16 +127,13 @@ from geotrain.plan.gather import (
     gather_warning,
 )
 from geotrain.plan.layers import layer_groups
-from geotrain.plan.profile import profile_compute
+from geotrain.plan.profile import PROBE_STEPS, PROBE_WARMUP, profile_compute
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.periods import periods_for
 
 # How the gathered messages are averaged: each entry over the workers that sent it (the reference
 # code's), or over every worker (an entry a worker did not send counts as its zero).
 MEAN_OVER = ("auto", "senders", "workers")
-# --overlap auto lands a gather this many times its measured duration (in steps) after it was
-# launched: the first gather was timed alone, later ones share the link and the cores with compute
-LAND_MARGIN = 1.5
 # The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
 ARRIVAL_BYTES = 4
 # A landing may wait this fraction of a step before the next one lands a step later
@@ -143,11 +141,6 @@ WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
-# --H auto: whole steps timed at start-up, as a profile times them, after PROBE_WARMUP untimed:
-# a worker's first steps run slow while their memory is first touched (W1, 4 workers on 2 cores:
-# 2.47, 1.72 and 1.25 s, then 1.07-1.22 s; after one warm-up the probe took a step for 1.66 s)
-PROBE_STEPS = 3
-PROBE_WARMUP = 3
 
 
 def next_landing(landing: int, arrivals: list[float], H: int) -> int:

@@ -55,6 +55,8 @@ parameters at its launch (1 / P of a copy).
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +65,10 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.buckets import flat_copy, unflatten_into
+from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES
+from geotrain.plan.gather import streaming_tau
+from geotrain.plan.layers import layer_groups
+from geotrain.plan.profile import PROBE_STEPS, PROBE_WARMUP, profile_compute
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
@@ -72,7 +78,9 @@ from geotrain.sync.quantized_gather import BITS, QuantizedGather
 class StreamingConfig(SyncConfig):
     H: int = 20
     fragments: int = 4
-    tau: int = 1
+    # steps a fragment's sync overlaps; "auto": the fewest that hide its gather as timed at
+    # start-up (``prepare``), 1 until then
+    tau: int | str = 1
     mix: float | None = None  # None: 0.5 where carry is off (carry does not use it)
     outer_lr: float = 0.7
     outer_momentum: float | None = None  # None: follows H (diloco.outer_momentum_for)
@@ -84,6 +92,7 @@ class StreamingConfig(SyncConfig):
     # in place of the mix (every replica re-synchronised, none of the tau steps lost); None: on,
     # unless a mix is given or tau is 0
     carry: bool | None = None
+    tau_auto: bool = field(default=False, init=False, repr=False)  # tau was "auto": chosen by prepare
 
     def __post_init__(self) -> None:
         require(
@@ -96,10 +105,12 @@ class StreamingConfig(SyncConfig):
             f"{self.fragments}, got {self.H}",
         )
         s = self.H // self.fragments
+        if self.tau == "auto":  # chosen at start-up; 1 until then (0 where no step can overlap)
+            self.tau_auto, self.tau = s > 1, min(1, s - 1)
         require(
             isinstance(self.tau, int) and 0 <= self.tau < s,
-            f"--tau (steps a fragment's sync overlaps) must be in [0, H / fragments) = [0, {s}), "
-            f"got {self.tau}: raise H or lower --fragments",
+            f"--tau (steps a fragment's sync overlaps) must be auto or in [0, H / fragments) = "
+            f"[0, {s}), got {self.tau}: raise H or lower --fragments",
         )
         require(
             not (self.carry and self.mix is not None),
@@ -206,6 +217,71 @@ class StreamingDiLoCo(SyncAlgorithm):
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
         # carry: x_f at the launch of the fragment in flight (``_in_flight_fragment``)
         self._launched_from: torch.Tensor | None = None
+        # --tau auto: what the start-up probe measured (None: not yet; {} where nothing was
+        # measured: alone, or the choice restored with a state)
+        self.tau_choice: dict[str, float] | None = None
+        self.clock = time.perf_counter  # tests set their own
+
+    # -- --tau auto ------------------------------------------------------------------------------
+    def prepare(self, loss_fn) -> None:
+        """--tau auto: time whole steps (``profile_compute``: the parameters and the optimizer's
+        state untouched) and one all-gather of the largest fragment's message, on every worker at
+        once, and overlap each fragment's sync by the fewest steps that hide 1.5 times that gather
+        (``streaming_tau``), the slowest worker's figures deciding for all. Not again where a
+        restored state holds the choice."""
+        if not self.config.tau_auto or self.tau_choice is not None:
+            return
+        if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes
+            self.tau_choice = {}  # the members' tau with their state)
+            return
+        with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
+            profile = profile_compute(
+                self.module,
+                layer_groups(self.module),
+                loss_fn,
+                self.optimizer,
+                reps=PROBE_STEPS,
+                warmup=PROBE_WARMUP,
+                barrier=self.comm.barrier,
+            )
+            gather = self._time_gather()
+        compute_s, gather = self.comm.max_scalars([profile["step_s"], gather])
+        self.config.tau = streaming_tau(compute_s, gather, self.config.every)
+        self.tau_choice = {"compute_s": compute_s, "gather_s": gather}
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: streaming --tau auto: tau={self.config.tau} of at most "
+                f"{self.config.every - 1} (a step's compute {compute_s:.3f} s, a fragment's gather "
+                f"{gather:.3f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def prepare_unprofiled(self) -> None:
+        if self.config.tau_auto and self.comm.rank == 0:
+            print(
+                f"geotrain: streaming tau='auto' needs profile= (a function that computes a training "
+                f"loss) to time a step and a gather; running at tau={self.config.tau}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _time_gather(self) -> float:
+        """One all-gather of the largest fragment's message (zeros, its size), after a small one
+        that opens the connections and a barrier."""
+        largest = max(t.numel() for t in self._global)
+        payload = torch.zeros(self.messages.payload_bytes(largest), dtype=torch.uint8, device=self.device)
+        self.comm.all_gather(payload[:TWO_LEVEL_GATHER_BYTES])  # large enough to take two levels too
+        self.comm.barrier()
+        started = self.clock()
+        self.comm.all_gather(payload)
+        return self.clock() - started
+
+    def resolved_options(self) -> dict[str, Any]:
+        if not self.config.tau_auto:
+            return {}
+        how = "not measured" if self.tau_choice is None else "measured" if self.tau_choice else "restored"
+        return {"tau": f"auto ({how}: {self.config.tau})"}
 
     # -- the schedule -----------------------------------------------------------------------------
     def _landing(self, step: int) -> int | None:
@@ -358,6 +434,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         state["global"] = list(self._global)
         state["outer_optimizers"] = [o.state_dict() for o in self.outer_optimizers]
         state["in_flight"] = self.in_flight.saved()
+        state["tau"] = self.config.tau  # as --tau auto chose it: a resume and an adopter keep it
         # This worker's alone ("own"): kept in its snapshots, never handed to an adopter over the
         # link (a model's worth of residuals that the adopter would drop).
         own = {}
@@ -375,6 +452,9 @@ class StreamingDiLoCo(SyncAlgorithm):
             dst.copy_(src)
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
+        if self.config.tau_auto:  # the choice the run made (1, the default then, if saved before it)
+            self.config.tau = int(state.get("tau", 1))
+            self.tau_choice = self.tau_choice or {}
         self.in_flight.restore(state["in_flight"], self.device)
         own = state.get("own", {})  # absent where another worker handed the state over
         saved = own.get("residual")
