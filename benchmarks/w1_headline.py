@@ -60,26 +60,32 @@ ALGOS = ["nosync", *CURVES]
 
 
 def cell(spec: str) -> tuple[str, list[str], str | None]:
-    """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C][,bits=B]`` (a setting beside them): the algorithm,
-    the run's extra flags, and the kept curve that measured it (``w1-ALGO[-C]-HN``, C the codec
-    the run sends, the algorithm's default where none is given; None for ``H=auto``, whose
-    curve is the one of the period it chooses: ``curve_of``)."""
+    """``ALGO`` (its defaults) or ``ALGO:H=N[,compress=C][,bits=B][,tau=T]`` (a setting beside
+    them): the algorithm, the run's extra flags, and the kept curve that measured it
+    (``w1-ALGO[-C]-HN[-tauT]``, C the codec the run sends, the algorithm's default where none is
+    given; None for ``H=auto``, whose curve is the one of the period it chooses: ``curve_of``,
+    and for ``tau=auto``, whose tau depends on the link)."""
     algo, _, rest = spec.partition(":")
     if algo not in ALGOS:
         raise SystemExit(f"--algos: {algo!r} is not one of {', '.join(ALGOS)}")
     if not rest:
         return algo, [], CURVES.get(algo)
     opts = dict(kv.partition("=")[::2] for kv in rest.split(","))
-    unknown = set(opts) - {"H", "compress", "bits"}
+    unknown = set(opts) - {"H", "compress", "bits", "tau"}
     if unknown or not (opts.get("H", "").isdigit() or opts.get("H") == "auto"):
-        raise SystemExit(f"--algos: {spec!r}: give ALGO:H=N[,compress=C][,bits=B] (N a period or auto)")
+        raise SystemExit(
+            f"--algos: {spec!r}: give ALGO:H=N[,compress=C][,bits=B][,tau=T] (N a period or auto)"
+        )
     flags = ["--H", opts["H"]] + (["--compress", opts["compress"]] if "compress" in opts else [])
     flags += ["--bits", opts["bits"]] if "bits" in opts else []
+    flags += ["--tau", opts["tau"]] if "tau" in opts else []
     codec = run_codec(algo, opts.get("compress", ""))  # diloco's default: int4
     if opts.get("bits") in ("4", "8"):  # co2's and streaming's own messages
         codec = f"int{opts['bits']}"
     codec = f"-{codec}" if codec and codec != "none" else ""
-    return algo, flags, f"w1-{algo}{codec}-H{opts['H']}" if opts["H"] != "auto" else None
+    tau = f"-tau{opts['tau']}" if "tau" in opts else ""
+    auto = "auto" in (opts["H"], opts.get("tau"))
+    return algo, flags, None if auto else f"w1-{algo}{codec}-H{opts['H']}{tau}"
 
 
 def curve_of(algo: str, curve: str | None, result: dict) -> str | None:

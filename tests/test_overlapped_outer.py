@@ -698,21 +698,22 @@ def test_tau_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_i
 
 def test_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
     """A world of one (a joiner before it is admitted): no probe, tau 1; the members' state
-    handed over sets theirs, and a state saved before --tau auto existed (no tau in it) 1,
-    the default it ran under."""
+    handed over sets theirs, also a state saved before --tau auto existed (its config's tau)."""
     monkeypatch.setattr(streaming_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
     _, _, sync = _tiny("streaming", {"tau": "auto"})
     sync.prepare(lambda: pytest.fail("a step taken"))
-    assert sync.config.tau == 1 and sync.resolved_options()["tau"] == "auto (restored: 1)"
+    assert sync.config.tau == 1 and sync.resolved_options()["tau"] == "auto (alone: 1)"
     _, _, members = _tiny("streaming", {"tau": 3})
     sync.load_state_dict(members.state_dict())
     assert sync.config.tau == 3 and sync.sync_period() == 1
-    older = members.state_dict()
+    assert sync.resolved_options()["tau"] == "auto (restored: 3)"
+    _, _, two = _tiny("streaming", {"tau": 2})
+    older = two.state_dict()
     del older["tau"]
     sync.load_state_dict(older)
-    assert sync.config.tau == 1
+    assert sync.config.tau == 2
     _, _, fixed = _tiny("streaming", {"tau": 2})  # a tau given is kept whatever the state says
     fixed.load_state_dict(members.state_dict())
     assert fixed.config.tau == 2 and fixed.resolved_options() == {}
-    for s in (sync, members, fixed):
+    for s in (sync, members, two, fixed):
         s.close()

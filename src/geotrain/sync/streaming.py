@@ -218,8 +218,9 @@ class StreamingDiLoCo(SyncAlgorithm):
         # carry: x_f at the launch of the fragment in flight (``_in_flight_fragment``)
         self._launched_from: torch.Tensor | None = None
         # --tau auto: what the start-up probe measured (None: not yet; {} where nothing was
-        # measured: alone, or the choice restored with a state)
+        # measured), and how tau was taken: "not measured", "measured", "alone", "restored"
         self.tau_choice: dict[str, float] | None = None
+        self.tau_taken = "not measured"
         self.clock = time.perf_counter  # tests set their own
 
     # -- --tau auto ------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ class StreamingDiLoCo(SyncAlgorithm):
         if not self.config.tau_auto or self.tau_choice is not None:
             return
         if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes
-            self.tau_choice = {}  # the members' tau with their state)
+            self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
             return
         with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
             profile = profile_compute(
@@ -247,7 +248,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             gather = self._time_gather()
         compute_s, gather = self.comm.max_scalars([profile["step_s"], gather])
         self.config.tau = streaming_tau(compute_s, gather, self.config.every)
-        self.tau_choice = {"compute_s": compute_s, "gather_s": gather}
+        self.tau_choice, self.tau_taken = {"compute_s": compute_s, "gather_s": gather}, "measured"
         if self.comm.rank == 0:
             print(
                 f"geotrain: streaming --tau auto: tau={self.config.tau} of at most "
@@ -280,8 +281,7 @@ class StreamingDiLoCo(SyncAlgorithm):
     def resolved_options(self) -> dict[str, Any]:
         if not self.config.tau_auto:
             return {}
-        how = "not measured" if self.tau_choice is None else "measured" if self.tau_choice else "restored"
-        return {"tau": f"auto ({how}: {self.config.tau})"}
+        return {"tau": f"auto ({self.tau_taken}: {self.config.tau})"}
 
     # -- the schedule -----------------------------------------------------------------------------
     def _landing(self, step: int) -> int | None:
@@ -452,9 +452,9 @@ class StreamingDiLoCo(SyncAlgorithm):
             dst.copy_(src)
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
-        if self.config.tau_auto:  # the choice the run made (1, the default then, if saved before it)
-            self.config.tau = int(state.get("tau", 1))
-            self.tau_choice = self.tau_choice or {}
+        if self.config.tau_auto:  # the tau the saver ran at (its config's, saved before tau was)
+            self.config.tau = int(state.get("tau", state.get("config", {}).get("tau", 1)))
+            self.tau_choice, self.tau_taken = {}, "restored"
         self.in_flight.restore(state["in_flight"], self.device)
         own = state.get("own", {})  # absent where another worker handed the state over
         saved = own.get("residual")
