@@ -14,7 +14,9 @@ DiLoCo with three changes that shrink the peak bandwidth and hide the outer sync
    Delta_f = theta_f - x_f (theta the global fragment, equal everywhere; x this worker's); at
    landing the outer optimizer (Nesterov SGD, as DiLoCo's) steps theta_f with the mean of the
    Delta_f, and the worker merges: x_f <- alpha x_f + (1 - alpha) theta_f (``mix``, the
-   paper's alpha), keeping part of the tau steps it took meanwhile. tau = 0 synchronises in place.
+   paper's alpha), keeping part of the tau steps it took meanwhile. tau = 0 synchronises in place;
+   ``tau="auto"`` (ours) takes the fewest steps that hide 1.5 times a fragment's gather, timed at
+   start-up (``prepare``), and keeps the choice in the state.
    With ``carry`` (ours, the default; as CO2's eager start keeps a worker's own progress) the
    worker instead takes x_f <- theta_f + (x_f - x_f at launch): the new global fragment plus
    exactly the tau steps it took while the message flew. The mix keeps alpha of each replica's
