@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import geotrain.plan.profile as profile_module
 import geotrain.sync.sparseloco as sparseloco_module
 from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator
@@ -672,7 +673,7 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
 
     if gathers is not None:  # and a step of 1 s with no wait (the real ones: the None case)
         sparseloco_module.SparseLoCo._time_gather = lambda self: gathers[self.comm.rank]
-        sparseloco_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
+        profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
     comm = Communicator()
     model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
     before = (sync.config.H, sync.resolved_options()["H"])
@@ -701,7 +702,7 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
     torch.save(sync.state_dict(), saved)
     _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, Communicator())
     again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-    sparseloco_module.profile_compute = None  # a restored choice measures nothing again
+    profile_module.profile_compute = None  # a restored choice measures nothing again
     again.prepare(loss)
     restored = {"H": again.config.H, "choice": again.period_choice, "period": again.sync_period()}
     restored |= {"overlap": again.overlap, "landing": again.landing}
@@ -770,7 +771,7 @@ def test_h_auto_alone_measures_nothing_and_a_joiner_takes_the_members_period(mon
     """A world of one (a joiner before it is admitted; a one-worker run gathers nothing): no
     probe, the shortest period, the summary saying so; then the members' state handed over
     sets theirs."""
-    monkeypatch.setattr(sparseloco_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(profile_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
     _, _, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
     sync.prepare(lambda: pytest.fail("a step taken"))
     assert sync.config.H == 5 and sync.period_choice == [] and sync.sync_period() == 5

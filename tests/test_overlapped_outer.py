@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import geotrain.plan.profile as profile_module
 import geotrain.sync.streaming as streaming_module
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.quantize import Int4
@@ -632,7 +633,7 @@ def _tau_auto(rank, world_size, gathers: list[float] | None):
 
     if gathers is not None:
         streaming_module.StreamingDiLoCo._time_gather = lambda self: gathers[self.comm.rank]
-        streaming_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
+        profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
     comm = Communicator()
     options = {"H": 20, "fragments": 4, "tau": "auto"}
     model, opt, sync = _tiny("streaming", options, comm)
@@ -657,7 +658,7 @@ def _tau_auto(rank, world_size, gathers: list[float] | None):
     torch.save(sync.state_dict(), saved)
     _, _, again = _tiny("streaming", options, Communicator(), seed=1)
     again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-    streaming_module.profile_compute = None  # a restored choice measures nothing again
+    profile_module.profile_compute = None  # a restored choice measures nothing again
     again.prepare(loss)
     restored = {"tau": again.config.tau, "option": again.resolved_options()["tau"]}
     restored |= {"flying": again.in_flight.flying, "fragment": again._in_flight_fragment()}
@@ -699,7 +700,7 @@ def test_tau_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_i
 def test_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
     """A world of one (a joiner before it is admitted): no probe, tau 1; the members' state
     handed over sets theirs, also a state saved before --tau auto existed (its config's tau)."""
-    monkeypatch.setattr(streaming_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(profile_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
     _, _, sync = _tiny("streaming", {"tau": "auto"})
     sync.prepare(lambda: pytest.fail("a step taken"))
     assert sync.config.tau == 1 and sync.resolved_options()["tau"] == "auto (alone: 1)"

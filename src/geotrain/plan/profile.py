@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from geotrain.comm.communicator import Communicator
+from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES, Communicator
 from geotrain.comm.guard import SPARSE_CODECS
 from geotrain.plan.codec_time import codec_key, time_codec
 from geotrain.plan.cost import MAX_COMM_SLOWDOWN, ComputeModel, LinkModel
-from geotrain.plan.layers import Layer
+from geotrain.plan.layers import Layer, layer_groups
 
 PROFILE_VERSION = 1
 # A start-up probe's steps (sparseloco --H auto, streaming --tau auto): whole steps timed as a
@@ -143,6 +143,46 @@ def profile_compute(
         # the warm-up's waits left out: its allocations differ from one worker to the next
         "barrier_wait_s": statistics.fmean(waits[warmup:]) if len(waits) > warmup else 0.0,
     }
+
+
+def time_gather(
+    comm: Communicator, nbytes: int, device: torch.device, now: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds of one all-gather of an ``nbytes`` message (zeros), after a small one that opens
+    the connections (large enough to take two levels too) and a barrier."""
+    payload = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    comm.all_gather(payload[:TWO_LEVEL_GATHER_BYTES])
+    comm.barrier()
+    started = now()
+    comm.all_gather(payload)
+    return now() - started
+
+
+def probe_step_and_gather(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[], torch.Tensor],
+    comm: Communicator,
+    gather: Callable[[], float],
+) -> tuple[float, float, float]:
+    """The start-up probe of ``sparseloco --H auto`` and ``streaming --tau auto``: PROBE_STEPS
+    whole steps after PROBE_WARMUP untimed (``profile_compute``: the parameters and the
+    optimizer's state untouched), then ``gather()`` (the seconds of one of the run's gathers), on
+    every worker at once and outside the step's bytes. Returns a step's compute, its wait at the
+    barrier and the gather, each the slowest worker's, so every worker decides alike."""
+    with comm.control_traffic():  # measurements, not training
+        profile = profile_compute(
+            module,
+            layer_groups(module),
+            loss_fn,
+            optimizer,
+            reps=PROBE_STEPS,
+            warmup=PROBE_WARMUP,
+            barrier=comm.barrier,
+        )
+        seconds = gather()
+    compute_s, wait, seconds = comm.max_scalars([profile["step_s"], profile["barrier_wait_s"], seconds])
+    return compute_s, wait, seconds
 
 
 def measure_interference(

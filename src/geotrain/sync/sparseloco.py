@@ -116,7 +116,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
 from geotrain.plan.gather import (
     LAND_MARGIN,
@@ -126,8 +125,7 @@ from geotrain.plan.gather import (
     gather_share,
     gather_warning,
 )
-from geotrain.plan.layers import layer_groups
-from geotrain.plan.profile import PROBE_STEPS, PROBE_WARMUP, profile_compute
+from geotrain.plan.profile import probe_step_and_gather, time_gather
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.periods import periods_for
 
@@ -337,19 +335,8 @@ class SparseLoCo(PeriodicSync):
             self._set_period(periods[0])  # members' period with their state)
             self.period_choice = []
             return
-        with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
-            profile = profile_compute(
-                self.module,
-                layer_groups(self.module),
-                loss_fn,
-                self.optimizer,
-                reps=PROBE_STEPS,
-                warmup=PROBE_WARMUP,
-                barrier=self.comm.barrier,
-            )
-            gather = self._time_gather()
-        compute_s, wait, gather = self.comm.max_scalars(
-            [profile["step_s"], profile["barrier_wait_s"], gather]
+        compute_s, wait, gather = probe_step_and_gather(
+            self.module, self.optimizer, loss_fn, self.comm, self._time_gather
         )
         H, self.period_choice = choose_sparseloco_period(
             compute_s, gather, periods, overlap=self.config.overlap, sync_wait_s=wait
@@ -380,16 +367,8 @@ class SparseLoCo(PeriodicSync):
             )
 
     def _time_gather(self) -> float:
-        """One all-gather of an outer step's message (zeros, its size), after a small one that
-        opens the connections and a barrier, as the first outer step of ``--overlap auto`` times it."""
-        payload = torch.zeros(
-            self.chunker.payload_bytes(self.n), dtype=torch.uint8, device=self._anchor.device
-        )
-        self.comm.all_gather(payload[:TWO_LEVEL_GATHER_BYTES])  # large enough to take two levels too
-        self.comm.barrier()
-        started = self.clock()
-        self.comm.all_gather(payload)
-        return self.clock() - started
+        """One all-gather of an outer step's message (zeros, its size)."""
+        return time_gather(self.comm, self.chunker.payload_bytes(self.n), self._anchor.device, self.clock)
 
     def _set_period(self, H: int) -> None:
         """Run at period H from here (``--H auto``'s choice, made or restored before step 1)."""

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,10 +66,8 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.buckets import flat_copy, unflatten_into
-from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES
 from geotrain.plan.gather import streaming_tau
-from geotrain.plan.layers import layer_groups
-from geotrain.plan.profile import PROBE_STEPS, PROBE_WARMUP, profile_compute
+from geotrain.plan.profile import probe_step_and_gather, time_gather
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
@@ -223,32 +220,21 @@ class StreamingDiLoCo(SyncAlgorithm):
         # measured), and how tau was taken: "not measured", "measured", "alone", "restored"
         self.tau_choice: dict[str, float] | None = None
         self.tau_taken = "not measured"
-        self.clock = time.perf_counter  # tests set their own
 
     # -- --tau auto ------------------------------------------------------------------------------
     def prepare(self, loss_fn) -> None:
-        """--tau auto: time whole steps (``profile_compute``: the parameters and the optimizer's
-        state untouched) and one all-gather of the largest fragment's message, on every worker at
-        once, and overlap each fragment's sync by the fewest steps that hide 1.5 times that gather
-        (``streaming_tau``), the slowest worker's figures deciding for all. Not again where a
-        restored state holds the choice."""
+        """--tau auto: time whole steps and one all-gather of the largest fragment's message
+        (``probe_step_and_gather``), and overlap each fragment's sync by the fewest steps that
+        hide 1.5 times that gather (``streaming_tau``), the slowest worker's figures deciding for
+        all. Not again where a restored state holds the choice."""
         if not self.config.tau_auto or self.tau_choice is not None:
             return
         if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes
             self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
             return
-        with self.comm.control_traffic():  # measurements, not training: outside the step's bytes
-            profile = profile_compute(
-                self.module,
-                layer_groups(self.module),
-                loss_fn,
-                self.optimizer,
-                reps=PROBE_STEPS,
-                warmup=PROBE_WARMUP,
-                barrier=self.comm.barrier,
-            )
-            gather = self._time_gather()
-        compute_s, gather = self.comm.max_scalars([profile["step_s"], gather])
+        compute_s, _, gather = probe_step_and_gather(
+            self.module, self.optimizer, loss_fn, self.comm, self._time_gather
+        )
         self.config.tau = streaming_tau(compute_s, gather, self.config.every)
         self.tau_choice, self.tau_taken = {"compute_s": compute_s, "gather_s": gather}, "measured"
         if self.comm.rank == 0:
@@ -270,15 +256,9 @@ class StreamingDiLoCo(SyncAlgorithm):
             )
 
     def _time_gather(self) -> float:
-        """One all-gather of the largest fragment's message (zeros, its size), after a small one
-        that opens the connections and a barrier."""
+        """One all-gather of the largest fragment's message (zeros, its size)."""
         largest = max(t.numel() for t in self._global)
-        payload = torch.zeros(self.messages.payload_bytes(largest), dtype=torch.uint8, device=self.device)
-        self.comm.all_gather(payload[:TWO_LEVEL_GATHER_BYTES])  # large enough to take two levels too
-        self.comm.barrier()
-        started = self.clock()
-        self.comm.all_gather(payload)
-        return self.clock() - started
+        return time_gather(self.comm, self.messages.payload_bytes(largest), self.device)
 
     def resolved_options(self) -> dict[str, Any]:
         if not self.config.tau_auto:
