@@ -43,6 +43,7 @@ CASES = [
     ("streaming", {"H": 4, "fragments": 2, "carry": False}),  # the paper's mix
     ("co2", {"H": 3}),  # int4 gathered, with error feedback
     ("co2", {"H": 3, "bits": 32}),  # the fp32 all-reduce
+    ("co2", {"H": 3, "tau": 1}),  # each mean landing a step into the next period
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8}),  # overlap auto: decided from a timed gather
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": False}),
     ("sparseloco", {"H": 3, "chunk": 64, "k": 8, "overlap": True, "tau": 1}),
@@ -109,7 +110,7 @@ def _decides_from_timings(algo: str, options: dict) -> bool:
 def _case_id(algo: str, options: dict) -> str:
     overlap = options.get("overlap")
     suffix = "" if overlap is None else "-overlap" if overlap else "-no-overlap"
-    suffix += "".join(f"-{key}={options[key]}" for key in ("carry", "bits") if key in options)
+    suffix += "".join(f"-{key}={options[key]}" for key in ("carry", "bits", "tau") if key in options)
     return f"{algo}-{options.get('compress', 'fp32')}{suffix}"
 
 
@@ -231,6 +232,7 @@ RESUMED_CASES = [
     ("diloco", {"H": 3, "compress": "chunktopk:chunk=64,k=8"}),
     ("co2", {"H": 3}),
     ("co2", {"H": 3, "bits": 32}),
+    ("co2", {"H": 3, "tau": 2}),
     ("streaming", {"H": 4, "fragments": 2}),
     ("streaming", {"H": 4, "fragments": 2, "carry": False}),
     ("demo", {"chunk": 8, "k": 4}),

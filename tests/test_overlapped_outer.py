@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import geotrain.plan.profile as profile_module
+import geotrain.sync.co2 as co2_module
 import geotrain.sync.streaming as streaming_module
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.quantize import Int4
@@ -72,7 +73,14 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("co2", {"clip": -1.0}, "--clip (outer momentum threshold; 0: off) must be >= 0"),
         ("co2", {"outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
         ("co2", {"bits": 2}, "--bits for co2 must be one of (4, 8, 32)"),
-        ("diloco", {"tau": 2}, "diloco does not take --tau; algorithms that do: sparseloco, streaming"),
+        ("co2", {"eager_weight": 2.5}, "--eager-weight must be a number in [0, 2], got 2.5"),
+        ("co2", {"eager_weight": "most"}, "--eager-weight must be a number in [0, 2], got 'most'"),
+        ("co2", {"eager": False, "eager_weight": 0.5}, "--eager-weight needs --eager"),
+        ("diloco", {"eager_weight": 0.5}, "diloco does not take --eager-weight; algorithms that do: co2"),
+        ("diloco", {"tau": 2}, "diloco does not take --tau; algorithms that do: sparseloco, streaming, co2"),
+        ("co2", {"H": 10, "tau": 0}, "--tau for co2 (steps into the next period at which a period's mean "),
+        ("co2", {"H": 10, "tau": 11}, "must be auto or in [1, H] = [1, 10], got 11"),
+        ("co2", {"tau": "soon"}, "must be auto or in [1, H] = [1, 10], got soon"),
         ("sparseloco", {"clip": 0.0}, "sparseloco does not take --clip; algorithms that do: co2"),
     ],
 )  # fmt: skip
@@ -295,8 +303,10 @@ def _streaming_run(
     return {"records": records, "final": [sync._local(f) for f in frags]}
 
 
-def _co2_run(rank: int, world_size: int, eager: bool, bits: int = 32) -> dict:
+def _co2_run(rank: int, world_size: int, eager: bool, bits: int = 32, weight: float = 1.0, tau=2) -> dict:
     options = {
+        "tau": tau,
+        "eager_weight": weight,
         "bits": bits,
         "H": 2,
         "outer_lr": 0.8,
@@ -339,6 +349,10 @@ RUNS = Cases(
         ("co2", False),
         ("co2", True),
         ("co2", True, 4),
+        ("co2", True, 32, 0.5),
+        ("co2", True, 32, 1.0, 1),
+        ("co2", True, 4, 1.0, 1),
+        ("co2", False, 32, 1.0, 1),
     ],
 )
 
@@ -484,15 +498,22 @@ def test_a_carried_fragment_is_the_new_theta_plus_the_steps_taken_in_flight():
     assert all(torch.equal(a, b) for r in ranks for a, b in zip(r["final"], ranks[0]["final"], strict=True))
 
 
-@pytest.mark.parametrize("eager, bits", [(False, 32), (True, 32), (True, 4)])
-def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentum(eager, bits):
-    """H 2: the outer step after step 2k lands the mean pseudo-gradient of period k-1 (sent a
-    period ago): m <- 0.5 m + mean / 2 (clamped to +-1), A <- A - 0.8 m, bitwise on every worker.
-    Each worker starts the next period from A, or (eager) from A - 0.4 x its own pseudo-gradient;
-    its next pseudo-gradient is taken from that start. With ``bits`` 4 the mean is of the
-    messages as decoded, each of Delta plus what the last one's rounding lost (error feedback),
-    and each worker sends its message to the 2 others; fp32 sends a ring all-reduce's bytes."""
-    ranks = RUNS.get("co2", eager, *([bits] if bits != 32 else []))
+CO2_CASES = [(False, 32, 1.0, 2), (True, 32, 1.0, 2), (True, 4, 1.0, 2), (True, 32, 0.5, 2)]
+CO2_CASES += [(True, 32, 1.0, 1), (True, 4, 1.0, 1), (False, 32, 1.0, 1)]
+
+
+@pytest.mark.parametrize("eager, bits, weight, tau", CO2_CASES)
+def test_co2_takes_each_period_mean_late_with_its_penalty_and_momentum(eager, bits, weight, tau):
+    """H 2: the period's mean pseudo-gradient (sent at step 2k) lands tau steps later, a period
+    late at tau = H = 2, at step 2k + 1 at tau 1: m <- 0.5 m + mean / 2 (clamped to +-1),
+    A <- A - 0.8 m, bitwise on every worker. Each worker starts the next period from A, or
+    (eager) from A - 0.4 w x its own pseudo-gradient (w: --eager-weight, 1 by default); where
+    the mean lands inside the period (tau 1), it replaces that stand-in: x <- x + (A - start),
+    and the period's start becomes A. Each pseudo-gradient is taken from its period's start.
+    With ``bits`` 4 the mean is of the messages as decoded, each of Delta plus what the last
+    one's rounding lost (error feedback), and each worker sends its message to the 2 others;
+    fp32 sends a ring all-reduce's bytes."""
+    ranks = RUNS.get("co2", *_co2_case(eager, bits, weight, tau))
     codec = Int4()
     n = ranks[0]["records"][0]["anchor"].numel()
     block, chunk = codec.layout(n, 1)
@@ -501,6 +522,7 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
     in_flight = None
     anchor = ranks[0]["records"][0]["anchor"].clone()
     starts = [anchor] * len(ranks)
+    landed_inside = 0
     for i in range(7):
         step = i + 1
         recs = [r["records"][i] for r in ranks]
@@ -508,7 +530,17 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
         torch.testing.assert_close(recs[0]["anchor"], anchor, atol=1e-6, rtol=1e-6)
         anchor = recs[0]["anchor"]
         if step % 2:
-            assert all(torch.equal(rec["after"], rec["local"]) for rec in recs)  # no sync
+            if tau == 1 and in_flight is not None:  # the mean lands inside the period
+                momentum = (momentum * 0.5 + in_flight / 2).clamp(-1, 1)
+                anchor = anchor - 0.8 * momentum
+                for rec, start in zip(recs, starts, strict=True):
+                    torch.testing.assert_close(
+                        rec["after"], rec["local"] + (anchor - start), atol=1e-6, rtol=1e-6
+                    )
+                starts, in_flight = [anchor] * len(ranks), None
+                landed_inside += 1
+            else:
+                assert all(torch.equal(rec["after"], rec["local"]) for rec in recs)  # no sync
             continue
         deltas = [start - rec["local"] for start, rec in zip(starts, recs, strict=True)]
         if in_flight is not None:
@@ -522,25 +554,36 @@ def test_co2_takes_each_period_mean_one_period_late_with_its_penalty_and_momentu
         else:
             assert all(rec["sent"] == 2 * 2 * 4 * (n + 1) // 3 for rec in recs)  # the weight travels too
         in_flight = torch.stack(sent).mean(dim=0)
-        starts = [anchor - 0.4 * d if eager else anchor for d in deltas]
+        starts = [anchor - 0.4 * weight * d if eager else anchor for d in deltas]
         for rec, start in zip(recs, starts, strict=True):
             torch.testing.assert_close(rec["after"], start, atol=1e-6, rtol=1e-6)
         if not eager:
             assert all(torch.equal(rec["after"], recs[0]["after"]) for rec in recs)
+    assert landed_inside == (3 if tau == 1 else 0)  # after steps 3, 5 and 7
     # finalize after step 7 (inside a period): this period's pseudo-gradient from where each
     # worker started it (with bits, plus what the last message's rounding lost), then the
-    # landing of step 6's message, then one outer step with it.
+    # landing of step 6's message (tau 2; tau 1 landed it at step 7), then one outer step.
     last = [r["records"][6] for r in ranks]
     finals = [
-        s - rec["local"] + (r if bits == 4 else 0) for s, rec, r in zip(starts, last, residuals, strict=True)
+        s - rec["after"] + (r if bits == 4 else 0) for s, rec, r in zip(starts, last, residuals, strict=True)
     ]
     final_delta = torch.stack(finals).mean(dim=0)
     for mean in (in_flight, final_delta):
-        momentum = (momentum * 0.5 + mean / 2).clamp(-1, 1)
-        anchor = anchor - 0.8 * momentum
+        if mean is not None:
+            momentum = (momentum * 0.5 + mean / 2).clamp(-1, 1)
+            anchor = anchor - 0.8 * momentum
     for r in ranks:
         assert torch.equal(r["final"], ranks[0]["final"])
         torch.testing.assert_close(r["final"], anchor, atol=1e-6, rtol=1e-6)
+
+
+def _co2_case(eager: bool, bits: int, weight: float, tau: int) -> tuple:
+    """RUNS' arguments for a co2 case: its defaults left out, as the case list spells them."""
+    if tau != 2:
+        return (eager, bits, weight, tau)
+    if weight != 1:
+        return (eager, bits, weight)
+    return (eager, bits) if bits != 32 else (eager,)
 
 
 def test_quantized_messages_with_error_feedback_lose_nothing_over_time():
@@ -596,6 +639,15 @@ def test_co2_error_feedback_stays_honest_under_chaos_and_restarts_where_its_mess
     honest.close()
 
 
+def test_the_eager_weight_reaches_co2_from_the_command_line_config():
+    from geotrain.train import TrainConfig
+
+    assert TrainConfig(algo="co2").sync_config().eager_weight == 1.0
+    assert TrainConfig(algo="co2", eager_weight=0.0).sync_config().eager_weight == 0.0
+    assert TrainConfig(algo="co2", eager_weight=0.5).to_argv()[-2:] != ["--eager-weight", "-1.0"]
+    assert "--eager-weight" in TrainConfig(algo="co2", eager_weight=0.5).to_argv()
+
+
 def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
     """InFlight's mean carries a weight: an adopter's empty message (a joiner's) weighs nothing,
     where a zero message would pull the mean toward zero."""
@@ -614,10 +666,14 @@ def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
     "args, needle",
     [
         (["--algo", "diloco", "--tau", "2"], "diloco does not take --tau"),
-        (["--algo", "co2", "--tau", "auto"], "co2 does not take --tau"),
+        (["--algo", "co2", "--tau", "0"], "must be auto or in [1, H] = [1, 10], got 0"),
         (["--algo", "streaming", "--tau", "soon"], "takes a number of steps >= 0 or auto"),
         (["--algo", "streaming", "--H", "10"], "must be a multiple of --fragments 4"),
         (["--algo", "co2", "--gap-penalty", "0.5"], "--gap-penalty"),
+        (["--algo", "co2", "--eager-weight", "half"], "--eager-weight: invalid float value: 'half'"),
+        (["--algo", "co2", "--eager-weight", "3"], "--eager-weight must be a number in [0, 2], got 3.0"),
+        (["--algo", "diloco", "--eager-weight", "0"], "diloco does not take --eager-weight"),
+        (["--algo", "streaming", "--eager-weight", "0.5"], "streaming does not take --eager-weight"),
     ],
 )
 def test_the_cli_refuses_bad_streaming_and_co2_options_in_one_line(args, needle):
@@ -717,4 +773,109 @@ def test_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
     fixed.load_state_dict(members.state_dict())
     assert fixed.config.tau == 2 and fixed.resolved_options() == {}
     for s in (sync, members, two, fixed):
+        s.close()
+
+
+def _co2_tau_auto(rank, world_size, exchanges: list[float] | None, bits: int):
+    """co2 --tau auto on a real group (H 4): each worker's exchange as ``exchanges`` says, with
+    1 s steps (None: the real ones); the tau taken, the steps its means land at inside a period,
+    and a worker restored from the state saved with a mean in flight."""
+    import io
+
+    if exchanges is not None:
+        co2_module.CO2._time_exchange = lambda self: exchanges[self.comm.rank]
+        profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
+    comm = Communicator()
+    options = {"H": 4, "tau": "auto", "bits": bits}
+    model, opt, sync = _tiny("co2", options, comm)
+    before = (sync.config.tau, sync.resolved_options()["tau"])
+    sent, control = comm.stats.sent_bytes, comm.control_calls
+
+    def loss():
+        x, y = _batch(rank + 10, 0)
+        return sync.model(x, y)[1]
+
+    sync.prepare(loss)
+    after = {"tau": sync.config.tau, "option": sync.resolved_options()["tau"]}
+    after |= {"period": sync.collective_period(), "info": sync.info()}
+    after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
+    after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
+    landed = []
+    for step in range(1, 10):
+        flying = sync.in_flight.flying
+        _train_step(sync, opt, rank, step)
+        landed += [step] if flying and not sync.in_flight.flying else []
+    saved = io.BytesIO()
+    torch.save(sync.state_dict(), saved)  # after step 9: step 8's mean in flight unless tau 1
+    _, _, again = _tiny("co2", options, Communicator(), seed=1)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    profile_module.profile_compute = None  # a restored choice measures nothing again
+    again.prepare(loss)
+    restored = {"tau": again.config.tau, "option": again.resolved_options()["tau"]}
+    restored |= {"flying": again.in_flight.flying, "start": torch.equal(again._start, sync._start)}
+    sync.close()
+    again.close()
+    return {"before": before, "after": after, "landed": landed, "restored": restored}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "exchanges, bits, chosen",
+    [([0.0, 0.0], 4, 1), ([0.0, 1.5], 4, 3), ([1e6, 0.0], 4, 4), (None, 4, None), (None, 32, None)],
+)
+def test_co2_tau_auto_lands_each_mean_as_soon_as_the_measured_exchange_is_hidden(exchanges, bits, chosen):
+    """Two workers, H 4: ``prepare`` times steps and an exchange (given, with 1 s steps: none,
+    1.5 s on one worker, which the slowest-decides agreement makes both workers', or 1e6 s,
+    capped at a period late; or the real gather, or the fp32 all-reduce, whose bytes stay out of
+    the run's), and each period's mean (sent at steps 4 and 8) lands tau steps later: inside the
+    next period where tau < 4, at the next outer step (never emptying the flight) at tau 4. The
+    summary's option and the run's info say so. A state saved with a mean in flight carries tau,
+    and a worker restored from it measures nothing and has the same start and flight."""
+    out = run_workers(_co2_tau_auto, 2, exchanges, bits, timeout=210)
+    if exchanges is None:
+        chosen = out[0]["after"]["tau"]
+        assert 1 <= chosen <= 4
+    for r in out:
+        assert r["before"] == (4, "auto (not measured: 4)")
+        a = r["after"]
+        assert (a["tau"], a["option"]) == (chosen, f"auto (measured: {chosen})")
+        assert a["period"] == math.gcd(4, chosen) and not a["grads"]
+        steps = "1 step" if chosen == 1 else f"{chosen} steps"
+        late = "one period late" if chosen == 4 else f"landing {steps} into the next period"
+        assert a["info"].endswith(late)
+        if exchanges is None:  # the profile's barriers, the probe's exchanges and its barrier
+            assert a["sent"] == 0 and a["control"] >= 7
+        assert r["landed"] == (
+            [] if chosen == 4 else [4 + chosen] + ([8 + chosen] if 8 + chosen <= 9 else [])
+        )
+        flying = chosen > 1  # step 8's mean, landing at 8 + tau > 9
+        assert r["restored"] == {
+            "tau": chosen,
+            "option": f"auto (restored: {chosen})",
+            "flying": flying,
+            "start": True,
+        }
+
+
+def test_co2_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
+    """A world of one (a joiner before it is admitted): no probe, a period late; the members'
+    state handed over sets theirs, and a state saved before co2 had a tau lands a period late."""
+    monkeypatch.setattr(profile_module, "profile_compute", lambda *a, **k: pytest.fail("measured"))
+    _, _, sync = _tiny("co2", {"H": 4})
+    sync.prepare(lambda: pytest.fail("a step taken"))
+    assert sync.config.tau == 4 and sync.resolved_options()["tau"] == "auto (alone: 4)"
+    _, _, members = _tiny("co2", {"H": 4, "tau": 2})
+    state = members.state_dict()
+    assert "tau" not in state  # a tau given is the config's, not state
+    state["tau"] = 2
+    sync.load_state_dict(state)
+    assert sync.config.tau == 2 and sync.collective_period() == 2
+    assert sync.resolved_options()["tau"] == "auto (restored: 2)"
+    del state["tau"]
+    sync.load_state_dict(state)
+    assert sync.config.tau == 4 and sync.collective_period() == 4
+    _, _, fixed = _tiny("co2", {"H": 4, "tau": 1})  # a tau given is kept whatever the state says
+    fixed.load_state_dict({**state, "tau": 3})
+    assert fixed.config.tau == 1 and fixed.resolved_options() == {}
+    for s in (sync, members, fixed):
         s.close()

@@ -45,14 +45,21 @@ CASES = [
     # launched from (carry, the default)
     ("streaming", ""),
     ("streaming", "mix"),  # the same with the paper's mix in place of carry
-    ("co2", ""),  # stops with its 4-bit message in flight (launched at step 4), and its error feedback
-    ("co2", "bits32"),  # the same with its fp32 outer all-reduce in flight
+    # stops with its 4-bit message in flight (launched at step 4, landing at 6: tau 2), and its
+    # error feedback
+    ("co2", ""),
+    ("co2", "bits32"),  # the same with its fp32 outer all-reduce in flight, landing a period late
     # --lr-scale auto at H=2: stops holding its sample of step 5 for the sync at 6, and the
     # factor leaves 1 at step 7 (measured at 4 and 6)
     ("localsgd", "lrauto"),
     # --H-schedule 1x3,2x2 with H=4: syncs at 1, 2, 3, 4, 6, 8; stops inside a period of 2
     ("diloco", "grow"),
 ]
+
+
+# co2's tau is given: --tau auto, its default, lands where a timed exchange says, which two runs
+# need not time alike
+CO2_TAU = {"": 2, "bits32": 4}
 
 
 def _plan(path: Path, H: int) -> str:
@@ -91,7 +98,11 @@ def _resume_cases(rank, world_size, tmp: str, cases):
             H_schedule="1x3,2x2" if codec == "grow" else "",
             lr_scale="auto" if codec == "lrauto" else "1",
             overlap=True if codec in ("overlap", "tau1", "tau2") else None,
-            tau=int(codec[-1]) if codec.startswith("tau") else -1,
+            tau=int(codec[-1])
+            if codec.startswith("tau")
+            else CO2_TAU.get(codec, -1)
+            if algo == "co2"
+            else -1,
             warm_start=7 if codec == "warm" else 0,
             fragments=2 if algo == "streaming" else 0,
             model="tiny",

@@ -84,7 +84,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "tau": "streaming: steps a fragment's synchronisation overlaps, below H / fragments (1; 0: none; "
         "auto: the fewest that hide 1.5 times its gather, timed at start-up); "
         "sparseloco with overlap: steps into the next period at which an outer step's gather lands, 1 to H "
-        "(0, the default: 1.5 times the first gather's length under --overlap auto, H under --overlap)",
+        "(0, the default: 1.5 times the first gather's length under --overlap auto, H under --overlap); "
+        "co2: steps into the next period at which a period's mean lands, 1 to H (H: a period late, the "
+        "paper's; auto, the default: the fewest that hide 1.5 times its exchange, timed at start-up)",
         "mix": "streaming: weight of the local parameters when a fragment's sync lands, in [0, 1], the "
         "paper's alpha (0.5; given, it turns --carry off)",
         "carry": "streaming (on by default; off with --mix or --tau 0): where a fragment's sync lands, "
@@ -95,6 +97,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "clip": "co2: clamp the outer momentum element-wise to +-this (1.0; 0: off)",
         "eager": "co2 (on by default): each period starts from the anchor moved by this worker's own "
         "pseudo-gradient, standing in for the mean still in flight (eager updates, Kale et al. 2025)",
+        "eager_weight": "co2 with --eager: the share of its own pseudo-gradient, in [0, 2], that moves "
+        "a period's start (1: all of it, the default and the best measured)",
         "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
         "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where a gather "
         "takes over 5%% of the period's compute, timed at start-up with --H auto, else at the first "

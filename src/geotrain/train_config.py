@@ -138,6 +138,7 @@ class TrainConfig:
     gap_penalty: float = 0.0
     clip: float = -1.0
     eager: bool | None = None
+    eager_weight: float = -1.0
     # sparseloco, demo: the update lands late, its gather under compute (None: the algorithm's default)
     overlap: bool | None = None
     mean_over: str = ""  # sparseloco: senders, workers or auto ("": the algorithm's default)
@@ -488,6 +489,7 @@ class TrainConfig:
             opts["momentum_ramp"] = self.momentum_ramp
         unset = {"chunk": 0, "k": 0, "bits": 0, "beta": -1.0, "alpha": 0.0}  # the algorithm's default
         unset |= {"fragments": 0, "tau": -1, "mix": -1.0, "gap_penalty": 0.0, "clip": -1.0}
+        unset |= {"eager_weight": -1.0}
         opts |= {name: getattr(self, name) for name, no in unset.items() if getattr(self, name) != no}
         if self.tau == AUTO_TAU:
             opts["tau"] = "auto"

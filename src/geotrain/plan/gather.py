@@ -188,14 +188,18 @@ def predict_streaming(
     return compute_s + max(0.0, gather - tau * compute_s) / every
 
 
+def hiding_steps(compute_s: float, exchange_s: float, most: int) -> int:
+    """The fewest steps of compute (at least 1, at most ``most``) that cover ``LAND_MARGIN``
+    times an exchange of ``exchange_s`` seconds: where an overlapped exchange lands."""
+    needed = math.ceil(round(LAND_MARGIN * exchange_s / compute_s, 6)) if compute_s > 0 else most
+    return min(most, max(1, needed))
+
+
 def streaming_tau(compute_s: float, gather: float, every: int) -> int:
-    """Streaming's ``--tau auto``: the fewest steps of compute (at least 1) that cover
-    ``LAND_MARGIN`` times a fragment's gather, below ``every`` = H / fragments (one fragment in
-    flight at most); 0 where every is 1 (no step to overlap)."""
-    if every <= 1:
-        return 0
-    needed = math.ceil(round(LAND_MARGIN * gather / compute_s, 6)) if compute_s > 0 else every
-    return min(every - 1, max(1, needed))
+    """Streaming's ``--tau auto``: the steps that hide a fragment's gather (``hiding_steps``),
+    below ``every`` = H / fragments (one fragment in flight at most); 0 where every is 1 (no
+    step to overlap)."""
+    return 0 if every <= 1 else hiding_steps(compute_s, gather, every - 1)
 
 
 def predict_co2_gathered(

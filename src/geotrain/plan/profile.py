@@ -158,6 +158,19 @@ def time_gather(
     return now() - started
 
 
+def time_all_reduce(
+    comm: Communicator, numel: int, device: torch.device, now: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds of one sum all-reduce of ``numel`` fp32 zeros, after a small one that opens the
+    connections and a barrier."""
+    payload = torch.zeros(numel, dtype=torch.float32, device=device)
+    comm.all_reduce(payload[:1024].clone(), op="sum")
+    comm.barrier()
+    started = now()
+    comm.all_reduce(payload, op="sum")
+    return now() - started
+
+
 def probe_step_and_gather(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -165,7 +178,7 @@ def probe_step_and_gather(
     comm: Communicator,
     gather: Callable[[], float],
 ) -> tuple[float, float, float]:
-    """The start-up probe of ``sparseloco --H auto`` and ``streaming --tau auto``: PROBE_STEPS
+    """The start-up probe of ``sparseloco --H auto`` and ``--tau auto`` (streaming, co2): PROBE_STEPS
     whole steps after PROBE_WARMUP untimed (``profile_compute``: the parameters and the
     optimizer's state untouched), then ``gather()`` (the seconds of one of the run's gathers), on
     every worker at once and outside the step's bytes. Returns a step's compute, its wait at the

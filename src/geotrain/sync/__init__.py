@@ -44,9 +44,10 @@ def sync_config(name: str, options: dict[str, Any] | None = None) -> SyncConfig:
     # Options of one algorithm, given only when set (0 is a value for some of them).
     why_not |= dict.fromkeys(("fragments", "tau", "mix", "gap_penalty", "clip", "pace", "site_H"), "")
     why_not |= dict.fromkeys(("fill_in", "lag", "mean_over", "momentum_ramp", "carry", "eager"), "")
+    why_not["eager_weight"] = ""
     why_not["H_schedule"] = " (its period is fixed, or planned by itself)"
     # 0 (or False) is a value of these
-    zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp", "carry", "eager")
+    zero_given = ("tau", "clip", "mix", "fill_in", "lag", "momentum_ramp", "carry", "eager", "eager_weight")
     for option, why in why_not.items():
         value = options.get(option)
         given = value is not None if option in zero_given else bool(value)

@@ -1,22 +1,29 @@
 """``co2``: CO2 (Sun, Qin, Sun, Li, Li, Shen, Qiao, Zhong, arXiv 2401.16265).
 
-Local-updating with the outer synchronisation fully overlapped: the all-reduce of one period's
-pseudo-gradient runs under the next period's H inner steps, and the outer step it feeds is taken
-one period late. With A_k the anchor (bitwise equal on every worker), S_r,k where worker r
-started period k, x_r its parameters after the period's H inner steps, and m the outer momentum:
+Local-updating with the outer synchronisation overlapped: the all-reduce of one period's
+pseudo-gradient runs under the next period's inner steps, and the outer step it feeds is taken
+late: ``tau`` steps into the next period (``--tau``; tau = H is the paper's, one period late).
+With A_k the anchor (bitwise equal on every worker), S_r,k where worker r started period k, x_r
+its parameters after the period's H inner steps, and m the outer momentum, at each outer step:
 
     Delta_r,k = S_r,k - x_r                        (launched: a mean all-reduce, asynchronous)
-    land mean_r Delta_r,k-1                        (launched a period ago, arrived under compute)
-    m        <- beta * m + mean_r Delta_r,k-1 / lambda      (the staleness gap penalty lambda)
-    m        <- clamp(m, -phi, phi)                          (outer momentum clipping)
-    A_k+1    <- A_k - alpha * m
-    x_r      <- S_r,k+1 = A_k+1 - (alpha / lambda) Delta_r,k   (eager: its own message stands
-                                                   in for the mean in flight; without, A_k+1)
+    x_r      <- S_r,k+1 = A - w (alpha / lambda) Delta_r,k   (eager: its own pseudo-gradient
+                                        stands in for the mean in flight; without, A)
 
-so a worker never waits for the network unless one all-reduce takes longer than H steps of
-compute. The price is staleness: a period's progress enters the anchor one period late.
+and tau steps later, when mean_r Delta_r,k has arrived under compute (at the next outer step,
+before its own launch, where tau = H):
 
-Defaults and where they come from. The paper's symbols are tau (our ``H``), the outer learning
+    m        <- beta * m + mean_r Delta_r,k / lambda      (the staleness gap penalty lambda)
+    m        <- clamp(m, -phi, phi)                        (outer momentum clipping)
+    A        <- A - alpha * m
+    x_r      <- x_r + (A - S_r,k+1);  S_r,k+1 <- A      (the mean replaces the stand-in)
+
+so a worker never waits for the network unless one exchange takes longer than tau steps of
+compute. The price is staleness: a period's progress enters the anchor tau steps late, and
+until then each replica holds its own stand-in for it.
+
+Defaults and where they come from. The paper's symbols are tau (the period: our ``H``; our
+``tau``, as Streaming DiLoCo's and SparseLoCo's, is where the exchange lands), the outer learning
 rate alpha (``outer_lr``), the outer momentum beta (``outer_momentum``), the penalty lambda
 (``gap_penalty``) and the clip threshold phi (``clip``). The public implementation
 (weigao266/fairscale-CO2) takes alpha 1.0, beta 0.2 in its GPT-2 example, a constant penalty
@@ -29,17 +36,33 @@ place (``clip=0`` turns it off).
 Why the stale step needs care: if H local steps took a replica most of the way to its local
 optimum, Delta_k ~ A_k - x*, and A_k+1 = A_k - alpha Delta_k-1 gives e_k+1 = e_k - alpha e_k-1,
 whose roots have |r| = sqrt(alpha): at alpha = 1 it oscillates and never settles. Measured on GPT
-``tiny`` (4 workers, batch 16, H 20, 400 steps, final validation loss; DiLoCo 2.00, Streaming
-DiLoCo 2.01, no communication 2.16): the public code's alpha 1, beta 0.2 gives 3.06; lambda 2
-(alpha / 2) gives 2.28; lambda 3 2.38. With ``eager`` (Kale et al. 2025, "Eager updates for
-overlapped communication and computation in DiLoCo"; as ``sparseloco`` lands its step), each
-period starts from A_k+1 - (alpha / lambda) Delta_own, this worker's own pseudo-gradient standing
-in for the mean still in flight: alpha 1, beta 0.2 gives 2.15; alpha 0.7, beta 0.5 2.10 (the best
-of nine settings: alpha 0.5-1.5, beta 0-0.7, lambda 1-2). So the defaults are eager, alpha 0.7,
-beta 0.5, lambda 1 and phi 1.0; H 10 with 4-bit messages (``bits``, below; the paper runs 12
-and 48): on W1 (GPT ``mini``, 4 workers, 2,000 steps) that needs ~1.46x DDP's tokens where H 20
-in fp32 needed ~1.76x, its gather hidden at 20 Mbit/s. CO2 still ends above DiLoCo there: the
-price of a step that lands a period late.
+``tiny`` a period late (4 workers, batch 16, H 20, 400 steps, final validation loss; DiLoCo 2.00,
+Streaming DiLoCo 2.01, no communication 2.16): the public code's alpha 1, beta 0.2 gives 3.06;
+lambda 2 (alpha / 2) gives 2.28; lambda 3 2.38. With ``eager`` (Kale et al. 2025, "Eager updates
+for overlapped communication and computation in DiLoCo"; as ``sparseloco`` lands its step),
+each period starts from A - (alpha / lambda) Delta_own, this worker's own pseudo-gradient
+standing in for the mean still in flight: alpha 1, beta 0.2 gives 2.15; alpha 0.7, beta 0.5 2.10
+(the best of nine settings: alpha 0.5-1.5, beta 0-0.7, lambda 1-2). So the defaults are eager,
+alpha 0.7, beta 0.5, lambda 1 and phi 1.0; H 10 with 4-bit messages (``bits``, below; the paper
+runs 12 and 48).
+
+Where the mean lands (``tau``, a later session). A period late, CO2 trails plain Local SGD on
+``tiny`` (seed 0, the same command with ``--algo``: DiLoCo 2.0233, Local SGD 2.0842, CO2 2.1197;
+seed 1: 2.1989, -, 2.2954), and on W1 (GPT ``mini``, 2,000 steps) it needed ~1.46x DDP's tokens.
+Landing sooner, the stand-in lasts tau steps instead of H: on ``tiny`` at H 20, tau 1 2.0737
+(seed 1: 2.2503), tau 3 2.0762, tau 10 2.0923; at H 10, tau 3 2.0627. ``tau="auto"``, the
+default, lands at the fewest steps that hide 1.5 times one exchange of the run's size, timed with
+a step at start-up (``prepare``, the probe Streaming's ``--tau auto`` and SparseLoCo's ``--H
+auto`` use; the slowest worker decides), a period late where nothing shorter hides it, and a
+period late also where no probe ran (``geotrain.wrap`` without ``profile=``). The choice is saved
+in the algorithm's state: a resume and an adopter keep it. Measured and not taken (``tiny``, seed
+0, a period late): the eager start's share w of the own pseudo-gradient (``eager_weight``) at 0,
+0.5, 1.5 and 2 gives 2.880, 2.263, 2.190 and 2.351 against 1's 2.120, and the least-squares
+share <mean, own> / |own|^2 of the last period landed (about 0.35 on W1 after its warm-up)
+2.154, and +2.6% on W1 at step 200; Kale et al.'s own form (each replica's outer optimizer fed its
+own pseudo-gradient / N plus the others' of a period before) 2.41 (alpha 1, beta 0: 2.22); a
+Nesterov outer step 2.133, beta 0.3 2.136, alpha 1 with beta 0 (the delayed plain average)
+2.116.
 
 The all-reduce is the one periodic averaging already uses, in fp32 (``comm.all_reduce``; in two
 levels with ``--hierarchy``). With ``bits`` 4 or 8 each worker's Delta travels quantised instead
@@ -56,12 +79,17 @@ with ``bits``, the error feedback's residual and the eager start besides, the me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from geotrain.comm.buckets import flat_copy, unflatten_into
+from geotrain.plan.gather import hiding_steps
+from geotrain.plan.profile import probe_step_and_gather, time_all_reduce, time_gather
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
@@ -74,10 +102,22 @@ class CO2Config(SyncConfig):
     gap_penalty: float = 1.0
     clip: float = 1.0
     eager: bool = True
+    eager_weight: float = 1.0  # the share of its own Delta an eager start takes (docstring)
     bits: int = 4  # 4 or 8: quantised messages, gathered, with error feedback; 32: an fp32 all-reduce
+    # steps into the next period at which a period's mean lands: H (a period late, the paper's),
+    # 1 to H, or "auto": the fewest that hide 1.5 times the exchange timed at start-up (H until then)
+    tau: int | str = "auto"
+    tau_auto: bool = field(default=False, init=False, repr=False)  # tau was "auto": chosen by prepare
 
     def __post_init__(self) -> None:
         require_period(self.H)
+        if self.tau == "auto":
+            self.tau_auto, self.tau = True, self.H
+        require(
+            isinstance(self.tau, int) and 1 <= self.tau <= self.H,
+            f"--tau for co2 (steps into the next period at which a period's mean lands) must be auto "
+            f"or in [1, H] = [1, {self.H}], got {self.tau}",
+        )
         require(self.bits in BITS, f"--bits for co2 must be one of {BITS}, got {self.bits}")
         require(self.outer_lr > 0, f"--outer-lr must be > 0, got {self.outer_lr}")
         require(
@@ -89,6 +129,12 @@ class CO2Config(SyncConfig):
             f"got {self.gap_penalty}",
         )
         require(self.clip >= 0, f"--clip (outer momentum threshold; 0: off) must be >= 0, got {self.clip}")
+        weight = self.eager_weight
+        require(
+            isinstance(weight, (int, float)) and 0 <= weight <= 2,
+            f"--eager-weight must be a number in [0, 2], got {weight!r}",
+        )
+        require(self.eager or weight == 1, "--eager-weight needs --eager (it weighs the eager start)")
 
 
 class CO2(PeriodicSync):
@@ -111,6 +157,58 @@ class CO2(PeriodicSync):
             else None
         )
         self._final_delta: torch.Tensor | None = None  # finalize's, kept for a retry
+        # --tau auto: what the start-up probe measured (None: not yet; {} where nothing was
+        # measured), and how tau was taken: "not measured", "measured", "alone", "restored"
+        self.tau_choice: dict[str, float] | None = None
+        self.tau_taken = "not measured"
+
+    # -- --tau auto ------------------------------------------------------------------------------
+    def prepare(self, loss_fn) -> None:
+        """--tau auto: time whole steps and one exchange of the run's size (the gather of a
+        quantised message, or the fp32 all-reduce) with ``probe_step_and_gather``, and land each
+        period's mean the fewest steps into the next that hide 1.5 times it (``hiding_steps``;
+        H, a period late, at most), the slowest worker's figures deciding for all. Not again
+        where a restored state holds the choice."""
+        cfg = self.config
+        if not cfg.tau_auto or self.tau_choice is not None:
+            return
+        if self.comm.world_size < 2:  # nothing to exchange (a joiner, alone until admitted, takes
+            self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
+            return
+        compute_s, _, exchange = probe_step_and_gather(
+            self.module, self.optimizer, loss_fn, self.comm, self._time_exchange
+        )
+        cfg.tau = hiding_steps(compute_s, exchange, cfg.H)
+        self.tau_choice, self.tau_taken = {"compute_s": compute_s, "exchange_s": exchange}, "measured"
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: co2 --tau auto: each period's mean lands {cfg.tau} of {cfg.H} steps into "
+                f"the next (a step's compute {compute_s:.3f} s, its exchange {exchange:.3f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def prepare_unprofiled(self) -> None:
+        if self.config.tau_auto and self.comm.rank == 0:
+            print(
+                f"geotrain: co2 tau='auto' needs profile= (a function that computes a training loss) "
+                f"to time a step and an exchange; landing each period's mean a period late "
+                f"(tau={self.config.H})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _time_exchange(self) -> float:
+        """One exchange of the run's size, of zeros: the gather of a message, or the all-reduce."""
+        n = self._anchor.numel()
+        if self.messages is not None:
+            return time_gather(self.comm, self.messages.payload_bytes(n), self.device)
+        return time_all_reduce(self.comm, n + 1, self.device)  # the weight travels too
+
+    def resolved_options(self) -> dict[str, Any]:
+        if not self.config.tau_auto:
+            return {}
+        return {"tau": f"auto ({self.tau_taken}: {self.config.tau})"}
 
     def _local(self) -> torch.Tensor:
         return flat_copy([p.detach() for p in self.parameters()])
@@ -161,7 +259,8 @@ class CO2(PeriodicSync):
         worker's own pseudo-gradient, standing in for the mean still in flight."""
         if not self.config.eager:
             return self._anchor
-        return self._anchor - (self.config.outer_lr / self.config.gap_penalty) * delta
+        cfg = self.config
+        return self._anchor - (cfg.eager_weight * cfg.outer_lr / cfg.gap_penalty) * delta
 
     def outer_step(self) -> None:
         delta = self._start - self._local()
@@ -174,6 +273,43 @@ class CO2(PeriodicSync):
         self.syncs += 1
 
     synchronize = outer_step
+
+    # -- landing inside the period ----------------------------------------------------------------
+    def after_step(self) -> bool:
+        synced = super().after_step()
+        if not synced and self._lands_now():
+            self._land_early()
+        return synced
+
+    def _lands_now(self) -> bool:
+        # outer steps are at every H-th step (co2 has no warm start or H schedule), so the steps
+        # since the last one are the step count's remainder; tau = H lands at the outer step
+        tau = self.config.tau
+        return tau < self.config.H and self.step_count % self.config.H == tau and self.in_flight.flying
+
+    def collective_period(self) -> int:
+        # A landing inside a period waits for the exchange, or sends it again after a regroup: a
+        # survivor past it and one before it must not go on each from its own step.
+        period = super().collective_period()
+        tau = self.config.tau
+        return math.gcd(period, tau) if tau < self.config.H else period
+
+    def retry_sync(self, adopters: Collection[int] = ()) -> None:
+        super().retry_sync(adopters)
+        if self._lands_now():  # this step's landing failed with the group: land on the new one
+            self._land_early()
+
+    def _land_early(self) -> None:
+        """``tau`` steps into the period: the last period's mean lands in the anchor (the outer
+        step), and this worker's stand-in for it (its own pseudo-gradient, in the period's
+        start) is replaced by it: x <- x + (new anchor - start). The rest of the period trains
+        from where a synchronous outer step would have put it, plus the tau steps taken since;
+        the next pseudo-gradient is still the whole period's progress (start - x)."""
+        start = self._start.clone() if self._start is self._anchor else self._start  # (no eager)
+        self._land_in_flight()  # if its wait fails, nothing here has changed
+        moved = self._anchor - start
+        self._start = self._anchor.clone()
+        self._set_params(self._local() + moved)
 
     def finalize(self) -> None:
         """Land the message in flight, then (inside a period) one last, synchronous, outer step
@@ -217,11 +353,13 @@ class CO2(PeriodicSync):
         return {"model"} if shared else set()
 
     def info(self) -> str:
-        n, H = self._anchor.numel(), self.config.H
+        n, H, tau = self._anchor.numel(), self.config.H, self.config.tau
+        steps = "1 step" if tau == 1 else f"{tau} steps"
+        late = "one period late" if tau == H else f"landing {steps} into the next period"
         if self.messages is None:
-            return f"outer all-reduce of {4 * n:,} bytes per worker every {H} steps, one period late"
+            return f"outer all-reduce of {4 * n:,} bytes per worker every {H} steps, {late}"
         message = f"{self.config.bits}-bit messages of {self.messages.payload_bytes(n):,} bytes"
-        return f"outer all-gather of {message} per worker every {H} steps, one period late"
+        return f"outer all-gather of {message} per worker every {H} steps, {late}"
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -231,6 +369,8 @@ class CO2(PeriodicSync):
         # A resumed run sends this worker's message in flight again at its next outer step, so
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
+        if self.config.tau_auto:
+            state["tau"] = self.config.tau  # measured at start-up: a resume and an adopter keep it
         if self._residual is not None:
             # the eager start is moved by this worker's fp32 Delta, which the message in flight
             # holds only rounded
@@ -243,6 +383,9 @@ class CO2(PeriodicSync):
         super().load_state_dict(state)
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
+        if self.config.tau_auto:  # a state saved before co2 had a tau landed a period late
+            self.config.tau = int(state.get("tau", self.config.H))
+            self.tau_choice, self.tau_taken = {}, "restored"
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
         if self._residual is None:  # the message in flight is the fp32 Delta, its weight last
