@@ -879,3 +879,21 @@ def test_co2_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypat
     assert fixed.config.tau == 1 and fixed.resolved_options() == {}
     for s in (sync, members, fixed):
         s.close()
+
+
+@pytest.mark.parametrize("bits", [4, 32])
+def test_co2_times_at_most_a_mib_of_its_exchange_and_scales_it_by_the_bytes(monkeypatch, bits):
+    """The start-up probe's exchange is of at most PROBE_BYTES, its seconds scaled by the
+    message's bytes: the whole model's would hold the start as long as an outer step's."""
+    timed = []
+    monkeypatch.setattr(co2_module, "PROBE_BYTES", 1000)
+    monkeypatch.setattr(co2_module, "time_gather", lambda comm, nbytes, device: timed.append(nbytes) or 0.5)
+    monkeypatch.setattr(
+        co2_module, "time_all_reduce", lambda comm, numel, device: timed.append(4 * numel) or 0.5
+    )
+    _, _, sync = _tiny("co2", {"bits": bits})
+    n = sync._anchor.numel()
+    nbytes = sync.messages.payload_bytes(n) if bits == 4 else 4 * (n + 1)
+    assert sync._time_exchange() == pytest.approx(0.5 * nbytes / 1000)
+    assert timed == [1000]
+    sync.close()

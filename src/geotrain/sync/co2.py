@@ -51,18 +51,18 @@ Where the mean lands (``tau``, a later session). A period late, CO2 trails plain
 seed 1: 2.1989, -, 2.2954), and on W1 (GPT ``mini``, 2,000 steps) it needed ~1.46x DDP's tokens.
 Landing sooner, the stand-in lasts tau steps instead of H: on ``tiny`` at H 20, tau 1 2.0737
 (seed 1: 2.2503), tau 3 2.0762, tau 10 2.0923; at H 10, tau 3 2.0627. ``tau="auto"``, the
-default, lands at the fewest steps that hide 1.5 times one exchange of the run's size, timed with
-a step at start-up (``prepare``, the probe Streaming's ``--tau auto`` and SparseLoCo's ``--H
-auto`` use; the slowest worker decides), a period late where nothing shorter hides it, and a
-period late also where no probe ran (``geotrain.wrap`` without ``profile=``). The choice is saved
-in the algorithm's state: a resume and an adopter keep it. Measured and not taken (``tiny``, seed
-0, a period late): the eager start's share w of the own pseudo-gradient (``eager_weight``) at 0,
-0.5, 1.5 and 2 gives 2.880, 2.263, 2.190 and 2.351 against 1's 2.120, and the least-squares
-share <mean, own> / |own|^2 of the last period landed (about 0.35 on W1 after its warm-up)
-2.154, and +2.6% on W1 at step 200; Kale et al.'s own form (each replica's outer optimizer fed its
-own pseudo-gradient / N plus the others' of a period before) 2.41 (alpha 1, beta 0: 2.22); a
-Nesterov outer step 2.133, beta 0.3 2.136, alpha 1 with beta 0 (the delayed plain average)
-2.116.
+default, lands at the fewest steps that hide 1.5 times one exchange of the run's size (timed on
+at most a MiB, scaled by the bytes) against a step, both timed at start-up (``prepare``, the
+probe of Streaming's ``--tau auto`` and SparseLoCo's ``--H auto``; the slowest worker decides),
+a period late where nothing shorter hides it, and a period late also where no probe ran
+(``geotrain.wrap`` without ``profile=``). The choice is saved in the algorithm's state: a resume
+and an adopter keep it. Measured and not taken (``tiny``, seed 0, a period late): the eager
+start's share w of the own pseudo-gradient (``eager_weight``) at 0, 0.5, 1.5 and 2 gives 2.880,
+2.263, 2.190 and 2.351 against 1's 2.120, and the least-squares share <mean, own> / |own|^2 of
+the last period landed (about 0.35 on W1 after its warm-up) 2.154, and +2.6% on W1 at step 200;
+Kale et al.'s own form (each replica's outer optimizer fed its own pseudo-gradient / N plus the
+others' of a period before) 2.41 (alpha 1, beta 0: 2.22); a Nesterov outer step 2.133, beta 0.3
+2.136, alpha 1 with beta 0 (the delayed plain average) 2.116.
 
 The all-reduce is the one periodic averaging already uses, in fp32 (``comm.all_reduce``; in two
 levels with ``--hierarchy``). With ``bits`` 4 or 8 each worker's Delta travels quantised instead
@@ -92,6 +92,8 @@ from geotrain.plan.gather import hiding_steps
 from geotrain.plan.profile import probe_step_and_gather, time_all_reduce, time_gather
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
+
+PROBE_BYTES = 1 << 20  # --tau auto times an exchange of at most this much, and scales it
 
 
 @dataclass
@@ -199,11 +201,18 @@ class CO2(PeriodicSync):
             )
 
     def _time_exchange(self) -> float:
-        """One exchange of the run's size, of zeros: the gather of a message, or the all-reduce."""
+        """The seconds of one exchange of the run's size (the gather of a message, or the fp32
+        all-reduce), timed on zeros of at most PROBE_BYTES and scaled by the bytes: the whole
+        model's exchange would hold the start for as long as an outer step's (minutes on a slow
+        link), and a slow link's time grows with the bytes."""
         n = self._anchor.numel()
+        nbytes = self.messages.payload_bytes(n) if self.messages is not None else 4 * (n + 1)
+        probe = min(nbytes, PROBE_BYTES)
         if self.messages is not None:
-            return time_gather(self.comm, self.messages.payload_bytes(n), self.device)
-        return time_all_reduce(self.comm, n + 1, self.device)  # the weight travels too
+            seconds = time_gather(self.comm, probe, self.device)
+        else:
+            seconds = time_all_reduce(self.comm, probe // 4, self.device)
+        return seconds * nbytes / probe
 
     def resolved_options(self) -> dict[str, Any]:
         if not self.config.tau_auto:
