@@ -97,7 +97,7 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
         # A fragment lands every 2 steps, each sent a step before (tau 1): lock-stepped members.
         ("streaming", ["--H", "4", "--fragments", "2"], "kill:step=6,rank=2"),
         # step 4's mean in flight, landed at 8 by two (`-m long`: test_elastic.py regroups co2)
-        pytest.param("co2", ["--H", "4"], "kill:step=6,rank=2", marks=LONG),
+        pytest.param("co2", ["--H", "4", "--tau", "4"], "kill:step=6,rank=2", marks=LONG),
         # step 8's mean lands inside the next period (tau 2): its wait at step 10 fails, and the
         # two survivors gather it again there
         ("co2", ["--H", "4", "--tau", "2"], "kill:step=6,rank=2"),

@@ -81,6 +81,8 @@ def _train_step(sync, opt, rank: int, step: int) -> bool:
         ("co2", {"H": 10, "tau": 0}, "--tau for co2 (steps into the next period at which a period's mean "),
         ("co2", {"H": 10, "tau": 11}, "must be auto or in [1, H] = [1, 10], got 11"),
         ("co2", {"tau": "soon"}, "must be auto or in [1, H] = [1, 10], got soon"),
+        ("co2", {"tau": True}, "must be auto or in [1, H] = [1, 10], got True"),
+        ("co2", {"eager_weight": True}, "--eager-weight must be a number in [0, 2], got True"),
         ("sparseloco", {"clip": 0.0}, "sparseloco does not take --clip; algorithms that do: co2"),
     ],
 )  # fmt: skip
@@ -864,16 +866,21 @@ def test_co2_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypat
     _, _, sync = _tiny("co2", {"H": 4})
     sync.prepare(lambda: pytest.fail("a step taken"))
     assert sync.config.tau == 4 and sync.resolved_options()["tau"] == "auto (alone: 4)"
-    _, _, members = _tiny("co2", {"H": 4, "tau": 2})
+    _, _, members = _tiny("co2", {"H": 4, "tau": 2})  # given: a run resumed under auto keeps it
     state = members.state_dict()
-    assert "tau" not in state  # a tau given is the config's, not state
-    state["tau"] = 2
     sync.load_state_dict(state)
     assert sync.config.tau == 2 and sync.collective_period() == 2
     assert sync.resolved_options()["tau"] == "auto (restored: 2)"
-    del state["tau"]
+    del state["tau"]  # a state saved before the tau was: its config's
     sync.load_state_dict(state)
+    assert sync.config.tau == 2
+    state["config"] = {k: v for k, v in state["config"].items() if k not in ("tau", "tau_auto")}
+    sync.load_state_dict(state)  # before co2 had a tau: a period late
     assert sync.config.tau == 4 and sync.collective_period() == 4
+    _, _, one = _tiny("co2", {"H": 1})
+    one.prepare(lambda: pytest.fail("a step taken"))  # H 1: the next step is the next period
+    assert one.config.tau == 1 and one.resolved_options()["tau"] == "auto (H is 1: 1)"
+    one.close()
     _, _, fixed = _tiny("co2", {"H": 4, "tau": 1})  # a tau given is kept whatever the state says
     fixed.load_state_dict({**state, "tau": 3})
     assert fixed.config.tau == 1 and fixed.resolved_options() == {}

@@ -48,7 +48,9 @@ CASES = [
     # stops with its 4-bit message in flight (launched at step 4, landing at 6: tau 2), and its
     # error feedback
     ("co2", ""),
-    ("co2", "bits32"),  # the same with its fp32 outer all-reduce in flight, landing a period late
+    ("co2", "bits32"),  # the same with its fp32 outer all-reduce in flight
+    ("co2", "late"),  # landing a period late (tau = H = 4): at step 8, in the resumed run
+    ("co2", "land1"),  # landing at step 5 (tau 1), where it stops: nothing in flight
     # --lr-scale auto at H=2: stops holding its sample of step 5 for the sync at 6, and the
     # factor leaves 1 at step 7 (measured at 4 and 6)
     ("localsgd", "lrauto"),
@@ -59,7 +61,7 @@ CASES = [
 
 # co2's tau is given: --tau auto, its default, lands where a timed exchange says, which two runs
 # need not time alike
-CO2_TAU = {"": 2, "bits32": 4}
+CO2_TAU = {"": 2, "bits32": 2, "late": 4, "land1": 1}
 
 
 def _plan(path: Path, H: int) -> str:
@@ -91,7 +93,8 @@ def _resume_cases(rank, world_size, tmp: str, cases):
         common = dict(
             algo=algo,
             compress=""
-            if codec in ("overlap", "tau1", "tau2", "warm", "lrauto", "grow", "bits32", "mix")
+            if codec
+            in ("overlap", "tau1", "tau2", "warm", "lrauto", "grow", "bits32", "mix", "late", "land1")
             else codec,
             bits=32 if codec == "bits32" else 0,
             mix=0.5 if codec == "mix" else -1.0,

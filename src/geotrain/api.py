@@ -245,7 +245,9 @@ def wrap(
     neither it times the loop's first steps (synchronous ones) and plans from them.
     ``sparseloco`` with ``H="auto"`` times steps and a gather with ``profile=`` to choose its
     period; without it, it runs at 20 and says so. ``streaming`` with ``tau="auto"`` times them
-    likewise to choose how many steps each fragment's sync overlaps; without it, 1. A
+    likewise to choose how many steps each fragment's sync overlaps; without it, 1. ``co2``
+    (``tau="auto"``, its default) times them to choose how many steps into the next period each
+    period's mean lands; without it, a period late (tau = H), and it says so. A
     ``load_state_dict`` after ``wrap`` (a resume) restores the period (tau) chosen before.
     ``max_norm_ratio`` R > 0 leaves out of every average a worker's contribution that is not
     finite or whose norm is more than R times the others' median (inf: only what is not

@@ -56,8 +56,9 @@ def state_copies(algo: str, compress: str = "", lora: bool = False, bits: int = 
     if algo == "co2":
         from geotrain.sync.co2 import CO2Config
 
-        if (bits or CO2Config.bits) < 32:  # its start and error feedback; its message an eighth
-            copies += 1.125
+        copies += 1  # where the period started
+        if (bits or CO2Config.bits) < 32:  # its error feedback; its message an eighth
+            copies += 0.125
     if algo == "streaming":
         from geotrain.sync.streaming import StreamingConfig
 

@@ -556,12 +556,12 @@ class PeriodicSync(SyncAlgorithm):
 
 
 class InFlight:
-    """This worker's message whose collective lands later (SparseLoCo's outer step tau steps or
-    a period late, DeMo's step one step late, CO2's average one period late, a Streaming DiLoCo fragment
-    tau steps late), under compute, and what a regroup, a snapshot and an adoption do with it.
-    ``op`` is the collective: ``"gather"`` (every worker's message, stacked in rank order) or
-    ``"mean"`` (their mean, an all-reduce of the message with a weight of 1 appended, so that
-    the mean is over the workers that sent one: an adopter's empty message weighs 0). Every
+    """This worker's message whose collective lands later (SparseLoCo's outer step tau steps or a
+    period late, DeMo's step one step late, CO2's average tau steps into the next period, a
+    Streaming DiLoCo fragment tau steps late), under compute, and what a regroup, a snapshot and an
+    adoption do with it. ``op`` is the collective: ``"gather"`` (every worker's message, stacked in
+    rank order) or ``"mean"`` (their mean, an all-reduce of the message with a weight of 1 appended,
+    so that the mean is over the workers that sent one: an adopter's empty message weighs 0). Every
     member must make the same collectives in the same order, so:
 
     - a regroup (``rebind``) sends the message again on the new group at the next ``land``;

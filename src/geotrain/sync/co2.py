@@ -116,7 +116,7 @@ class CO2Config(SyncConfig):
         if self.tau == "auto":
             self.tau_auto, self.tau = True, self.H
         require(
-            isinstance(self.tau, int) and 1 <= self.tau <= self.H,
+            isinstance(self.tau, int) and not isinstance(self.tau, bool) and 1 <= self.tau <= self.H,
             f"--tau for co2 (steps into the next period at which a period's mean lands) must be auto "
             f"or in [1, H] = [1, {self.H}], got {self.tau}",
         )
@@ -133,7 +133,7 @@ class CO2Config(SyncConfig):
         require(self.clip >= 0, f"--clip (outer momentum threshold; 0: off) must be >= 0, got {self.clip}")
         weight = self.eager_weight
         require(
-            isinstance(weight, (int, float)) and 0 <= weight <= 2,
+            isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 <= weight <= 2,
             f"--eager-weight must be a number in [0, 2], got {weight!r}",
         )
         require(self.eager or weight == 1, "--eager-weight needs --eager (it weighs the eager start)")
@@ -148,7 +148,7 @@ class CO2(PeriodicSync):
         self._start = self._anchor  # where this period started (eager: A_k - own Delta)
         self._momentum = torch.zeros_like(self._anchor)  # m, equal on every worker
         cfg = self.config
-        # this worker's Delta, landing a period late: an fp32 mean all-reduce, or with --bits 4
+        # this worker's Delta, landing tau steps late: an fp32 mean all-reduce, or with --bits 4
         # or 8 quantised messages gathered and averaged after decoding, with error feedback
         self.messages = QuantizedGather(comm, cfg.bits) if cfg.bits < 32 else None
         self.in_flight = InFlight(comm, op="mean" if self.messages is None else "gather")
@@ -173,6 +173,9 @@ class CO2(PeriodicSync):
         where a restored state holds the choice."""
         cfg = self.config
         if not cfg.tau_auto or self.tau_choice is not None:
+            return
+        if cfg.H == 1:  # nothing to choose: the next step is the next period
+            self.tau_choice, self.tau_taken = {}, "H is 1"
             return
         if self.comm.world_size < 2:  # nothing to exchange (a joiner, alone until admitted, takes
             self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
@@ -378,12 +381,12 @@ class CO2(PeriodicSync):
         # A resumed run sends this worker's message in flight again at its next outer step, so
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
-        if self.config.tau_auto:
-            state["tau"] = self.config.tau  # measured at start-up: a resume and an adopter keep it
+        # measured at start-up under auto: a resume and an adopter keep it
+        state["tau"] = self.config.tau
+        # where this period started: moved by this worker's fp32 Delta, which a 4-bit message in
+        # flight holds only rounded, and an adopter's or a left-out worker's holds not at all
+        state["start"] = self._start
         if self._residual is not None:
-            # the eager start is moved by this worker's fp32 Delta, which the message in flight
-            # holds only rounded
-            state["start"] = self._start
             # this worker's alone ("own"): in its snapshots, never handed to an adopter
             state["own"] = {**state.get("own", {}), "residual": self._residual}
         return state
@@ -392,15 +395,19 @@ class CO2(PeriodicSync):
         super().load_state_dict(state)
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
-        if self.config.tau_auto:  # a state saved before co2 had a tau landed a period late
-            self.config.tau = int(state.get("tau", self.config.H))
+        if self.config.tau_auto:  # the tau the saver ran at (before co2 had one: a period late)
+            saved_tau = state.get("tau", state.get("config", {}).get("tau", self.config.H))
+            self.config.tau = int(saved_tau)
             self.tau_choice, self.tau_taken = {}, "restored"
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
-        if self._residual is None:  # the message in flight is the fp32 Delta, its weight last
-            self._start = self._anchor if flying is None else self._eager_start(flying[:-1])
-        else:
-            self._start = self._anchor if flying is None else state["start"].to(self._anchor).clone()
+        if flying is None:
+            self._start = self._anchor
+        elif "start" in state:
+            self._start = state["start"].to(self._anchor).clone()
+        else:  # fp32, saved before the start was: the message in flight is the Delta, weight last
+            self._start = self._eager_start(flying[:-1])
+        if self._residual is not None:
             # absent where the state was handed over; at the top level in snapshots made before
             # it was the worker's own part (an adopter zeroes it anyway: adopted_state)
             saved = state.get("own", {}).get("residual", state.get("residual"))
