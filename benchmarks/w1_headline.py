@@ -54,7 +54,7 @@ CURVES: dict[str, str | None] = {
     "dreamddp": "w1-dreamddp-int4-H2-lr1",
     "sparseloco": None,
     "streaming": "w1-streaming-carry-H20",  # --carry, its default since; w1-streaming-H20: the mix
-    "co2": "w1-co2-int4-H10",
+    "co2": None,  # --tau auto: the curve of the landing it chooses (``curve_of``)
 }
 ALGOS = ["nosync", *CURVES]
 
@@ -92,8 +92,15 @@ def curve_of(algo: str, curve: str | None, result: dict) -> str | None:
     """The kept curve of a run: its cell's, or where the run chose its own period (``--H auto``),
     the curve measured at that period (``w1-ALGO-HN``) where one is kept; for DreamDDP's default
     (``--compress auto``), the curve of the codec it chose (``w1-dreamddp-CODEC-H2``; int4's is
-    ``CURVES``'s)."""
-    chosen_codec = re.search(r"compress=auto \((\w+)", str(result.get("algo_config", "")))
+    ``CURVES``'s); for CO2's (``--tau auto``), the curve of the landing it chose
+    (``w1-co2-int4-H10-tauT``; a period late, ``w1-co2-int4-H10``)."""
+    config = str(result.get("algo_config", ""))
+    chosen_tau = re.search(r"tau=auto \([^:]*: (\d+)\)", config)
+    if algo == "co2" and curve is None and chosen_tau:  # CO2's default: where it chose to land
+        H = re.search(r"\bH=(\d+)", config)[1]
+        kept = f"w1-co2-int4-H{H}" + ("" if chosen_tau[1] == H else f"-tau{chosen_tau[1]}")
+        return kept if (HERE / f"{kept}.csv").exists() else None
+    chosen_codec = re.search(r"compress=auto \((\w+)", config)
     if algo == "dreamddp" and curve == CURVES["dreamddp"] and chosen_codec and chosen_codec[1] != "int4":
         kept = f"w1-dreamddp-{chosen_codec[1]}-H2"
         return kept if (HERE / f"{kept}.csv").exists() else None
