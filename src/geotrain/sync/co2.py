@@ -59,10 +59,10 @@ a period late where nothing shorter hides it, and a period late also where no pr
 and an adopter keep it. Measured and not taken (``tiny``, seed 0, a period late): the eager
 start's share w of the own pseudo-gradient (``eager_weight``) at 0, 0.5, 1.5 and 2 gives 2.880,
 2.263, 2.190 and 2.351 against 1's 2.120, and the least-squares share <mean, own> / |own|^2 of
-the last period landed (about 0.35 on W1 after its warm-up) 2.154, and +2.6% on W1 at step 200;
+the last period landed (0.32-0.38 on W1 after its warm-up) 2.154, and +2.5% on W1 at step 200;
 Kale et al.'s own form (each replica's outer optimizer fed its own pseudo-gradient / N plus the
-others' of a period before) 2.41 (alpha 1, beta 0: 2.22); a Nesterov outer step 2.133, beta 0.3
-2.136, alpha 1 with beta 0 (the delayed plain average) 2.116.
+others' of a period before) 2.41 (alpha 1, beta 0: 2.22); with that least-squares share, a
+Nesterov outer step 2.133, beta 0.3 2.136, alpha 1 with beta 0 (the delayed plain average) 2.116.
 
 The all-reduce is the one periodic averaging already uses, in fp32 (``comm.all_reduce``; in two
 levels with ``--hierarchy``). With ``bits`` 4 or 8 each worker's Delta travels quantised instead
