@@ -682,19 +682,17 @@ def test_the_cli_refuses_bad_streaming_and_co2_options_in_one_line(args, needle)
     assert needle in refused(["run", "--workers", "2", "--no-netem", *args])
 
 
-def _tau_auto(rank, world_size, gathers: list[float] | None):
-    """--tau auto on a real group: each worker's gather as ``gathers`` says, with 1 s steps
-    (None: the real ones, timed on this loopback group); the tau taken, the steps it launches and
-    lands at, and a worker restored from the state saved after them (through bytes, as a
-    snapshot or a hand-over carries it)."""
-    import io
-
-    if gathers is not None:
-        streaming_module.StreamingDiLoCo._time_gather = lambda self: gathers[self.comm.rank]
+def _probed(rank: int, algo: str, options: dict, exchanges: list[float] | None):
+    """``algo`` with ``options`` (tau auto) after its start-up probe, each worker's exchange as
+    ``exchanges`` says, with 1 s steps (None: the real ones, timed on this loopback group): the
+    model, optimizer, algorithm, the loss it probed with, its tau and option before, and what the
+    probe left (tau, option, gradients left behind, bytes sent, control calls)."""
+    if exchanges is not None:
+        cls = streaming_module.StreamingDiLoCo if algo == "streaming" else co2_module.CO2
+        cls._time_exchange = lambda self: exchanges[self.comm.rank]
         profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
     comm = Communicator()
-    options = {"H": 20, "fragments": 4, "tau": "auto"}
-    model, opt, sync = _tiny("streaming", options, comm)
+    model, opt, sync = _tiny(algo, options, comm)
     before = (sync.config.tau, sync.resolved_options()["tau"])
     sent, control = comm.stats.sent_bytes, comm.control_calls
 
@@ -703,21 +701,40 @@ def _tau_auto(rank, world_size, gathers: list[float] | None):
         return sync.model(x, y)[1]
 
     sync.prepare(loss)
-    after = {"tau": sync.config.tau, "option": sync.resolved_options()["tau"], "period": sync.sync_period()}
+    after = {"tau": sync.config.tau, "option": sync.resolved_options()["tau"]}
     after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
     after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
+    return model, opt, sync, loss, before, after
+
+
+def _restored(sync, algo: str, options: dict, loss):
+    """A worker restored from ``sync``'s state (through bytes, as a snapshot or a hand-over
+    carries it), its own probe run: a restored choice measures nothing again."""
+    import io
+
+    saved = io.BytesIO()
+    torch.save(sync.state_dict(), saved)
+    _, _, again = _tiny(algo, options, Communicator(), seed=1)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    profile_module.profile_compute = None
+    again.prepare(loss)
+    return again
+
+
+def _tau_auto(rank, world_size, gathers: list[float] | None):
+    """--tau auto on a real group: each worker's gather as ``gathers`` says (``_probed``); the
+    tau taken, the steps it launches and lands at, and a worker restored from the state saved
+    after them."""
+    options = {"H": 20, "fragments": 4, "tau": "auto"}
+    model, opt, sync, loss, before, after = _probed(rank, "streaming", options, gathers)
+    after["period"] = sync.sync_period()
     launched, landed = [], []
     for step in range(1, 12):
         flying = sync.in_flight.flying
         _train_step(sync, opt, rank, step)
         launched += [step] if sync.in_flight.flying and not flying else []
         landed += [step] if sync._landing(step) is not None else []
-    saved = io.BytesIO()
-    torch.save(sync.state_dict(), saved)
-    _, _, again = _tiny("streaming", options, Communicator(), seed=1)
-    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-    profile_module.profile_compute = None  # a restored choice measures nothing again
-    again.prepare(loss)
+    again = _restored(sync, "streaming", options, loss)
     restored = {"tau": again.config.tau, "option": again.resolved_options()["tau"]}
     restored |= {"flying": again.in_flight.flying, "fragment": again._in_flight_fragment()}
     sync.close()
@@ -779,40 +796,18 @@ def test_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
 
 
 def _co2_tau_auto(rank, world_size, exchanges: list[float] | None, bits: int):
-    """co2 --tau auto on a real group (H 4): each worker's exchange as ``exchanges`` says, with
-    1 s steps (None: the real ones); the tau taken, the steps its means land at inside a period,
-    and a worker restored from the state saved with a mean in flight."""
-    import io
-
-    if exchanges is not None:
-        co2_module.CO2._time_exchange = lambda self: exchanges[self.comm.rank]
-        profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
-    comm = Communicator()
+    """co2 --tau auto on a real group (H 4): each worker's exchange as ``exchanges`` says
+    (``_probed``); the tau taken, the steps its means land at inside a period, and a worker
+    restored from the state saved with a mean in flight."""
     options = {"H": 4, "tau": "auto", "bits": bits}
-    model, opt, sync = _tiny("co2", options, comm)
-    before = (sync.config.tau, sync.resolved_options()["tau"])
-    sent, control = comm.stats.sent_bytes, comm.control_calls
-
-    def loss():
-        x, y = _batch(rank + 10, 0)
-        return sync.model(x, y)[1]
-
-    sync.prepare(loss)
-    after = {"tau": sync.config.tau, "option": sync.resolved_options()["tau"]}
+    model, opt, sync, loss, before, after = _probed(rank, "co2", options, exchanges)
     after |= {"period": sync.collective_period(), "info": sync.info()}
-    after |= {"grads": [p.grad for p in model.parameters() if p.grad is not None]}
-    after |= {"sent": comm.stats.sent_bytes - sent, "control": comm.control_calls - control}
     landed = []
     for step in range(1, 10):
         flying = sync.in_flight.flying
         _train_step(sync, opt, rank, step)
         landed += [step] if flying and not sync.in_flight.flying else []
-    saved = io.BytesIO()
-    torch.save(sync.state_dict(), saved)  # after step 9: step 8's mean in flight unless tau 1
-    _, _, again = _tiny("co2", options, Communicator(), seed=1)
-    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
-    profile_module.profile_compute = None  # a restored choice measures nothing again
-    again.prepare(loss)
+    again = _restored(sync, "co2", options, loss)  # after step 9: step 8's mean in flight unless tau 1
     restored = {"tau": again.config.tau, "option": again.resolved_options()["tau"]}
     restored |= {"flying": again.in_flight.flying, "start": torch.equal(again._start, sync._start)}
     sync.close()

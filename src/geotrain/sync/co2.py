@@ -80,7 +80,6 @@ with ``bits``, the error feedback's residual and the eager start besides, the me
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +88,8 @@ import torch
 
 from geotrain.comm.buckets import flat_copy, unflatten_into
 from geotrain.plan.gather import hiding_steps
-from geotrain.plan.profile import probe_step_and_gather, time_all_reduce, time_gather
+from geotrain.plan.profile import time_all_reduce, time_gather
+from geotrain.sync.auto_tau import AutoTau
 from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
@@ -139,7 +139,7 @@ class CO2Config(SyncConfig):
         require(self.eager or weight == 1, "--eager-weight needs --eager (it weighs the eager start)")
 
 
-class CO2(PeriodicSync):
+class CO2(AutoTau, PeriodicSync):
     name = "co2"
 
     def __init__(self, model, optimizer, comm, config: CO2Config | None = None) -> None:
@@ -159,49 +159,23 @@ class CO2(PeriodicSync):
             else None
         )
         self._final_delta: torch.Tensor | None = None  # finalize's, kept for a retry
-        # --tau auto: what the start-up probe measured (None: not yet; {} where nothing was
-        # measured), and how tau was taken: "not measured", "measured", "alone", "restored"
-        self.tau_choice: dict[str, float] | None = None
-        self.tau_taken = "not measured"
+        self._init_auto_tau()
 
-    # -- --tau auto ------------------------------------------------------------------------------
+    # -- --tau auto (AutoTau) ------------------------------------------------------------------
     def prepare(self, loss_fn) -> None:
         """--tau auto: time whole steps and one exchange of the run's size (the gather of a
-        quantised message, or the fp32 all-reduce) with ``probe_step_and_gather``, and land each
-        period's mean the fewest steps into the next that hide 1.5 times it (``hiding_steps``;
-        H, a period late, at most), the slowest worker's figures deciding for all. Not again
-        where a restored state holds the choice."""
-        cfg = self.config
-        if not cfg.tau_auto or self.tau_choice is not None:
-            return
-        if cfg.H == 1:  # nothing to choose: the next step is the next period
-            self.tau_choice, self.tau_taken = {}, "H is 1"
-            return
-        if self.comm.world_size < 2:  # nothing to exchange (a joiner, alone until admitted, takes
-            self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
-            return
-        compute_s, _, exchange = probe_step_and_gather(
-            self.module, self.optimizer, loss_fn, self.comm, self._time_exchange
-        )
-        cfg.tau = hiding_steps(compute_s, exchange, cfg.H)
-        self.tau_choice, self.tau_taken = {"compute_s": compute_s, "exchange_s": exchange}, "measured"
-        if self.comm.rank == 0:
-            print(
-                f"geotrain: co2 --tau auto: each period's mean lands {cfg.tau} of {cfg.H} steps into "
-                f"the next (a step's compute {compute_s:.3f} s, its exchange {exchange:.3f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+        quantised message, or the fp32 all-reduce), and land each period's mean the fewest
+        steps into the next that hide 1.5 times it (H, a period late, at most)."""
+        if self.config.tau_auto and self.tau_choice is None and self.config.H == 1:
+            self.tau_choice, self.tau_taken = {}, "H is 1"  # nothing to choose: the next step
+            return  # is the next period
+        super().prepare(loss_fn)
 
-    def prepare_unprofiled(self) -> None:
-        if self.config.tau_auto and self.comm.rank == 0:
-            print(
-                f"geotrain: co2 tau='auto' needs profile= (a function that computes a training loss) "
-                f"to time a step and an exchange; landing each period's mean a period late "
-                f"(tau={self.config.H})",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _tau_from(self, compute_s: float, exchange_s: float) -> int:
+        return hiding_steps(compute_s, exchange_s, self.config.H)
+
+    def _tau_said(self) -> str:
+        return f"each period's mean lands {self.config.tau} of {self.config.H} steps into the next"
 
     def _time_exchange(self) -> float:
         """The seconds of one exchange of the run's size (the gather of a message, or the fp32
@@ -216,11 +190,6 @@ class CO2(PeriodicSync):
         else:
             seconds = time_all_reduce(self.comm, probe // 4, self.device)
         return seconds * nbytes / probe
-
-    def resolved_options(self) -> dict[str, Any]:
-        if not self.config.tau_auto:
-            return {}
-        return {"tau": f"auto ({self.tau_taken}: {self.config.tau})"}
 
     def _local(self) -> torch.Tensor:
         return flat_copy([p.detach() for p in self.parameters()])
@@ -395,10 +364,7 @@ class CO2(PeriodicSync):
         super().load_state_dict(state)
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
-        if self.config.tau_auto:  # the tau the saver ran at (before co2 had one: a period late)
-            saved_tau = state.get("tau", state.get("config", {}).get("tau", self.config.H))
-            self.config.tau = int(saved_tau)
-            self.tau_choice, self.tau_taken = {}, "restored"
+        self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
         if flying is None:

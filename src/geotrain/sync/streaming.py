@@ -57,7 +57,6 @@ parameters at its launch (1 / P of a copy).
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +66,8 @@ import torch.nn as nn
 
 from geotrain.comm.buckets import flat_copy, unflatten_into
 from geotrain.plan.gather import streaming_tau
-from geotrain.plan.profile import probe_step_and_gather, time_gather
+from geotrain.plan.profile import time_gather
+from geotrain.sync.auto_tau import AutoTau
 from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
 from geotrain.sync.diloco import outer_momentum_for, ramped_momentum, require_momentum_ramp
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
@@ -188,7 +188,7 @@ def strided_fragments(model: nn.Module, count: int) -> list[list[nn.Parameter]]:
     return fragments
 
 
-class StreamingDiLoCo(SyncAlgorithm):
+class StreamingDiLoCo(AutoTau, SyncAlgorithm):
     local_steps = True
     name = "streaming"
 
@@ -216,54 +216,22 @@ class StreamingDiLoCo(SyncAlgorithm):
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
         # carry: x_f at the launch of the fragment in flight (``_in_flight_fragment``)
         self._launched_from: torch.Tensor | None = None
-        # --tau auto: what the start-up probe measured (None: not yet; {} where nothing was
-        # measured), and how tau was taken: "not measured", "measured", "alone", "restored"
-        self.tau_choice: dict[str, float] | None = None
-        self.tau_taken = "not measured"
+        self._init_auto_tau()
 
-    # -- --tau auto ------------------------------------------------------------------------------
-    def prepare(self, loss_fn) -> None:
-        """--tau auto: time whole steps and one all-gather of the largest fragment's message
-        (``probe_step_and_gather``), and overlap each fragment's sync by the fewest steps that
-        hide 1.5 times that gather (``streaming_tau``), the slowest worker's figures deciding for
-        all. Not again where a restored state holds the choice."""
-        if not self.config.tau_auto or self.tau_choice is not None:
-            return
-        if self.comm.world_size < 2:  # nothing to gather (a joiner, alone until admitted, takes
-            self.tau_choice, self.tau_taken = {}, "alone"  # the members' tau with their state)
-            return
-        compute_s, _, gather = probe_step_and_gather(
-            self.module, self.optimizer, loss_fn, self.comm, self._time_gather
-        )
-        self.config.tau = streaming_tau(compute_s, gather, self.config.every)
-        self.tau_choice, self.tau_taken = {"compute_s": compute_s, "gather_s": gather}, "measured"
-        if self.comm.rank == 0:
-            print(
-                f"geotrain: streaming --tau auto: tau={self.config.tau} of at most "
-                f"{self.config.every - 1} (a step's compute {compute_s:.3f} s, a fragment's gather "
-                f"{gather:.3f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+    # -- --tau auto (AutoTau) ------------------------------------------------------------------
+    exchange_named = "a fragment's gather"
 
-    def prepare_unprofiled(self) -> None:
-        if self.config.tau_auto and self.comm.rank == 0:
-            print(
-                f"geotrain: streaming tau='auto' needs profile= (a function that computes a training "
-                f"loss) to time a step and a gather; running at tau={self.config.tau}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _time_gather(self) -> float:
+    def _time_exchange(self) -> float:
         """One all-gather of the largest fragment's message (zeros, its size)."""
         largest = max(t.numel() for t in self._global)
         return time_gather(self.comm, self.messages.payload_bytes(largest), self.device)
 
-    def resolved_options(self) -> dict[str, Any]:
-        if not self.config.tau_auto:
-            return {}
-        return {"tau": f"auto ({self.tau_taken}: {self.config.tau})"}
+    def _tau_from(self, compute_s: float, exchange_s: float) -> int:
+        """The fewest steps that hide 1.5 times the gather (``streaming_tau``)."""
+        return streaming_tau(compute_s, exchange_s, self.config.every)
+
+    def _tau_said(self) -> str:
+        return f"tau={self.config.tau} of at most {self.config.every - 1}"
 
     # -- the schedule -----------------------------------------------------------------------------
     def _landing(self, step: int) -> int | None:
@@ -434,9 +402,7 @@ class StreamingDiLoCo(SyncAlgorithm):
             dst.copy_(src)
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
-        if self.config.tau_auto:  # the tau the saver ran at (its config's, saved before tau was)
-            self.config.tau = int(state.get("tau", state.get("config", {}).get("tau", 1)))
-            self.tau_choice, self.tau_taken = {}, "restored"
+        self._restore_tau(state, 1)
         self.in_flight.restore(state["in_flight"], self.device)
         own = state.get("own", {})  # absent where another worker handed the state over
         saved = own.get("residual")
