@@ -8,6 +8,7 @@ step and DeMo's step, then the CLI's refusals.
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -580,12 +581,14 @@ class _ClockedGather(Communicator):
     "gather_s, overlap, landing",
     [(0.04, False, 10), (0.4, False, 10), (0.6, True, 1), (4.0, True, 6), (30.0, True, 10)],
 )
-def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather_took_over_5_percent(
+def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather_says_it_pays(
     gather_s, overlap, landing
 ):
     """H=10 steps of 1 s each (one of them 20 s: a validation, which the median ignores): the
-    first outer step runs synchronously, then the verdict holds for the run and its snapshots,
-    with the step its gathers land at (1.5 times the gather's steps: 0.9 -> 1, 6 -> 6, 45 -> H)
+    first outer step runs synchronously, then the verdict holds for the run and its snapshots
+    (overlapped where 1 + what outlasts the period, times 1 + min(0.4 L / 10, 0.24), is below 1 +
+    the gather's share: 4% is a tie with landing 1, so synchronous; 6% overlaps), with the step
+    its gathers land at (1.5 times the gather's steps: 0.9 -> 1, 6 -> 6, 45 -> H)
     and the mean and alpha that go with it (over senders, alpha 1, landing in the period's first
     half; over workers, alpha 2, after it)."""
     comm = _ClockedGather(gather_s)
@@ -641,28 +644,74 @@ def test_overlap_auto_overlaps_from_the_second_outer_step_where_the_first_gather
     "gather_s, chosen",
     [
         (0.0, 5),  # nothing to wait for: the shortest period learns most per token
-        (0.2, 5),  # 4% of a period of 5 one-second steps: synchronous, within the 5%
-        (3.0, 5),  # overlapped, hidden under 5 steps (the planner's model of it)
-        (12.0, 20),  # H=5 waits 7 s a period, H=10 2 s; hidden under 20: time to a loss 1.4
-        (50.0, 40),  # H=20 waits 30 s a period: 2.5 x 1.4 = 3.5; H=40 10 s: 1.25 x 1.8 = 2.25
+        (0.2, 5),  # 4% of a period of 5 one-second steps: synchronous (landing 1 late costs 8%)
+        (3.0, 5),  # overlapped, hidden under 5 steps and landing a period late: 1.1 x 1.24
+        (12.0, 20),  # H=10 waits 2 s a period (1.2 x 1.2 x 1.24); H=20 hidden: 1.4 x 1.24
+        # H=20 waits 30 s a period: 2.5 x 1.4 x 1.24; H=40 10 s: 1.25 x 1.8 x 1.24. At H=5 and 10
+        # overlap hides a period of 5 or 10 s and costs 24% more steps: synchronous there
+        (50.0, 40),
     ],
 )
 def test_h_auto_takes_the_period_with_the_shortest_predicted_time_to_a_loss(gather_s, chosen):
     """Closed form, one-second steps, 0.02 more steps to a loss per step of period: time to a
-    loss is (1 + 0.02 H) x the predicted step (the gather every H steps, synchronous where it is
-    within 5% of the period, else overlapped: only what outlasts the period shows)."""
+    loss is (1 + 0.02 H) x the predicted step (the gather every H steps) and, overlapped, x (1 +
+    min(0.4 L / H, 0.24)) for a mean landing L = ceil(1.5 x the gather's steps) of the H steps
+    late; each period overlaps where that product is below the synchronous one."""
     H, table = choose_sparseloco_period(1.0, gather_s, penalty=0.02)
     assert chosen == H
     for row in table:
-        overlap = gather_s > 0.05 * row["H"]
-        exposed = max(0.0, gather_s - row["H"]) if overlap else gather_s
-        assert row["overlap"] is overlap
-        assert row["predicted_step_s"] == pytest.approx(1.0 + exposed / row["H"])
-        assert row["time_to_loss_factor"] == pytest.approx((1 + 0.02 * row["H"]) * (1.0 + exposed / row["H"]))
+        h = row["H"]
+        landing = min(h, max(1, math.ceil(1.5 * gather_s)))
+        late = 1 + min(0.4 * landing / h, 0.24)
+        hidden = (1.0 + max(0.0, gather_s - h) / h) * late
+        overlap = hidden < 1.0 + gather_s / h
+        exposed = max(0.0, gather_s - h) if overlap else gather_s
+        assert row["overlap"] is overlap and row["landing"] == (landing if overlap else h)
+        assert row["predicted_step_s"] == pytest.approx(1.0 + exposed / h)
+        steps = (1 + 0.02 * h) * (late if overlap else 1.0)
+        assert row["time_to_loss_factor"] == pytest.approx(steps * (1.0 + exposed / h))
     assert [row["H"] for row in table] == [5, 10, 20, 40]
+    assert [row["overlap"] for row in table] == {
+        0.0: [False] * 4,
+        0.2: [False] * 4,
+        3.0: [True] * 4,
+        12.0: [True] * 4,
+        50.0: [False, False, True, True],
+    }[gather_s]
     assert choose_sparseloco_period(1.0, 0.0, penalty=0.0)[0] == 5  # a tie goes to the shorter period
     with pytest.raises(ValueError, match="a step's compute > 0"):
         choose_sparseloco_period(0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "share, H, overlap, landing",
+    [
+        (0.053, 5, False, 1),  # tiny at H=5: 1.08 overlapped (landing 1 of 5) > 1.053
+        (0.053, 20, True, 2),  # the same share at H=20: 1.04 (landing 2 of 20) < 1.053
+        (0.09, 5, True, 1),  # 1.08 < 1.09
+        (0.6, 5, True, 5),  # a period late (5 of 5): 1.24 < 1.6
+        (2.0, 10, True, 10),  # outlasts the period: 2 x 1.24 = 2.48 < 3
+        (0.0, 10, False, 1),
+    ],
+)
+def test_overlap_pays_where_the_step_it_saves_outweighs_the_steps_its_late_landing_costs(
+    share, H, overlap, landing
+):
+    """``weigh_overlap`` in closed form: synchronous 1 + share; overlapped (1 + what
+    outlasts the period) x (1 + min(0.4 L / H, 0.24)), L = ceil(1.5 share H) in [1, H]."""
+    from geotrain.plan.gather import landing_penalty, weigh_overlap
+
+    verdict = weigh_overlap(share, H)
+    penalty = min(0.4 * landing / H, 0.24)
+    assert (verdict.overlap, verdict.landing) == (overlap, landing)
+    assert verdict.penalty == pytest.approx(penalty) == landing_penalty(landing, H)
+    assert verdict.sync == pytest.approx(1 + share)
+    assert verdict.overlapped == pytest.approx((1 + max(0.0, share - 1)) * (1 + penalty))
+    # Given, overlap is as told: --tau's landing, else a period late
+    assert weigh_overlap(share, H, overlap=True, tau=2).landing == 2
+    assert weigh_overlap(share, H, overlap=True).landing == H
+    assert weigh_overlap(share, H, overlap=False).overlap is False
+    assert weigh_overlap(share, H, tau=3).landing == 3  # auto, landing at --tau
 
 
 def _h_auto(rank, world_size, gathers: list[float] | None):
@@ -719,7 +768,7 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
         ([0.0, 0.0], 5, False),
         ([0.2, 0.0], 5, False),
         ([3.0, 0.0], 5, True),
-        ([0.0, 1e6], 40, True),
+        ([0.0, 50.0], 40, True),
         (None, None, False),
     ],
 )
@@ -727,10 +776,11 @@ def test_h_auto_measures_at_start_up_the_slowest_decides_and_a_restore_keeps_the
     gathers, chosen, overlap
 ):
     """Two workers: ``prepare`` times steps and a gather (given, with 1 s steps: a gather of 0
-    s, of 0.2 s (4% of a period of 5: synchronous), of 3 s (overlapped) or of 1e6 s on one worker
-    only, which the slowest-decides agreement makes every worker's; or the real ones, whose bytes
-    stay out of the run's), and both run at the period chosen from them: their syncs at its
-    multiples, the summary's option saying so, no gradient left behind. ``--overlap auto`` is
+    s, of 0.2 s (4% of a period of 5: synchronous), of 3 s (overlapped) or of 50 s on one worker
+    only (overlapped at H=40, a period late), which the slowest-decides agreement makes every
+    worker's; or the real ones, whose bytes stay out of the run's), and both run at the period
+    chosen from them: their syncs at its multiples, the summary's option saying so, no gradient
+    left behind. ``--overlap auto`` is
     decided from the same figures before step 1, so a slow link's first outer step overlaps too
     (its replicas off the anchor, its gather in flight), landing 1.5 times the gather's steps on
     (4.5 -> 5, a period late). A state saved after it carries the period and the verdict, and a

@@ -100,9 +100,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "eager_weight": "co2 with --eager: the share of its own pseudo-gradient, in [0, 2], that moves "
         "a period's start (1: all of it, the default and the best measured)",
         "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
-        "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where a gather "
-        "takes over 5%% of the period's compute, timed at start-up with --H auto, else at the first "
-        "outer step); demo (on only with --overlap, "
+        "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where that reaches "
+        "a loss sooner, the step it saves against the steps its later landing costs, from a gather "
+        "timed at start-up with --H auto, else at the first outer step); demo (on only with --overlap, "
         "auto is off: the loss suffers, see docs/frontier.md): each step's update lands one step late, its "
         "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "

@@ -28,10 +28,18 @@ from geotrain.compress.chunked import ChunkTopK
 from geotrain.plan.cost import LinkModel
 
 H100_BF16_FLOPS = 989e12
-# SparseLoCo's --overlap auto overlaps where a gather (the start-up probe's, or the first outer
-# step's) took more than this share of the period's compute: the slack left by the target of
-# 0.95 of nosync's step.
-OVERLAP_ABOVE = 0.05
+# SparseLoCo's --overlap auto weighs an overlapped outer step by time to a loss: it hides the
+# gather, but its mean lands L of the H steps into the next period, and every step it lands late
+# costs steps to a loss (the replicas train on a stand-in for the mean meanwhile). That cost is
+# min(LATE_LANDING_COST * L / H, LATE_LANDING_MOST) more steps, the line through GPT tiny's tokens
+# to the synchronous run's final loss (4 workers, 400 steps, loopback, seeds 0 and 1, validation
+# smoothed over 3 evaluations; docs/frontier.md, "Overlap where it pays"): at H=5 landing 1, 2, 3
+# and 5 steps late 1.11, 1.18, 1.24, 1.26x; at H=10 landing 1, 2, 3, 5, 10: 1.03, 1.08, 1.11,
+# 1.21, 1.25x; at H=20 landing 1, 3, 6, 10, 20: 1.00, 1.04, 1.06, 1.18, 1.21x. (A fixed threshold,
+# overlap above 5% of the period's compute, came before: it overlapped at H=5 on tiny where the
+# gather was 5.3% of the period, for 1.11x the steps or more.)
+LATE_LANDING_COST = 0.4
+LATE_LANDING_MOST = 0.24
 # sparseloco --H auto: the periods weighed, and the extra steps to a loss per step of period, as a
 # fraction of the steps at H -> 0: the line through tokens to DDP's final loss on W1, measured on
 # curves run past DDP's 2,000 steps until they reached it (docs/frontier.md, "The period"): 1.01x
@@ -93,8 +101,8 @@ def predict_sparseloco(
 ) -> float:
     """Mean step: compute every step, and one gather of the message every H steps; with overlap
     the gather runs under the next H steps, and only what outlasts them shows. ``auto`` (the
-    default) overlaps where the gather is over ``OVERLAP_ABOVE`` of the period's compute, as the
-    run decides from its start-up probe (``--H auto``) or its first outer step. A synchronous
+    default) overlaps where that reaches a loss sooner (``weigh_overlap``), as the run decides
+    from its start-up probe (``--H auto``) or its first outer step. A synchronous
     gather also waits ``sync_wait_s`` for the slowest worker (``ComputeModel.sync_wait_s``); one
     landing a period later does not."""
     gather = gather_s(link, sparseloco_message_bytes(n_params), workers)
@@ -102,21 +110,68 @@ def predict_sparseloco(
 
 
 def gather_share(gather: float, period_s: float) -> float:
-    """A gather's seconds as a share of the period's compute: ``--overlap auto`` overlaps above
-    ``OVERLAP_ABOVE``. One expression for the choice of H and the run's verdict, so that the
-    two never differ at the boundary."""
+    """A gather's seconds as a share of the period's compute: what ``weigh_overlap`` weighs. One
+    expression for the choice of H and the run's verdict, so that the two never differ at the
+    boundary."""
     return gather / period_s
 
 
-def sparseloco_step(
-    compute_s: float, gather: float, H: int, overlap: bool | str = "auto", sync_wait_s: float = 0.0
-) -> tuple[float, bool]:
-    """SparseLoCo's mean step from a step's compute and one outer step's gather (seconds), and
-    whether it overlaps (``predict_sparseloco``)."""
+def landing_penalty(landing: int, H: int) -> float:
+    """The extra steps to a loss, as a fraction, of an overlapped outer step whose mean lands
+    ``landing`` of the ``H`` steps into the next period (``LATE_LANDING_COST``)."""
+    return min(LATE_LANDING_COST * landing / H, LATE_LANDING_MOST)
+
+
+@dataclass(frozen=True)
+class OverlapVerdict:
+    """SparseLoCo's outer step weighed both ways, in a step's compute (1 = nosync's step):
+    ``sync``, the mean step with the gather every H steps; ``overlapped``, the mean step with
+    only what outlasts the period showing, times the steps to a loss that landing ``landing``
+    steps late costs (``penalty``: ``landing_penalty``)."""
+
+    overlap: bool
+    landing: int  # with overlap: the steps into the next period at which the mean lands
+    sync: float
+    overlapped: float
+    penalty: float
+
+
+def weigh_overlap(share: float, H: int, overlap: bool | str = "auto", tau: int = 0) -> OverlapVerdict:
+    """Whether an outer step whose gather takes ``share`` of the period's compute overlaps: as
+    ``overlap`` says, or under "auto" where that is sooner to a loss. Overlapped it lands at
+    ``tau`` where given, else under auto at ``LAND_MARGIN`` times the gather's steps (at least 1,
+    at most H: ``hiding_steps``) and otherwise a period late (H).
+
+    The wait for the slowest worker is left out of the verdict, as the run's own verdict leaves
+    it out (it times its gather after a barrier): where workers share cores, as on this machine,
+    a worker that waits lends its core to the others, and counting the wait turned overlap on for
+    loopback runs, whose gathers take milliseconds."""
     if overlap == "auto":
-        overlap = gather_share(gather, H * compute_s) > OVERLAP_ABOVE
-    exposed = max(0.0, gather - H * compute_s) if overlap else gather + sync_wait_s
-    return compute_s + exposed / H, bool(overlap)
+        landing = tau or min(H, max(1, math.ceil(round(LAND_MARGIN * share * H, 6))))
+    else:
+        landing = tau or H
+    penalty = landing_penalty(landing, H)
+    sync = 1.0 + share
+    overlapped = (1.0 + max(0.0, share - 1.0)) * (1.0 + penalty)
+    decided = overlapped < sync if overlap == "auto" else bool(overlap)
+    return OverlapVerdict(decided, landing, sync, overlapped, penalty)
+
+
+def sparseloco_step(
+    compute_s: float,
+    gather: float,
+    H: int,
+    overlap: bool | str = "auto",
+    sync_wait_s: float = 0.0,
+    tau: int = 0,
+) -> tuple[float, OverlapVerdict]:
+    """SparseLoCo's mean step from a step's compute and one outer step's gather (seconds), and
+    the verdict on overlap it was priced under (``predict_sparseloco``, ``weigh_overlap``); a
+    synchronous gather also waits ``sync_wait_s`` for the slowest worker."""
+    period_s = H * compute_s
+    verdict = weigh_overlap(gather_share(gather, period_s), H, overlap, tau)
+    exposed = max(0.0, gather - period_s) if verdict.overlap else gather + sync_wait_s
+    return compute_s + exposed / H, verdict
 
 
 def choose_sparseloco_period(
@@ -126,26 +181,29 @@ def choose_sparseloco_period(
     penalty: float = SPARSELOCO_PENALTY,
     overlap: bool | str = "auto",
     sync_wait_s: float = 0.0,
+    tau: int = 0,
 ) -> tuple[int, list[dict]]:
     """``sparseloco --H auto``: the period of ``periods`` with the shortest predicted time to a
     loss, from a step's compute and one outer step's gather as measured (seconds), and the table
     it was chosen from (a row per period; ties go to the shorter). Time to a loss is the
     predicted step (``sparseloco_step``: the gather every H steps, synchronous or overlapped as
-    the run's ``overlap`` has it, auto deciding as it would; a synchronous gather also waits
-    ``sync_wait_s`` for the slowest worker) times the steps it needs, ``1 + penalty * H`` (a
-    shorter period learns more per token: ``SPARSELOCO_PENALTY``), over nosync's step."""
+    the run's ``overlap`` and ``tau`` have it, auto deciding as it would; a synchronous gather
+    also waits ``sync_wait_s`` for the slowest worker) times the steps it needs, ``1 + penalty *
+    H`` (a shorter period learns more per token: ``SPARSELOCO_PENALTY``) and, overlapped, ``1 +
+    landing_penalty`` (a mean landing late), over nosync's step."""
     if compute_s <= 0 or gather < 0:
         raise ValueError(f"need a step's compute > 0 and a gather >= 0, got {compute_s} and {gather}")
     if not periods:
         raise ValueError("no period to choose from")
     table = []
     for H in periods:
-        step, overlap_H = sparseloco_step(compute_s, gather, H, overlap, sync_wait_s)
-        factor = 1 + penalty * H
+        step, verdict = sparseloco_step(compute_s, gather, H, overlap, sync_wait_s, tau)
+        factor = (1 + penalty * H) * (1 + verdict.penalty if verdict.overlap else 1.0)
         table.append(
             {
                 "H": H,
-                "overlap": overlap_H,
+                "overlap": verdict.overlap,
+                "landing": verdict.landing if verdict.overlap else H,
                 "predicted_step_s": step,
                 "steps_factor": factor,
                 "time_to_loss_factor": step * factor / compute_s,
