@@ -4,7 +4,7 @@
 
 On W1 (GPT ``mini``, 4 hosts, batch 8 x 128, one thread each) every cell runs the same job
 through ``geotrain run`` on the emulated cluster: ``nosync`` (the bound), ``sparseloco`` with its
-defaults (``--overlap auto``: overlapped where a gather takes over 5% of the period's compute, as
+defaults (``--overlap auto``: overlapped where that reaches a loss sooner, as
 the start-up probe of ``--H auto`` times them, or the first outer step, synchronous, with ``--H
 N``), ``sparseloco --overlap`` (always), ``sparseloco --no-overlap``, ``demo`` and ``demo
 --overlap`` (fewer steps: ``--demo-steps``), at

@@ -707,11 +707,39 @@ def test_overlap_pays_where_the_step_it_saves_outweighs_the_steps_its_late_landi
     assert verdict.penalty == pytest.approx(penalty) == landing_penalty(landing, H)
     assert verdict.sync == pytest.approx(1 + share)
     assert verdict.overlapped == pytest.approx((1 + max(0.0, share - 1)) * (1 + penalty))
-    # Given, overlap is as told: --tau's landing, else a period late
+    # Given, overlap is as told: --tau's landing (at most H), else a period late
     assert weigh_overlap(share, H, overlap=True, tau=2).landing == 2
+    assert weigh_overlap(share, H, overlap=True, tau=H + 3).landing == H
     assert weigh_overlap(share, H, overlap=True).landing == H
     assert weigh_overlap(share, H, overlap=False).overlap is False
     assert weigh_overlap(share, H, tau=3).landing == 3  # auto, landing at --tau
+
+
+def test_overlap_verdict_edges():
+    """A tie stays synchronous; a gather of over 1 / 0.24 periods too (overlap hides one period of
+    it and costs 24% more steps); a landing set by --tau before the gather is there waits for the
+    rest, which shows in the verdict and in the predicted step."""
+    from geotrain.plan.gather import sparseloco_step, weigh_overlap
+
+    tie = weigh_overlap(0.04, 10)  # landing 1 of 10: 1.04 both ways
+    assert tie.landing == 1 and tie.overlapped == pytest.approx(tie.sync) and tie.overlap is False
+    assert weigh_overlap(4.0, 10).overlap is True  # (1 + 3) x 1.24 = 4.96 < 5
+    assert weigh_overlap(4.5, 10).overlap is False  # (1 + 3.5) x 1.24 = 5.58 > 5.5
+    # --tau 2 of H=10 with a gather of 20 one-second steps: 18 s show at the landing
+    early = weigh_overlap(2.0, 10, tau=2)
+    assert early.overlapped == pytest.approx((1 + 2.0 - 0.2) * 1.08) and early.overlap is False
+    step, verdict = sparseloco_step(1.0, 20.0, 10, overlap=True, tau=2)
+    assert verdict.overlap and step == pytest.approx(1.0 + 18.0 / 10)
+    assert sparseloco_step(1.0, 20.0, 10, overlap=True)[0] == pytest.approx(1.0 + 10.0 / 10)
+    # --H auto's table with --tau: the same verdict, landing at tau, its wait priced
+    H, table = choose_sparseloco_period(1.0, 3.0, tau=2)
+    for row in table:
+        verdict = weigh_overlap(3.0 / row["H"], row["H"], tau=2)
+        assert row["overlap"] is verdict.overlap
+        if verdict.overlap:
+            assert row["landing"] == 2
+            assert row["predicted_step_s"] == pytest.approx(1.0 + 1.0 / row["H"])
+    assert sparseloco_step(0.0, 1.0, 10, overlap=False)[0] == pytest.approx(0.1)  # no compute: no share
 
 
 def _h_auto(rank, world_size, gathers: list[float] | None):

@@ -139,20 +139,26 @@ class OverlapVerdict:
 def weigh_overlap(share: float, H: int, overlap: bool | str = "auto", tau: int = 0) -> OverlapVerdict:
     """Whether an outer step whose gather takes ``share`` of the period's compute overlaps: as
     ``overlap`` says, or under "auto" where that is sooner to a loss. Overlapped it lands at
-    ``tau`` where given, else under auto at ``LAND_MARGIN`` times the gather's steps (at least 1,
-    at most H: ``hiding_steps``) and otherwise a period late (H).
+    ``tau`` where given (at most H), else under auto at ``LAND_MARGIN`` times the gather's steps
+    (at least 1, at most H: ``hiding_steps``) and otherwise a period late (H); what the steps
+    before the landing do not cover shows (the landing waits for it). A gather of over 1 / 0.24
+    (about 4) periods is synchronous under auto: overlap would hide one period of it and cost
+    24% more steps.
 
     The wait for the slowest worker is left out of the verdict, as the run's own verdict leaves
     it out (it times its gather after a barrier): where workers share cores, as on this machine,
     a worker that waits lends its core to the others, and counting the wait turned overlap on for
     loopback runs, whose gathers take milliseconds."""
-    if overlap == "auto":
-        landing = tau or min(H, max(1, math.ceil(round(LAND_MARGIN * share * H, 6))))
+    if tau:
+        landing = min(tau, H)
+    elif overlap == "auto":
+        landing = min(H, max(1, math.ceil(round(LAND_MARGIN * share * H, 6))))
     else:
-        landing = tau or H
+        landing = H
     penalty = landing_penalty(landing, H)
     sync = 1.0 + share
-    overlapped = (1.0 + max(0.0, share - 1.0)) * (1.0 + penalty)
+    # What the landing's steps do not cover shows: the landing waits for it
+    overlapped = (1.0 + max(0.0, share - landing / H)) * (1.0 + penalty)
     decided = overlapped < sync if overlap == "auto" else bool(overlap)
     return OverlapVerdict(decided, landing, sync, overlapped, penalty)
 
@@ -169,8 +175,10 @@ def sparseloco_step(
     the verdict on overlap it was priced under (``predict_sparseloco``, ``weigh_overlap``); a
     synchronous gather also waits ``sync_wait_s`` for the slowest worker."""
     period_s = H * compute_s
-    verdict = weigh_overlap(gather_share(gather, period_s), H, overlap, tau)
-    exposed = max(0.0, gather - period_s) if verdict.overlap else gather + sync_wait_s
+    share = gather_share(gather, period_s) if period_s > 0 else math.inf
+    verdict = weigh_overlap(share, H, overlap, tau)
+    # overlapped, only what the steps before its landing do not cover shows
+    exposed = max(0.0, gather - verdict.landing * compute_s) if verdict.overlap else gather + sync_wait_s
     return compute_s + exposed / H, verdict
 
 

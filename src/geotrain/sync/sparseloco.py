@@ -35,7 +35,8 @@ bytes that stay small: H=20 needed about 1.26x DDP's tokens to DDP's loss, H=10 
 times whole steps and one all-gather of its message at start-up (``prepare``) and takes, of
 5, 10, 20 and 40, the period with the shortest predicted time to a loss: the step predicted
 with the gather every H steps (synchronous, or overlapped as ``--overlap auto`` decides), times
-1 + ``SPARSELOCO_PENALTY`` x H (``plan.gather.choose_sparseloco_period``). The slowest worker's
+1 + ``SPARSELOCO_PENALTY`` x H and, overlapped, the late landing's 1 + min(0.4 L / H, 0.24)
+(``plan.gather.choose_sparseloco_period``). The slowest worker's
 figures decide for all; the choice is saved with the run.
 
 Defaults. The paper's: chunks of 4096 with k=64 (1.56% density), 2-bit values, beta 0.95, and
@@ -82,10 +83,12 @@ mean landing L of H steps late costs min(0.4 L / H, 0.24) more steps, measured o
 a gather of 5% of the period overlaps at H=20, landing 2 steps late, and not at H=5, where it
 lands a fifth of the period late), else none does. (A fixed 5% of the period decided before:
 it overlapped on ``tiny`` at H=5 for 5.3%, and the run ended at 2.1395 against 2.0577
-synchronous, 400 steps.) With ``H`` "auto" (the
+synchronous at H=5, 400 steps; the default now runs it synchronously, at the H=10 its probe
+then picks: 2.1012.) With ``H`` "auto" (the
 default) the start-up probe has timed a step and a gather already, and the verdict is taken from
 those, before step 1: the first outer step overlaps too where the link is slow (at 350 kbit/s
-its synchronous gather was 26 s of an 80-step run's 160). Overlapping, each gather
+its synchronous gather was 26 s of an 80-step run's 160), unless the gather outlasts about four
+periods, where overlap would hide one of them and cost 24% more steps. Overlapping, each gather
 lands ``LAND_MARGIN`` (1.5) times its measured length in steps after it was launched (``tau``
 0, the default; at most H), by when it has arrived. Every worker takes the same verdict (the
 largest ratio measured), and snapshots keep it. Overlap costs loss (above), so a link fast
