@@ -52,15 +52,21 @@ def _broker(tmp_path, hosts: int, port: int, env: dict | None = None) -> subproc
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
+    """The run has a token: an intruder posing as host 0's replacement with another token is
+    refused in one line before the real replacement is admitted, and the secret appears in no
+    output, nor in any file of the broker's."""
     port = _free_port()
-    broker = _broker(tmp_path, 2, port)
+    secret = "s3cret-" + "5" * 40
+    env = dict(os.environ, GEOTRAIN_TOKEN=secret)
+    broker = _broker(tmp_path, 2, port, env)
     procs = []
+    outputs = []
     try:
         for host in range(2):
             chaos = ["--chaos", "kill:step=5,rank=0"] if host == 0 else []
             cmd = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", str(host)]
             cmd += ["--run-dir", str(tmp_path / f"machine{host}"), *FLAGS, *chaos]
-            procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env))
         regroups = tmp_path / "machine1" / "control" / "regroups-h1.jsonl"
         deadline = time.monotonic() + 60
         while not regroups.exists():  # the survivors went on without host 0
@@ -69,27 +75,42 @@ def test_a_broker_run_loses_its_first_rank_0_and_admits_a_replacement(tmp_path):
         # A second trainer for a host once the run is under way is refused in one line (checked
         # first: a `geotrain train` waits for a broker that is not up yet, or gone with the run).
         again = [*GEOTRAIN, "train", "--broker", f"127.0.0.1:{port}", "--host", "1", *FLAGS]
-        refused = subprocess.run(again, capture_output=True, text=True, timeout=60)
+        refused = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
         assert refused.returncode == 2 and "host 1 is already training" in refused.stderr, refused.stderr
         cmd = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "0"]
+        intruder = subprocess.run(
+            [*cmd, "--run-dir", str(tmp_path / "intruder"), *FLAGS],
+            capture_output=True, text=True, timeout=60, env={**env, "GEOTRAIN_TOKEN": "a-guess"},
+        )  # fmt: skip
+        lines = intruder.stderr.strip().splitlines()
+        assert intruder.returncode == 2 and len(lines) == 1, intruder.stderr
+        assert "refused by the run: this worker's token" in lines[0]
+        outputs += [intruder.stdout, intruder.stderr, refused.stderr]
         joiner = subprocess.Popen(
-            [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS], stderr=subprocess.PIPE, text=True
-        )
+            [*cmd, "--run-dir", str(tmp_path / "machine0"), *FLAGS],
+            stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
         procs.append(joiner)
         # So is a "replacement" for a host that is still training, and the host it names trains on
         # (it never spoke for it).
         wrong = [*GEOTRAIN, "join", "--broker", f"127.0.0.1:{port}", "--host", "1", *FLAGS]
         refused = subprocess.run(
-            [*wrong, "--fault-timeout-s", "2"], capture_output=True, text=True, timeout=60
+            [*wrong, "--fault-timeout-s", "2"], capture_output=True, text=True, timeout=60, env=env
         )
         assert refused.returncode == 2 and "host 1 is still training in this run" in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         errs = [p.communicate(timeout=120)[1] for p in procs]
+        outputs += [refused.stderr, *errs]
         assert procs[0].returncode == -9  # the chaos kill
         assert [p.returncode for p in procs[1:]] == [0, 0], [e[-2000:] for e in errs]
         assert broker.wait(timeout=30) == 0, broker.stderr.read()[-2000:]
+        outputs.append(broker.stderr.read())
     finally:
         _kill_all([*procs, broker])
+    files = [p.read_text(errors="replace") for p in (tmp_path / "broker").rglob("*") if p.is_file()]
+    assert not any(secret in text for text in [*outputs, *files])
+    admissions = read_jsonl(tmp_path / "broker" / "admissions.jsonl")
+    assert [a["ok"] for a in admissions if "ok" in a and "used" not in a].count(False) == 1
     epochs = [json.loads(x) for x in (tmp_path / "broker" / "epochs.jsonl").read_text().splitlines()]
     assert [(e["members"], e["why"]) for e in epochs] == [([1], "silent"), ([1, 0], "requested")]
     summary = json.loads((tmp_path / "machine1" / "summary.json").read_text())  # rank 0 at the end
@@ -115,7 +136,7 @@ def test_bad_broker_options_are_refused_with_one_line(args, message):
 
 
 @pytest.mark.usefixtures("no_leftovers")
-@pytest.mark.long  # 19 s; CI has spares in test_spares.py, a token refused in test_admission.py
+@pytest.mark.long  # 19 s; CI has spares in test_spares.py, a token refused in the test above
 def test_a_broker_runs_spare_replaces_a_lost_machine(tmp_path):
     """On "real machines": `geotrain join --spare` waits before anything fails; machine 1 is
     killed, found silent by the broker, and the spare takes its place; all exit 0. The run has

@@ -13,6 +13,7 @@ import torch
 from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import ROWS_IN_BAND_CODECS, judge, judged_in_rows, parse_aggregate, robust_mean
 from geotrain.models.gpt import GPT, gpt_config
+from geotrain.plan.layers import layer_groups
 from geotrain.sync import build_sync
 from helpers import Cases, geotrain, owners_means, refused
 
@@ -1036,3 +1037,99 @@ def test_owners_is_validated_and_left_out_of_the_spec_at_its_default():
         make_codec("int4:owners=3")
     assert make_codec("int4").spec() == "int4:warmup=0,block=256"  # as snapshots and plans saved it
     assert make_codec("int4:owners=2").spec() == "int4:warmup=0,block=256,owners=2"
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _periodic_case(rank: int, world_size: int, spec: str, how: str) -> dict:
+    """One sync of a periodic method (H=1) with worker 2's contribution spoiled as ``--chaos
+    corrupt`` spoils it: every worker's parameters before and after it. DreamDDP averages each
+    layer during backward, so its sync is a real step, spoiled at its second (the first starts
+    every replica from the same model), and its layers' averages are read before the update."""
+    algo, _, codec = spec.partition("+")
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = Communicator(max_norm_ratio=10.0)
+    options = {"H": 1, "compress": codec or ("none" if algo == "diloco" else "")}
+    if algo == "diloco":
+        options |= {"outer_lr": 1.0, "outer_momentum": 0.0}
+    if algo == "dreamddp":
+        options |= {"replan_threshold": 0.0, "lag": 0}
+    sync = build_sync(algo, model, opt, comm, options)
+    gen = torch.Generator().manual_seed(rank)
+    if algo == "dreamddp":
+        names = [layer.name for layer in layer_groups(model)]
+        sync.set_plan({"schedule": {"H": 1, "layers": names, "assignment": [0] * len(names),
+                                    "iterations": [names]}})  # fmt: skip
+        for step in range(2):
+            x = torch.randint(0, 256, (2, 16), generator=gen)
+            before = _flat(model)
+            if rank == 2 and step == 1:
+                comm.corrupt_next = how
+            sync.model(x, x)[1].backward()
+            sync.before_step()  # lag 0: every layer's average is in before the update
+            after = _flat(model)
+            opt.step()
+            opt.zero_grad()
+            sync.after_step()
+        sync.close()
+        return {"start": None, "honest": before, "after": after, "rejected": dict(comm.rejected_by_rank)}
+    start = _flat(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    honest = _flat(model)
+    if rank == 2:
+        comm.corrupt_next = how
+    sync.after_step()
+    return {"start": start, "honest": honest, "after": _flat(model), "rejected": dict(comm.rejected_by_rank)}
+
+
+PERIODIC = [
+    *(("localsgd", how) for how in ("nan", "inf", "scale=1e6")),
+    ("diloco", "inf"),
+    ("localsgd+int4", "nan"),
+    ("diloco+int4", "scale=1e6"),
+    ("diloco+int8", "inf"),
+    ("dreamddp", "nan"),
+    ("dreamddp", "scale=1e6"),
+    ("dreamddp+int4", "nan"),
+]
+PERIODIC_RUNS = Cases(_periodic_case, 3, PERIODIC)
+
+
+@pytest.mark.parametrize("spec, how", PERIODIC)
+def test_a_periodic_sync_with_a_spoiled_worker_is_the_honest_workers_average(spec, how):
+    """Issue 16's test for the periodic methods, with and without a codec: worker 2 of 3 sends a
+    NaN, inf or 1e6-scaled contribution; every replica stays finite and equal and is counted
+    rejected once per message, and the average is the honest pair's: bitwise where nothing is
+    quantised (local SGD's mean of the parameters, DiLoCo's plain outer step from the anchor,
+    each DreamDDP layer whose all-reduce was spoiled), within the codec's rounding otherwise."""
+    ranks = PERIODIC_RUNS.get(spec, how)
+    h0, h1, h2 = (r["honest"] for r in ranks)
+    for r in ranks:
+        assert torch.isfinite(r["after"]).all()
+        assert torch.equal(r["after"], ranks[0]["after"])
+        assert set(r["rejected"]) == {2} and r["rejected"][2] >= 1
+    after, start = ranks[0]["after"], ranks[0]["start"]
+    if spec == "localsgd":
+        assert torch.equal(after, (h0 + h1) / 2)  # bitwise: the left-out worker adds a zero
+    elif spec == "diloco":  # anchor - mean(anchor - x_k) over the honest pair, as its SGD takes it
+        assert torch.equal(after, start - ((start - h0) + (start - h1)) / 2)
+    elif spec.startswith("dreamddp"):
+        pair, trio = (h0 + h1) / 2, (h0 + h1 + h2) / 3
+        # the layers whose all-reduce worker 2 spoiled take the pair's mean, the others the trio's
+        left_out = (after - pair).abs() < (after - trio).abs()
+        assert left_out.any() and not left_out.all()
+        if spec == "dreamddp":
+            assert torch.equal(after[left_out], pair[left_out])
+            torch.testing.assert_close(after[~left_out], trio[~left_out], rtol=1e-5, atol=1e-7)
+        if spec == "dreamddp":  # one layer's all-reduce spoiled, one rejection
+            assert ranks[0]["rejected"] == {2: 1}
+    else:  # the change since the anchor, averaged through the codec over the honest pair
+        pair = ((h0 - start) + (h1 - start)) / 2
+        error = float((after - start - pair).norm() / pair.norm())
+        assert error < (0.02 if "int8" in spec else 0.3), error
