@@ -291,6 +291,7 @@ OWNERS = [
     ("sign", "-", 0.0),
 ]
 QUANTISED_IN_BAND = ["ssgd+int8/nan", "ssgd+int4/scale", "ssgd+sign/nan"]
+MORE_CODECS_IN_BAND = ["ssgd+bf16/nan", "ssgd+acpsgd:rank=2/scale", "ssgd+adatopk:ratio=0.05/nan"]
 ROBUST = ["robust/median/signflip", "robust/trimmed:f=1/scale=1e6", "robust/median/nan"]
 RUNS = Cases(
     _case,
@@ -299,6 +300,7 @@ RUNS = Cases(
         ("nan",), ("inf",), ("scale",), ("all",), ("clip",), ("buffers",), *((k,) for k in ROBUST),
         *((f"inband/{a}/{how}",) for a in ("ssgd", "ddp") for how in ("nan", "scale")),
         ("inband/ssgd+powersgd:rank=2/nan",), ("inband/ssgd+fp16/scale",),
+        *((f"inband/{case}",) for case in MORE_CODECS_IN_BAND),
         *((f"inband/{case}",) for case in QUANTISED_IN_BAND),
         ("leftout/int8",), ("leftout/int4",),
         *((f"codec/{c}/{how}",) for c in CODECS for how in ("nan", "scale=1e6", "signflip")),
@@ -483,7 +485,9 @@ def test_per_step_buckets_are_checked_with_no_round_trip_before_them(algo, how):
         assert r["control_calls"] == 2 * buckets if algo == "ssgd" else r["control_calls"] >= 2 * buckets
 
 
-@pytest.mark.parametrize("case", ["ssgd+powersgd:rank=2/nan", "ssgd+fp16/scale", *QUANTISED_IN_BAND])
+@pytest.mark.parametrize(
+    "case", ["ssgd+powersgd:rank=2/nan", "ssgd+fp16/scale", *QUANTISED_IN_BAND, *MORE_CODECS_IN_BAND]
+)
 def test_a_codec_whose_collectives_are_means_checks_them_in_band(case):
     """PowerSGD's P and Q (Q's all-reduce issued inside P's wait), fp16's halves, and the
     quantised codecs' all-to-all (each row carries its sender's norm, judged where it arrives):
