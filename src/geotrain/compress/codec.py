@@ -49,6 +49,17 @@ def require(cond: bool, message: str) -> None:
 Shapes = list[tuple[int, ...]]
 
 
+def drop_if_not_finite(residual: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Error feedback where the norm check runs: a residual that is not finite is dropped (zeroed,
+    in place). The message it came with was not finite, so the check left it out of the average;
+    carried on, it would spoil every later message of the stream, each left out in turn, and
+    ``--max-rejections`` would drop the worker for one bad step. (The quantised codecs drop a
+    left-out message's residual on arrival: ``quantize.py``.)"""
+    if comm.checking and not bool(torch.isfinite(residual).all()):
+        residual.zero_()
+    return residual
+
+
 def ring_bytes(nbytes: int, world_size: int) -> int:
     """What one worker sends in a ring all-reduce (or all-to-all + all-gather) of ``nbytes``."""
     return 2 * (world_size - 1) * nbytes // world_size

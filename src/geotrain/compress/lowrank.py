@@ -34,7 +34,7 @@ import torch
 
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
-from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
+from geotrain.compress.codec import Codec, Shapes, drop_if_not_finite, numel, require, ring_bytes
 
 
 def orthonormal(m: torch.Tensor) -> torch.Tensor:
@@ -92,10 +92,10 @@ class _LowRank(Codec):
         rest = [t for t, lay in zip(tensors, layout, strict=True) if lay is None]
         return state, mats, rest
 
-    def _finish(self, state, tensors, mats, approx: dict[int, torch.Tensor]) -> None:
+    def _finish(self, comm: Communicator, state, tensors, mats, approx: dict[int, torch.Tensor]) -> None:
         for i, m in mats.items():
             if self.error_feedback:
-                state[f"e{i}"] = m - approx[i]
+                state[f"e{i}"] = drop_if_not_finite(m - approx[i], comm)
             tensors[i].copy_(approx[i].reshape(tensors[i].shape))
 
     def _message_bytes(self, shapes: Shapes, world_size: int, rows_per_rank) -> int:
@@ -151,7 +151,7 @@ class PowerSGD(_LowRank):
             for i, p, q in zip(mats, ps_mean, qs, strict=True):
                 state[f"q{i}"] = q  # warm start: next step's power iteration begins here
                 approx[i] = p @ q.T
-            self._finish(state, tensors, mats, approx)
+            self._finish(comm, state, tensors, mats, approx)
 
         return Pending(finish, advance)
 
@@ -194,7 +194,7 @@ class ACPSGD(_LowRank):
                 else:
                     state[f"q{i}"] = mean
                     approx[i] = fixed[i] @ mean.T
-            self._finish(state, tensors, mats, approx)
+            self._finish(comm, state, tensors, mats, approx)
 
         return Pending(finish)
 

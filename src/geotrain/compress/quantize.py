@@ -33,7 +33,7 @@ from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator, corrupt_
 from geotrain.comm.guard import BOUND_BYTES, GATHERED, agreed_shard_bound, robust_mean, shard_bound_bytes
 from geotrain.compress import owners
-from geotrain.compress.codec import Codec, Shapes, numel, require, ring_bytes
+from geotrain.compress.codec import Codec, Shapes, drop_if_not_finite, numel, require, ring_bytes
 
 
 def _round_up(n: int, m: int) -> int:
@@ -50,7 +50,7 @@ class _Cast(Codec):
         if "residual" in state:
             v += state["residual"]
         low = v.to(self.dtype)
-        state["residual"] = v - low.float()
+        state["residual"] = drop_if_not_finite(v - low.float(), comm)
         handle = comm.all_reduce(low, op="mean", async_op=True)
         return Pending(lambda: unflatten_into(handle.wait().float(), tensors))
 

@@ -25,7 +25,7 @@ import torch
 from geotrain.comm.buckets import Pending, flatten, unflatten_into
 from geotrain.comm.communicator import Communicator
 from geotrain.comm.guard import message_norm
-from geotrain.compress.codec import Codec, Shapes, numel, require
+from geotrain.compress.codec import Codec, Shapes, drop_if_not_finite, numel, require
 
 
 def _distinct_in(idx: torch.Tensor, n: int) -> bool:
@@ -67,7 +67,7 @@ class TopK(Codec):
         counts = [self.count(r, n) for r in self.ratios(comm)]
         values, idx = self.select(v, counts[comm.rank])  # values is a copy
         v[idx.long()] = 0  # what was not sent stays for the next message
-        state["residual"] = v
+        state["residual"] = drop_if_not_finite(v, comm)
         # Values and indices travel as one int32 message: the bits of the fp32 values, then indices.
         spoiled = comm.spoiled(values)  # --chaos corrupt: the message, not the residual
         message = torch.cat([(values if spoiled is None else spoiled).view(torch.int32), idx])
