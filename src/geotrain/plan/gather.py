@@ -151,8 +151,8 @@ def weigh_overlap(share: float, H: int, overlap: bool | str = "auto", tau: int =
     loopback runs, whose gathers take milliseconds."""
     if tau:
         landing = min(tau, H)
-    elif overlap == "auto":
-        landing = min(H, max(1, math.ceil(round(LAND_MARGIN * share * H, 6))))
+    elif overlap == "auto":  # the gather in steps of compute (share x H), hidden with the margin
+        landing = hiding_steps(1.0, share * H, H)
     else:
         landing = H
     penalty = landing_penalty(landing, H)
