@@ -1062,16 +1062,30 @@ def _dense_land_early(sync) -> None:
         sync.layout.add_into(change, [p.data for p in sync.parameters()])
 
 
+@pytest.mark.parametrize("in_passes", [False, True])
 @pytest.mark.parametrize("tau,spoil", [(1, ""), (3, ""), (3, "nan"), (1, "scale=0")])
-def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit(tau, spoil, monkeypatch):
+def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit(
+    tau, spoil, in_passes, monkeypatch
+):
     """H=4 with a peer whose messages differ from this worker's, landing in the first half
     (mean over senders) or the second (over workers), and a resume while a gather is in flight
     (the start rebuilt from the saved message): the anchor, the start and the parameters after
     12 steps equal, bitwise, those of the dense landing; after each landing start == anchor.
+    Landed at the entries named (``in_passes`` False) or in passes over the whole vector, as
+    ``_in_passes`` chooses by how many entries the messages name.
     ``spoil``: the first outer step's message is spoiled on the way (``--chaos corrupt``; NaNs
     the norm check leaves out, zeros it keeps): what was sent holds other entries than those
     the start was moved at (this worker's clean message), and the resume rebuilds the start
     from the clean one."""
+
+    import geotrain.sync.sparseloco as sparseloco_module
+
+    monkeypatch.setattr(sparseloco_module, "DENSE_ABOVE", 0.0 if in_passes else 1.0)
+    chosen = []  # what each landing of the run under test chose
+
+    def watch(sync):
+        choose = sync._in_passes
+        monkeypatch.setattr(sync, "_in_passes", lambda parts: chosen.append(choose(parts)) or chosen[-1])
 
     def run(dense: bool):
         comm = _WithAPeer()
@@ -1082,6 +1096,8 @@ def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit
         comm.peer = sync.chunker.encode(torch.randn(sync.n, generator=gen) * 1e-2)[0]
         if dense:
             monkeypatch.setattr(sync, "_land_early", lambda s=sync: _dense_land_early(s))
+        else:
+            watch(sync)
         for step in range(1, 13):
             if step == 6:  # resume: the message in flight is saved and sent again
                 state = {"model": model.state_dict(), "opt": opt.state_dict(), "sync": sync.state_dict()}
@@ -1092,6 +1108,8 @@ def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit
                 sync.load_state_dict(state["sync"])
                 if dense:
                     monkeypatch.setattr(sync, "_land_early", lambda s=sync: _dense_land_early(s))
+                else:
+                    watch(sync)
             _local_step(sync, opt, step)
             comm.corrupt_next = spoil if step == 4 else ""
             sync.after_step()
@@ -1219,3 +1237,23 @@ def test_the_chunked_codec_averages_over_every_worker_or_over_the_senders_as_its
         [4.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, -3.0] if senders else [2.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, -1.5]
     )
     torch.testing.assert_close(tensors[0], torch.tensor(expected * 2), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("length,k", [(4096, 64), (1024, 8), (2048, 256), (1000, 8), (512, 64), (4096, 600)])
+def test_the_top_k_in_two_rounds_picks_a_top_k_of_each_row(length, k):
+    """``top_k_indices`` against ``torch.topk``: distinct indices whose values are the row's k
+    largest (as a multiset), on continuous values and on values with many ties (small
+    integers, where a top k is not unique), for rows cut in two rounds and rows too short or
+    uneven for it (then ``torch.topk`` itself)."""
+    from geotrain.compress.chunked import top_k_indices
+
+    gen = torch.Generator().manual_seed(length + k)
+    for values in (
+        torch.randn(37, length, generator=gen).abs(),
+        torch.randint(0, 5, (37, length), generator=gen).float(),
+    ):
+        idx = top_k_indices(values, k)
+        assert idx.shape == (37, k)
+        assert (idx.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct in each row
+        picked = values.gather(1, idx).sort(dim=1).values
+        assert torch.equal(picked, values.topk(k, dim=1).values.sort(dim=1).values)

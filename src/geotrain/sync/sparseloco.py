@@ -141,6 +141,9 @@ from geotrain.sync.periods import periods_for
 MEAN_OVER = ("auto", "senders", "workers")
 # The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
 ARRIVAL_BYTES = 4
+# A landing's sparse reads and writes cost as much as passes over the whole vector where the
+# entries the messages name (with this worker's own) exceed this fraction of them (``_in_passes``)
+DENSE_ABOVE = 1 / 32
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
@@ -421,28 +424,46 @@ class SparseLoCo(PeriodicSync):
         sent = Sent(idx, values)
         return payload, sent, sent.taken_from(error)
 
-    def _land(self, gathered: torch.Tensor) -> tuple[list[float] | None, torch.Tensor]:
+    def _land(self, gathered: torch.Tensor) -> tuple[list[float] | None, torch.Tensor | None]:
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
         the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike),
         at the entries they hold alone. Returns the check's weights by rank (None: unchecked)
         and the entries the kept messages hold ((chunks, m) indices within each chunk, an entry
-        two sent named twice): outside them the anchor is as it was."""
+        two sent named twice), or None where the mean was made in passes over the whole
+        vector (``_in_passes``): outside those entries the anchor is as it was."""
         weights = None
         parts = self.chunker.parts_of(gathered, self.n)  # unpacked once, for the check and the mean
         if self.comm.checking:
             weights = self.comm.weigh_gathered(self.chunker.norms(gathered, self.n, parts))
         per_sender = self._per_sender()
+        counts = self._counts() if per_sender else None
         # Summed in the work vector: the delta it held has gone into the message (``_message``).
-        touched, mean = self.chunker.sparse_mean(
-            gathered, self.n, weights, per_sender, work=self._scratch.view(-1, self.config.chunk),
-            counts=self._counts() if per_sender else None, parts=parts,
-        )  # fmt: skip
-        if self.alpha != 1.0:
-            mean.mul_(self.alpha)
+        work = self._scratch.view(-1, self.config.chunk)
         rows = self._anchor.view(-1, self.config.chunk)
-        rows.scatter_(1, touched, rows.gather(1, touched).sub_(mean))
+        if self._in_passes(parts):
+            mean = self.chunker.dense_mean(
+                gathered, self.n, weights, per_sender, out=work, counts=counts, parts=parts
+            )
+            rows.sub_(mean.mul_(self.alpha) if self.alpha != 1.0 else mean)
+            touched = None
+        else:
+            touched, mean = self.chunker.sparse_mean(
+                gathered, self.n, weights, per_sender, work=work, counts=counts, parts=parts
+            )
+            if self.alpha != 1.0:
+                mean.mul_(self.alpha)
+            rows.scatter_(1, touched, rows.gather(1, touched).sub_(mean))
         self.layout.zero_padding(self._anchor)  # another's message may hold its padding
         return weights, touched
+
+    def _in_passes(self, parts: list) -> bool:
+        """Whether the mean lands in passes over the whole vector rather than at the entries the
+        messages hold (the same bits either way): a value read or written at a random entry
+        costs about as much as ``DENSE_ABOVE`` of them in a pass, and the sparse landing makes
+        about that many more reads and writes at each entry named (measured on GPT ``mini``,
+        ``benchmarks/bench_outer_step.py --workers``)."""
+        named = (sum(part is not None for part in parts) + 1) * self.config.k  # and this worker's own
+        return named > DENSE_ABOVE * self.config.chunk
 
     def _counts(self) -> torch.Tensor:
         """The per-sender mean's count per entry, all zero between outer steps (kept: a fresh
@@ -474,11 +495,12 @@ class SparseLoCo(PeriodicSync):
         figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
         return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
 
-    def _land_in_flight(self) -> torch.Tensor:
+    def _land_in_flight(self) -> torch.Tensor | None:
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
         noted (none for a gather sent again after a regroup: its wait is the regroup's). Returns
-        the entries the anchor moved at (``_land``): none where nothing was in flight."""
+        the entries the anchor moved at (``_land``: None where it moved in passes over the whole
+        vector; none where nothing was in flight)."""
         timed = not self.in_flight.resending
         started = self.clock()
         gathered = self.in_flight.land()
@@ -560,8 +582,15 @@ class SparseLoCo(PeriodicSync):
         spoiled what was sent, or, for one that adopted another's state, that worker's), and
         the mean moves the anchor only where a message it kept holds an entry: the change is
         made at those entries alone, not by three passes over the model."""
-        # an entry in both is read alike
-        touched = torch.cat([self._land_in_flight(), self._start_moved_at], dim=1)
+        touched = self._land_in_flight()
+        if touched is None:  # landed in passes: x <- x + (new anchor - start) in passes too
+            change = torch.sub(self._anchor, self._start, out=self._scratch)
+            self._start.copy_(self._anchor)
+            with torch.no_grad():
+                self.layout.add_into(change, [p.data for p in self.parameters()])
+            self._start_moved_at, self._start_message = self._no_entries(), None
+            return
+        touched = torch.cat([touched, self._start_moved_at], dim=1)  # an entry in both is read alike
         self._start_moved_at, self._start_message = self._no_entries(), None
         anchor = self._anchor.view(-1, self.config.chunk).gather(1, touched)
         start = self._start.view(-1, self.config.chunk)
