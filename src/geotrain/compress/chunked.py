@@ -525,12 +525,15 @@ class ChunkTopK(Codec):
             return total.div_(len(kept))
         counts = self._tally(counts, len(kept), kept[0][0].device, c)
         one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
+        touched = torch.cat([idx for idx, _ in kept], dim=1)
         try:
             for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
                 counts.scatter_add_(1, idx, one)
-            total.div_(counts.clamp_(min=1))  # x / 1 is x: an entry no message holds stays zero
+            # At the entries held alone: a division by the whole integer tally would first make
+            # a float copy of it (a vector the model's size, its page faults: 30 ms on mini).
+            total.scatter_(1, touched, total.gather(1, touched).div_(counts.gather(1, touched)))
         finally:  # left all zero, for the next mean, whatever happens here
-            counts.zero_()
+            counts.scatter_(1, touched, 0)
         return total
 
     def _tally(self, counts: torch.Tensor | None, senders: int, device: torch.device, c: int) -> torch.Tensor:
