@@ -1028,8 +1028,8 @@ def _old_dense_mean(codec, payloads, n, weights=None, per_sender=False):
 def test_the_sparse_mean_equals_the_old_dense_mean_to_the_bit(per_sender):
     """Four payloads over a vector that does not fill its last chunk (padding), one of them an
     adopter's empty stand-in, weighed [1, 0.5, 0, 1] (a clip and a reject): ``mean_of`` (built
-    on ``sparse_mean``) and the sparse mean spread out equal the dense computation bitwise, and
-    a kept count tally is left all zero."""
+    on ``dense_mean``), ``dense_mean`` into a dirty work tensor and the sparse mean spread out
+    equal the dense computation bitwise, and a kept count tally is left all zero by each."""
     codec = ChunkTopK(chunk=64, k=16, bits=4)
     gen = torch.Generator().manual_seed(11)
     n = 64 * 5 + 17
@@ -1040,6 +1040,11 @@ def test_the_sparse_mean_equals_the_old_dense_mean_to_the_bit(per_sender):
         want = _old_dense_mean(codec, gathered, n, weights, per_sender)
         assert torch.equal(codec.mean_of(gathered, n, weights, per_sender=per_sender), want)
         tally = torch.zeros(codec.chunks(n), 64, dtype=torch.uint8)
+        dense = codec.dense_mean(
+            gathered, n, weights, per_sender, out=torch.full((codec.chunks(n), 64), 7.0), counts=tally
+        )
+        assert torch.equal(dense.reshape(-1)[:n], want) and not tally.any()
+        assert not dense.reshape(-1)[n:].any()  # the padding of the last chunk: zero
         work = torch.full((codec.chunks(n), 64), 7.0)
         touched, mean = codec.sparse_mean(gathered, n, weights, per_sender, work=work, counts=tally)
         spread = torch.zeros(codec.chunks(n), 64).scatter_(1, touched, mean).reshape(-1)[:n]
@@ -1121,6 +1126,7 @@ def test_a_landing_at_the_gathered_entries_alone_equals_the_dense_one_to_the_bit
         return out, comm.rejected_by_rank
 
     (sparse, rejected), (dense, _) = run(False), run(True)
+    assert len(chosen) >= 2 and set(chosen) == {in_passes}  # every landing took the branch under test
     assert rejected == ({0: 1} if spoil == "nan" else {})  # NaNs left out; zeros averaged in
     for a, b in zip(sparse, dense, strict=True):
         assert torch.equal(a, b)
@@ -1239,12 +1245,14 @@ def test_the_chunked_codec_averages_over_every_worker_or_over_the_senders_as_its
     torch.testing.assert_close(tensors[0], torch.tensor(expected * 2), atol=0.05, rtol=0)
 
 
-@pytest.mark.parametrize("length,k", [(4096, 64), (1024, 8), (2048, 256), (1000, 8), (512, 64), (4096, 600)])
+@pytest.mark.parametrize(
+    "length,k", [(4096, 64), (1024, 8), (2048, 256), (1026, 8), (1000, 8), (512, 64), (4096, 600)]
+)
 def test_the_top_k_in_two_rounds_picks_a_top_k_of_each_row(length, k):
     """``top_k_indices`` against ``torch.topk``: distinct indices whose values are the row's k
     largest (as a multiset), on continuous values and on values with many ties (small
     integers, where a top k is not unique), for rows cut in two rounds and rows too short or
-    uneven for it (then ``torch.topk`` itself)."""
+    uneven for it (then ``torch.topk`` itself); a NaN is picked first, as ``torch.topk`` picks it."""
     from geotrain.compress.chunked import top_k_indices
 
     gen = torch.Generator().manual_seed(length + k)
@@ -1257,3 +1265,6 @@ def test_the_top_k_in_two_rounds_picks_a_top_k_of_each_row(length, k):
         assert (idx.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct in each row
         picked = values.gather(1, idx).sort(dim=1).values
         assert torch.equal(picked, values.topk(k, dim=1).values.sort(dim=1).values)
+    with_nan = torch.randn(3, length, generator=gen).abs()
+    with_nan[1, length // 3] = float("nan")
+    assert (length // 3) in top_k_indices(with_nan, k)[1].tolist()

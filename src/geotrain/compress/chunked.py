@@ -510,7 +510,7 @@ class ChunkTopK(Codec):
         """``sparse_mean`` spread out: a (chunks, chunk) tensor holding the mean where some kept
         message holds an entry and zero elsewhere, to the bit the sparse mean's values. A pass or
         two over the whole vector, where the sparse mean makes several at the entries the
-        messages hold: on a CPU a value read or written at a random entry costs about 20 times
+        messages hold: on a CPU a value read or written at a random entry costs about 20-30 times
         one in a pass, so with four workers' messages of 1/64 of the entries the passes are the
         cheaper (GPT ``mini``: a landing's 116 ms of CPU against 45). ``out``: a (chunks, chunk)
         float tensor to make it in (its contents are lost); ``counts``: as ``sparse_mean``'s."""
@@ -566,14 +566,13 @@ class ChunkTopK(Codec):
         it.
 
         Summed in rank order on every worker, so every replica gets the same bits. Nothing here
-        is a pass over the whole vector: where the messages hold few entries (one or two workers'),
-        a caller that applies the mean where it is nonzero spares the passes of ``dense_mean``.
-        ``work``: a
-        (chunks, chunk) float tensor the sums are made in, at the touched entries only (the rest
-        of it is left as it was); ``counts``: a (chunks, chunk) integer tensor, all zero, that
-        the per-sender counts are made in and that is left all zero (a caller keeps one across
-        outer steps); each is made where not given. ``parts``: the payloads' ``parts_of``, where
-        the caller has them."""
+        is a pass over the whole vector: where the messages hold few entries (a worker's own, or
+        two workers' at most), a caller that applies the mean where it is nonzero spares the
+        passes of ``dense_mean``. ``work``: a (chunks, chunk) float tensor the sums are made
+        in, at the touched entries only (the rest of it is left as it was); ``counts``: a
+        (chunks, chunk) integer tensor, all zero, that the per-sender counts are made in and
+        that is left all zero (a caller keeps one across outer steps); each is made where not
+        given. ``parts``: the payloads' ``parts_of``, where the caller has them."""
         c = self.chunks(n)
         kept = self._kept(payloads, n, weights, parts)
         if not kept:

@@ -141,8 +141,11 @@ from geotrain.sync.periods import periods_for
 MEAN_OVER = ("auto", "senders", "workers")
 # The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
 ARRIVAL_BYTES = 4
-# A landing's sparse reads and writes cost as much as passes over the whole vector where the
-# entries the messages name (with this worker's own) exceed this fraction of them (``_in_passes``)
+# A landing's reads and writes at the entries the messages name cost more than passes over the
+# whole vector where those entries exceed this fraction of it (``_in_passes``; measured on GPT
+# ``mini``, one thread, ``benchmarks/bench_outer_step.py --workers W``: a landing inside the
+# period at the entries / in passes 47 / 76 ms with 1 worker's message, 60 / 60 with 2, 119 / 93
+# with 4, 187 / 110 with 8)
 DENSE_ABOVE = 1 / 32
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
@@ -277,8 +280,9 @@ class SparseLoCo(PeriodicSync):
         self._error = torch.zeros(self.n)  # e_r
         # Work vectors, reused each outer step: a fresh vector of GPT mini's size costs its page
         # faults (about 0.1 s of CPU here), and an outer step made nine. The parameters in the
-        # layout, then the delta, then (once the message is made) the sums of the mean at the
-        # entries the messages hold; and the next e, made beside the current one until it is kept.
+        # layout, then the delta, then (once the message is made) the sums of the mean (at the
+        # entries the messages hold, or whole), then a landing's change (anchor - start); and the
+        # next e, made beside the current one until it is kept.
         self._scratch = torch.zeros(self.n)
         self._spare = torch.zeros(self.n)
         self._start = self._anchor.clone()  # where this period started (overlap)
@@ -426,11 +430,11 @@ class SparseLoCo(PeriodicSync):
 
     def _land(self, gathered: torch.Tensor) -> tuple[list[float] | None, torch.Tensor | None]:
         """theta <- theta - alpha * mean of the gathered messages (padding kept at zero), over
-        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike),
-        at the entries they hold alone. Returns the check's weights by rank (None: unchecked)
-        and the entries the kept messages hold ((chunks, m) indices within each chunk, an entry
-        two sent named twice), or None where the mean was made in passes over the whole
-        vector (``_in_passes``): outside those entries the anchor is as it was."""
+        the messages the norm check keeps (``--max-norm-ratio``; every worker judges alike): at
+        the entries they hold, or in passes over the whole vector (``_in_passes``). Returns the
+        check's weights by rank (None: unchecked) and the entries the kept messages hold
+        ((chunks, m) indices within each chunk, an entry two sent named twice), or None where
+        the mean was made in passes: outside those entries the anchor is as it was."""
         weights = None
         parts = self.chunker.parts_of(gathered, self.n)  # unpacked once, for the check and the mean
         if self.comm.checking:
@@ -458,11 +462,10 @@ class SparseLoCo(PeriodicSync):
 
     def _in_passes(self, parts: list) -> bool:
         """Whether the mean lands in passes over the whole vector rather than at the entries the
-        messages hold (the same bits either way): a value read or written at a random entry
-        costs about as much as ``DENSE_ABOVE`` of them in a pass, and the sparse landing makes
-        about that many more reads and writes at each entry named (measured on GPT ``mini``,
-        ``benchmarks/bench_outer_step.py --workers``)."""
-        named = (sum(part is not None for part in parts) + 1) * self.config.k  # and this worker's own
+        messages hold (the same values either way): a value read or written at a random entry
+        costs about as much as 1 / ``DENSE_ABOVE`` of them in a pass, and the sparse landing
+        makes several such reads and writes at each entry named. Every worker decides alike."""
+        named = sum(part is not None for part in parts) * self.config.k
         return named > DENSE_ABOVE * self.config.chunk
 
     def _counts(self) -> torch.Tensor:
@@ -580,8 +583,10 @@ class SparseLoCo(PeriodicSync):
         The start differs from the anchor only where the message that stood in for the mean
         took it off (``_start_moved_at``: this worker's own, clean even where ``--chaos``
         spoiled what was sent, or, for one that adopted another's state, that worker's), and
-        the mean moves the anchor only where a message it kept holds an entry: the change is
-        made at those entries alone, not by three passes over the model."""
+        the mean moves the anchor only where a message it kept holds an entry: where those are
+        few (``_in_passes``), the change is made at those entries alone, not by three passes
+        over the model. (In passes, a parameter that is -0.0 where nothing changed becomes
+        +0.0: the same value.)"""
         touched = self._land_in_flight()
         if touched is None:  # landed in passes: x <- x + (new anchor - start) in passes too
             change = torch.sub(self._anchor, self._start, out=self._scratch)
