@@ -142,11 +142,11 @@ MEAN_OVER = ("auto", "senders", "workers")
 # The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
 ARRIVAL_BYTES = 4
 # A landing's reads and writes at the entries the messages name cost more than passes over the
-# whole vector where those entries exceed this fraction of it (``_in_passes``; measured on GPT
-# ``mini``, one thread, ``benchmarks/bench_outer_step.py --workers W``: a landing inside the
-# period at the entries / in passes 47 / 76 ms with 1 worker's message, 60 / 60 with 2, 119 / 93
-# with 4, 187 / 110 with 8)
-DENSE_ABOVE = 1 / 32
+# whole vector where those entries exceed this fraction of it (``_in_passes``): more than one
+# message of 64 in 4096. Measured on GPT ``mini``, one thread (``benchmarks/bench_outer_step.py
+# --workers W``, a landing one step into the period): at the entries / in passes 49 / 52 ms with
+# 1 worker's message, 78 / 63 with 2, 110 / 69 with 4, 186 / 111 with 8.
+DENSE_ABOVE = 1 / 64
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
