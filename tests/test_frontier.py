@@ -1268,3 +1268,20 @@ def test_the_top_k_in_two_rounds_picks_a_top_k_of_each_row(length, k):
     with_nan = torch.randn(3, length, generator=gen).abs()
     with_nan[1, length // 3] = float("nan")
     assert (length // 3) in top_k_indices(with_nan, k)[1].tolist()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 10, 12, 16])
+@pytest.mark.parametrize("count", [1, 7, 64, 255])
+def test_unpacking_rows_at_once_equals_unpacking_each_row(bits, count):
+    """``unpack_rows`` (every gathered message in one call) against ``unpack_bits`` of each row,
+    for widths with whole codes a byte, 12-bit pairs and the general cut, counts that end a
+    byte or a group part way."""
+    from geotrain.compress.chunked import pack_bits, packed_bytes, unpack_bits, unpack_rows
+
+    gen = torch.Generator().manual_seed(bits * 1000 + count)
+    codes = torch.randint(0, 2**bits, (5, count), generator=gen)
+    packed = torch.stack([pack_bits(row, bits) for row in codes])
+    assert packed.shape == (5, packed_bytes(count, bits))
+    rows = unpack_rows(packed, bits, count)
+    assert torch.equal(rows, codes)
+    assert all(torch.equal(unpack_bits(packed[r], bits, count), codes[r]) for r in range(5))

@@ -128,25 +128,36 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         f"unpack_bits: {count} codes of {bits} bits need {packed_bytes(count, bits)} uint8 bytes, "
         f"got {packed.numel()} {packed.dtype}",
     )
+    return unpack_rows(packed.reshape(1, -1), bits, count)[0]
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """``unpack_bits`` of each row of a 2-d uint8 tensor (each row a packed stream of at least
+    ``count`` codes): (rows, count) int64, in one pass for every row where the width allows (a
+    gathered message per row: a receiver unpacks every worker's at once, not each in turn, and
+    the calls were a fifth of DreamDDP's codec time a layer)."""
+    rows, size = packed.shape
     device = packed.device
     mask = (1 << bits) - 1
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-        codes = (packed.reshape(-1, 1) >> shifts) & mask
-        return codes.reshape(-1)[:count].to(torch.int64)
+        codes = (packed.unsqueeze(-1) >> shifts) & mask
+        return codes.reshape(rows, -1)[:, :count].to(torch.int64)
     if bits == 12:
         need = 3 * -(-count // 2)  # whole groups of three bytes (a last half group padded)
-        data = packed.reshape(-1)[:need]
-        if data.numel() < need:
-            data = torch.cat([data, torch.zeros(need - data.numel(), dtype=torch.uint8, device=device)])
-        group = data.reshape(-1, 3).to(torch.int64)
-        low = group[:, 0] | ((group[:, 1] & 0xF) << 8)
-        high = (group[:, 1] >> 4) | (group[:, 2] << 4)
-        return torch.stack([low, high], dim=1).reshape(-1)[:count]
+        data = packed[:, :need]
+        if size < need:
+            data = torch.cat([data, torch.zeros(rows, need - size, dtype=torch.uint8, device=device)], dim=1)
+        group = data.reshape(rows, -1, 3).to(torch.int64)
+        low = group[..., 0] | ((group[..., 1] & 0xF) << 8)
+        high = (group[..., 1] >> 4) | (group[..., 2] << 4)
+        return torch.stack([low, high], dim=-1).reshape(rows, -1)[:, :count]
     start = torch.arange(count, dtype=torch.int64, device=device) * bits
     first = start >> 3
-    padded = torch.cat([packed.reshape(-1), torch.zeros(2, dtype=torch.uint8, device=device)]).to(torch.int32)
-    word = padded[first] | (padded[first + 1] << 8) | (padded[first + 2] << 16)
+    padded = torch.cat([packed, torch.zeros(rows, 2, dtype=torch.uint8, device=device)], dim=1).to(
+        torch.int32
+    )
+    word = padded[:, first] | (padded[:, first + 1] << 8) | (padded[:, first + 2] << 16)
     return ((word >> (start & 7).to(torch.int32)) & mask).to(torch.int64)
 
 
@@ -358,26 +369,34 @@ class ChunkTopK(Codec):
 
     def parts_of(self, payloads: torch.Tensor, n: int) -> list[Parts | None]:
         """Each gathered payload's (scales, codes, indices), None for an empty one (an adopter's
-        stand-in: see ``sparse_mean``): unpacked once for both ``norms`` and the mean."""
-        return [self._parts(payload, n) if payload.any() else None for payload in payloads]
+        stand-in: see ``_kept``): unpacked once for both ``norms`` and the mean, every payload
+        in the same few calls."""
+        scales, codes, idx = self._unpacked(payloads, n)
+        present = payloads.any(dim=1).tolist()
+        return [(scales[r], codes[r], idx[r]) if present[r] else None for r in range(len(present))]
 
     def decode(self, payload: torch.Tensor, n: int) -> torch.Tensor:
         """A payload from ``encode`` of a vector of ``n`` values -> that dense float vector."""
-        scales, codes, idx = self._parts(payload, n)
+        scales, codes, idx = (part[0] for part in self._unpacked(payload.reshape(1, -1), n))
         return self._scatter(scales, codes, idx, n)
 
-    def _parts(self, payload: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _unpacked(self, payloads: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stacked payloads (one a row) -> their scales (rows, chunks, 1), codes and indices
+        (rows, chunks, k)."""
         c = self.chunks(n)
         require(
-            payload.numel() == self.payload_bytes(n),
-            f"{self.name}: a message of {payload.numel()} bytes cannot hold {n} values "
+            payloads.shape[-1] == self.payload_bytes(n),
+            f"{self.name}: a message of {payloads.shape[-1]} bytes cannot hold {n} values "
             f"(expected {self.payload_bytes(n)})",
         )
+        rows = payloads.shape[0]
         nvalue = packed_bytes(c * self.k, self.bits)
-        scales = payload[: 4 * c].clone().view(torch.float32).reshape(c, 1)
-        codes = unpack_bits(payload[4 * c : 4 * c + nvalue], self.bits, c * self.k).reshape(c, self.k)
-        idx = unpack_bits(payload[4 * c + nvalue :], index_bits(self.chunk), c * self.k).reshape(c, self.k)
-        return scales, codes, idx
+        # a copy, aligned for floats and not a view of the payloads (which may be reused)
+        scales = payloads[:, : 4 * c].clone(memory_format=torch.contiguous_format)
+        scales = scales.view(torch.float32).reshape(rows, c, 1)
+        codes = unpack_rows(payloads[:, 4 * c : 4 * c + nvalue], self.bits, c * self.k)
+        idx = unpack_rows(payloads[:, 4 * c + nvalue :], index_bits(self.chunk), c * self.k)
+        return scales, codes.reshape(rows, c, self.k), idx.reshape(rows, c, self.k)
 
     def _values(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         top = 2**self.bits - 1
@@ -612,4 +631,5 @@ __all__ = [
     "require_chunking",
     "top_k_indices",
     "unpack_bits",
+    "unpack_rows",
 ]
