@@ -543,27 +543,36 @@ class ChunkTopK(Codec):
             return total
         if not per_sender:
             return total.div_(len(kept))
-        counts = self._tally(counts, len(kept), kept[0][0].device, c)
-        one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
+        # At the entries held alone: a division by the whole integer tally would first make a
+        # float copy of it (a vector the model's size, its page faults: 30 ms on mini).
         touched = torch.cat([idx for idx, _ in kept], dim=1)
+        senders = self._senders_at(kept, touched, counts, c)
+        total.scatter_(1, touched, total.gather(1, touched).div_(senders))
+        return total
+
+    def _senders_at(
+        self,
+        kept: list[tuple[torch.Tensor, torch.Tensor]],
+        touched: torch.Tensor,
+        counts: torch.Tensor | None,
+        c: int,
+    ) -> torch.Tensor:
+        """How many of the ``kept`` messages hold each entry of ``touched`` ((chunks, m)),
+        counted in ``counts`` (a (chunks, chunk) integer tally, all zero, left all zero whatever
+        happens here; made where not given)."""
+        if counts is None:
+            counts = torch.zeros(c, self.chunk, dtype=torch.int32, device=touched.device)
+        require(
+            len(kept) <= torch.iinfo(counts.dtype).max,
+            f"{self.name}: {len(kept)} senders overflow a {counts.dtype} count",
+        )
+        one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
         try:
             for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
                 counts.scatter_add_(1, idx, one)
-            # At the entries held alone: a division by the whole integer tally would first make
-            # a float copy of it (a vector the model's size, its page faults: 30 ms on mini).
-            total.scatter_(1, touched, total.gather(1, touched).div_(counts.gather(1, touched)))
-        finally:  # left all zero, for the next mean, whatever happens here
+            return counts.gather(1, touched)
+        finally:
             counts.scatter_(1, touched, 0)
-        return total
-
-    def _tally(self, counts: torch.Tensor | None, senders: int, device: torch.device, c: int) -> torch.Tensor:
-        if counts is None:
-            counts = torch.zeros(c, self.chunk, dtype=torch.int32, device=device)
-        require(
-            senders <= torch.iinfo(counts.dtype).max,
-            f"{self.name}: {senders} senders overflow a {counts.dtype} count",
-        )
-        return counts
 
     def sparse_mean(
         self,
@@ -606,15 +615,7 @@ class ChunkTopK(Codec):
         mean = sums.gather(1, touched)
         if not per_sender:
             return touched, mean.div_(len(kept))
-        counts = self._tally(counts, len(kept), touched.device, c)
-        one = torch.ones((), dtype=counts.dtype, device=counts.device).expand(kept[0][0].shape)
-        try:
-            for idx, _ in kept:  # a sender counts once, its weight (a clip) stays on its values
-                counts.scatter_add_(1, idx, one)
-            mean.div_(counts.gather(1, touched))
-        finally:  # left all zero, for the next mean, whatever happens here
-            counts.scatter_(1, touched, 0)
-        return touched, mean
+        return touched, mean.div_(self._senders_at(kept, touched, counts, c))
 
     def wire_bytes(self, shapes: Shapes, world_size: int) -> int:
         return (world_size - 1) * self.payload_bytes(sum(numel(s) for s in shapes))

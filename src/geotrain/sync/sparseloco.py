@@ -588,15 +588,14 @@ class SparseLoCo(PeriodicSync):
         over the model. (In passes, a parameter that is -0.0 where nothing changed becomes
         +0.0: the same value.)"""
         touched = self._land_in_flight()
+        moved_at, self._start_moved_at, self._start_message = self._start_moved_at, self._no_entries(), None
         if touched is None:  # landed in passes: x <- x + (new anchor - start) in passes too
             change = torch.sub(self._anchor, self._start, out=self._scratch)
             self._start.copy_(self._anchor)
             with torch.no_grad():
                 self.layout.add_into(change, [p.data for p in self.parameters()])
-            self._start_moved_at, self._start_message = self._no_entries(), None
             return
-        touched = torch.cat([touched, self._start_moved_at], dim=1)  # an entry in both is read alike
-        self._start_moved_at, self._start_message = self._no_entries(), None
+        touched = torch.cat([touched, moved_at], dim=1)  # an entry in both is read alike
         anchor = self._anchor.view(-1, self.config.chunk).gather(1, touched)
         start = self._start.view(-1, self.config.chunk)
         change = anchor - start.gather(1, touched)
