@@ -934,6 +934,67 @@ def test_under_auto_the_landing_follows_when_the_gathers_arrive():
     sync.close()
 
 
+def test_under_auto_overlap_switches_off_where_the_landing_the_link_asks_for_costs_more_than_the_wait():
+    """H=10 steps of 1 s. The first gather (0.6 s, 6% of the period) turns overlap on, landing
+    1 step late (1.04 against 1.06). Later gathers take 2.5 s: the figure sent at 30 asks for a
+    landing at 3, where overlap costs 12% more steps (1.12 against 1.06), so at that landing
+    (step 31) the verdict turns, and from the outer step at 40 every outer step is synchronous:
+    the replica on the anchor, nothing in flight, the mean over senders at alpha 1, the landing
+    no longer moved. A snapshot between the two holds the switch to come."""
+    comm = _ClockedGather(0.6)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()  # on the test's clock
+    for step in range(1, 61):
+        comm.now += 1.0
+        comm.gather_s = 0.6 if step <= 10 else 2.5
+        _local_step(sync, opt, step)
+        synced = sync.after_step()
+        assert synced == (step % 10 == 0)
+        if step == 20:
+            assert sync.overlap and sync.landing == 1 and sync.in_flight.flying
+        if step == 30:
+            assert sync.overlap and not sync._off_at_next
+        if step == 31:  # the figure carried by 30's message (there 2.5 steps after launch): 3
+            assert sync._next_landing == 3 and sync._off_at_next and sync.overlap
+            assert "switched off from the outer step after step 31" in sync.decision
+            assert "12% more steps (overlapped 1.120 against synchronous 1.060)" in sync.decision
+        if step == 35:  # a snapshot before the switch holds it
+            _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
+            again.load_state_dict(sync.state_dict())
+            assert again.overlap and again._off_at_next and again._share == pytest.approx(0.06)
+            assert again.decision == sync.decision
+            again.close()
+        if step >= 40 and synced:  # synchronous: every replica on the anchor, nothing in flight
+            assert sync.overlap is False and not sync.in_flight.flying
+            assert torch.equal(sync._local(), sync._anchor)
+    assert sync.landing == 1 and sync.landing_moves == 0 and not sync.follows_link
+    assert sync.resolved_options() == {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
+    assert sync.in_flight.saved() is None  # a snapshot resends nothing
+    state = sync.state_dict()
+    assert state["overlap"] is False and not state["overlap_off_next"]
+    assert "switched off" in sync.info()
+    sync.close()
+
+
+def test_a_landing_that_moves_within_what_overlap_pays_for_keeps_overlap_on():
+    """The same, the first gather 2.5 s (25%: landing 4) and later ones 6.4 s: the landing
+    moves to 7 of 10, where overlap costs 24% more steps, still under the 25% a synchronous
+    gather waits (1.24 against 1.25): overlap stays on."""
+    comm = _ClockedGather(2.5)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()
+    for step in range(1, 61):
+        comm.now += 1.0
+        comm.gather_s = 2.5 if step <= 20 else 6.4
+        _local_step(sync, opt, step)
+        sync.after_step()
+    assert sync.overlap and sync.landing == 7 and not sync._off_at_next
+    assert "switched off" not in sync.decision
+    sync.close()
+
+
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():
     """A worker that adopted another's state sends an all-zero payload in the gather in flight
     (its loaded message was the other's): the mean is over the workers that sent one, not

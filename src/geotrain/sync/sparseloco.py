@@ -313,6 +313,11 @@ class SparseLoCo(PeriodicSync):
         self._arrival = 0.0
         self._next_landing = 0  # the landing the last figures asked for, taken at the next outer step
         self.landing_moves = 0
+        # Auto's verdict is weighed again where the landing moves (``_reweigh``): the gather's
+        # share of the period it was taken on (None: no verdict taken), and whether the next outer
+        # step goes synchronous, the landing the link now asks for costing more than the wait
+        self._share: float | None = None
+        self._off_at_next = False
 
     @property
     def alpha(self) -> float:
@@ -523,7 +528,56 @@ class SparseLoCo(PeriodicSync):
         # Taken at the next outer step: until then every worker must see this period's landing
         # (``collective_period``, a landing redone after a regroup), wherever it is in the period.
         self._next_landing = next_landing(self.landing, arrivals, self.config.H)
+        self._reweigh()
         return touched
+
+    def _reweigh(self) -> None:
+        """Auto's verdict again, at the landing the last figures asked for: where overlap,
+        landing that late, is no longer sooner to a loss than the gather waited for
+        (``weigh_overlap`` on the share the verdict was taken on), the next outer step and every
+        one after it are synchronous. Every worker reads the same figures, so all switch at the
+        same outer step.
+
+        The share is the one measured when the verdict was taken, not one read from the
+        arrivals: a gather is seen late also where a worker drifted ahead of the others (on
+        loopback, 4 workers on 2 cores arrive several 20 ms steps apart), and a synchronous
+        outer step does not wait for the link there, only for the slowest worker, which the
+        verdict leaves out on both sides. Measured on GPT ``tiny`` (4 workers, loopback, H=10,
+        400 steps): a first gather of 4-5% of the period turned overlap on, landing 1 step
+        late; the landing then wandered over 2-10 steps (moved 29 times in one run), and those
+        runs ended 3.3-3.5% above the synchronous ones, where landing at 1 throughout (``--tau
+        1``) cost 0.6% on the mean of 8 seeds. One way: a run switched off does not come back
+        (a synchronous gather timed without a barrier holds the wait for the slowest worker,
+        which would turn overlap on again at once on such a machine)."""
+        moved = self._next_landing
+        if self._share is None or not moved or moved == self.landing or self._off_at_next:
+            return
+        verdict = weigh_overlap(self._share, self.config.H, tau=moved)
+        if verdict.overlap:
+            return
+        self._off_at_next = True
+        self.decision += (
+            f"; switched off from the outer step after step {self.step_count}: the gathers were "
+            f"there {moved} of {self.config.H} steps after their launch, and landing that late "
+            f"costs {100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} "
+            f"against synchronous {verdict.sync:.3f})"
+        )
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: sparseloco --overlap auto{self.decision.rpartition(';')[2]}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _switch_off(self) -> None:
+        """From this outer step on, synchronous (``_reweigh``'s verdict): the gather in
+        flight lands first, with the mean and alpha it was launched with, and the replica moves
+        with the anchor as at a landing inside the period (``_land_early``), so that the
+        synchronous outer step's pseudo-gradient is the whole period's progress."""
+        if self.in_flight.flying:
+            self._land_early()
+        self.overlap, self._off_at_next = False, False
+        self._next_landing, self._seen, self._arrival = 0, 0, 0.0
 
     def _take_next_landing(self) -> None:
         moved, self._next_landing = self._next_landing, 0
@@ -604,6 +658,8 @@ class SparseLoCo(PeriodicSync):
             self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
+        if self._off_at_next:
+            self._switch_off()
         if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
             deciding = self.overlap is None
             payload, _, error = self._message(self._delta(self._anchor))
@@ -670,7 +726,7 @@ class SparseLoCo(PeriodicSync):
             return
         H = self.config.H
         verdict = weigh_overlap(ratio, H, tau=self.config.tau)
-        self.overlap = verdict.overlap
+        self.overlap, self._share = verdict.overlap, ratio
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
             self.landing = verdict.landing
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
@@ -769,6 +825,8 @@ class SparseLoCo(PeriodicSync):
         state["next_landing"] = self._next_landing
         state["landing_moves"] = self.landing_moves
         state["overlap_decision"] = self.decision
+        state["overlap_share"] = self._share
+        state["overlap_off_next"] = self._off_at_next
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -793,6 +851,8 @@ class SparseLoCo(PeriodicSync):
         self._arrival, self._seen = state.get("arrival", 0.0), 0
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
+        # (saved before the verdict was weighed again: kept for the run, as then)
+        self._share, self._off_at_next = state.get("overlap_share"), state.get("overlap_off_next", False)
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
