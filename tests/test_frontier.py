@@ -934,46 +934,81 @@ def test_under_auto_the_landing_follows_when_the_gathers_arrive():
     sync.close()
 
 
-def test_under_auto_overlap_switches_off_where_the_landing_the_link_asks_for_costs_more_than_the_wait():
+class _DriftingGather(_ClockedGather):
+    """Overlapped (async) gathers are there ``drift_s`` after their launch, where synchronous
+    ones take ``gather_s``: the workers drift apart between outer steps, not the link."""
+
+    def __init__(self, gather_s: float, drift_s: float) -> None:
+        super().__init__(gather_s)
+        self.drift_s = drift_s
+
+    def all_gather(self, tensor, async_op=False):
+        if not async_op:
+            return super().all_gather(tensor)
+        plain, self.gather_s = self.gather_s, self.drift_s
+        try:
+            return super().all_gather(tensor, async_op=True)
+        finally:
+            self.gather_s = plain
+
+
+@pytest.mark.parametrize("link_slowed", [False, True])
+def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_a_timed_gather(link_slowed):
     """H=10 steps of 1 s. The first gather (0.6 s, 6% of the period) turns overlap on, landing
-    1 step late (1.04 against 1.06). Later gathers take 2.5 s: the figure sent at 30 asks for a
-    landing at 3, where overlap costs 12% more steps (1.12 against 1.06), so at that landing
-    (step 31) the verdict turns, and from the outer step at 40 every outer step is synchronous:
-    the replica on the anchor, nothing in flight, the mean over senders at alpha 1, the landing
-    no longer moved. A snapshot between the two holds the switch to come."""
-    comm = _ClockedGather(0.6)
+    1 step late (1.04 against 1.06). Later gathers are there 2.5 s after their launch: the
+    figure sent at 30 asks for a landing at 3, where overlap costs 12% more steps (1.12 against
+    1.06 at the share measured), so at that landing (step 31) the next outer step is set to be
+    synchronous, timed after a barrier, and to decide again, landing no sooner than 3.
+    - The workers drifted (a synchronous gather still takes 0.6 s): synchronous from 40 on, every
+      replica on the anchor at each outer step, nothing in flight, the mean over senders at
+      alpha 1.
+    - The link slowed (a synchronous gather takes 2.5 s too, 25%): overlapped again, landing at
+      4 (1.5 x 2.5 steps), 1.16 against 1.25.
+    A snapshot between the two holds what is to come."""
+    comm = _ClockedGather(0.6) if link_slowed else _DriftingGather(0.6, 2.5)
     _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     sync._restart_timing()  # on the test's clock
     for step in range(1, 61):
         comm.now += 1.0
-        comm.gather_s = 0.6 if step <= 10 else 2.5
+        if link_slowed:
+            comm.gather_s = 0.6 if step <= 10 else 2.5
         _local_step(sync, opt, step)
         synced = sync.after_step()
         assert synced == (step % 10 == 0)
         if step == 20:
             assert sync.overlap and sync.landing == 1 and sync.in_flight.flying
         if step == 30:
-            assert sync.overlap and not sync._off_at_next
+            assert sync.overlap and not sync._weigh_next
         if step == 31:  # the figure carried by 30's message (there 2.5 steps after launch): 3
-            assert sync._next_landing == 3 and sync._off_at_next and sync.overlap
-            assert "switched off from the outer step after step 31" in sync.decision
-            assert "12% more steps (overlapped 1.120 against synchronous 1.060)" in sync.decision
-        if step == 35:  # a snapshot before the switch holds it
+            assert sync._weigh_next == 3 and sync.overlap and sync._share == pytest.approx(0.06)
+        if step == 35:  # a snapshot before the outer step holds it
             _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
             again.load_state_dict(sync.state_dict())
-            assert again.overlap and again._off_at_next and again._share == pytest.approx(0.06)
-            assert again.decision == sync.decision
+            assert again.overlap and again._weigh_next == 3 and again._share == pytest.approx(0.06)
             again.close()
-        if step >= 40 and synced:  # synchronous: every replica on the anchor, nothing in flight
+        if step == 40:  # decided again on the synchronous gather it timed
+            assert (
+                not sync._weigh_next
+                and "again at step 40, the gathers there 3 of 10 steps late" in sync.decision
+            )
+            assert sync.decision.startswith("--overlap auto: on (the first outer step's gather took 0.600 s")
+            assert sync._share == pytest.approx(0.25 if link_slowed else 0.06)
+            assert sync.overlap is link_slowed and not sync.in_flight.flying  # synchronous, timed
+        if step == 50:
+            assert sync.in_flight.flying is link_slowed
+        if step >= 40 and synced and not link_slowed:  # every replica on the anchor
             assert sync.overlap is False and not sync.in_flight.flying
             assert torch.equal(sync._local(), sync._anchor)
-    assert sync.landing == 1 and sync.landing_moves == 0 and not sync.follows_link
-    assert sync.resolved_options() == {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
-    assert sync.in_flight.saved() is None  # a snapshot resends nothing
-    state = sync.state_dict()
-    assert state["overlap"] is False and not state["overlap_off_next"]
-    assert "switched off" in sync.info()
+    if link_slowed:
+        assert sync.overlap and sync.landing == 4 and sync.alpha == 1.0
+        assert "overlapped 1.160 (landing 4 of 10 steps late: 16% more steps)" in sync.info()
+    else:
+        assert "--overlap auto: off (again at step 40" in sync.info()
+        assert "synchronous 1.060, overlapped 1.120 (landing 3 of 10 steps late" in sync.info()
+        options = {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
+        assert sync.resolved_options() == options and sync.in_flight.saved() is None
+        assert sync.state_dict()["overlap"] is False
     sync.close()
 
 
@@ -990,8 +1025,8 @@ def test_a_landing_that_moves_within_what_overlap_pays_for_keeps_overlap_on():
         comm.gather_s = 2.5 if step <= 20 else 6.4
         _local_step(sync, opt, step)
         sync.after_step()
-    assert sync.overlap and sync.landing == 7 and not sync._off_at_next
-    assert "switched off" not in sync.decision
+    assert sync.overlap and sync.landing == 7 and not sync._weigh_next
+    assert "again at step" not in sync.decision
     sync.close()
 
 

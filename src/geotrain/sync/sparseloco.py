@@ -102,7 +102,12 @@ message; at that message's landing every worker reads the same figures and moves
 the step the slowest worker's gather was there by (later at once; sooner only with a step to
 spare, so that it does not flap between two steps). The first gather is timed alone, and later
 ones share the cores with compute and take longer; a link that slows or speeds up mid-run moves
-the landing with it.
+the landing with it. Where the landing moves later than overlap pays for at the share the
+verdict was taken on, the next outer step is synchronous, timed after a barrier, and decides
+again on the share it measures, landing no sooner than the link asked (``_reweigh``): a link
+that slowed stays overlapped, landing later; workers that drifted apart go synchronous (on
+loopback a 4 ms gather turned overlap on at landing 1, the landing then wandered over 2-10 steps
+with the drift, and the run ended 3% above a synchronous one).
 
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
 work vectors of the same size (snapshots hold theta and e; the start is rebuilt from the message
@@ -130,6 +135,7 @@ from geotrain.plan.gather import (
     choose_sparseloco_period,
     gather_share,
     gather_warning,
+    hiding_steps,
     weigh_overlap,
 )
 from geotrain.plan.profile import probe_step_and_gather, time_gather
@@ -314,10 +320,11 @@ class SparseLoCo(PeriodicSync):
         self._next_landing = 0  # the landing the last figures asked for, taken at the next outer step
         self.landing_moves = 0
         # Auto's verdict is weighed again where the landing moves (``_reweigh``): the gather's
-        # share of the period it was taken on (None: no verdict taken), and whether the next outer
-        # step goes synchronous, the landing the link now asks for costing more than the wait
+        # share of the period it was taken on (None: no verdict taken), and, where the landing
+        # the link asked for costs more than the wait, that landing (0: none): the next outer
+        # step is synchronous and decides again, landing no sooner than it
         self._share: float | None = None
-        self._off_at_next = False
+        self._weigh_next = 0
 
     @property
     def alpha(self) -> float:
@@ -532,51 +539,49 @@ class SparseLoCo(PeriodicSync):
         return touched
 
     def _reweigh(self) -> None:
-        """Auto's verdict again, at the landing the last figures asked for: where overlap,
-        landing that late, is no longer sooner to a loss than the gather waited for
-        (``weigh_overlap`` on the share the verdict was taken on), the next outer step and every
-        one after it are synchronous. Every worker reads the same figures, so all switch at the
-        same outer step.
+        """Auto's verdict again where the landing moves: where overlap, landing as late as the
+        last figures ask, no longer reaches a loss sooner than waiting for the gather (the share
+        the verdict was taken on), the next outer step is synchronous and timed after a barrier,
+        as the first one is, and decides afresh (``_decide``) on the share it measures, with the
+        landing the link asked for as the least it would land at. Every worker reads the same
+        figures, so all do it at the same outer step.
 
-        The share is the one measured when the verdict was taken, not one read from the
-        arrivals: a gather is seen late also where a worker drifted ahead of the others (on
-        loopback, 4 workers on 2 cores arrive several 20 ms steps apart), and a synchronous
-        outer step does not wait for the link there, only for the slowest worker, which the
-        verdict leaves out on both sides. Measured on GPT ``tiny`` (4 workers, loopback, H=10,
-        400 steps): a first gather of 4-5% of the period turned overlap on, landing 1 step
-        late; the landing then wandered over 2-10 steps (moved 29 times in one run), and those
-        runs ended 3.3-3.5% above the synchronous ones, where landing at 1 throughout (``--tau
-        1``) cost 0.6% on the mean of 8 seeds. One way: a run switched off does not come back
-        (a synchronous gather timed without a barrier holds the wait for the slowest worker,
-        which would turn overlap on again at once on such a machine)."""
+        Why both: a gather is seen late where the link slowed, and where a worker drifted ahead
+        of the others (on loopback, 4 workers on 2 cores arrive several 20 ms steps apart), and
+        the figures cannot tell the two apart. A synchronous gather after a barrier measures the
+        link alone. Measured on GPT ``tiny`` (4 workers, loopback, H=10, 400 steps): a first
+        gather of 4-5% of the period turned overlap on, landing 1 step late; the landing then
+        wandered over 2-10 steps with the drift (moved 29 times in one run), and those runs
+        ended 3.3-3.5% above the synchronous ones, where landing at 1 throughout (``--tau 1``)
+        cost 0.6% on the mean of 8 seeds. Weighed again there, a 5% share against a landing of
+        4-10 steps goes synchronous; a link that slowed threefold (a share of 18% against a
+        landing of 6 of 20) stays overlapped."""
         moved = self._next_landing
-        if self._share is None or not moved or moved == self.landing or self._off_at_next:
+        if self._share is None or not moved or moved <= self.landing or self._weigh_next:
             return
         verdict = weigh_overlap(self._share, self.config.H, tau=moved)
         if verdict.overlap:
             return
-        self._off_at_next = True
-        self.decision += (
-            f"; switched off from the outer step after step {self.step_count}: the gathers were "
-            f"there {moved} of {self.config.H} steps after their launch, and landing that late "
-            f"costs {100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} "
-            f"against synchronous {verdict.sync:.3f})"
-        )
+        self._weigh_next = moved
         if self.comm.rank == 0:
             print(
-                f"geotrain: sparseloco --overlap auto{self.decision.rpartition(';')[2]}",
+                f"geotrain: sparseloco --overlap auto: the gathers were there {moved} of "
+                f"{self.config.H} steps after their launch, where overlap costs "
+                f"{100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} against "
+                f"synchronous {verdict.sync:.3f} at the share measured before); the next outer step "
+                "is synchronous and decides again",
                 file=sys.stderr,
                 flush=True,
             )
 
-    def _switch_off(self) -> None:
-        """From this outer step on, synchronous (``_reweigh``'s verdict): the gather in
-        flight lands first, with the mean and alpha it was launched with, and the replica moves
-        with the anchor as at a landing inside the period (``_land_early``), so that the
-        synchronous outer step's pseudo-gradient is the whole period's progress."""
+    def _to_undecided(self) -> None:
+        """This outer step synchronous and timed (``_reweigh``): the gather in flight, where one
+        is, lands first with the mean and alpha it was launched with, the replica moving with
+        the anchor as at a landing inside the period (``_land_early``), so that the synchronous
+        pseudo-gradient is the whole period's progress."""
         if self.in_flight.flying:
             self._land_early()
-        self.overlap, self._off_at_next = False, False
+        self.overlap = None
         self._next_landing, self._seen, self._arrival = 0, 0, 0.0
 
     def _take_next_landing(self) -> None:
@@ -658,8 +663,8 @@ class SparseLoCo(PeriodicSync):
             self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
-        if self._off_at_next:
-            self._switch_off()
+        if self._weigh_next:
+            self._to_undecided()
         if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
             deciding = self.overlap is None
             payload, _, error = self._message(self._delta(self._anchor))
@@ -725,22 +730,28 @@ class SparseLoCo(PeriodicSync):
             self._restart_timing()
             return
         H = self.config.H
-        verdict = weigh_overlap(ratio, H, tau=self.config.tau)
+        again, self._weigh_next = self._weigh_next, 0
+        tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
+        verdict = weigh_overlap(ratio, H, tau=tau)
         self.overlap, self._share = verdict.overlap, ratio
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
             self.landing = verdict.landing
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
         timed = "at start-up, a gather" if at_start else "the first outer step's gather"
+        if again:
+            timed = f"again at step {self.step_count}, the gathers there {again} of {H} steps late; a gather"
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
-        self.decision = (
+        taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
             f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
             f"{100 * ratio:.1f}%; time to a loss x nosync's: synchronous {verdict.sync:.3f}, "
             f"overlapped {verdict.overlapped:.3f} (landing {verdict.landing} of {H} steps late: "
             f"{100 * verdict.penalty:.0f}% more steps){lands})"
         )
+        # a verdict taken again follows the first in the summary
+        self.decision = f"{self.decision}; {taken}" if again and self.decision else taken
         if self.comm.rank == 0:
-            print(f"geotrain: sparseloco {self.decision}", file=sys.stderr, flush=True)
+            print(f"geotrain: sparseloco {taken}", file=sys.stderr, flush=True)
 
     synchronize = outer_step
 
@@ -826,7 +837,7 @@ class SparseLoCo(PeriodicSync):
         state["landing_moves"] = self.landing_moves
         state["overlap_decision"] = self.decision
         state["overlap_share"] = self._share
-        state["overlap_off_next"] = self._off_at_next
+        state["overlap_weigh_next"] = self._weigh_next
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -852,7 +863,7 @@ class SparseLoCo(PeriodicSync):
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
         # (saved before the verdict was weighed again: kept for the run, as then)
-        self._share, self._off_at_next = state.get("overlap_share"), state.get("overlap_off_next", False)
+        self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
