@@ -96,12 +96,12 @@ def period_of(summary: dict) -> str:
 
 
 def overlap_verdict(summary: dict) -> str:
-    """SparseLoCo's ``--overlap auto`` verdict as its summary records it ('' where none)."""
+    """SparseLoCo's ``--overlap auto`` verdict as its summary records it ('' where none): the last
+    one, where it was taken again as the landing moved."""
     info = summary.get("codec_info") or ""
-    for verdict in ("on", "off"):
-        if f"--overlap auto: {verdict}" in info:
-            return verdict
-    return ""
+    at = {verdict: info.rfind(f"--overlap auto: {verdict}") for verdict in ("on", "off")}
+    last = max(at, key=at.get)
+    return last if at[last] >= 0 else ""
 
 
 def main() -> None:

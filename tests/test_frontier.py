@@ -988,11 +988,14 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
             assert again.overlap and again._weigh_next == 3 and again._share == pytest.approx(0.06)
             again.close()
         if step == 40:  # decided again on the synchronous gather it timed
-            assert (
-                not sync._weigh_next
-                and "again at step 40, the gathers there 3 of 10 steps late" in sync.decision
+            assert not sync._weigh_next and sync.verdicts_again == 1
+            took = "2.500" if link_slowed else "0.600"
+            again_at = (
+                f"again at step 40, the gathers there 3 of 10 steps after launch; a gather took {took} s"
             )
+            assert again_at in sync.last_verdict
             assert sync.decision.startswith("--overlap auto: on (the first outer step's gather took 0.600 s")
+            assert "again at step" not in sync.decision  # the first verdict, kept as it was
             assert sync._share == pytest.approx(0.25 if link_slowed else 0.06)
             assert sync.overlap is link_slowed and not sync.in_flight.flying  # synchronous, timed
         if step == 50:
@@ -1004,7 +1007,9 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
         assert sync.overlap and sync.landing == 4 and sync.alpha == 1.0
         assert "overlapped 1.160 (landing 4 of 10 steps late: 16% more steps)" in sync.info()
     else:
-        assert "--overlap auto: off (again at step 40" in sync.info()
+        assert (
+            "taken again 1 time where the landing moved, the last: --overlap auto: off (again" in sync.info()
+        )
         assert "synchronous 1.060, overlapped 1.120 (landing 3 of 10 steps late" in sync.info()
         options = {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
         assert sync.resolved_options() == options and sync.in_flight.saved() is None
@@ -1012,22 +1017,90 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
     sync.close()
 
 
-def test_a_landing_that_moves_within_what_overlap_pays_for_keeps_overlap_on():
-    """The same, the first gather 2.5 s (25%: landing 4) and later ones 6.4 s: the landing
-    moves to 7 of 10, where overlap costs 24% more steps, still under the 25% a synchronous
-    gather waits (1.24 against 1.25): overlap stays on."""
-    comm = _ClockedGather(2.5)
+@pytest.mark.parametrize("first_s, checked, landing", [(2.5, False, 7), (2.3, True, 10)])
+def test_a_landing_moved_within_what_overlap_pays_for_keeps_overlap_on_without_a_check(
+    first_s, checked, landing
+):
+    """The first gather 2.5 s (25%: landing 4) and later ones 6.4 s: the landing moves to 7 of
+    10, where overlap costs 24% more steps, still under the 25% a synchronous gather waits
+    (1.24 against 1.25): overlap stays on, no check. From 2.3 s (23%) the same move asks for the
+    check (1.24 against 1.23); the synchronous step times 6.4 s (64%) and overlaps again, landing
+    a period late (1.24 against 1.64)."""
+    comm = _ClockedGather(first_s)
     _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     sync._restart_timing()
-    for step in range(1, 61):
+    for step in range(1, 71):
         comm.now += 1.0
-        comm.gather_s = 2.5 if step <= 20 else 6.4
+        comm.gather_s = first_s if step <= 20 else 6.4
         _local_step(sync, opt, step)
         sync.after_step()
-    assert sync.overlap and sync.landing == 7 and not sync._weigh_next
-    assert "again at step" not in sync.decision
+    assert sync.overlap and sync.landing == landing and not sync._weigh_next
+    assert sync.verdicts_again == int(checked)
+    assert ("taken again" in sync.info()) is checked
     sync.close()
+
+
+def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timings_waits():
+    """Landing a period late (the first gather 30 s of a 10 s period) with the check asked for
+    at the outer step at 30 (set by hand: the figures ask for it only inside a period): the gather
+    in flight lands first, the replica moving with the anchor, then the step is synchronous and
+    timed (0.5 s: off), every replica on the anchor. Where no worker timed a step, the check
+    waits for the next outer step, its floor kept."""
+    comm = _ClockedGather(30.0)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()
+    for step in range(1, 31):
+        comm.now += 1.0
+        comm.gather_s = 30.0 if step < 30 else 0.5
+        _local_step(sync, opt, step)
+        if step == 29:
+            assert sync.overlap and sync.landing == 10 and sync.in_flight.flying
+            sync._weigh_next = 10
+        sync.after_step()
+    assert sync.overlap is False and not sync.in_flight.flying and sync.verdicts_again == 1
+    assert torch.equal(sync._local(), sync._anchor) and torch.equal(sync._start, sync._anchor)
+    assert "a gather took 0.500 s" in sync.last_verdict
+    sync._weigh_next, sync.overlap = 4, None
+    sync._decide(0.1, 0.0, -1.0)  # no worker timed a step: undecided, the floor kept
+    assert sync.overlap is None and sync._weigh_next == 4
+    sync.close()
+
+
+def _weighed_again(rank, world_size):
+    """--overlap auto on a real group of 3, H=4, its timings fixed (every verdict sees a share
+    of 15%: on at the first outer step, landing 1) and the figures made to ask for a landing at
+    3 (1.3 against 1.15): the check at the landing at 9, the outer step at 12 synchronous and
+    timed (off), 16 synchronous. What each outer step leaves, and the end."""
+    sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
+    sparseloco_module.next_landing = lambda landing, arrivals, H: 3 if arrivals else landing
+    comm = Communicator()
+    model, opt, sync = _tiny_sync({"H": 4, "chunk": 256, "k": 8}, comm)
+    seen = {}
+    for step in range(1, 17):
+        _local_step(sync, opt, step + 10 * rank)
+        sync.after_step()
+        seen[step] = (sync.overlap, sync._weigh_next, sync._anchor.clone(), sync._local())
+    sync.finalize()
+    sync.close()
+    return {"seen": seen, "again": sync.verdicts_again, "final": sync._local()}
+
+
+WEIGHED = Cases(_weighed_again, 3, [()])
+
+
+def test_on_a_real_group_every_worker_takes_the_check_and_the_synchronous_step_together():
+    ranks = WEIGHED.get()
+    for r in ranks:
+        assert [r["seen"][s][0] for s in (4, 8, 9, 12, 16)] == [True, True, True, False, False]
+        assert r["seen"][9][1] == 3 and r["seen"][12][1] == 0 and r["again"] == 1
+        for step in (12, 16):  # synchronous: every replica on the anchor
+            assert torch.equal(r["seen"][step][3], r["seen"][step][2])
+    for step in (4, 8, 9, 12, 16):  # the anchors bitwise equal on every worker
+        assert all(torch.equal(r["seen"][step][2], ranks[0]["seen"][step][2]) for r in ranks)
+    assert not torch.equal(ranks[0]["seen"][12][2], ranks[0]["seen"][9][2])  # the step moved it
+    assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
 
 
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():

@@ -102,7 +102,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "overlap": "sparseloco: each outer step lands later (--tau steps), its all-gather under "
         "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where that reaches "
         "a loss sooner, the step it saves against the steps its later landing costs, from a gather "
-        "timed at start-up with --H auto, else at the first outer step); demo (on only with --overlap, "
+        "timed at start-up with --H auto, else at the first outer step, and again on a timed synchronous "
+        "step where its landing moves later than that pays for); demo (on only with --overlap, "
         "auto is off: the loss suffers, see docs/frontier.md): each step's update lands one step late, its "
         "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "

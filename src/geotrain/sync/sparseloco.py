@@ -81,11 +81,11 @@ the median step interval before it), and every later step overlaps where the ste
 outweighs the steps to a loss that its late landing costs (``plan.gather.weigh_overlap``: a
 mean landing L of H steps late costs min(0.4 L / H, 0.24) more steps, measured on GPT ``tiny``;
 a gather of 5% of the period overlaps at H=20, landing 2 steps late, and not at H=5, where it
-lands a fifth of the period late), else none does. (A fixed 5% of the period decided before:
-it overlapped on ``tiny`` at H=5 for 5.3%, and the run ended at 2.1395 against 2.0577
-synchronous at H=5, 400 steps; the default now runs it synchronously, at the H=10 its probe
-then picks: 2.1012.) With ``H`` "auto" (the
-default) the start-up probe has timed a step and a gather already, and the verdict is taken from
+lands a fifth of the period late), else none does, until the landing moves (below). (A fixed
+5% of the period decided before: it overlapped on ``tiny`` at H=5 for 5.3%, and the run
+ended at 2.1395 against 2.0577 synchronous at H=5, 400 steps; the default now runs it
+synchronously, at the H=10 its probe then picks: 2.1012.) With ``H`` "auto" (the default) the
+start-up probe has timed a step and a gather already, and the verdict is taken from
 those, before step 1: the first outer step overlaps too where the link is slow (at 350 kbit/s
 its synchronous gather was 26 s of an 80-step run's 160), unless the gather outlasts about four
 periods, where overlap would hide one of them and cost 24% more steps. Overlapping, each gather
@@ -105,9 +105,10 @@ ones share the cores with compute and take longer; a link that slows or speeds u
 the landing with it. Where the landing moves later than overlap pays for at the share the
 verdict was taken on, the next outer step is synchronous, timed after a barrier, and decides
 again on the share it measures, landing no sooner than the link asked (``_reweigh``): a link
-that slowed stays overlapped, landing later; workers that drifted apart go synchronous (on
-loopback a 4 ms gather turned overlap on at landing 1, the landing then wandered over 2-10 steps
-with the drift, and the run ended 3% above a synchronous one).
+that slowed goes on overlapped after that one synchronous step, landing later; workers that
+drifted apart go synchronous (on loopback a 4 ms gather turned overlap on at landing 1, the
+landing then wandered over 2-10 steps with the drift, and the run ended 3% above a synchronous
+one).
 
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
 work vectors of the same size (snapshots hold theta and e; the start is rebuilt from the message
@@ -203,7 +204,9 @@ class SparseLoCoConfig(SyncConfig):
     bits: int = 2
     beta: float = 0.95
     alpha: float = 0.0  # 0: 1 over senders (the paper's), 2 over workers (each the better measured)
-    overlap: bool | str = "auto"  # True, False; auto: decided at start-up (--H auto) or the first outer step
+    # True, False; auto: decided at start-up (--H auto) or the first outer step, and again where
+    # the landing moves later than overlap pays for
+    overlap: bool | str = "auto"
     # overlap: steps into the next period at which an outer step's gather lands (1 to H; H: at
     # the next outer step, a period late). 0: auto (measured under --overlap auto, else H).
     tau: int = 0
@@ -302,12 +305,14 @@ class SparseLoCo(PeriodicSync):
         self._unspoiled: torch.Tensor | None = None  # the last message made, where it was spoiled
         self._sender_counts: torch.Tensor | None = None  # ``_counts``, made at the first per-sender mean
         self.in_flight = InFlight(comm)  # this worker's message, landing later (``landing``)
-        # Overlap on or off; None: auto, not yet decided (the steps so far ran synchronously).
+        # Overlap on or off; None: auto, not yet decided, or deciding again at this outer step.
         self.overlap: bool | None = None if self.config.overlap == "auto" else bool(self.config.overlap)
         # With overlap: steps into a period at which the last outer step's gather lands (H: at
         # the next outer step); under auto, set with the verdict.
         self.landing = self.config.tau or self.config.H
         self.decision = ""  # what auto measured, for the summary
+        self.verdicts_again = 0  # how often auto's verdict was taken again (``_reweigh``)
+        self.last_verdict = ""  # the last of those
         self.clock = time.perf_counter  # tests set their own
         # When the last H steps ended (and when the first began): auto's verdict times the first
         # period with them, and a landing's wait is counted in their steps.
@@ -510,7 +515,7 @@ class SparseLoCo(PeriodicSync):
         figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
         return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
 
-    def _land_in_flight(self) -> torch.Tensor | None:
+    def _land_in_flight(self, reweigh: bool = True) -> torch.Tensor | None:
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
         noted (none for a gather sent again after a regroup: its wait is the regroup's). Returns
@@ -535,7 +540,8 @@ class SparseLoCo(PeriodicSync):
         # Taken at the next outer step: until then every worker must see this period's landing
         # (``collective_period``, a landing redone after a regroup), wherever it is in the period.
         self._next_landing = next_landing(self.landing, arrivals, self.config.H)
-        self._reweigh()
+        if reweigh:
+            self._reweigh()
         return touched
 
     def _reweigh(self) -> None:
@@ -553,9 +559,12 @@ class SparseLoCo(PeriodicSync):
         gather of 4-5% of the period turned overlap on, landing 1 step late; the landing then
         wandered over 2-10 steps with the drift (moved 29 times in one run), and those runs
         ended 3.3-3.5% above the synchronous ones, where landing at 1 throughout (``--tau 1``)
-        cost 0.6% on the mean of 8 seeds. Weighed again there, a 5% share against a landing of
-        4-10 steps goes synchronous; a link that slowed threefold (a share of 18% against a
-        landing of 6 of 20) stays overlapped."""
+        cost 0.7% on the mean of 8 seeds. There a share of 4% against a landing of 2 of 10
+        already goes synchronous (1.08 against 1.04); a 3.5 Mbit/s link slowed to 1.2 Mbit/s
+        took one synchronous outer step (a share of 9.4%, the figures asking for 6 of 20), timed
+        23.2%, and went on overlapped, landing 7 of 20 (docs/frontier.md). Not at a landing taken
+        at the outer step itself (after a regroup, or at H), nor in ``finalize``: there the
+        figures are weighed at the next landing."""
         moved = self._next_landing
         if self._share is None or not moved or moved <= self.landing or self._weigh_next:
             return
@@ -566,7 +575,7 @@ class SparseLoCo(PeriodicSync):
         if self.comm.rank == 0:
             print(
                 f"geotrain: sparseloco --overlap auto: the gathers were there {moved} of "
-                f"{self.config.H} steps after their launch, where overlap costs "
+                f"{self.config.H} steps after their launch; landing that late costs "
                 f"{100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} against "
                 f"synchronous {verdict.sync:.3f} at the share measured before); the next outer step "
                 "is synchronous and decides again",
@@ -663,16 +672,17 @@ class SparseLoCo(PeriodicSync):
             self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
-        if self._weigh_next:
+        if self._weigh_next and self.follows_link:  # (only auto's own landing asks for it)
             self._to_undecided()
-        if not self.overlap:  # off, or auto's first outer step: synchronous (and timed)
+        if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
             deciding = self.overlap is None
             payload, _, error = self._message(self._delta(self._anchor))
             if deciding:  # every worker here first: the time is the link's, not a slower worker's
                 self.comm.barrier()
             started = self.clock()
             gathered = self.comm.all_gather(payload)
-            # (a failure up to here has changed nothing)
+            # (a failure up to here has changed nothing that a retry does not redo alike:
+            # ``_to_undecided`` has landed what was in flight and left ``_weigh_next`` set)
             verdict = self._verdict(self.clock() - started) if deciding else None
             self._land(gathered)
             self._keep_error(error)
@@ -681,7 +691,7 @@ class SparseLoCo(PeriodicSync):
                 self._decide(*verdict)
         else:
             payload, sent, error = self._message(self._delta(self._start))
-            self._land_in_flight()  # the last period's; if it fails, nothing here has changed
+            self._land_in_flight(reweigh=False)  # the last period's; if it fails, nothing here has changed
             self._take_next_landing()  # before alpha is read: it follows the landing
             self._keep_error(error)
             self.in_flight.launch(self._with_arrival(payload))
@@ -723,7 +733,9 @@ class SparseLoCo(PeriodicSync):
         workers) and landing ``LAND_MARGIN`` times its steps later, each step late costing steps
         to a loss; synchronous, the gather shows. Made at the first outer step, or before step 1 where ``--H
         auto`` measured a gather and a step already (``prepare``), so that the first outer step
-        of a slow link is not waited for."""
+        of a slow link is not waited for; and again at an outer step ``_reweigh`` asked for,
+        landing no sooner than the figures asked (``_weigh_next``, kept where no worker timed a
+        step, for the outer step that decides instead)."""
         self._start = self._anchor.clone()
         self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
@@ -739,7 +751,10 @@ class SparseLoCo(PeriodicSync):
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
         timed = "at start-up, a gather" if at_start else "the first outer step's gather"
         if again:
-            timed = f"again at step {self.step_count}, the gathers there {again} of {H} steps late; a gather"
+            timed = (
+                f"again at step {self.step_count}, the gathers there {again} of {H} steps after "
+                "launch; a gather"
+            )
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
         taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
@@ -748,8 +763,12 @@ class SparseLoCo(PeriodicSync):
             f"overlapped {verdict.overlapped:.3f} (landing {verdict.landing} of {H} steps late: "
             f"{100 * verdict.penalty:.0f}% more steps){lands})"
         )
-        # a verdict taken again follows the first in the summary
-        self.decision = f"{self.decision}; {taken}" if again and self.decision else taken
+        # The summary keeps the first verdict, and the last of those taken again with their count
+        if again and self.decision:
+            self.verdicts_again += 1
+            self.last_verdict = taken
+        else:
+            self.decision = taken
         if self.comm.rank == 0:
             print(f"geotrain: sparseloco {taken}", file=sys.stderr, flush=True)
 
@@ -757,7 +776,7 @@ class SparseLoCo(PeriodicSync):
 
     def finalize(self) -> None:
         if self.overlap:
-            self._land_in_flight()
+            self._land_in_flight(reweigh=False)
             if self.at_boundary():
                 # No step since the last message: a message now would be an extra outer step
                 # made of error-feedback residual alone.
@@ -812,9 +831,12 @@ class SparseLoCo(PeriodicSync):
                     f"({4 * real / payload:.0f}x less than fp32)",
                     warning,
                     self.decision,
+                    self.verdicts_again
+                    and f"taken again {self.verdicts_again} time{'s' if self.verdicts_again > 1 else ''} "
+                    f"where the landing moved, the last: {self.last_verdict}",
                     self.landing_moves
-                    and f"the landing followed the gathers' arrivals: moved {self.landing_moves} times, "
-                    f"now {self.landing} of {self.config.H} steps",
+                    and f"the landing followed the gathers' arrivals: moved {self.landing_moves} times"
+                    + (f", now {self.landing} of {self.config.H} steps" if self.overlap else ""),
                 ],
             )
         )
@@ -838,6 +860,7 @@ class SparseLoCo(PeriodicSync):
         state["overlap_decision"] = self.decision
         state["overlap_share"] = self._share
         state["overlap_weigh_next"] = self._weigh_next
+        state["overlap_verdicts_again"] = [self.verdicts_again, self.last_verdict]
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -862,8 +885,10 @@ class SparseLoCo(PeriodicSync):
         self._arrival, self._seen = state.get("arrival", 0.0), 0
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
-        # (saved before the verdict was weighed again: kept for the run, as then)
-        self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
+        if self.config.overlap == "auto" and not self.config.tau:  # auto's own landing only
+            # (a state saved before the verdict was weighed again has no share: kept for the run)
+            self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
+            self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
