@@ -560,11 +560,13 @@ class _ClockedGather(Communicator):
     def __init__(self, gather_s: float) -> None:
         super().__init__()
         self.now, self.gather_s = 0.0, gather_s
+        self.sizes: list[int] = []  # each gather's message, in bytes
 
     def clock(self) -> float:
         return self.now
 
     def all_gather(self, tensor, async_op=False):
+        self.sizes.append(tensor.numel())
         handle = super().all_gather(tensor, async_op=True)
         due, landed = self.now + self.gather_s, handle.wait
 
@@ -751,6 +753,9 @@ def _h_auto(rank, world_size, gathers: list[float] | None):
     if gathers is not None:  # and a step of 1 s with no wait (the real ones: the None case)
         sparseloco_module.SparseLoCo._time_gather = lambda self: gathers[self.comm.rank]
         profile_module.profile_compute = lambda *a, **k: {"step_s": 1.0, "barrier_wait_s": 0.0}
+    # The verdict as taken at start-up, through the steps: the synchronous gathers' waits (a few
+    # ms, against steps of a few ms here) would take it again (tested on a clock of its own)
+    sparseloco_module.SparseLoCo._watch = lambda self, *args: None
     comm = Communicator()
     model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
     before = (sync.config.H, sync.resolved_options()["H"])
@@ -1065,6 +1070,64 @@ def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timing
     sync._weigh_next, sync.overlap = 4, None
     sync._decide(0.1, 0.0, -1.0)  # no worker timed a step: undecided, the floor kept
     assert sync.overlap is None and sync._weigh_next == 4
+    sync.close()
+
+
+def _synchronous_then(later_s: float, steps: int = 40):
+    """H=10 steps of 1 s; the first gather 0.3 s (3%: synchronous, 1.04 overlapped against
+    1.03), later ones ``later_s``."""
+    comm = _ClockedGather(0.3)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()
+    for step in range(1, steps + 1):
+        comm.now += 1.0
+        comm.gather_s = 0.3 if step <= 10 else later_s
+        _local_step(sync, opt, step)
+        sync.after_step()
+        if step == 25:  # a snapshot holds this worker's wait, sent with its next message
+            _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
+            again.load_state_dict(sync.state_dict())
+            assert again._waited == sync._waited == pytest.approx(later_s / 10)
+            again.close()
+    return comm, sync
+
+
+def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turns_overlap_on():
+    """Off at the first outer step; from the second each message carries its sender's wait in
+    the last gather (4 bytes). Gathers of 3 s (30%): the wait sent at 30 turns overlap on from
+    there (landing 5, 1.2 against 1.3), and the outer step at 40 overlaps. Gathers of 0.5 s
+    (5%): overlap would be sooner by 0.01 of a step only (1.04 against 1.05), under the margin:
+    synchronous throughout."""
+    comm, sync = _synchronous_then(3.0)
+    payload = sync.chunker.payload_bytes(sync.n)
+    assert comm.sizes[:3] == [payload, payload + 4, payload + 4]  # (then the overlapped one's figure)
+    assert sync.overlap and sync.landing == 5 and sync.in_flight.flying and sync.verdicts_again == 1
+    assert "again at step 30, the shortest wait in the last gather took 3.000 s" in sync.last_verdict
+    assert "the shortest wait's share 30.0%" in sync.last_verdict
+    assert "synchronous 1.300, overlapped 1.200" in sync.info()
+    sync.close()
+    comm, sync = _synchronous_then(0.5)
+    assert sync.overlap is False and sync.verdicts_again == 0 and not sync.in_flight.flying
+    assert comm.sizes == [payload, payload + 4, payload + 4, payload + 4]
+    sync.close()
+
+
+@pytest.mark.parametrize(
+    "figures, weights, on",
+    [
+        ([0.3, 0.03, 0.2], None, False),  # the last to arrive waited 3%: the link is fast
+        ([0.3, 0.25], None, True),  # 25%: overlapped, landing 4 (1.16 against 1.25)
+        ([0.3, 0.0], None, False),  # a worker with no figure: none taken
+        ([0.3, 0.01], [1.0, 0.0], True),  # a message the check left out has no say
+        ([0.3, float("nan")], None, False),
+    ],
+)
+def test_the_shortest_wait_is_the_links_and_every_worker_must_have_sent_one(figures, weights, on):
+    _, sync = _synchronous_then(0.3, steps=10)
+    assert sync.overlap is False and sync.watches_link
+    sync._watch(0.1, figures, weights)
+    assert sync.overlap is on and sync._waited == pytest.approx(0.0 if on else 0.01)  # (a verdict clears it)
     sync.close()
 
 

@@ -156,6 +156,10 @@ ARRIVAL_BYTES = 4
 DENSE_ABOVE = 1 / 64
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
+# Under auto's synchronous verdict, the waits the gathers carry turn overlap on only where it
+# is sooner to a loss by this much of a step (``_watch``): near a tie, a wait that moved by
+# noise does not flip a run
+WATCH_MARGIN = 0.02
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
@@ -330,6 +334,9 @@ class SparseLoCo(PeriodicSync):
         # step is synchronous and decides again, landing no sooner than it
         self._share: float | None = None
         self._weigh_next = 0
+        # Under auto's synchronous verdict: this worker's wait in its last gather, as a share of
+        # the period, sent after its next message (``_watch``; 0: none)
+        self._waited = 0.0
 
     @property
     def alpha(self) -> float:
@@ -500,6 +507,42 @@ class SparseLoCo(PeriodicSync):
     def follows_link(self) -> bool:
         """The landing moves with the measured arrivals: auto chose it (``--tau`` not given)."""
         return bool(self.overlap) and self.config.overlap == "auto" and not self.config.tau
+
+    @property
+    def watches_link(self) -> bool:
+        """Synchronous under auto's verdict (``--tau`` not given): each message carries its
+        sender's wait in the last gather, and the shortest is weighed (``_watch``)."""
+        return (
+            self.overlap is False
+            and self.config.overlap == "auto"
+            and not self.config.tau
+            and self._share is not None
+        )
+
+    def _with_wait(self, payload: torch.Tensor) -> torch.Tensor:
+        figure = torch.tensor([self._waited], dtype=torch.float32).view(torch.uint8)
+        return torch.cat([payload, figure])
+
+    def _watch(self, waited: float, figures: list[float], weights: list[float] | None) -> None:
+        """Auto's synchronous verdict weighed on the waits the last gather carried: the worker
+        that reached it last waited for the link alone (the others for it too), so the
+        shortest wait is the link's time, with no barrier to take. Where overlap is sooner to a
+        loss by ``WATCH_MARGIN`` at that share, it is turned on from the next outer step
+        (``_decide``); every worker reads the same figures. Each worker's own wait here goes
+        with its next message. A figure from a message the check left out, or a missing one (a
+        worker that adopted another's state, the first gather after the verdict), has no say,
+        and then none is taken."""
+        period_s = self._step_s() * self.config.H
+        self._waited = waited / period_s if period_s > 0 else 0.0
+        if weights is not None:
+            figures = [f for f, w in zip(figures, weights, strict=False) if w > 0]
+        known = [f for f in figures if math.isfinite(f) and f > 0]
+        if not known or len(known) < len(figures):
+            return
+        shortest = min(known)
+        verdict = weigh_overlap(shortest, self.config.H)
+        if verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN:
+            self._decide(shortest * period_s, period_s, shortest, watched=True)
 
     def _with_arrival(self, payload: torch.Tensor) -> torch.Tensor:
         if not self.follows_link:
@@ -675,20 +718,24 @@ class SparseLoCo(PeriodicSync):
         if self._weigh_next and self.follows_link:  # (only auto's own landing asks for it)
             self._to_undecided()
         if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
-            deciding = self.overlap is None
+            deciding, watching = self.overlap is None, self.watches_link
             payload, _, error = self._message(self._delta(self._anchor))
             if deciding:  # every worker here first: the time is the link's, not a slower worker's
                 self.comm.barrier()
             started = self.clock()
-            gathered = self.comm.all_gather(payload)
+            gathered = self.comm.all_gather(self._with_wait(payload) if watching else payload)
+            waited = self.clock() - started
             # (a failure up to here has changed nothing that a retry does not redo alike:
             # ``_to_undecided`` has landed what was in flight and left ``_weigh_next`` set)
-            verdict = self._verdict(self.clock() - started) if deciding else None
-            self._land(gathered)
+            verdict = self._verdict(waited) if deciding else None
+            gathered, figures = self._message_part(gathered)
+            weights, _ = self._land(gathered)
             self._keep_error(error)
             self._set_params(self._anchor)
             if verdict is not None:
                 self._decide(*verdict)
+            elif watching:
+                self._watch(waited, figures, weights)
         else:
             payload, sent, error = self._message(self._delta(self._start))
             self._land_in_flight(reweigh=False)  # the last period's; if it fails, nothing here has changed
@@ -727,6 +774,7 @@ class SparseLoCo(PeriodicSync):
         period_s: float,
         ratio: float,
         at_start: bool = False,
+        watched: bool = False,
     ) -> None:
         """Take auto's verdict (``plan.gather.weigh_overlap``): overlap where that reaches a loss
         sooner, the gather taking ``ratio`` of the period's compute (the largest over the
@@ -735,7 +783,8 @@ class SparseLoCo(PeriodicSync):
         auto`` measured a gather and a step already (``prepare``), so that the first outer step
         of a slow link is not waited for; and again at an outer step ``_reweigh`` asked for,
         landing no sooner than the figures asked (``_weigh_next``, kept where no worker timed a
-        step, for the outer step that decides instead)."""
+        step, for the outer step that decides instead), or where the waits of synchronous
+        gathers said overlap pays (``watched``: ``_watch``)."""
         self._start = self._anchor.clone()
         self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
@@ -745,7 +794,7 @@ class SparseLoCo(PeriodicSync):
         again, self._weigh_next = self._weigh_next, 0
         tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
-        self.overlap, self._share = verdict.overlap, ratio
+        self.overlap, self._share, self._waited = verdict.overlap, ratio, 0.0
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
             self.landing = verdict.landing
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
@@ -755,7 +804,11 @@ class SparseLoCo(PeriodicSync):
                 f"again at step {self.step_count}, the gathers there {again} of {H} steps after "
                 "launch; a gather"
             )
+        elif watched:
+            timed = f"again at step {self.step_count}, the shortest wait in the last gather"
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
+        if watched:
+            whose = "the shortest wait's share"
         taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
             f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
@@ -764,7 +817,7 @@ class SparseLoCo(PeriodicSync):
             f"{100 * verdict.penalty:.0f}% more steps){lands})"
         )
         # The summary keeps the first verdict, and the last of those taken again with their count
-        if again and self.decision:
+        if (again or watched) and self.decision:
             self.verdicts_again += 1
             self.last_verdict = taken
         else:
@@ -802,7 +855,7 @@ class SparseLoCo(PeriodicSync):
         # unsent residual and message in flight are its own, and would count twice here.
         self._error.zero_()
         self.in_flight.adopted()
-        self._arrival, self._seen = 0.0, 0  # the other worker's timing, not this one's
+        self._arrival, self._seen, self._waited = 0.0, 0, 0.0  # the other worker's timing, not this one's
 
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]
@@ -861,6 +914,7 @@ class SparseLoCo(PeriodicSync):
         state["overlap_share"] = self._share
         state["overlap_weigh_next"] = self._weigh_next
         state["overlap_verdicts_again"] = [self.verdicts_again, self.last_verdict]
+        state["overlap_waited"] = self._waited
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -889,6 +943,7 @@ class SparseLoCo(PeriodicSync):
             # (a state saved before the verdict was weighed again has no share: kept for the run)
             self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
+            self._waited = state.get("overlap_waited", 0.0)
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
