@@ -1073,61 +1073,70 @@ def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timing
     sync.close()
 
 
-def _synchronous_then(later_s: float, steps: int = 40):
-    """H=10 steps of 1 s; the first gather 0.3 s (3%: synchronous, 1.04 overlapped against
-    1.03), later ones ``later_s``."""
+def _synchronous_then(later_s: float, steps: int = 60):
+    """H=10 steps of 1 s; gathers of 0.3 s to step 25 (3%: synchronous at the first outer step,
+    1.04 overlapped against 1.03), ``later_s`` after."""
     comm = _ClockedGather(0.3)
     _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
     sync.clock = comm.clock
     sync._restart_timing()
     for step in range(1, steps + 1):
         comm.now += 1.0
-        comm.gather_s = 0.3 if step <= 10 else later_s
+        comm.gather_s = 0.3 if step <= 25 else later_s
         _local_step(sync, opt, step)
         sync.after_step()
-        if step == 25:  # a snapshot holds this worker's wait, sent with its next message
+        if step == 35:  # a snapshot holds this worker's wait, sent with its next message, and the level
             _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
             again.load_state_dict(sync.state_dict())
             assert again._waited == sync._waited == pytest.approx(later_s / 10)
+            assert again._watch_level == sync._watch_level == pytest.approx(0.03)
             again.close()
     return comm, sync
 
 
 def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turns_overlap_on():
-    """Off at the first outer step; from the second each message carries its sender's wait in
-    the last gather (4 bytes). Gathers of 3 s (30%): the wait sent at 30 turns overlap on from
-    there (landing 5, 1.2 against 1.3), and the outer step at 40 overlaps. Gathers of 0.5 s
-    (5%): overlap would be sooner by 0.01 of a step only (1.04 against 1.05), under the margin:
-    synchronous throughout."""
+    """Off at the first outer step (10); from the second each message carries its sender's
+    wait in the last gather (4 bytes). The figures at 30 (3%) set the level. Gathers of 3 s from
+    step 26: the figure at 40 (30%, 10 times the level; overlapped 1.2 against 1.3) asks for a
+    timed outer step, and at 50 the gather timed after a barrier turns overlap on (landing 5);
+    the outer step at 60 overlaps. Gathers of 0.5 s (5%): the wait has risen over twice its level,
+    but overlap would be sooner by 0.01 of a step only (1.04 against 1.05), under the margin:
+    synchronous throughout, no timed step."""
     comm, sync = _synchronous_then(3.0)
     payload = sync.chunker.payload_bytes(sync.n)
-    assert comm.sizes[:3] == [payload, payload + 4, payload + 4]  # (then the overlapped one's figure)
+    # the decisions' timed gathers (10, 50) carry no wait; the overlapped one (60) its arrival
+    assert comm.sizes == [payload] + [payload + 4] * 3 + [payload, payload + 4]
     assert sync.overlap and sync.landing == 5 and sync.in_flight.flying and sync.verdicts_again == 1
-    assert "again at step 30, the shortest wait in the last gather took 3.000 s" in sync.last_verdict
-    assert "the shortest wait's share 30.0%" in sync.last_verdict
+    why = "the synchronous gathers' shortest wait up from 3.0% to 30.0%; a gather took 3.000 s"
+    assert f"again at step 50, {why}" in sync.last_verdict
     assert "synchronous 1.300, overlapped 1.200" in sync.info()
     sync.close()
     comm, sync = _synchronous_then(0.5)
     assert sync.overlap is False and sync.verdicts_again == 0 and not sync.in_flight.flying
-    assert comm.sizes == [payload, payload + 4, payload + 4, payload + 4]
+    assert comm.sizes == [payload] + [payload + 4] * 5
     sync.close()
 
 
 @pytest.mark.parametrize(
-    "figures, weights, on",
+    "figures, weights, check",
     [
-        ([0.3, 0.03, 0.2], None, False),  # the last to arrive waited 3%: the link is fast
-        ([0.3, 0.25], None, True),  # 25%: overlapped, landing 4 (1.16 against 1.25)
-        ([0.3, 0.0], None, False),  # a worker with no figure: none taken
+        ([0.3, 0.03, 0.2], None, False),  # the last to arrive waited 3%: no rise
+        ([0.3, 0.25], None, True),  # 25%: overlapped would land 4 (1.16 against 1.25)
+        ([0.3, 0.0], None, False),  # a worker with no figure: none read
         ([0.3, 0.01], [1.0, 0.0], True),  # a message the check left out has no say
         ([0.3, float("nan")], None, False),
+        ([0.3, 0.039], None, False),  # under twice the level (2%)
     ],
 )
-def test_the_shortest_wait_is_the_links_and_every_worker_must_have_sent_one(figures, weights, on):
+def test_a_timed_step_is_asked_for_where_the_shortest_wait_rose_and_overlap_would_pay(
+    figures, weights, check
+):
     _, sync = _synchronous_then(0.3, steps=10)
-    assert sync.overlap is False and sync.watches_link
+    assert sync.overlap is False and sync.watches_link and sync._watch_level is None
+    sync._watch(0.1, [0.02], None)  # the first shortest wait after the verdict: the level
+    assert sync._watch_level == 0.02 and not sync._check_next
     sync._watch(0.1, figures, weights)
-    assert sync.overlap is on and sync._waited == pytest.approx(0.0 if on else 0.01)  # (a verdict clears it)
+    assert sync._check_next is check and sync.overlap is False and sync._waited == pytest.approx(0.01)
     sync.close()
 
 

@@ -156,9 +156,13 @@ ARRIVAL_BYTES = 4
 DENSE_ABOVE = 1 / 64
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
-# Under auto's synchronous verdict, the waits the gathers carry turn overlap on only where it
-# is sooner to a loss by this much of a step (``_watch``): near a tie, a wait that moved by
-# noise does not flip a run
+# Under auto's synchronous verdict, the shortest wait the gathers carry asks for a timed outer
+# step (``_watch``) where it has risen this many times over its level after the verdict, and
+# overlap would be sooner to a loss at it by ``WATCH_MARGIN`` of a step. On 4 workers sharing 2
+# cores the shortest wait is not the link's: on loopback it measured 19-31% of a 10-step period
+# of GPT tiny (24-33 ms), where the same gather timed after a barrier took 1-6%, so the waits are
+# read against their own level, and a timed step decides.
+WATCH_RISE = 2.0
 WATCH_MARGIN = 0.02
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
@@ -335,8 +339,12 @@ class SparseLoCo(PeriodicSync):
         self._share: float | None = None
         self._weigh_next = 0
         # Under auto's synchronous verdict: this worker's wait in its last gather, as a share of
-        # the period, sent after its next message (``_watch``; 0: none)
+        # the period, sent after its next message (``_watch``; 0: none); the shortest such wait
+        # after the verdict (None: not yet seen), and whether the next outer step is timed
         self._waited = 0.0
+        self._watch_level: float | None = None
+        self._check_next = False
+        self._check_why = ""
 
     @property
     def alpha(self) -> float:
@@ -524,14 +532,15 @@ class SparseLoCo(PeriodicSync):
         return torch.cat([payload, figure])
 
     def _watch(self, waited: float, figures: list[float], weights: list[float] | None) -> None:
-        """Auto's synchronous verdict weighed on the waits the last gather carried: the worker
-        that reached it last waited for the link alone (the others for it too), so the
-        shortest wait is the link's time, with no barrier to take. Where overlap is sooner to a
-        loss by ``WATCH_MARGIN`` at that share, it is turned on from the next outer step
-        (``_decide``); every worker reads the same figures. Each worker's own wait here goes
-        with its next message. A figure from a message the check left out, or a missing one (a
-        worker that adopted another's state, the first gather after the verdict), has no say,
-        and then none is taken."""
+        """Auto's synchronous verdict watched through the waits the last gather carried. The
+        worker that reached it last waited least, for the link and for the others to wake to
+        it; the first such shortest wait after a verdict is its level. Where a later one has
+        risen ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
+        ``WATCH_MARGIN``, the next outer step is timed after a barrier and decides (``_decide``),
+        as the first one does: a link that slowed mid-run is hidden again. Every worker reads the
+        same figures. Each worker's own wait here goes with its next message. A figure from a
+        message the check left out, or a missing one (a worker that adopted another's state,
+        the first gather after a verdict), has no say, and then none is read."""
         period_s = self._step_s() * self.config.H
         self._waited = waited / period_s if period_s > 0 else 0.0
         if weights is not None:
@@ -540,9 +549,24 @@ class SparseLoCo(PeriodicSync):
         if not known or len(known) < len(figures):
             return
         shortest = min(known)
+        if self._watch_level is None:
+            self._watch_level = shortest
+            return
         verdict = weigh_overlap(shortest, self.config.H)
-        if verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN:
-            self._decide(shortest * period_s, period_s, shortest, watched=True)
+        rose = shortest >= WATCH_RISE * self._watch_level
+        if rose and verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN:
+            self._check_next = True
+            self._check_why = (
+                f"the synchronous gathers' shortest wait up from {100 * self._watch_level:.1f}% "
+                f"to {100 * shortest:.1f}%"
+            )
+            if self.comm.rank == 0:
+                print(
+                    f"geotrain: sparseloco --overlap auto: {self._check_why} of the period; the next "
+                    "outer step is timed and decides again",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _with_arrival(self, payload: torch.Tensor) -> torch.Tensor:
         if not self.follows_link:
@@ -717,6 +741,8 @@ class SparseLoCo(PeriodicSync):
     def outer_step(self) -> None:
         if self._weigh_next and self.follows_link:  # (only auto's own landing asks for it)
             self._to_undecided()
+        if self._check_next and self.watches_link:  # (synchronous: nothing in flight)
+            self.overlap = None
         if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
             deciding, watching = self.overlap is None, self.watches_link
             payload, _, error = self._message(self._delta(self._anchor))
@@ -774,7 +800,6 @@ class SparseLoCo(PeriodicSync):
         period_s: float,
         ratio: float,
         at_start: bool = False,
-        watched: bool = False,
     ) -> None:
         """Take auto's verdict (``plan.gather.weigh_overlap``): overlap where that reaches a loss
         sooner, the gather taking ``ratio`` of the period's compute (the largest over the
@@ -784,7 +809,7 @@ class SparseLoCo(PeriodicSync):
         of a slow link is not waited for; and again at an outer step ``_reweigh`` asked for,
         landing no sooner than the figures asked (``_weigh_next``, kept where no worker timed a
         step, for the outer step that decides instead), or where the waits of synchronous
-        gathers said overlap pays (``watched``: ``_watch``)."""
+        gathers rose (``_check_next``: ``_watch``)."""
         self._start = self._anchor.clone()
         self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
@@ -794,7 +819,8 @@ class SparseLoCo(PeriodicSync):
         again, self._weigh_next = self._weigh_next, 0
         tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
-        self.overlap, self._share, self._waited = verdict.overlap, ratio, 0.0
+        watched, self._check_next = self._check_next, False
+        self.overlap, self._share, self._waited, self._watch_level = verdict.overlap, ratio, 0.0, None
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
             self.landing = verdict.landing
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
@@ -805,10 +831,8 @@ class SparseLoCo(PeriodicSync):
                 "launch; a gather"
             )
         elif watched:
-            timed = f"again at step {self.step_count}, the shortest wait in the last gather"
+            timed = f"again at step {self.step_count}, {self._check_why}; a gather"
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
-        if watched:
-            whose = "the shortest wait's share"
         taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
             f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
@@ -915,6 +939,7 @@ class SparseLoCo(PeriodicSync):
         state["overlap_weigh_next"] = self._weigh_next
         state["overlap_verdicts_again"] = [self.verdicts_again, self.last_verdict]
         state["overlap_waited"] = self._waited
+        state["overlap_watch"] = [self._watch_level, self._check_next, self._check_why]
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -944,6 +969,9 @@ class SparseLoCo(PeriodicSync):
             self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
             self._waited = state.get("overlap_waited", 0.0)
+            self._watch_level, self._check_next, self._check_why = state.get(
+                "overlap_watch", [None, False, ""]
+            )
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
