@@ -1073,7 +1073,7 @@ def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timing
     sync.close()
 
 
-def _synchronous_then(later_s: float, steps: int = 60):
+def _synchronous_then(later_s: float, steps: int = 70):
     """H=10 steps of 1 s; gathers of 0.3 s to step 25 (3%: synchronous at the first outer step,
     1.04 overlapped against 1.03), ``later_s`` after."""
     comm = _ClockedGather(0.3)
@@ -1097,23 +1097,23 @@ def _synchronous_then(later_s: float, steps: int = 60):
 def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turns_overlap_on():
     """Off at the first outer step (10); from the second each message carries its sender's
     wait in the last gather (4 bytes). The figures at 30 (3%) set the level. Gathers of 3 s from
-    step 26: the figure at 40 (30%, 10 times the level; overlapped 1.2 against 1.3) asks for a
-    timed outer step, and at 50 the gather timed after a barrier turns overlap on (landing 5);
-    the outer step at 60 overlaps. Gathers of 0.5 s (5%): the wait has risen over twice its level,
+    step 26: the figures at 40 and 50 (30%, 10 times the level, twice in a row; overlapped 1.2
+    against 1.3) ask for a timed outer step, and at 60 the gather timed after a barrier turns
+    overlap on (landing 5); the outer step at 70 overlaps. Gathers of 0.5 s (5%): the wait has risen over twice its level,
     but overlap would be sooner by 0.01 of a step only (1.04 against 1.05), under the margin:
     synchronous throughout, no timed step."""
     comm, sync = _synchronous_then(3.0)
     payload = sync.chunker.payload_bytes(sync.n)
-    # the decisions' timed gathers (10, 50) carry no wait; the overlapped one (60) its arrival
-    assert comm.sizes == [payload] + [payload + 4] * 3 + [payload, payload + 4]
+    # the decisions' timed gathers (10, 60) carry no wait; the overlapped one (70) its arrival
+    assert comm.sizes == [payload] + [payload + 4] * 4 + [payload, payload + 4]
     assert sync.overlap and sync.landing == 5 and sync.in_flight.flying and sync.verdicts_again == 1
     why = "the synchronous gathers' shortest wait up from 3.0% to 30.0%; a gather took 3.000 s"
-    assert f"again at step 50, {why}" in sync.last_verdict
+    assert f"again at step 60, {why}" in sync.last_verdict
     assert "synchronous 1.300, overlapped 1.200" in sync.info()
     sync.close()
     comm, sync = _synchronous_then(0.5)
     assert sync.overlap is False and sync.verdicts_again == 0 and not sync.in_flight.flying
-    assert comm.sizes == [payload] + [payload + 4] * 5
+    assert comm.sizes == [payload] + [payload + 4] * 6
     sync.close()
 
 
@@ -1135,8 +1135,22 @@ def test_a_timed_step_is_asked_for_where_the_shortest_wait_rose_and_overlap_woul
     assert sync.overlap is False and sync.watches_link and sync._watch_level is None
     sync._watch(0.1, [0.02], None)  # the first shortest wait after the verdict: the level
     assert sync._watch_level == 0.02 and not sync._check_next
-    sync._watch(0.1, figures, weights)
+    sync._watch(0.1, figures, weights)  # risen once: not yet
+    assert not sync._check_next and sync._rises == int(check)
+    sync._watch(0.1, figures, weights)  # and again: a timed step where both times it paid
     assert sync._check_next is check and sync.overlap is False and sync._waited == pytest.approx(0.01)
+    sync.close()
+
+
+@pytest.mark.parametrize("share, on", [(0.045, False), (0.3, True)])
+def test_a_timed_step_the_waits_asked_for_turns_overlap_on_only_by_the_margin(share, on):
+    """At 4.5% overlap is sooner by 0.005 of a step (1.04 against 1.045): a near tie, which the
+    first verdict takes and the watch's does not; at 30% by 0.1."""
+    _, sync = _synchronous_then(0.3, steps=10)
+    sync._check_next, sync._check_why = True, "risen"
+    sync._decide(share * 10, 10.0, share)
+    assert sync.overlap is on and not sync._check_next and sync.verdicts_again == 1
+    assert sync.last_verdict.startswith(f"--overlap auto: {'on' if on else 'off'} (again at step 10, risen")
     sync.close()
 
 

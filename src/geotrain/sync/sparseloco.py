@@ -157,12 +157,16 @@ DENSE_ABOVE = 1 / 64
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
 # Under auto's synchronous verdict, the shortest wait the gathers carry asks for a timed outer
-# step (``_watch``) where it has risen this many times over its level after the verdict, and
-# overlap would be sooner to a loss at it by ``WATCH_MARGIN`` of a step. On 4 workers sharing 2
-# cores the shortest wait is not the link's: on loopback it measured 19-31% of a 10-step period
-# of GPT tiny (24-33 ms), where the same gather timed after a barrier took 1-6%, so the waits are
-# read against their own level, and a timed step decides.
+# step (``_watch``) where it has stayed ``WATCH_RISE`` times over its level after the verdict at
+# ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it by
+# ``WATCH_MARGIN`` of a step; the timed step turns overlap on only by that margin too. On 4
+# workers sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step
+# periods of about 0.15 s) it measured 0.5-45% of the period from one outer step to the next,
+# where the same gather timed after a barrier took 1-6%; read once, against its level, it asked
+# for a timed step every few outer steps, and at the timed steps' near ties (4-5%, at H=10)
+# overlap went on and off again.
 WATCH_RISE = 2.0
+WATCH_PERSIST = 2
 WATCH_MARGIN = 0.02
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
@@ -343,6 +347,7 @@ class SparseLoCo(PeriodicSync):
         # after the verdict (None: not yet seen), and whether the next outer step is timed
         self._waited = 0.0
         self._watch_level: float | None = None
+        self._rises = 0  # outer steps in a row at which the shortest wait stood risen
         self._check_next = False
         self._check_why = ""
 
@@ -536,11 +541,12 @@ class SparseLoCo(PeriodicSync):
         worker that reached it last waited least, for the link and for the others to wake to
         it; the first such shortest wait after a verdict is its level. Where a later one has
         risen ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
-        ``WATCH_MARGIN``, the next outer step is timed after a barrier and decides (``_decide``),
-        as the first one does: a link that slowed mid-run is hidden again. Every worker reads the
-        same figures. Each worker's own wait here goes with its next message. A figure from a
-        message the check left out, or a missing one (a worker that adopted another's state,
-        the first gather after a verdict), has no say, and then none is read."""
+        ``WATCH_MARGIN`` at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
+        after a barrier and decides (``_decide``, by the margin too), as the first one does: a
+        link that slowed mid-run is hidden again. Every worker reads the same figures. Each
+        worker's own wait here goes with its next message. A figure from a message the check
+        left out, or a missing one (a worker that adopted another's state, the first gather
+        after a verdict), has no say, and then none is read."""
         period_s = self._step_s() * self.config.H
         self._waited = waited / period_s if period_s > 0 else 0.0
         if weights is not None:
@@ -554,7 +560,9 @@ class SparseLoCo(PeriodicSync):
             return
         verdict = weigh_overlap(shortest, self.config.H)
         rose = shortest >= WATCH_RISE * self._watch_level
-        if rose and verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN:
+        pays = verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN
+        self._rises = self._rises + 1 if rose and pays else 0
+        if self._rises >= WATCH_PERSIST:
             self._check_next = True
             self._check_why = (
                 f"the synchronous gathers' shortest wait up from {100 * self._watch_level:.1f}% "
@@ -819,7 +827,9 @@ class SparseLoCo(PeriodicSync):
         again, self._weigh_next = self._weigh_next, 0
         tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
-        watched, self._check_next = self._check_next, False
+        watched, self._check_next, self._rises = self._check_next, False, 0
+        if watched and verdict.overlap and verdict.sync - verdict.overlapped < WATCH_MARGIN:
+            verdict = dataclasses.replace(verdict, overlap=False)  # a near tie stays as it was
         self.overlap, self._share, self._waited, self._watch_level = verdict.overlap, ratio, 0.0, None
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
             self.landing = verdict.landing
@@ -939,7 +949,7 @@ class SparseLoCo(PeriodicSync):
         state["overlap_weigh_next"] = self._weigh_next
         state["overlap_verdicts_again"] = [self.verdicts_again, self.last_verdict]
         state["overlap_waited"] = self._waited
-        state["overlap_watch"] = [self._watch_level, self._check_next, self._check_why]
+        state["overlap_watch"] = [self._watch_level, self._check_next, self._check_why, self._rises]
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -969,9 +979,8 @@ class SparseLoCo(PeriodicSync):
             self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
             self._waited = state.get("overlap_waited", 0.0)
-            self._watch_level, self._check_next, self._check_why = state.get(
-                "overlap_watch", [None, False, ""]
-            )
+            watch = state.get("overlap_watch", [None, False, "", 0])
+            self._watch_level, self._check_next, self._check_why, self._rises = watch
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
