@@ -1099,9 +1099,9 @@ def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turn
     wait in the last gather (4 bytes). The figures at 30 (3%) set the level. Gathers of 3 s from
     step 26: the figures at 40 and 50 (30%, 10 times the level, twice in a row; overlapped 1.2
     against 1.3) ask for a timed outer step, and at 60 the gather timed after a barrier turns
-    overlap on (landing 5); the outer step at 70 overlaps. Gathers of 0.5 s (5%): the wait has risen over twice its level,
-    but overlap would be sooner by 0.01 of a step only (1.04 against 1.05), under the margin:
-    synchronous throughout, no timed step."""
+    overlap on (landing 5); the outer step at 70 overlaps. Gathers of 0.5 s (5%): the wait has
+    risen over twice its level, but overlap would be sooner by 0.01 of a step only (1.04 against
+    1.05), under the margin: synchronous throughout, no timed step."""
     comm, sync = _synchronous_then(3.0)
     payload = sync.chunker.payload_bytes(sync.n)
     # the decisions' timed gathers (10, 60) carry no wait; the overlapped one (70) its arrival
