@@ -108,7 +108,10 @@ again on the share it measures, landing no sooner than the link asked (``_reweig
 that slowed goes on overlapped after that one synchronous step, landing later; workers that
 drifted apart go synchronous (on loopback a 4 ms gather turned overlap on at landing 1, the
 landing then wandered over 2-10 steps with the drift, and the run ended 3% above a synchronous
-one).
+one). Synchronous under auto, each message carries its sender's wait in the last gather, and a
+shortest wait that stays twice its level after the verdict, where overlap would pay by
+``WATCH_MARGIN``, makes the next outer step a timed one that decides again (``_watch``): a link
+that slows while the run is synchronous is hidden too.
 
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
 work vectors of the same size (snapshots hold theta and e; the start is rebuilt from the message
