@@ -1012,9 +1012,8 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
         assert sync.overlap and sync.landing == 4 and sync.alpha == 1.0
         assert "overlapped 1.160 (landing 4 of 10 steps late: 16% more steps)" in sync.info()
     else:
-        assert (
-            "taken again 1 time where the landing moved, the last: --overlap auto: off (again" in sync.info()
-        )
+        taken = "taken again 1 time (the landing moved, or the synchronous waits rose), the last: "
+        assert f"{taken}--overlap auto: off (again" in sync.info()
         assert "synchronous 1.060, overlapped 1.120 (landing 3 of 10 steps late" in sync.info()
         options = {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
         assert sync.resolved_options() == options and sync.in_flight.saved() is None
@@ -1085,11 +1084,20 @@ def _synchronous_then(later_s: float, steps: int = 70):
         comm.gather_s = 0.3 if step <= 25 else later_s
         _local_step(sync, opt, step)
         sync.after_step()
-        if step == 35:  # a snapshot holds this worker's wait, sent with its next message, and the level
+        if step == 45:  # a snapshot holds this worker's wait, sent with its next message, and the watch
+            state = sync.state_dict()
             _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
-            again.load_state_dict(sync.state_dict())
+            again.load_state_dict(state)
             assert again._waited == sync._waited == pytest.approx(later_s / 10)
             assert again._watch_level == sync._watch_level == pytest.approx(0.03)
+            assert (
+                (again._rises, again._check_next)
+                == (sync._rises, sync._check_next)
+                == (int(later_s > 1), False)
+            )
+            del state["overlap_watch"]  # saved before the watch: none begun
+            again.load_state_dict(state)
+            assert (again._watch_level, again._rises, again._check_next) == (None, 0, False)
             again.close()
     return comm, sync
 
@@ -1099,9 +1107,8 @@ def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turn
     wait in the last gather (4 bytes). The figures at 30 (3%) set the level. Gathers of 3 s from
     step 26: the figures at 40 and 50 (30%, 10 times the level, twice in a row; overlapped 1.2
     against 1.3) ask for a timed outer step, and at 60 the gather timed after a barrier turns
-    overlap on (landing 5); the outer step at 70 overlaps. Gathers of 0.5 s (5%): the wait has
-    risen over twice its level, but overlap would be sooner by 0.01 of a step only (1.04 against
-    1.05), under the margin: synchronous throughout, no timed step."""
+    overlap on (landing 5); the outer step at 70 overlaps. Gathers of 0.5 s (5%): under twice its
+    level: synchronous throughout, no timed step."""
     comm, sync = _synchronous_then(3.0)
     payload = sync.chunker.payload_bytes(sync.n)
     # the decisions' timed gathers (10, 60) carry no wait; the overlapped one (70) its arrival
@@ -1126,6 +1133,7 @@ def test_under_auto_synchronous_gathers_carry_their_waits_and_a_slower_link_turn
         ([0.3, 0.01], [1.0, 0.0], True),  # a message the check left out has no say
         ([0.3, float("nan")], None, False),
         ([0.3, 0.039], None, False),  # under twice the level (2%)
+        ([0.3, 0.05], None, False),  # risen, but overlap is sooner by 0.01 of a step, under 0.4 / H
     ],
 )
 def test_a_timed_step_is_asked_for_where_the_shortest_wait_rose_and_overlap_would_pay(
@@ -1139,6 +1147,20 @@ def test_a_timed_step_is_asked_for_where_the_shortest_wait_rose_and_overlap_woul
     assert not sync._check_next and sync._rises == int(check)
     sync._watch(0.1, figures, weights)  # and again: a timed step where both times it paid
     assert sync._check_next is check and sync.overlap is False and sync._waited == pytest.approx(0.01)
+    sync.close()
+
+
+def test_the_watch_wants_its_rises_in_a_row_and_its_level_is_the_least_wait_since_the_verdict():
+    _, sync = _synchronous_then(0.3, steps=10)
+    sync._watch(0.1, [0.02], None)  # the level
+    for figures, rises in (([0.3], 1), ([0.03], 0), ([0.3], 1), ([0.3, 0.0], 0), ([0.3], 1)):
+        sync._watch(0.1, figures, None)
+        assert sync._rises == rises and not sync._check_next
+    sync._watch(0.1, [0.01], None)  # lower: the level follows it down
+    assert sync._watch_level == 0.01 and sync._rises == 0
+    sync._watch(0.1, [0.25], None)
+    sync._watch(0.1, [0.25], None)
+    assert sync._check_next and "up from 1.0% to 25.0%" in sync._check_why
     sync.close()
 
 

@@ -110,7 +110,7 @@ drifted apart go synchronous (on loopback a 4 ms gather turned overlap on at lan
 landing then wandered over 2-10 steps with the drift, and the run ended 3% above a synchronous
 one). Synchronous under auto, each message carries its sender's wait in the last gather, and a
 shortest wait that stays twice its level after the verdict, where overlap would pay by
-``WATCH_MARGIN``, makes the next outer step a timed one that decides again (``_watch``): a link
+``watch_margin``, makes the next outer step a timed one that decides again (``_watch``): a link
 that slows while the run is synchronous is hidden too.
 
 Memory: the anchor theta, the buffer e, the period's start point (used with overlap) and two
@@ -135,6 +135,7 @@ import torch
 
 from geotrain.compress.chunked import ChunkTopK, TensorChunks, require_chunking
 from geotrain.plan.gather import (
+    LATE_LANDING_COST,
     SPARSELOCO_PERIODS,
     choose_sparseloco_period,
     gather_share,
@@ -160,17 +161,26 @@ DENSE_ABOVE = 1 / 64
 # A landing may wait this fraction of a step before the next one lands a step later
 WAIT_SLACK = 0.1
 # Under auto's synchronous verdict, the shortest wait the gathers carry asks for a timed outer
-# step (``_watch``) where it has stayed ``WATCH_RISE`` times over its level after the verdict at
-# ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it by
-# ``WATCH_MARGIN`` of a step; the timed step turns overlap on only by that margin too. On 4
-# workers sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step
-# periods of about 0.15 s) it measured 0.5-45% of the period from one outer step to the next,
+# step (``_watch``) where it has stood ``WATCH_RISE`` times over its level (the least since the
+# verdict) at ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it
+# by ``watch_margin``; the timed step turns overlap on only by that margin too. On 4 workers
+# sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step periods of
+# 0.08-0.20 s) it measured 0.5-45% of the period from one outer step to the next,
 # where the same gather timed after a barrier took 1-6%; read once, against its level, it asked
 # for a timed step every few outer steps, and at the timed steps' near ties (4-5%, at H=10)
 # overlap went on and off again.
 WATCH_RISE = 2.0
 WATCH_PERSIST = 2
 WATCH_MARGIN = 0.02
+
+
+def watch_margin(H: int) -> float:
+    """What overlap must win by, in a step, for the watch to turn it on: ``WATCH_MARGIN``, and
+    at least what a landing one step later than predicted costs (``LATE_LANDING_COST`` / H),
+    so that the landing's check (``SparseLoCo._reweigh``) does not undo it at the first move."""
+    return max(WATCH_MARGIN, LATE_LANDING_COST / H)
+
+
 # --H auto: the period a worker runs at where nothing measured a step and a gather (``prepare``
 # not called: geotrain.wrap without ``profile=``), the fixed default's
 PROVISIONAL_H = 20
@@ -326,7 +336,7 @@ class SparseLoCo(PeriodicSync):
         # the next outer step); under auto, set with the verdict.
         self.landing = self.config.tau or self.config.H
         self.decision = ""  # what auto measured, for the summary
-        self.verdicts_again = 0  # how often auto's verdict was taken again (``_reweigh``)
+        self.verdicts_again = 0  # how often auto's verdict was taken again (``_reweigh``, ``_watch``)
         self.last_verdict = ""  # the last of those
         self.clock = time.perf_counter  # tests set their own
         # When the last H steps ended (and when the first began): auto's verdict times the first
@@ -542,9 +552,9 @@ class SparseLoCo(PeriodicSync):
     def _watch(self, waited: float, figures: list[float], weights: list[float] | None) -> None:
         """Auto's synchronous verdict watched through the waits the last gather carried. The
         worker that reached it last waited least, for the link and for the others to wake to
-        it; the first such shortest wait after a verdict is its level. Where a later one has
-        risen ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
-        ``WATCH_MARGIN`` at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
+        it; the least such shortest wait since a verdict is its level. Where one has risen
+        ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
+        ``watch_margin`` at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
         after a barrier and decides (``_decide``, by the margin too), as the first one does: a
         link that slowed mid-run is hidden again. Every worker reads the same figures. Each
         worker's own wait here goes with its next message. A figure from a message the check
@@ -556,6 +566,7 @@ class SparseLoCo(PeriodicSync):
             figures = [f for f, w in zip(figures, weights, strict=False) if w > 0]
         known = [f for f in figures if math.isfinite(f) and f > 0]
         if not known or len(known) < len(figures):
+            self._rises = 0  # "in a row": a step with no reading breaks the row
             return
         shortest = min(known)
         if self._watch_level is None:
@@ -563,8 +574,10 @@ class SparseLoCo(PeriodicSync):
             return
         verdict = weigh_overlap(shortest, self.config.H)
         rose = shortest >= WATCH_RISE * self._watch_level
-        pays = verdict.overlap and verdict.sync - verdict.overlapped >= WATCH_MARGIN
+        pays = verdict.overlap and verdict.sync - verdict.overlapped >= watch_margin(self.config.H)
         self._rises = self._rises + 1 if rose and pays else 0
+        if not rose:  # the level is the least shortest wait since the verdict
+            self._watch_level = min(self._watch_level, shortest)
         if self._rises >= WATCH_PERSIST:
             self._check_next = True
             self._check_why = (
@@ -586,8 +599,9 @@ class SparseLoCo(PeriodicSync):
         return torch.cat([payload, figure])
 
     def _message_part(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-        """Gathered messages (or one) without the arrival figures after them, and the figures
-        (none where the messages carry none: sent without auto, or saved before it had them)."""
+        """Gathered messages (or one) without the figures after them (auto's: the arrival of the
+        last gather overlapped, or the wait in the last one synchronous), and the figures (none
+        where the messages carry none: sent without auto, or saved before it had them)."""
         if rows.shape[-1] != self.chunker.payload_bytes(self.n) + ARRIVAL_BYTES:
             return rows, []
         figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
@@ -831,7 +845,7 @@ class SparseLoCo(PeriodicSync):
         tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
         watched, self._check_next, self._rises = self._check_next, False, 0
-        if watched and verdict.overlap and verdict.sync - verdict.overlapped < WATCH_MARGIN:
+        if watched and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
             verdict = dataclasses.replace(verdict, overlap=False)  # a near tie stays as it was
         self.overlap, self._share, self._waited, self._watch_level = verdict.overlap, ratio, 0.0, None
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
@@ -923,7 +937,7 @@ class SparseLoCo(PeriodicSync):
                     self.decision,
                     self.verdicts_again
                     and f"taken again {self.verdicts_again} time{'s' if self.verdicts_again > 1 else ''} "
-                    f"where the landing moved, the last: {self.last_verdict}",
+                    f"(the landing moved, or the synchronous waits rose), the last: {self.last_verdict}",
                     self.landing_moves
                     and f"the landing followed the gathers' arrivals: moved {self.landing_moves} times"
                     + (f", now {self.landing} of {self.config.H} steps" if self.overlap else ""),
