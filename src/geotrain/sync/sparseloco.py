@@ -165,10 +165,10 @@ WAIT_SLACK = 0.1
 # verdict) at ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it
 # by ``watch_margin``; the timed step turns overlap on only by that margin too. On 4 workers
 # sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step periods of
-# 0.08-0.20 s) it measured 0.5-45% of the period from one outer step to the next,
-# where the same gather timed after a barrier took 1-6%; read once, against its level, it asked
-# for a timed step every few outer steps, and at the timed steps' near ties (4-5%, at H=10)
-# overlap went on and off again.
+# 0.08-0.20 s) it measured 0.5-51% of the period from one outer step to the next,
+# where gathers timed after a barrier read 0.9-24%; read once, against its level, it asked
+# for a timed step one to seven times a run, and three of them turned overlap on (4.9% and 8.0%
+# at H=10, 23.6% at H=5), two going off again at the next check.
 WATCH_RISE = 2.0
 WATCH_PERSIST = 2
 WATCH_MARGIN = 0.02
@@ -650,7 +650,7 @@ class SparseLoCo(PeriodicSync):
         link alone. Measured on GPT ``tiny`` (4 workers, loopback, H=10, 400 steps): a first
         gather of 4-5% of the period turned overlap on, landing 1 step late; the landing then
         wandered over 2-10 steps with the drift (moved 29 times in one run), and those runs
-        ended 3.3-3.5% above the synchronous ones, where landing at 1 throughout (``--tau 1``)
+        ended 3.0-3.5% above the synchronous ones, where landing at 1 throughout (``--tau 1``)
         cost 0.7% on the mean of 8 seeds. There a share of 4% against a landing of 2 of 10
         already goes synchronous (1.08 against 1.04); a 3.5 Mbit/s link slowed to 1.2 Mbit/s
         took one synchronous outer step (a share of 9.4%, the figures asking for 6 of 20), timed
