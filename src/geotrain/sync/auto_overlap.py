@@ -1,0 +1,321 @@
+"""SparseLoCo's ``--overlap auto``: whether an outer step's all-gather runs under the next
+period's compute, and where its mean lands, following the link through a run.
+
+``overlap`` "auto" (the default) overlaps only where that reaches a loss sooner: the first
+outer step runs synchronously and times its all-gather against the period's compute (H times
+the median step interval before it), and every later step overlaps where the step it saves
+outweighs the steps to a loss that its late landing costs (``plan.gather.weigh_overlap``: a
+mean landing L of H steps late costs min(0.4 L / H, 0.24) more steps, measured on GPT ``tiny``;
+a gather of 5% of the period overlaps at H=20, landing 2 steps late, and not at H=5, where it
+lands a fifth of the period late), else none does, until the landing moves (below). (A fixed
+5% of the period decided before: it overlapped on ``tiny`` at H=5 for 5.3%, and the run
+ended at 2.1395 against 2.0577 synchronous at H=5, 400 steps; the default now runs it
+synchronously, at the H=10 its probe then picks: 2.1012.) With ``H`` "auto" (the default) the
+start-up probe has timed a step and a gather already, and the verdict is taken from
+those, before step 1: the first outer step overlaps too where the link is slow (at 350 kbit/s
+its synchronous gather was 26 s of an 80-step run's 160), unless the gather outlasts about four
+periods, where overlap would hide one of them and cost 24% more steps. Overlapping, each gather
+lands ``LAND_MARGIN`` (1.5) times its measured length in steps after it was launched (``tau``
+0, the default; at most H), by when it has arrived. Every worker takes the same verdict (the
+largest ratio measured), and snapshots keep it. Overlap costs loss (above), so a link fast
+enough to hide nothing behind is better used synchronously. ``--overlap`` without ``--tau``
+lands a period late, as before ``tau`` was built.
+
+Under auto the landing then follows the link (``next_landing``): each worker notes when its
+gather was there (the first step boundary at which it had completed, or, where the landing had
+to wait, the landing plus the wait in steps) and sends that figure in 4 bytes after its next
+message; at that message's landing every worker reads the same figures and moves the landing to
+the step the slowest worker's gather was there by (later at once; sooner only with a step to
+spare, so that it does not flap between two steps). The first gather is timed alone, and later
+ones share the cores with compute and take longer; a link that slows or speeds up mid-run moves
+the landing with it. Where the landing moves later than overlap pays for at the share the
+verdict was taken on, the next outer step is synchronous, timed after a barrier, and decides
+again on the share it measures, landing no sooner than the link asked (``_reweigh``): a link
+that slowed goes on overlapped after that one synchronous step, landing later; workers that
+drifted apart go synchronous (on loopback a 4 ms gather turned overlap on at landing 1, the
+landing then wandered over 2-10 steps with the drift, and the run ended 3% above a synchronous
+one). Synchronous under auto, each message carries its sender's wait in the last gather, and a
+shortest wait that stays twice its level after the verdict, where overlap would pay by
+``watch_margin``, makes the next outer step a timed one that decides again (``_watch``): a link
+that slows while the run is synchronous is hidden too.
+
+``AutoOverlap`` is the part of ``geotrain.sync.sparseloco.SparseLoCo`` that takes these verdicts
+and moves the landing; it reads and sets the algorithm's state (``overlap``, ``landing``, the
+anchor, the message in flight) and is not used on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+import sys
+
+import torch
+
+from geotrain.plan.gather import LATE_LANDING_COST, gather_share, hiding_steps, weigh_overlap
+
+# The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
+ARRIVAL_BYTES = 4
+# A landing may wait this fraction of a step before the next one lands a step later
+WAIT_SLACK = 0.1
+# Under auto's synchronous verdict, the shortest wait the gathers carry asks for a timed outer
+# step (``_watch``) where it has stood ``WATCH_RISE`` times over its level (the least since the
+# verdict) at ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it
+# by ``watch_margin``; the timed step turns overlap on only by that margin too. On 4 workers
+# sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step periods of
+# 0.08-0.20 s) it measured 0.5-51% of the period from one outer step to the next,
+# where gathers timed after a barrier read 0.9-24%; read once, against its level, it asked
+# for a timed step one to seven times a run, and three of them turned overlap on (4.9% and 8.0%
+# at H=10, 23.6% at H=5), two going off again at the next check.
+WATCH_RISE = 2.0
+WATCH_PERSIST = 2
+WATCH_MARGIN = 0.02
+
+
+def watch_margin(H: int) -> float:
+    """What overlap must win by, in a step, for the watch to turn it on: ``WATCH_MARGIN``, and
+    at least what a landing one step later than predicted costs (``LATE_LANDING_COST`` / H),
+    so that the landing's check (``SparseLoCo._reweigh``) does not undo it at the first move."""
+    return max(WATCH_MARGIN, LATE_LANDING_COST / H)
+
+
+def next_landing(landing: int, arrivals: list[float], H: int) -> int:
+    """The landing for the gathers to come, from the workers' arrival figures of the last one
+    (steps after its launch at which each worker had it; 0: no figure, a worker that adopted
+    another's state). Later at once to the slowest's (a wait under ``WAIT_SLACK`` of a step
+    is let go); sooner only where every gather was there two steps before the landing, to one
+    step after the slowest: the figures are whole step boundaries there, and a landing set to
+    the slowest's boundary exactly would flap between it and the next. Within [1, H]."""
+    known = [a for a in arrivals if math.isfinite(a) and a > 0]  # (4 bytes from any peer)
+    if not known:
+        return landing
+    needed = max(1, math.ceil(round(min(max(known), H + 1) - WAIT_SLACK, 6)))
+    if needed > landing:
+        return min(H, needed)
+    if needed < landing - 1:
+        return needed + 1
+    return landing
+
+
+class AutoOverlap:
+    """``--overlap auto``'s verdicts, the landing's figures and the two checks, for SparseLoCo."""
+
+    @property
+    def follows_link(self) -> bool:
+        """The landing moves with the measured arrivals: auto chose it (``--tau`` not given)."""
+        return bool(self.overlap) and self.config.overlap == "auto" and not self.config.tau
+
+    @property
+    def watches_link(self) -> bool:
+        """Synchronous under auto's verdict (``--tau`` not given): each message carries its
+        sender's wait in the last gather, and the shortest is weighed (``_watch``)."""
+        return (
+            self.overlap is False
+            and self.config.overlap == "auto"
+            and not self.config.tau
+            and self._share is not None
+        )
+
+    def _with_wait(self, payload: torch.Tensor) -> torch.Tensor:
+        figure = torch.tensor([self._waited], dtype=torch.float32).view(torch.uint8)
+        return torch.cat([payload, figure])
+
+    def _watch(self, waited: float, figures: list[float], weights: list[float] | None) -> None:
+        """Auto's synchronous verdict watched through the waits the last gather carried. The
+        worker that reached it last waited least, for the link and for the others to wake to
+        it; the least such shortest wait since a verdict is its level. Where one has risen
+        ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
+        ``watch_margin`` at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
+        after a barrier and decides (``_decide``, by the margin too), as the first one does: a
+        link that slowed mid-run is hidden again. Every worker reads the same figures. Each
+        worker's own wait here goes with its next message. A figure from a message the check
+        left out, or a missing one (a worker that adopted another's state, the first gather
+        after a verdict), has no say, and then none is read."""
+        period_s = self._step_s() * self.config.H
+        self._waited = waited / period_s if period_s > 0 else 0.0
+        if weights is not None:
+            figures = [f for f, w in zip(figures, weights, strict=False) if w > 0]
+        known = [f for f in figures if math.isfinite(f) and f > 0]
+        if not known or len(known) < len(figures):
+            self._rises = 0  # "in a row": a step with no reading breaks the row
+            return
+        shortest = min(known)
+        if self._watch_level is None:
+            self._watch_level = shortest
+            return
+        verdict = weigh_overlap(shortest, self.config.H)
+        rose = shortest >= WATCH_RISE * self._watch_level
+        pays = verdict.overlap and verdict.sync - verdict.overlapped >= watch_margin(self.config.H)
+        self._rises = self._rises + 1 if rose and pays else 0
+        if not rose:  # the level is the least shortest wait since the verdict
+            self._watch_level = min(self._watch_level, shortest)
+        if self._rises >= WATCH_PERSIST:
+            self._check_next = True
+            self._check_why = (
+                f"the synchronous gathers' shortest wait up from {100 * self._watch_level:.1f}% "
+                f"to {100 * shortest:.1f}%"
+            )
+            if self.comm.rank == 0:
+                print(
+                    f"geotrain: sparseloco --overlap auto: {self._check_why} of the period; the next "
+                    "outer step is timed and decides again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def _with_arrival(self, payload: torch.Tensor) -> torch.Tensor:
+        if not self.follows_link:
+            return payload
+        figure = torch.tensor([self._arrival], dtype=torch.float32).view(torch.uint8)
+        return torch.cat([payload, figure])
+
+    def _message_part(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """Gathered messages (or one) without the figures after them (auto's: the arrival of the
+        last gather overlapped, or the wait in the last one synchronous), and the figures (none
+        where the messages carry none: sent without auto, or saved before it had them)."""
+        if rows.shape[-1] != self.chunker.payload_bytes(self.n) + ARRIVAL_BYTES:
+            return rows, []
+        figures = rows[..., -ARRIVAL_BYTES:].contiguous().view(torch.float32).reshape(-1)
+        return rows[..., :-ARRIVAL_BYTES].contiguous(), figures.tolist()
+
+    def _reweigh(self) -> None:
+        """Auto's verdict again where the landing moves: where overlap, landing as late as the
+        last figures ask, no longer reaches a loss sooner than waiting for the gather (the share
+        the verdict was taken on), the next outer step is synchronous and timed after a barrier,
+        as the first one is, and decides afresh (``_decide``) on the share it measures, with the
+        landing the link asked for as the least it would land at. Every worker reads the same
+        figures, so all do it at the same outer step.
+
+        Why both: a gather is seen late where the link slowed, and where a worker drifted ahead
+        of the others (on loopback, 4 workers on 2 cores arrive several 20 ms steps apart), and
+        the figures cannot tell the two apart. A synchronous gather after a barrier measures the
+        link alone. Measured on GPT ``tiny`` (4 workers, loopback, H=10, 400 steps): a first
+        gather of 4-5% of the period turned overlap on, landing 1 step late; the landing then
+        wandered over 2-10 steps with the drift (moved 29 times in one run), and those runs
+        ended 3.0-3.5% above the synchronous ones, where landing at 1 throughout (``--tau 1``)
+        cost 0.7% on the mean of 8 seeds. There a share of 4% against a landing of 2 of 10
+        already goes synchronous (1.08 against 1.04); a 3.5 Mbit/s link slowed to 1.2 Mbit/s
+        took one synchronous outer step (a share of 9.4%, the figures asking for 6 of 20), timed
+        23.2%, and went on overlapped, landing 7 of 20 (docs/frontier.md). Not at a landing taken
+        at the outer step itself (after a regroup, or at H), nor in ``finalize``: there the
+        figures are weighed at the next landing."""
+        moved = self._next_landing
+        if self._share is None or not moved or moved <= self.landing or self._weigh_next:
+            return
+        verdict = weigh_overlap(self._share, self.config.H, tau=moved)
+        if verdict.overlap:
+            return
+        self._weigh_next = moved
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: sparseloco --overlap auto: the gathers were there {moved} of "
+                f"{self.config.H} steps after their launch; landing that late costs "
+                f"{100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} against "
+                f"synchronous {verdict.sync:.3f} at the share measured before); the next outer step "
+                "is synchronous and decides again",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _to_undecided(self) -> None:
+        """This outer step synchronous and timed (``_reweigh``): the gather in flight, where one
+        is, lands first with the mean and alpha it was launched with, the replica moving with
+        the anchor as at a landing inside the period (``_land_early``), so that the synchronous
+        pseudo-gradient is the whole period's progress."""
+        if self.in_flight.flying:
+            self._land_early()
+        self.overlap = None
+        self._next_landing, self._seen, self._arrival = 0, 0, 0.0
+
+    def _take_next_landing(self) -> None:
+        moved, self._next_landing = self._next_landing, 0
+        if not moved or moved == self.landing:
+            return
+        if self.comm.rank == 0:
+            print(
+                f"geotrain: sparseloco: the last gathers arrived later or sooner than they landed; "
+                f"landing moved from {self.landing} to {moved} of {self.config.H} steps",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.landing = moved
+        self.landing_moves += 1
+
+    def _step_s(self) -> float:
+        """The median interval between the last H steps' ends (0 before one has ended)."""
+        times = self._stepped_at
+        return statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else 0.0
+
+    def _restart_timing(self) -> None:
+        self._stepped_at.clear()
+        self._stepped_at.append(self.clock())
+
+    def _verdict(self, gather_s: float) -> tuple[float, float, float]:
+        """--overlap auto: this worker's gather time and the period's compute (H times the median
+        interval between the steps before it, so a validation or the first step's start-up
+        does not count), and the largest ratio of the two over the workers."""
+        period_s = self._step_s() * self.config.H
+        # A worker that timed no step here (it adopted another's state for this sync) has no
+        # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
+        ratio = gather_share(gather_s, period_s) if period_s > 0 else -1.0
+        (most,) = self.comm.max_scalars([ratio])
+        return gather_s, period_s, most
+
+    def _decide(
+        self,
+        gather_s: float,
+        period_s: float,
+        ratio: float,
+        at_start: bool = False,
+    ) -> None:
+        """Take auto's verdict (``plan.gather.weigh_overlap``): overlap where that reaches a loss
+        sooner, the gather taking ``ratio`` of the period's compute (the largest over the
+        workers) and landing ``LAND_MARGIN`` times its steps later, each step late costing steps
+        to a loss; synchronous, the gather shows. Made at the first outer step, or before step 1 where ``--H
+        auto`` measured a gather and a step already (``prepare``), so that the first outer step
+        of a slow link is not waited for; and again at an outer step ``_reweigh`` asked for,
+        landing no sooner than the figures asked (``_weigh_next``, kept where no worker timed a
+        step, for the outer step that decides instead), or where the waits of synchronous
+        gathers rose (``_check_next``: ``_watch``)."""
+        self._start = self._anchor.clone()
+        self._start_moved_at = self._no_entries()
+        if ratio < 0:  # no worker timed a step: the next outer step is timed instead
+            self._restart_timing()
+            return
+        H = self.config.H
+        again, self._weigh_next = self._weigh_next, 0
+        tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
+        verdict = weigh_overlap(ratio, H, tau=tau)
+        watched, self._check_next, self._rises = self._check_next, False, 0
+        if watched and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
+            verdict = dataclasses.replace(verdict, overlap=False)  # a near tie stays as it was
+        self.overlap, self._share, self._waited, self._watch_level = verdict.overlap, ratio, 0.0, None
+        if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
+            self.landing = verdict.landing
+        lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
+        timed = "at start-up, a gather" if at_start else "the first outer step's gather"
+        if again:
+            timed = (
+                f"again at step {self.step_count}, the gathers there {again} of {H} steps after "
+                "launch; a gather"
+            )
+        elif watched:
+            timed = f"again at step {self.step_count}, {self._check_why}; a gather"
+        whose = "the slowest worker's share" if at_start else "the largest share on any worker"
+        taken = (
+            f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
+            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
+            f"{100 * ratio:.1f}%; time to a loss x nosync's: synchronous {verdict.sync:.3f}, "
+            f"overlapped {verdict.overlapped:.3f} (landing {verdict.landing} of {H} steps late: "
+            f"{100 * verdict.penalty:.0f}% more steps){lands})"
+        )
+        # The summary keeps the first verdict, and the last of those taken again with their count
+        if (again or watched) and self.decision:
+            self.verdicts_again += 1
+            self.last_verdict = taken
+        else:
+            self.decision = taken
+        if self.comm.rank == 0:
+            print(f"geotrain: sparseloco {taken}", file=sys.stderr, flush=True)
