@@ -984,16 +984,21 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
         if step == 20:
             assert sync.overlap and sync.landing == 1 and sync.in_flight.flying
         if step == 30:
-            assert sync.overlap and not sync._weigh_next
+            assert sync.overlap and not sync._again
         if step == 31:  # the figure carried by 30's message (there 2.5 steps after launch): 3
-            assert sync._weigh_next == 3 and sync.overlap and sync._share == pytest.approx(0.06)
+            assert sync._again[1] == 3 and sync.overlap and sync._share == pytest.approx(0.06)
         if step == 35:  # a snapshot before the outer step holds it
             _, _, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8})
             again.load_state_dict(sync.state_dict())
-            assert again.overlap and again._weigh_next == 3 and again._share == pytest.approx(0.06)
+            assert (
+                again.overlap
+                and again._again == sync._again
+                and again._again[1] == 3
+                and again._share == pytest.approx(0.06)
+            )
             again.close()
         if step == 40:  # decided again on the synchronous gather it timed
-            assert not sync._weigh_next and sync.verdicts_again == 1
+            assert not sync._again and sync.verdicts_again == 1
             took = "2.500" if link_slowed else "0.600"
             again_at = (
                 f"again at step 40, the gathers there 3 of 10 steps after launch; a gather took {took} s"
@@ -1039,7 +1044,7 @@ def test_a_landing_moved_within_what_overlap_pays_for_keeps_overlap_on_without_a
         comm.gather_s = first_s if step <= 20 else 6.4
         _local_step(sync, opt, step)
         sync.after_step()
-    assert sync.overlap and sync.landing == landing and not sync._weigh_next
+    assert sync.overlap and sync.landing == landing and not sync._again
     assert sync.verdicts_again == int(checked)
     assert ("taken again" in sync.info()) is checked
     sync.close()
@@ -1061,14 +1066,14 @@ def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timing
         _local_step(sync, opt, step)
         if step == 29:
             assert sync.overlap and sync.landing == 10 and sync.in_flight.flying
-            sync._weigh_next = 10
+            sync._again = ("the gathers there 10 of 10 steps after launch", 10)
         sync.after_step()
     assert sync.overlap is False and not sync.in_flight.flying and sync.verdicts_again == 1
     assert torch.equal(sync._local(), sync._anchor) and torch.equal(sync._start, sync._anchor)
     assert "a gather took 0.500 s" in sync.last_verdict
-    sync._weigh_next, sync.overlap = 4, None
+    sync._again, sync.overlap = ("asked", 4), None
     sync._decide(0.1, 0.0, -1.0)  # no worker timed a step: undecided, the floor kept
-    assert sync.overlap is None and sync._weigh_next == 4
+    assert sync.overlap is None and sync._again == ("asked", 4)
     sync.close()
 
 
@@ -1090,14 +1095,10 @@ def _synchronous_then(later_s: float, steps: int = 70):
             again.load_state_dict(state)
             assert again._waited == sync._waited == pytest.approx(later_s / 10)
             assert again._watch_level == sync._watch_level == pytest.approx(0.03)
-            assert (
-                (again._rises, again._check_next)
-                == (sync._rises, sync._check_next)
-                == (int(later_s > 1), False)
-            )
-            del state["overlap_watch"]  # saved before the watch: none begun
+            assert (again._rises, again._again) == (sync._rises, sync._again) == (int(later_s > 1), None)
+            del state["overlap_watch"], state["overlap_again"]  # saved before the watch: none begun
             again.load_state_dict(state)
-            assert (again._watch_level, again._rises, again._check_next) == (None, 0, False)
+            assert (again._watch_level, again._rises, again._again) == (None, 0, None)
             again.close()
     return comm, sync
 
@@ -1142,11 +1143,13 @@ def test_a_timed_step_is_asked_for_where_the_shortest_wait_rose_and_overlap_woul
     _, sync = _synchronous_then(0.3, steps=10)
     assert sync.overlap is False and sync.watches_link and sync._watch_level is None
     sync._watch(0.1, [0.02], None)  # the first shortest wait after the verdict: the level
-    assert sync._watch_level == 0.02 and not sync._check_next
+    assert sync._watch_level == 0.02 and not sync._again
     sync._watch(0.1, figures, weights)  # risen once: not yet
-    assert not sync._check_next and sync._rises == int(check)
+    assert not sync._again and sync._rises == int(check)
     sync._watch(0.1, figures, weights)  # and again: a timed step where both times it paid
-    assert sync._check_next is check and sync.overlap is False and sync._waited == pytest.approx(0.01)
+    assert (
+        (sync._again is not None) is check and sync.overlap is False and sync._waited == pytest.approx(0.01)
+    )
     sync.close()
 
 
@@ -1155,12 +1158,12 @@ def test_the_watch_wants_its_rises_in_a_row_and_its_level_is_the_least_wait_sinc
     sync._watch(0.1, [0.02], None)  # the level
     for figures, rises in (([0.3], 1), ([0.03], 0), ([0.3], 1), ([0.3, 0.0], 0), ([0.3], 1)):
         sync._watch(0.1, figures, None)
-        assert sync._rises == rises and not sync._check_next
+        assert sync._rises == rises and not sync._again
     sync._watch(0.1, [0.01], None)  # lower: the level follows it down
     assert sync._watch_level == 0.01 and sync._rises == 0
     sync._watch(0.1, [0.25], None)
     sync._watch(0.1, [0.25], None)
-    assert sync._check_next and "up from 1.0% to 25.0%" in sync._check_why
+    assert sync._again and sync._again[1] == 0 and "up from 1.0% to 25.0%" in sync._again[0]
     sync.close()
 
 
@@ -1169,9 +1172,9 @@ def test_a_timed_step_the_waits_asked_for_turns_overlap_on_only_by_the_margin(sh
     """At 4.5% overlap is sooner by 0.005 of a step (1.04 against 1.045): a near tie, which the
     first verdict takes and the watch's does not; at 30% by 0.1."""
     _, sync = _synchronous_then(0.3, steps=10)
-    sync._check_next, sync._check_why = True, "risen"
+    sync._again = ("risen", 0)
     sync._decide(share * 10, 10.0, share)
-    assert sync.overlap is on and not sync._check_next and sync.verdicts_again == 1
+    assert sync.overlap is on and not sync._again and sync.verdicts_again == 1
     assert sync.last_verdict.startswith(f"--overlap auto: {'on' if on else 'off'} (again at step 10, risen")
     sync.close()
 
@@ -1189,7 +1192,7 @@ def _weighed_again(rank, world_size):
     for step in range(1, 17):
         _local_step(sync, opt, step + 10 * rank)
         sync.after_step()
-        seen[step] = (sync.overlap, sync._weigh_next, sync._anchor.clone(), sync._local())
+        seen[step] = (sync.overlap, (sync._again or ("", 0))[1], sync._anchor.clone(), sync._local())
     sync.finalize()
     sync.close()
     return {"seen": seen, "again": sync.verdicts_again, "final": sync._local()}

@@ -118,10 +118,6 @@ class AutoOverlap:
             and self._share is not None
         )
 
-    def _with_wait(self, payload: torch.Tensor) -> torch.Tensor:
-        figure = torch.tensor([self._waited], dtype=torch.float32).view(torch.uint8)
-        return torch.cat([payload, figure])
-
     def _watch(self, waited: float, figures: list[float], weights: list[float] | None) -> None:
         """Auto's synchronous verdict watched through the waits the last gather carried. The
         worker that reached it last waited least, for the link and for the others to wake to
@@ -152,24 +148,15 @@ class AutoOverlap:
         if not rose:  # the level is the least shortest wait since the verdict
             self._watch_level = min(self._watch_level, shortest)
         if self._rises >= WATCH_PERSIST:
-            self._check_next = True
-            self._check_why = (
-                f"the synchronous gathers' shortest wait up from {100 * self._watch_level:.1f}% "
-                f"to {100 * shortest:.1f}%"
-            )
-            if self.comm.rank == 0:
-                print(
-                    f"geotrain: sparseloco --overlap auto: {self._check_why} of the period; the next "
-                    "outer step is timed and decides again",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            level, now = 100 * self._watch_level, 100 * shortest
+            why = f"the synchronous gathers' shortest wait up from {level:.1f}% to {now:.1f}%"
+            self._decide_again(why)
 
-    def _with_arrival(self, payload: torch.Tensor) -> torch.Tensor:
-        if not self.follows_link:
-            return payload
-        figure = torch.tensor([self._arrival], dtype=torch.float32).view(torch.uint8)
-        return torch.cat([payload, figure])
+    @staticmethod
+    def _with_figure(payload: torch.Tensor, figure: float) -> torch.Tensor:
+        """The message and, after it, one of auto's figures in ``ARRIVAL_BYTES`` (float32): the
+        arrival of the last gather overlapped, or the wait in the last one synchronous."""
+        return torch.cat([payload, torch.tensor([figure], dtype=torch.float32).view(torch.uint8)])
 
     def _message_part(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         """Gathered messages (or one) without the figures after them (auto's: the arrival of the
@@ -202,28 +189,34 @@ class AutoOverlap:
         at the outer step itself (after a regroup, or at H), nor in ``finalize``: there the
         figures are weighed at the next landing."""
         moved = self._next_landing
-        if self._share is None or not moved or moved <= self.landing or self._weigh_next:
+        if self._share is None or not moved or moved <= self.landing or self._again:
             return
         verdict = weigh_overlap(self._share, self.config.H, tau=moved)
-        if verdict.overlap:
-            return
-        self._weigh_next = moved
+        if not verdict.overlap:
+            why = f"the gathers there {moved} of {self.config.H} steps after launch"
+            self._decide_again(
+                why, moved, f"overlapped {verdict.overlapped:.3f} against synchronous {verdict.sync:.3f}"
+            )
+
+    def _decide_again(self, why: str, floor: int = 0, weighed: str = "") -> None:
+        """The next outer step synchronous, timed after a barrier, deciding again (``_decide``),
+        landing no sooner than ``floor``: asked for by the landing's check (``_reweigh``) or by
+        the synchronous waits (``_watch``). Every worker asks at the same outer step."""
+        self._again = (why, floor)
         if self.comm.rank == 0:
+            said = f" ({weighed} at the share measured before)" if weighed else ""
             print(
-                f"geotrain: sparseloco --overlap auto: the gathers were there {moved} of "
-                f"{self.config.H} steps after their launch; landing that late costs "
-                f"{100 * verdict.penalty:.0f}% more steps (overlapped {verdict.overlapped:.3f} against "
-                f"synchronous {verdict.sync:.3f} at the share measured before); the next outer step "
-                "is synchronous and decides again",
+                f"geotrain: sparseloco --overlap auto: {why}{said}; the next outer step is timed "
+                "and decides again",
                 file=sys.stderr,
                 flush=True,
             )
 
     def _to_undecided(self) -> None:
-        """This outer step synchronous and timed (``_reweigh``): the gather in flight, where one
-        is, lands first with the mean and alpha it was launched with, the replica moving with
-        the anchor as at a landing inside the period (``_land_early``), so that the synchronous
-        pseudo-gradient is the whole period's progress."""
+        """This outer step synchronous and timed (``_decide_again``): the gather in flight, where
+        one is, lands first with the mean and alpha it was launched with, the replica moving
+        with the anchor as at a landing inside the period (``_land_early``), so that the
+        synchronous pseudo-gradient is the whole period's progress."""
         if self.in_flight.flying:
             self._land_early()
         self.overlap = None
@@ -275,21 +268,20 @@ class AutoOverlap:
         workers) and landing ``LAND_MARGIN`` times its steps later, each step late costing steps
         to a loss; synchronous, the gather shows. Made at the first outer step, or before step 1 where ``--H
         auto`` measured a gather and a step already (``prepare``), so that the first outer step
-        of a slow link is not waited for; and again at an outer step ``_reweigh`` asked for,
-        landing no sooner than the figures asked (``_weigh_next``, kept where no worker timed a
-        step, for the outer step that decides instead), or where the waits of synchronous
-        gathers rose (``_check_next``: ``_watch``)."""
+        of a slow link is not waited for; and again at an outer step ``_decide_again`` asked for
+        (``_again``, kept where no worker timed a step, for the outer step that decides
+        instead), landing no sooner than its floor and turning overlap on only by
+        ``watch_margin``, so that a near tie does not flip a run that was checked."""
         self._start = self._anchor.clone()
         self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
             return
         H = self.config.H
-        again, self._weigh_next = self._weigh_next, 0
-        tau = max(again, hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
+        again, self._again, self._rises = self._again, None, 0
+        tau = max(again[1], hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
-        watched, self._check_next, self._rises = self._check_next, False, 0
-        if watched and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
+        if again and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
             verdict = dataclasses.replace(verdict, overlap=False)  # a near tie stays as it was
         self.overlap, self._share, self._waited, self._watch_level = verdict.overlap, ratio, 0.0, None
         if self.overlap:  # lands once it has arrived, with a margin (or at --tau)
@@ -297,12 +289,7 @@ class AutoOverlap:
         lands = f", each gather landing {self.landing} of {H} steps later" if self.overlap else ""
         timed = "at start-up, a gather" if at_start else "the first outer step's gather"
         if again:
-            timed = (
-                f"again at step {self.step_count}, the gathers there {again} of {H} steps after "
-                "launch; a gather"
-            )
-        elif watched:
-            timed = f"again at step {self.step_count}, {self._check_why}; a gather"
+            timed = f"again at step {self.step_count}, {again[0]}; a gather"
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
         taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
@@ -312,7 +299,7 @@ class AutoOverlap:
             f"{100 * verdict.penalty:.0f}% more steps){lands})"
         )
         # The summary keeps the first verdict, and the last of those taken again with their count
-        if (again or watched) and self.decision:
+        if again and self.decision:
             self.verdicts_again += 1
             self.last_verdict = taken
         else:

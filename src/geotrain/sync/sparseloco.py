@@ -271,19 +271,17 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._next_landing = 0  # the landing the last figures asked for, taken at the next outer step
         self.landing_moves = 0
         # Auto's verdict is weighed again where the landing moves (``_reweigh``): the gather's
-        # share of the period it was taken on (None: no verdict taken), and, where the landing
-        # the link asked for costs more than the wait, that landing (0: none): the next outer
-        # step is synchronous and decides again, landing no sooner than it
+        # share of the period it was taken on (None: no verdict taken)
         self._share: float | None = None
-        self._weigh_next = 0
         # Under auto's synchronous verdict: this worker's wait in its last gather, as a share of
         # the period, sent after its next message (``_watch``; 0: none); the shortest such wait
-        # after the verdict (None: not yet seen), and whether the next outer step is timed
+        # after the verdict (None: not yet seen)
         self._waited = 0.0
         self._watch_level: float | None = None
         self._rises = 0  # outer steps in a row at which the shortest wait stood risen
-        self._check_next = False
-        self._check_why = ""
+        # Auto's verdict to be taken again at the next outer step (``_decide_again``): why, and
+        # the least landing (0: none); None: not asked
+        self._again: tuple[str, int] | None = None
 
     @property
     def alpha(self) -> float:
@@ -544,20 +542,18 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
-        if self._weigh_next and self.follows_link:  # (only auto's own landing asks for it)
+        if self._again:  # (only auto's own landing asks: restored under it alone)
             self._to_undecided()
-        if self._check_next and self.watches_link:  # (synchronous: nothing in flight)
-            self.overlap = None
         if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
             deciding, watching = self.overlap is None, self.watches_link
             payload, _, error = self._message(self._delta(self._anchor))
             if deciding:  # every worker here first: the time is the link's, not a slower worker's
                 self.comm.barrier()
             started = self.clock()
-            gathered = self.comm.all_gather(self._with_wait(payload) if watching else payload)
+            gathered = self.comm.all_gather(self._with_figure(payload, self._waited) if watching else payload)
             waited = self.clock() - started
             # (a failure up to here has changed nothing that a retry does not redo alike:
-            # ``_to_undecided`` has landed what was in flight and left ``_weigh_next`` set)
+            # ``_to_undecided`` has landed what was in flight and left ``_again`` set)
             verdict = self._verdict(waited) if deciding else None
             gathered, figures = self._message_part(gathered)
             weights, _ = self._land(gathered)
@@ -572,7 +568,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self._land_in_flight(reweigh=False)  # the last period's; if it fails, nothing here has changed
             self._take_next_landing()  # before alpha is read: it follows the landing
             self._keep_error(error)
-            self.in_flight.launch(self._with_arrival(payload))
+            self.in_flight.launch(self._with_figure(payload, self._arrival) if self.follows_link else payload)
             # Eager: this worker's own message stands in for the mean until the mean lands.
             sent.taken_from(self._start.copy_(self._anchor), self.alpha)
             self._start_moved_at, self._start_message = sent.idx, self._unspoiled
@@ -666,10 +662,10 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         state["landing_moves"] = self.landing_moves
         state["overlap_decision"] = self.decision
         state["overlap_share"] = self._share
-        state["overlap_weigh_next"] = self._weigh_next
+        state["overlap_again"] = self._again
         state["overlap_verdicts_again"] = [self.verdicts_again, self.last_verdict]
         state["overlap_waited"] = self._waited
-        state["overlap_watch"] = [self._watch_level, self._check_next, self._check_why, self._rises]
+        state["overlap_watch"] = [self._watch_level, self._rises]
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
         return state
@@ -696,11 +692,10 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self.landing_moves = state.get("landing_moves", 0)
         if self.config.overlap == "auto" and not self.config.tau:  # auto's own landing only
             # (a state saved before the verdict was weighed again has no share: kept for the run)
-            self._share, self._weigh_next = state.get("overlap_share"), state.get("overlap_weigh_next", 0)
+            self._share, self._again = state.get("overlap_share"), state.get("overlap_again")
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
             self._waited = state.get("overlap_waited", 0.0)
-            watch = state.get("overlap_watch", [None, False, "", 0])
-            self._watch_level, self._check_next, self._check_why, self._rises = watch
+            self._watch_level, self._rises = state.get("overlap_watch", [None, 0])
         self._start_moved_at, self._start_message = self._no_entries(), None
         if self.overlap and resend is not None:
             # the message the start was moved by: the one in flight, unless it was spoiled
