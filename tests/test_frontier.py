@@ -1214,6 +1214,166 @@ def test_on_a_real_group_every_worker_takes_the_check_and_the_synchronous_step_t
     assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
 
 
+def _h_auto_at(H: int, comm):
+    """A world of one on the test's clock, --H auto at H (as if its start-up probe chose it)."""
+    _, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
+    sync._set_period(H)
+    sync.period_choice = []
+    sync.clock = comm.clock
+    sync._restart_timing()
+    return opt, sync
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_under_h_auto_a_verdict_taken_again_moves_to_the_period_that_hides_a_slower_link(at_start):
+    """H=10 steps of 1 s: the first gather 2 s (20%: overlapped, landing 3; 1.12 against 1.20),
+    then the link slows to 15 s a gather. The figures ask for a landing at 10 (1.24 against
+    1.20): a check, and the timed outer step measures 150% of the period. At H=10 that waits 5 s
+    a period (time to a loss 1.5 x 1.126 x 1.24 = 2.09 x nosync's step); at H=20 it hides
+    (1.252 x 1.24 = 1.55): the period moves to 20, overlapped, a period late.
+    - Decided at the first outer step (10): the check is asked at 33 and times 40, a multiple
+      of 20: the period moves there.
+    - Decided at start-up (10 overlapped): the check is asked at 23 and times 30; the period
+      moves at 40, the first multiple of 20, its verdict taken there from 30's figures (a
+      snapshot between holds them).
+    Either way the outer steps fall at 10, 20, 30, 40, 60 and 80, and the snapshots at the new
+    period's boundaries."""
+    comm = _ClockedGather(2.0)
+    opt, sync = _h_auto_at(10, comm)
+    if at_start:
+        sync._decide(2.0, 10.0, 0.2, at_start=True)
+        comm.gather_s = 15.0
+    assert sync.overlap is (True if at_start else None)
+    synced = []
+    for step in range(1, 81):
+        comm.now += 1.0
+        if step > 10:
+            comm.gather_s = 15.0
+        _local_step(sync, opt, step)
+        synced += [step] if sync.after_step() else []
+        if step == (30 if at_start else 40):  # the timed step: H=20 pays
+            assert sync.verdicts_again == 1 and "0.75" not in sync.last_verdict
+            assert "time to a loss x nosync's step 2.094 at H=10, 1.552 at H=20" in sync.last_verdict
+        if at_start and step == 35:  # pending: at 40, the verdict for it from 30's figures
+            assert sync.config.H == 10 and sync._period_next[:1] == [20] and sync.overlap
+            assert "the period to go from H=10 to H=20 at step 40, its multiple" in sync.last_verdict
+            _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+            again.load_state_dict(sync.state_dict())
+            assert again._period_next == sync._period_next and again.config.H == 10
+            again.close()
+        if step == 40:
+            assert sync.config.H == 20 and sync._period_next is None and sync.period_moves == [[40, 20]]
+            assert sync.overlap and sync.landing == 20 and not sync._again
+    assert synced == [10, 20, 30, 40, 60, 80]
+    assert sync.sync_period() == 20 and sync.default_snapshot_every() == 60
+    # the gathers there 15 s after launch: the landing follows them sooner, to 16 of 20, once a
+    # message (60's) has carried the figure of one launched at the new period (40's)
+    assert sync.overlap and sync.landing == (16 if at_start else 20) and sync.verdicts_again == 1 + at_start
+    assert "the period moved with the link: H=20 from step 40" in sync.info()
+    assert sync.resolved_options()["H"] == "auto (alone: 20)"
+    _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+    again.load_state_dict(sync.state_dict())
+    assert again.config.H == 20 and again.period_moves == [[40, 20]] and again._period_next is None
+    again.close()
+    sync.close()
+
+
+def test_under_h_auto_a_fixed_period_or_a_near_tie_keeps_the_period():
+    """The same timed gather of 150% with --H 10 given: overlapped at H=10, landing a period late,
+    the period as given. And under --H auto a gather whose best period is under 5% sooner
+    (a step's gather at H=5: 1.233 at H=5, 1.216 at H=10) leaves it; one of 7.5 steps does not
+    (1.977 against 1.396)."""
+    comm = _ClockedGather(1.0)
+    _, _, fixed = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    fixed._again = ("asked", 0)
+    fixed._decide(15.0, 10.0, 1.5)
+    assert fixed.config.H == 10 and fixed.overlap and fixed.landing == 10 and not fixed.period_moves
+    fixed.close()
+    _, sync = _h_auto_at(5, comm)
+    assert sync._better_period(0.2) is None and sync._better_period(1.5)[0] == 10
+    sync._again = ("asked", 0)
+    sync._decide(1.0, 5.0, 0.2)
+    assert sync.config.H == 5 and not sync.period_moves and "the period" not in sync.last_verdict
+    sync.close()
+
+
+def test_under_h_auto_a_synchronous_run_watched_asks_for_a_longer_period_where_it_alone_pays():
+    """H=5 steps of 1 s, gathers of 0.3 s (6%: synchronous), then 20 s from step 26 (400% of
+    the period). Overlap at H=5 would hide one period of four and cost 24% more steps: 4.96
+    against 5.0, under the watch's margin (0.08), so with a fixed H the run stays synchronous,
+    each outer step waiting 20 s. Under --H auto H=20 hides it (1.552 against 5.272 at H=5): the
+    watch asks (the figures at 35 and 40), the outer step at 45 is timed and chooses H=20, which
+    starts at 60, its first multiple, overlapped."""
+    for auto in (False, True):
+        comm = _ClockedGather(0.3)
+        if auto:
+            opt, sync = _h_auto_at(5, comm)
+        else:
+            _, opt, sync = _tiny_sync({"H": 5, "chunk": 256, "k": 8}, comm)
+            sync.clock = comm.clock
+            sync._restart_timing()
+        for step in range(1, 81):
+            comm.now += 1.0
+            comm.gather_s = 0.3 if step <= 25 else 20.0
+            _local_step(sync, opt, step)
+            sync.after_step()
+            if auto and step == 45:
+                timed = sync.last_verdict
+        if not auto:
+            assert sync.overlap is False and sync.config.H == 5 and sync.verdicts_again == 0
+        else:
+            assert "again at step 45, the synchronous gathers' shortest wait up from 6.0% to 400.0%" in timed
+            assert (
+                "the period to go from H=5 to H=20 at step 60" in timed
+                and "5.272 at H=5, 1.552 at H=20" in timed
+            )
+            assert sync.config.H == 20 and sync.period_moves == [[60, 20]] and sync.overlap
+            assert "again at step 60, the period from H=5 to H=20 as weighed at step 45" in sync.last_verdict
+        sync.close()
+
+
+def _period_moved(rank, world_size):
+    """--H auto at 5 on a real group of 3, its timings fixed (a share of 2% to step 10, then of
+    160%: eight steps' gather) and a check asked by hand after step 12: the outer step at 15 is
+    timed and chooses H=10 (1.396 against 2.109 at H=5), which starts at 20. What each step
+    leaves, and the end."""
+    sparseloco_module.SparseLoCo._verdict = lambda self, g: (g, 5.0, 0.02 if self.step_count < 10 else 1.6)
+    sparseloco_module.SparseLoCo._watch = lambda self, *args: None  # the real waits: none read
+    comm = Communicator()
+    model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
+    sync._set_period(5)
+    sync.period_choice = []
+    seen, synced = {}, []
+    for step in range(1, 31):
+        _local_step(sync, opt, step + 10 * rank)
+        synced += [step] if sync.after_step() else []
+        if step == 12:
+            sync._again = ("asked", 0)
+        seen[step] = (sync.config.H, sync.overlap, sync._anchor.clone())
+    sync.finalize()
+    sync.close()
+    return {"seen": seen, "synced": synced, "moves": sync.period_moves, "final": sync._local()}
+
+
+MOVED = Cases(_period_moved, 3, [()])
+
+
+def test_on_a_real_group_every_worker_moves_to_the_longer_period_at_the_same_step():
+    ranks = MOVED.get()
+    for r in ranks:
+        assert r["synced"] == [5, 10, 15, 20, 30] and r["moves"] == [[20, 10]]
+        assert [r["seen"][s][:2] for s in (10, 15, 19, 20, 30)] == [
+            (5, False),
+            (5, True),
+            (5, True),
+            (10, True),
+            (10, True),
+        ]
+    for step in (5, 10, 15, 20, 25, 30):  # the anchors bitwise equal on every worker
+        assert all(torch.equal(r["seen"][step][2], ranks[0]["seen"][step][2]) for r in ranks)
+    assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+
+
 def test_an_adopters_empty_message_is_left_out_of_the_gathered_mean():
     """A worker that adopted another's state sends an all-zero payload in the gather in flight
     (its loaded message was the other's): the mean is over the workers that sent one, not

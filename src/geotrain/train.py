@@ -559,6 +559,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             torch.cuda.synchronize()
         if not counted:
             tokens_done += step_tokens
+        if not cfg.snapshot_every:  # at the period's boundaries, where it moved (sparseloco --H auto)
+            snapshots.cfg.every = sync.default_snapshot_every()
         # Not at a step adopted from a leader: the others are past their snapshot of it (a
         # snapshot's agreement to ship is a collective every member must join).
         if not counted and (step == cfg.steps or snapshots.due(step)):
@@ -876,6 +878,8 @@ def _summarise(cfg, ctx, model, sync, comm, records, val_loss, train_s, tokens) 
         "comm_slowdown_fitted": getattr(sync, "fitted_slowdown", None),
         # dreamddp --H auto: each period weighed (predicted step, steps factor) and the one chosen
         "period_choice": getattr(sync, "period_choice", None),
+        # sparseloco --H auto: [step, H] where a verdict taken again moved the period
+        "period_moves": getattr(sync, "period_moves", None),
         # dreamddp --compress auto: each codec weighed (with its periods under --H auto)
         "codec_choice": getattr(sync, "codec_choice", None),
         "codec_info": sync.info(),

@@ -39,6 +39,17 @@ shortest wait that stays twice its level after the verdict, where overlap would 
 ``watch_margin``, makes the next outer step a timed one that decides again (``_watch``): a link
 that slows while the run is synchronous is hidden too.
 
+With ``H`` "auto" a verdict taken again weighs the period as well (``_better_period``): the
+gather it timed, in steps, priced at each of ``SPARSELOCO_PERIODS`` as the start-up choice
+prices it (``plan.gather.choose_sparseloco_period``), and the run moves to a period that
+reaches a loss ``PERIOD_MARGIN`` sooner than the one in force: a link that slowed tenfold
+under H=10, whose gather no period of 10 can hide, goes on at H=20. Outer steps stay at the
+multiples of the period from step 0 (the membership layer's rule), so a longer period starts
+at the first outer step that is a multiple of it (at once where the timed step is one; else the
+verdict for it is taken there, from the same figures: ``_take_next_period``). A watch (above)
+asks for the timed step where a longer period would pay by the margin, too. Periods only grow:
+a faster link moves the landing sooner, and leaves the period as it is.
+
 ``AutoOverlap`` is the part of ``geotrain.sync.sparseloco.SparseLoCo`` that takes these verdicts
 and moves the landing; it reads and sets the algorithm's state (``overlap``, ``landing``, the
 anchor, the message in flight) and is not used on its own.
@@ -54,7 +65,14 @@ import sys
 
 import torch
 
-from geotrain.plan.gather import LATE_LANDING_COST, gather_share, hiding_steps, weigh_overlap
+from geotrain.plan.gather import (
+    LATE_LANDING_COST,
+    SPARSELOCO_PERIODS,
+    choose_sparseloco_period,
+    gather_share,
+    hiding_steps,
+    weigh_overlap,
+)
 
 # The bytes after an overlapped message under auto: the sender's arrival figure (float32, steps)
 ARRIVAL_BYTES = 4
@@ -72,6 +90,10 @@ WAIT_SLACK = 0.1
 WATCH_RISE = 2.0
 WATCH_PERSIST = 2
 WATCH_MARGIN = 0.02
+# With --H auto a verdict taken again weighs the periods too, and moves to another only where
+# that reaches a loss this much sooner (a fraction of the time to it) than the period in force:
+# the period's price, in steps to a loss, is a line fitted on W1, not a measure that tells 5%.
+PERIOD_MARGIN = 0.05
 
 
 def watch_margin(H: int) -> float:
@@ -144,6 +166,7 @@ class AutoOverlap:
         verdict = weigh_overlap(shortest, self.config.H)
         rose = shortest >= WATCH_RISE * self._watch_level
         pays = verdict.overlap and verdict.sync - verdict.overlapped >= watch_margin(self.config.H)
+        pays = pays or self._better_period(shortest) is not None
         self._rises = self._rises + 1 if rose and pays else 0
         if not rose:  # the level is the least shortest wait since the verdict
             self._watch_level = min(self._watch_level, shortest)
@@ -197,6 +220,46 @@ class AutoOverlap:
             self._decide_again(
                 why, moved, f"overlapped {verdict.overlapped:.3f} against synchronous {verdict.sync:.3f}"
             )
+
+    def _better_period(self, share: float) -> tuple[int, float, float] | None:
+        """--H auto: the longer period that reaches a loss soonest where a gather takes ``share``
+        of the period in force (``choose_sparseloco_period`` on the gather's length in steps, as
+        the start-up choice weighs it), its time to a loss and the present period's (x nosync's
+        step), where it is ``PERIOD_MARGIN`` sooner; else None, and always with a fixed H. Only
+        longer: the checks are asked where gathers take longer, and a gather timed after a
+        barrier leaves out the wait for the slowest worker that the start-up choice counts, so
+        it would shorten a period chosen with it."""
+        if not self.auto_period or not math.isfinite(share) or share < 0:
+            return None
+        H = self.config.H
+        longer = tuple(sorted({H, *(h for h in SPARSELOCO_PERIODS if h > H)}))
+        best, table = choose_sparseloco_period(1.0, share * H, longer)
+        factor = {row["H"]: row["time_to_loss_factor"] for row in table}
+        if best == H or factor[best] > (1 - PERIOD_MARGIN) * factor[H]:
+            return None
+        return best, factor[best], factor[H]
+
+    def _switch_period(self, H: int) -> None:
+        """Run at period H from this outer step (a multiple of it) on, and note it."""
+        self.period_moves.append([self.step_count, H])
+        self._set_period(H)
+
+    def _take_next_period(self) -> None:
+        """At the first outer step that is a multiple of the longer period a verdict taken again
+        chose (``_decide``): the gather in flight lands first (as at a check,
+        ``_to_undecided``), the period changes, and the verdict for it is taken from the figures
+        timed then; where a check asks for a timed step here, that step decides instead."""
+        new, gather_s, period_s, share, floor, chosen_at = self._period_next
+        self._period_next = None
+        old = self.config.H
+        if self.in_flight.flying:  # with the mean and alpha it was launched with (its landing's)
+            self._land_early(reweigh=False)
+        self._next_landing, self._seen, self._arrival = 0, 0, 0.0
+        self._switch_period(new)
+        if self._again:  # this outer step is timed: it decides at the new period
+            return
+        self._again = (f"the period from H={old} to H={new} as weighed at step {chosen_at}", floor)
+        self._decide(gather_s, period_s, share, choose_period=False)
 
     def _decide_again(self, why: str, floor: int = 0, weighed: str = "") -> None:
         """The next outer step synchronous, timed after a barrier, deciding again (``_decide``),
@@ -262,6 +325,7 @@ class AutoOverlap:
         period_s: float,
         ratio: float,
         at_start: bool = False,
+        choose_period: bool = True,
     ) -> None:
         """Take auto's verdict (``plan.gather.weigh_overlap``): overlap where that reaches a loss
         sooner, the gather taking ``ratio`` of the period's compute (the largest over the
@@ -271,7 +335,9 @@ class AutoOverlap:
         of a slow link is not waited for; and again at an outer step ``_decide_again`` asked for
         (``_again``, kept where no worker timed a step, for the outer step that decides
         instead), landing no sooner than its floor and turning overlap on only by
-        ``watch_margin``, so that a near tie does not flip a run that was checked."""
+        ``watch_margin``, so that a near tie does not flip a run that was checked. Taken again
+        under --H auto, it weighs the period too (``_better_period``; not where
+        ``choose_period`` is False: the verdict for a period chosen at an earlier step)."""
         self._start = self._anchor.clone()
         self._start_moved_at = self._no_entries()
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
@@ -279,6 +345,20 @@ class AutoOverlap:
             return
         H = self.config.H
         again, self._again, self._rises = self._again, None, 0
+        period = ""
+        if again and choose_period and (better := self._better_period(ratio)):
+            new, sooner, now = better
+            weighed = f"time to a loss x nosync's step {now:.3f} at H={H}, {sooner:.3f} at H={new}"
+            if self.step_count % new == 0:  # a boundary of the longer period too: from here
+                ratio, period_s = ratio * H / new, period_s * new / H
+                self._switch_period(new)
+                period = f"; the period from H={H} to H={new} here ({weighed})"
+                H = new
+            else:  # at its first multiple, the verdict for it taken there from these figures
+                at, scale = -(-self.step_count // new) * new, new / H
+                figures = [gather_s, period_s * scale, ratio / scale, again[1]]
+                self._period_next = [new, *figures, self.step_count]
+                period = f"; the period to go from H={H} to H={new} at step {at}, its multiple ({weighed})"
         tau = max(again[1], hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
         if again and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
@@ -296,7 +376,7 @@ class AutoOverlap:
             f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
             f"{100 * ratio:.1f}%; time to a loss x nosync's: synchronous {verdict.sync:.3f}, "
             f"overlapped {verdict.overlapped:.3f} (landing {verdict.landing} of {H} steps late: "
-            f"{100 * verdict.penalty:.0f}% more steps){lands})"
+            f"{100 * verdict.penalty:.0f}% more steps){lands}){period}"
         )
         # The summary keeps the first verdict, and the last of those taken again with their count
         if again and self.decision:

@@ -219,6 +219,11 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             config = dataclasses.replace(config, H=max(PROVISIONAL_H, config.tau))
         super().__init__(model, optimizer, comm, config)
         self.period_choice: list[dict] | None = None  # --H auto: the periods weighed
+        # --H auto: [step, H] where a verdict taken again moved the period; the longer period
+        # chosen for a later outer step, a multiple of it, with the figures to decide there
+        # ([H, gather s, its period's compute s, share, least landing, step chosen at]; None: none)
+        self.period_moves: list[list[int]] = []
+        self._period_next: list | None = None
         self.chunker = self.config.codec()
         params = [p.detach() for p in self.parameters()]
         real = sum(p.numel() for p in params)
@@ -511,7 +516,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self._lands_now():  # this step's landing failed with the group: land on the new one
             self._land_early()
 
-    def _land_early(self) -> None:
+    def _land_early(self, reweigh: bool = True) -> None:
         """``tau`` steps into the period: the last outer step's mean lands in the anchor, and
         this worker's stand-in for it (its own message, in the period's start) is replaced by
         it, in the start and in the parameters alike: x <- x + (new anchor - start). From here
@@ -525,7 +530,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         few (``_in_passes``), the change is made at those entries alone, not by three passes
         over the model. (In passes, a parameter that is -0.0 where nothing changed becomes
         +0.0: the same value.)"""
-        touched = self._land_in_flight()
+        touched = self._land_in_flight(reweigh)
         moved_at, self._start_moved_at, self._start_message = self._start_moved_at, self._no_entries(), None
         if touched is None:  # landed in passes: x <- x + (new anchor - start) in passes too
             change = torch.sub(self._anchor, self._start, out=self._scratch)
@@ -542,6 +547,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self.layout.add_into_at(touched, change, [p.data for p in self.parameters()])
 
     def outer_step(self) -> None:
+        if self._period_next and self.step_count % self._period_next[0] == 0:
+            self._take_next_period()  # --H auto: a longer period chosen at a verdict taken again
         if self._again:  # (only auto's own landing asks: restored under it alone)
             self._to_undecided()
         if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
@@ -637,6 +644,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
                     self.verdicts_again
                     and f"taken again {self.verdicts_again} time{'s' if self.verdicts_again > 1 else ''} "
                     f"(the landing moved, or the synchronous waits rose), the last: {self.last_verdict}",
+                    self.period_moves
+                    and "the period moved with the link: "
+                    + ", ".join(f"H={H} from step {step}" for step, H in self.period_moves),
                     self.landing_moves
                     and f"the landing followed the gathers' arrivals: moved {self.landing_moves} times"
                     + (f", now {self.landing} of {self.config.H} steps" if self.overlap else ""),
@@ -668,12 +678,15 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         state["overlap_watch"] = [self._watch_level, self._rises]
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
+            state["period"] |= {"moves": self.period_moves, "next": self._period_next}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.auto_period and state.get("period"):  # the period chosen at the run's start, first:
             self._set_period(int(state["period"]["H"]))  # the base reads its boundaries with it
             self.period_choice = state["period"]["choice"]
+            self.period_moves = [list(move) for move in state["period"].get("moves", [])]
+            self._period_next = state["period"].get("next")
         super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
         self._error.copy_(self._in_layout(state["error"]))
