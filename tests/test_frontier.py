@@ -1017,7 +1017,8 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
         assert sync.overlap and sync.landing == 4 and sync.alpha == 1.0
         assert "overlapped 1.160 (landing 4 of 10 steps late: 16% more steps)" in sync.info()
     else:
-        taken = "taken again 1 time (the landing moved, or the synchronous waits rose), the last: "
+        taken = "taken again 1 time (the landing moved, the synchronous waits rose, or the period moved), "
+        taken += "the last: "
         assert f"{taken}--overlap auto: off (again" in sync.info()
         assert "synchronous 1.060, overlapped 1.120 (landing 3 of 10 steps late" in sync.info()
         options = {"alpha": 1.0, "overlap": "auto (off)", "mean_over": "senders"}
@@ -1252,7 +1253,7 @@ def test_under_h_auto_a_verdict_taken_again_moves_to_the_period_that_hides_a_slo
         _local_step(sync, opt, step)
         synced += [step] if sync.after_step() else []
         if step == (30 if at_start else 40):  # the timed step: H=20 pays
-            assert sync.verdicts_again == 1 and "0.75" not in sync.last_verdict
+            assert sync.verdicts_again == 1
             assert "time to a loss x nosync's step 2.094 at H=10, 1.552 at H=20" in sync.last_verdict
         if at_start and step == 35:  # pending: at 40, the verdict for it from 30's figures
             assert sync.config.H == 10 and sync._period_next[:1] == [20] and sync.overlap
@@ -1261,6 +1262,10 @@ def test_under_h_auto_a_verdict_taken_again_moves_to_the_period_that_hides_a_slo
             again.load_state_dict(sync.state_dict())
             assert again._period_next == sync._period_next and again.config.H == 10
             again.close()
+            _, _, fixed = _tiny_sync({"H": "auto", "chunk": 256, "k": 8, "overlap": False})
+            fixed.load_state_dict(sync.state_dict())  # resumed with --no-overlap: auto's move is not
+            assert fixed._period_next is None and fixed._again is None and fixed.config.H == 10
+            fixed.close()
         if step == 40:
             assert sync.config.H == 20 and sync._period_next is None and sync.period_moves == [[40, 20]]
             assert sync.overlap and sync.landing == 20 and not sync._again
@@ -1270,7 +1275,7 @@ def test_under_h_auto_a_verdict_taken_again_moves_to_the_period_that_hides_a_slo
     # message (60's) has carried the figure of one launched at the new period (40's)
     assert sync.overlap and sync.landing == (16 if at_start else 20) and sync.verdicts_again == 1 + at_start
     assert "the period moved with the link: H=20 from step 40" in sync.info()
-    assert sync.resolved_options()["H"] == "auto (alone: 20)"
+    assert sync.resolved_options()["H"] == "auto (alone, then moved with the link: 20)"
     _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
     again.load_state_dict(sync.state_dict())
     assert again.config.H == 20 and again.period_moves == [[40, 20]] and again._period_next is None
@@ -1293,7 +1298,8 @@ def test_under_h_auto_a_fixed_period_or_a_near_tie_keeps_the_period():
     assert sync._better_period(0.2) is None and sync._better_period(1.5)[0] == 10
     sync._again = ("asked", 0)
     sync._decide(1.0, 5.0, 0.2)
-    assert sync.config.H == 5 and not sync.period_moves and "the period" not in sync.last_verdict
+    assert sync.config.H == 5 and not sync.period_moves and sync._period_next is None
+    assert "again at step 0, asked" in sync.decision and "the period from" not in sync.decision
     sync.close()
 
 
@@ -1332,24 +1338,119 @@ def test_under_h_auto_a_synchronous_run_watched_asks_for_a_longer_period_where_i
         sync.close()
 
 
+def test_a_longer_period_chosen_for_a_later_step_lands_the_gather_in_flight_first_and_survives_a_retry():
+    """H=10 steps of 1 s: the first gather 2 s (overlapped, landing 3), gathers of 30 s from the
+    one launched at 30. The check is asked at 43 and the outer step at 50 times 30 s (300%):
+    H=40 (1.865 against 4.189 at H=10; 2.33 at H=20), from 80; meanwhile overlapped at H=10, a
+    period late. At 80 the gather launched at 70 is in flight; its wait fails once (a lost
+    member), and the retry (``rebind``, ``retry_sync``) lands it and moves the period, landing a
+    period late (45 steps of gather). The arrival figures past the period (carried to 80) ask
+    nothing more: a longer period is chosen already."""
+    comm = _ClockedGather(2.0)
+    opt, sync = _h_auto_at(10, comm)
+    for step in range(1, 121):
+        comm.now += 1.0
+        comm.gather_s = 2.0 if step < 30 else 30.0
+        _local_step(sync, opt, step)
+        if step == 80:
+            assert sync._period_next[0] == 40 and sync.in_flight.flying and sync.landing == 10
+            handle, fails = sync.in_flight._handle, [1]
+
+            def wait(real=handle.wait, fails=fails):
+                if fails:
+                    fails.pop()
+                    raise RuntimeError("a member was lost")
+                return real()
+
+            handle.wait = wait
+            with pytest.raises(RuntimeError):
+                sync.after_step()
+            assert sync._period_next[0] == 40 and sync.config.H == 10  # pending still
+            sync.rebind()
+            sync.retry_sync()
+        else:
+            sync.after_step()
+        if step == 50:
+            assert "the period to go from H=10 to H=40 at step 80" in sync.last_verdict
+            assert "4.189 at H=10, 1.865 at H=40" in sync.last_verdict
+    assert sync.config.H == 40 and sync.period_moves == [[80, 40]] and sync._period_next is None
+    assert sync.overlap and sync.landing == 40 and not sync._again and sync.verdicts_again == 2
+    assert "again at step 80, the period from H=10 to H=40 as weighed at step 50" in sync.last_verdict
+    sync.close()
+
+
+def test_landing_a_period_late_the_arrivals_past_the_period_ask_for_a_longer_one():
+    """H=10, overlapped a period late from the start (gathers of 12 s, 120% of the period): the
+    landing is at H and cannot move later, so the landing's check never asks. The figure the
+    gather launched at 10 carries to the landing at 30 (there 12 steps after launch) does: H=20
+    is 7% sooner (1.552 against 1.675), the outer step at 40 is timed and moves the period."""
+    comm = _ClockedGather(12.0)
+    opt, sync = _h_auto_at(10, comm)
+    sync._decide(12.0, 10.0, 1.2, at_start=True)
+    assert sync.overlap and sync.landing == 10
+    for step in range(1, 61):
+        comm.now += 1.0
+        _local_step(sync, opt, step)
+        sync.after_step()
+        if step == 30:
+            assert (
+                sync._again and "the gathers there 12.0 steps after launch, past the period" in sync._again[0]
+            )
+    assert sync.config.H == 20 and sync.period_moves == [[40, 20]] and sync.overlap
+    assert "again at step 40, the gathers there 12.0 steps after launch" in sync.last_verdict
+    sync.close()
+
+
+def test_a_period_moved_is_priced_on_the_start_up_probes_steps_where_it_measured_them():
+    """Steps of 0.5 s in the run (4 workers on 2 cores step faster while one waits on the link)
+    where the start-up probe timed 1 s: a gather of 15 s at H=10 is 300% of the run's period and
+    150% of the probe's. Priced on the run's steps it would take H=40 (30 steps of gather); on
+    the probe's it takes H=20, and the verdict there is taken on the same steps (75%: landing
+    a period late, 1.24 against 1.75). Without a probe (a fixed H, or geotrain.wrap without
+    profile=) the run's steps price it, as before."""
+    for probe, H, share in ((1.0, 20, 0.75), (0.0, 40, 0.75)):
+        comm = _ClockedGather(15.0)
+        opt, sync = _h_auto_at(10, comm)
+        sync.probe_step_s = probe
+        for _ in range(10):
+            comm.now += 0.5
+            sync._stepped_at.append(comm.now)
+        sync._again = ("asked", 0)
+        sync._decide(*sync._verdict(15.0))
+        assert sync.config.H == H and sync.period_moves == [[0, H]] and sync._share == pytest.approx(share)
+        assert ("on the start-up probe's steps: a share of 150.0%" in sync.decision) is bool(probe)
+        assert sync.overlap and sync._nominal_share is None
+        state = sync.state_dict()
+        assert state["period"]["step_s"] == probe
+        sync.close()
+
+
 def _period_moved(rank, world_size):
-    """--H auto at 5 on a real group of 3, its timings fixed (a share of 2% to step 10, then of
-    160%: eight steps' gather) and a check asked by hand after step 12: the outer step at 15 is
-    timed and chooses H=10 (1.396 against 2.109 at H=5), which starts at 20. What each step
-    leaves, and the end."""
-    sparseloco_module.SparseLoCo._verdict = lambda self, g: (g, 5.0, 0.02 if self.step_count < 10 else 1.6)
+    """--H auto at 5 on a real group of 3, its timings fixed and different on each worker (a
+    share of 2% to step 10, then of 240%: twelve steps' gather, on rank 1; 0.6 of those on the
+    others), and a check asked by hand after step 7: the outer step at 10 is timed and chooses
+    H=20 (the largest share: rank 1's), which starts at 20; the outer step at 15 overlaps (at
+    H=5, landing a period late), so a gather is in flight at 20, and lands there first. What
+    each step leaves, and the end."""
+
+    def verdict(self, gather_s):
+        share = (0.02 if self.step_count < 10 else 2.4) * (1.0 if self.comm.rank == 1 else 0.6)
+        return gather_s, 5.0, self.comm.max_scalars([share])[0]
+
+    sparseloco_module.SparseLoCo._verdict = verdict
     sparseloco_module.SparseLoCo._watch = lambda self, *args: None  # the real waits: none read
     comm = Communicator()
     model, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
     sync._set_period(5)
     sync.period_choice = []
     seen, synced = {}, []
-    for step in range(1, 31):
+    for step in range(1, 41):
         _local_step(sync, opt, step + 10 * rank)
+        flying = sync.in_flight.flying
         synced += [step] if sync.after_step() else []
-        if step == 12:
+        if step == 7:
             sync._again = ("asked", 0)
-        seen[step] = (sync.config.H, sync.overlap, sync._anchor.clone())
+        seen[step] = (sync.config.H, sync.overlap, flying, sync._anchor.clone())
     sync.finalize()
     sync.close()
     return {"seen": seen, "synced": synced, "moves": sync.period_moves, "final": sync._local()}
@@ -1361,16 +1462,18 @@ MOVED = Cases(_period_moved, 3, [()])
 def test_on_a_real_group_every_worker_moves_to_the_longer_period_at_the_same_step():
     ranks = MOVED.get()
     for r in ranks:
-        assert r["synced"] == [5, 10, 15, 20, 30] and r["moves"] == [[20, 10]]
-        assert [r["seen"][s][:2] for s in (10, 15, 19, 20, 30)] == [
-            (5, False),
-            (5, True),
-            (5, True),
-            (10, True),
-            (10, True),
+        assert r["synced"] == [5, 10, 15, 20, 40] and r["moves"] == [[20, 20]]
+        # (H, overlap, in flight before the step)
+        assert [r["seen"][s][:3] for s in (5, 10, 15, 20, 21, 40)] == [
+            (5, False, False),  # the first outer step decided: off
+            (5, True, False),  # timed: on at H=5, and H=20 chosen for step 20
+            (5, True, False),
+            (20, True, True),  # the gather launched at 15 landed first
+            (20, True, True),  # launched at 20, landing 18 steps later (1.5 x 12)
+            (20, True, False),
         ]
-    for step in (5, 10, 15, 20, 25, 30):  # the anchors bitwise equal on every worker
-        assert all(torch.equal(r["seen"][step][2], ranks[0]["seen"][step][2]) for r in ranks)
+    for step in (5, 10, 15, 20, 38, 40):  # the anchors bitwise equal on every worker
+        assert all(torch.equal(r["seen"][step][3], ranks[0]["seen"][step][3]) for r in ranks)
     assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
 
 

@@ -559,7 +559,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             torch.cuda.synchronize()
         if not counted:
             tokens_done += step_tokens
-        if not cfg.snapshot_every:  # at the period's boundaries, where it moved (sparseloco --H auto)
+        # At the period's boundaries where it moves (sparseloco --H auto; dreamddp's re-plans): every
+        # worker moves it at the same step, so their snapshots stay at the same steps
+        if not cfg.snapshot_every:
             snapshots.cfg.every = sync.default_snapshot_every()
         # Not at a step adopted from a leader: the others are past their snapshot of it (a
         # snapshot's agreement to ship is a collective every member must join).

@@ -47,7 +47,9 @@ under H=10, whose gather no period of 10 can hide, goes on at H=20. Outer steps 
 multiples of the period from step 0 (the membership layer's rule), so a longer period starts
 at the first outer step that is a multiple of it (at once where the timed step is one; else the
 verdict for it is taken there, from the same figures: ``_take_next_period``). A watch (above)
-asks for the timed step where a longer period would pay by the margin, too. Periods only grow:
+asks for the timed step where a longer period would pay by ``PERIOD_MARGIN``, too, and so do
+the arrival figures where they pass the period (``_weigh_longer``: a landing at H, which the
+landing's check cannot move later). Periods only grow:
 a faster link moves the landing sooner, and leaves the period as it is.
 
 ``AutoOverlap`` is the part of ``geotrain.sync.sparseloco.SparseLoCo`` that takes these verdicts
@@ -61,7 +63,6 @@ import dataclasses
 import itertools
 import math
 import statistics
-import sys
 
 import torch
 
@@ -81,7 +82,8 @@ WAIT_SLACK = 0.1
 # Under auto's synchronous verdict, the shortest wait the gathers carry asks for a timed outer
 # step (``_watch``) where it has stood ``WATCH_RISE`` times over its level (the least since the
 # verdict) at ``WATCH_PERSIST`` outer steps in a row, and overlap would be sooner to a loss at it
-# by ``watch_margin``; the timed step turns overlap on only by that margin too. On 4 workers
+# by ``watch_margin`` (or, under --H auto, a longer period by ``PERIOD_MARGIN``); the timed step
+# turns overlap on only by that margin too. On 4 workers
 # sharing 2 cores the shortest wait is not the link's: on loopback (GPT tiny, 10-step periods of
 # 0.08-0.20 s) it measured 0.5-51% of the period from one outer step to the next,
 # where gathers timed after a barrier read 0.9-24%; read once, against its level, it asked
@@ -145,7 +147,8 @@ class AutoOverlap:
         worker that reached it last waited least, for the link and for the others to wake to
         it; the least such shortest wait since a verdict is its level. Where one has risen
         ``WATCH_RISE`` times over it and overlap would be sooner to a loss at it by
-        ``watch_margin`` at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
+        ``watch_margin`` (under --H auto, or a longer period by ``PERIOD_MARGIN``,
+        ``_better_period``) at ``WATCH_PERSIST`` outer steps in a row, the next outer step is timed
         after a barrier and decides (``_decide``, by the margin too), as the first one does: a
         link that slowed mid-run is hidden again. Every worker reads the same figures. Each
         worker's own wait here goes with its next message. A figure from a message the check
@@ -225,7 +228,9 @@ class AutoOverlap:
         """--H auto: the longer period that reaches a loss soonest where a gather takes ``share``
         of the period in force (``choose_sparseloco_period`` on the gather's length in steps, as
         the start-up choice weighs it), its time to a loss and the present period's (x nosync's
-        step), where it is ``PERIOD_MARGIN`` sooner; else None, and always with a fixed H. Only
+        step), where it is ``PERIOD_MARGIN`` sooner; else None, and always with a fixed H. Both are
+        priced with the landing that hides the gather, without the least landing a check asked
+        for or the margin the verdict then takes at the new period. Only
         longer: the checks are asked where gathers take longer, and a gather timed after a
         barrier leaves out the wait for the slowest worker that the start-up choice counts, so
         it would shorten a period chosen with it."""
@@ -250,10 +255,12 @@ class AutoOverlap:
         ``_to_undecided``), the period changes, and the verdict for it is taken from the figures
         timed then; where a check asks for a timed step here, that step decides instead."""
         new, gather_s, period_s, share, floor, chosen_at = self._period_next
-        self._period_next = None
         old = self.config.H
         if self.in_flight.flying:  # with the mean and alpha it was launched with (its landing's)
             self._land_early(reweigh=False)
+        # Only once it has landed: a wait that fails leaves the move pending for the retry
+        # (``retry_sync`` runs this outer step again), as it leaves the message in flight.
+        self._period_next = None
         self._next_landing, self._seen, self._arrival = 0, 0, 0.0
         self._switch_period(new)
         if self._again:  # this outer step is timed: it decides at the new period
@@ -261,19 +268,26 @@ class AutoOverlap:
         self._again = (f"the period from H={old} to H={new} as weighed at step {chosen_at}", floor)
         self._decide(gather_s, period_s, share, choose_period=False)
 
+    def _weigh_longer(self, latest: float) -> None:
+        """--H auto: where the last gathers were there past the period (``latest``, the largest
+        arrival figure, over H steps after launch) and a longer period would reach a loss
+        ``PERIOD_MARGIN`` sooner at that share, the next outer step is timed and decides again.
+        The landing's check cannot ask there once the landing is at H (it moves no later), and
+        a landing at H is taken at the outer step, where it weighs nothing. Not where a check
+        is asked already, or a longer period chosen."""
+        H = self.config.H
+        if not self.auto_period or self._again or self._period_next or self._share is None or latest <= H:
+            return
+        if self._better_period(latest / H) is not None:
+            self._decide_again(f"the gathers there {latest:.1f} steps after launch, past the period", H)
+
     def _decide_again(self, why: str, floor: int = 0, weighed: str = "") -> None:
         """The next outer step synchronous, timed after a barrier, deciding again (``_decide``),
         landing no sooner than ``floor``: asked for by the landing's check (``_reweigh``) or by
         the synchronous waits (``_watch``). Every worker asks at the same outer step."""
         self._again = (why, floor)
-        if self.comm.rank == 0:
-            said = f" ({weighed} at the share measured before)" if weighed else ""
-            print(
-                f"geotrain: sparseloco --overlap auto: {why}{said}; the next outer step is timed "
-                "and decides again",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = f" ({weighed} at the share measured before)" if weighed else ""
+        self.notice(f"sparseloco --overlap auto: {why}{said}; the next outer step is timed and decides again")
 
     def _to_undecided(self) -> None:
         """This outer step synchronous and timed (``_decide_again``): the gather in flight, where
@@ -289,13 +303,10 @@ class AutoOverlap:
         moved, self._next_landing = self._next_landing, 0
         if not moved or moved == self.landing:
             return
-        if self.comm.rank == 0:
-            print(
-                f"geotrain: sparseloco: the last gathers arrived later or sooner than they landed; "
-                f"landing moved from {self.landing} to {moved} of {self.config.H} steps",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.notice(
+            f"sparseloco: the last gathers arrived later or sooner than they landed; "
+            f"landing moved from {self.landing} to {moved} of {self.config.H} steps",
+        )
         self.landing = moved
         self.landing_moves += 1
 
@@ -316,7 +327,13 @@ class AutoOverlap:
         # A worker that timed no step here (it adopted another's state for this sync) has no
         # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
         ratio = gather_share(gather_s, period_s) if period_s > 0 else -1.0
-        (most,) = self.comm.max_scalars([ratio])
+        # --H auto: the share of a period of the start-up probe's steps, too, for a move of the
+        # period (``_decide``): while a worker waits on a slow link, 4 workers on 2 cores step
+        # faster (W1 at 350 kbit/s: 0.65-0.7 s where nosync steps 1.45 s), and a period priced
+        # on those steps would be chosen for a gather twice as long as it is.
+        probe = self.probe_step_s * self.config.H
+        nominal = gather_share(gather_s, probe) if probe > 0 and period_s > 0 else -1.0
+        most, self._nominal_share = self.comm.max_scalars([ratio, nominal])
         return gather_s, period_s, most
 
     def _decide(
@@ -345,10 +362,18 @@ class AutoOverlap:
             return
         H = self.config.H
         again, self._again, self._rises = self._again, None, 0
+        # the share on the start-up probe's steps (``_verdict``; None: not measured)
+        nominal, self._nominal_share = self._nominal_share, None
+        share = nominal if nominal is not None and nominal > 0 else ratio
         period = ""
-        if again and choose_period and (better := self._better_period(ratio)):
+        if again and choose_period:  # a move still pending is weighed again here, on these figures
+            self._period_next = None
+        if again and choose_period and (better := self._better_period(share)):
             new, sooner, now = better
             weighed = f"time to a loss x nosync's step {now:.3f} at H={H}, {sooner:.3f} at H={new}"
+            if share != ratio:
+                weighed += f", on the start-up probe's steps: a share of {100 * share:.1f}%"
+            ratio = share  # the new period's verdict too: its steps will not wait on the link
             if self.step_count % new == 0:  # a boundary of the longer period too: from here
                 ratio, period_s = ratio * H / new, period_s * new / H
                 self._switch_period(new)
@@ -384,5 +409,4 @@ class AutoOverlap:
             self.last_verdict = taken
         else:
             self.decision = taken
-        if self.comm.rank == 0:
-            print(f"geotrain: sparseloco {taken}", file=sys.stderr, flush=True)
+        self.notice(f"sparseloco {taken}")

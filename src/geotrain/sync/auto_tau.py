@@ -11,7 +11,6 @@ tau (``_tau_from``) and says what it chose (``_tau_said``, ``exchange_named``).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from geotrain.plan.profile import probe_step_and_gather
@@ -50,23 +49,18 @@ class AutoTau:
         )
         self.config.tau = self._tau_from(compute_s, exchange)
         self.tau_choice, self.tau_taken = {"compute_s": compute_s, "exchange_s": exchange}, "measured"
-        if self.comm.rank == 0:
-            print(
-                f"geotrain: {self.name} --tau auto: {self._tau_said()} (a step's compute "
-                f"{compute_s:.3f} s, {self.exchange_named} {exchange:.3f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.notice(
+            f"{self.name} --tau auto: {self._tau_said()} (a step's compute "
+            f"{compute_s:.3f} s, {self.exchange_named} {exchange:.3f} s)",
+        )
 
     exchange_named = "its exchange"  # in the printed line
 
     def prepare_unprofiled(self) -> None:
-        if self.config.tau_auto and self.comm.rank == 0:
-            print(
-                f"geotrain: {self.name} tau='auto' needs profile= (a function that computes a training "
+        if self.config.tau_auto:
+            self.notice(
+                f"{self.name} tau='auto' needs profile= (a function that computes a training "
                 f"loss) to time a step and an exchange; running at tau={self.config.tau}",
-                file=sys.stderr,
-                flush=True,
             )
 
     def resolved_options(self) -> dict[str, Any]:

@@ -150,6 +150,12 @@ class SyncAlgorithm:
         self.noise: NoiseScale | None = None
         self.broadcast_parameters()
 
+    def notice(self, text: str) -> None:
+        """One line to the user on stderr, from rank 0 alone: every worker takes the same
+        decisions (a period, a verdict, a codec), so one says so for all."""
+        if self.comm.rank == 0:
+            print(f"geotrain: {text}", file=sys.stderr, flush=True)
+
     @property
     def model(self) -> nn.Module:
         """The module to call forward on (the wrapper, where an algorithm needs one)."""
@@ -346,12 +352,10 @@ class PeriodicSync(SyncAlgorithm):
             "--site-H averages inside sites, and this run has none: give them with --hierarchy sites "
             "(--topology or --sites) or --hierarchy auto (geotrain.wrap takes no sites yet)",
         )
-        if site_H and comm.two_level is None and comm.world_size > 1 and comm.rank == 0:
-            print(
-                f"geotrain: --site-H averages nothing here: the sites {comm.site_of_host} make one "
+        if site_H and comm.two_level is None and comm.world_size > 1:
+            self.notice(
+                f"--site-H averages nothing here: the sites {comm.site_of_host} make one "
                 "level (a single site, or sites of one host each)",
-                file=sys.stderr,
-                flush=True,
             )
         # --H-schedule (checked by the config): the period in force at each step (H without it)
         schedule = getattr(config, "H_schedule", "")

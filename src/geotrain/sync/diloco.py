@@ -47,7 +47,6 @@ Memory: one extra copy of the parameters (theta_outer) plus the outer momentum b
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,13 +160,11 @@ class DiLoCo(PeriodicSync):
             momentum=cfg.outer_momentum,
             nesterov=cfg.nesterov and cfg.outer_momentum > 0,
         )
-        if self.codec is not None and comm.two_level is not None and comm.rank == 0:
-            print(
-                f"geotrain: diloco sends {self.codec.spec().partition(':')[0]} across all the hosts at once "
+        if self.codec is not None and comm.two_level is not None:
+            self.notice(
+                f"diloco sends {self.codec.spec().partition(':')[0]} across all the hosts at once "
                 "(a codec's all-to-all is flat; only its gather, where sites are of equal size, goes in two "
                 "levels); --compress none averages in fp32 over the two levels",
-                file=sys.stderr,
-                flush=True,
             )
 
     def outer_step(self) -> None:

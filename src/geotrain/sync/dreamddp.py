@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,13 +277,10 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
             compute, link = ComputeModel(**_tuples(models["compute"])), LinkModel(**models["link"])
             priced_for, mine = models.get("codec", ""), self._codec_key()
             if priced_for != mine and compute.raw_nbytes:  # another codec's or group's: unpriced
-                if self.comm.rank == 0:
-                    print(
-                        f"geotrain: the plan was priced for {priced_for}, this run sends "
-                        f"{mine or 'fp32 all-reduces'}: its schedule is kept, its messages priced again",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                self.notice(
+                    f"the plan was priced for {priced_for}, this run sends "
+                    f"{mine or 'fp32 all-reduces'}: its schedule is kept, its messages priced again",
+                )
                 compute, priced_for = unpriced(compute), ""
             if not priced_for and self.codec is not None:  # `geotrain plan`'s: plain all-reduces
                 compute, priced_for = self._priced(compute, self.codec), mine

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -123,12 +122,10 @@ class DreamDDPPlanning:
                     f"was priced for {spec}: give the run --compress {spec}, or make the plan with "
                     "`geotrain plan --compress auto`"
                 )
-            if self.comm.rank == 0 and self.codec_choice is None:
-                print(
-                    f"geotrain: --compress auto takes the plan's codec ({spec or 'none: fp32'}); "
+            if self.codec_choice is None:
+                self.notice(
+                    f"--compress auto takes the plan's codec ({spec or 'none: fp32'}); "
                     "`geotrain plan --compress auto` makes a plan that chooses",
-                    file=sys.stderr,
-                    flush=True,
                 )
         # The plan's table where it has one (a joiner's own, made alone before it joined, is not
         # what the group chose); chosen, never again: the replicas differ from here on.

@@ -37,7 +37,9 @@ times whole steps and one all-gather of its message at start-up (``prepare``) an
 with the gather every H steps (synchronous, or overlapped as ``--overlap auto`` decides), times
 1 + ``SPARSELOCO_PENALTY`` x H and, overlapped, the late landing's 1 + min(0.4 L / H, 0.24)
 (``plan.gather.choose_sparseloco_period``). The slowest worker's
-figures decide for all; the choice is saved with the run.
+figures decide for all; the choice is saved with the run. Under ``--overlap auto`` a verdict
+taken again mid-run (a link that slowed) weighs the longer periods too, and moves to one that
+reaches a loss 5% sooner (``AutoOverlap._better_period``; snapshots hold the moves).
 
 Defaults. The paper's: chunks of 4096 with k=64 (1.56% density), 2-bit values, beta 0.95, and
 alpha 1. Ours keep them, alpha 1 over senders and 2 over workers (``alpha`` 0), best on our
@@ -90,7 +92,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Collection
@@ -224,6 +225,10 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # ([H, gather s, its period's compute s, share, least landing, step chosen at]; None: none)
         self.period_moves: list[list[int]] = []
         self._period_next: list | None = None
+        # --H auto: a step's compute as the start-up probe timed it (0: not measured), and the
+        # last timed gather's share of a period of such steps (``AutoOverlap._verdict``)
+        self.probe_step_s = 0.0
+        self._nominal_share: float | None = None
         self.chunker = self.config.codec()
         params = [p.detach() for p in self.parameters()]
         real = sum(p.numel() for p in params)
@@ -304,6 +309,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self.auto_period:
             choice = self.period_choice
             how = "not measured" if choice is None else "measured" if choice else "alone"
+            how += ", then moved with the link" if self.period_moves else ""
             options = {"H": f"auto ({how}: {self.config.H})"} | options
         if self.overlap:
             options["tau"] = self.landing
@@ -326,6 +332,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         compute_s, wait, gather = probe_step_and_gather(
             self.module, self.optimizer, loss_fn, self.comm, self._time_gather
         )
+        self.probe_step_s = compute_s  # the slowest worker's: the same on every worker
         H, self.period_choice = choose_sparseloco_period(
             compute_s, gather, periods, overlap=self.config.overlap, sync_wait_s=wait, tau=self.config.tau
         )
@@ -333,25 +340,20 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self.overlap is None:  # --overlap auto: the same figures decide it, before step 1
             period_s = H * compute_s
             self._decide(gather, period_s, gather_share(gather, period_s), at_start=True)
-        if self.comm.rank == 0:
-            weighed = ", ".join(
-                f"H={row['H']} {row['time_to_loss_factor']:.2f}{' overlapped' if row['overlap'] else ''}"
-                for row in self.period_choice
-            )
-            print(
-                f"geotrain: sparseloco --H auto: H={H} (a step's compute {compute_s:.3f} s, an outer "
-                f"step's gather {gather:.3f} s; time to a loss x nosync's step: {weighed})",
-                file=sys.stderr,
-                flush=True,
-            )
+        weighed = ", ".join(
+            f"H={row['H']} {row['time_to_loss_factor']:.2f}{' overlapped' if row['overlap'] else ''}"
+            for row in self.period_choice
+        )
+        self.notice(
+            f"sparseloco --H auto: H={H} (a step's compute {compute_s:.3f} s, an outer "
+            f"step's gather {gather:.3f} s; time to a loss x nosync's step: {weighed})"
+        )
 
     def prepare_unprofiled(self) -> None:
-        if self.auto_period and self.comm.rank == 0:
-            print(
-                f"geotrain: sparseloco H='auto' needs profile= (a function that computes a training "
+        if self.auto_period:
+            self.notice(
+                f"sparseloco H='auto' needs profile= (a function that computes a training "
                 f"loss) to time a step and a gather; running at H={self.config.H}",
-                file=sys.stderr,
-                flush=True,
             )
 
     def _time_gather(self) -> float:
@@ -359,7 +361,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         return time_gather(self.comm, self.chunker.payload_bytes(self.n), self._anchor.device, self.clock)
 
     def _set_period(self, H: int) -> None:
-        """Run at period H from here (``--H auto``'s choice, made or restored before step 1)."""
+        """Run at period H from here (``--H auto``'s choice, made or restored before step 1, or
+        moved at an outer step that is a multiple of H: ``AutoOverlap._switch_period``)."""
         self.config = dataclasses.replace(self.config, H=H)
         self.periods = periods_for("", H)
         self.landing = self.config.tau or H
@@ -453,10 +456,12 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     def _no_entries(self) -> torch.Tensor:
         return torch.zeros(self.n // self.config.chunk, 0, dtype=torch.int64)
 
-    def _land_in_flight(self, reweigh: bool = True) -> torch.Tensor | None:
+    def _land_in_flight(self, reweigh: bool = True, longer: bool = True) -> torch.Tensor | None:
         """The gather in flight lands in the anchor; under auto the landing for the next ones
         follows the arrival figures it carried, and this worker's own figure for this one is
-        noted (none for a gather sent again after a regroup: its wait is the regroup's). Returns
+        noted (none for a gather sent again after a regroup: its wait is the regroup's). The
+        figures are weighed (``reweigh``: the landing's check, ``_reweigh``; ``longer``: under
+        --H auto, figures past the period, ``_weigh_longer``) where those are asked for. Returns
         the entries the anchor moved at (``_land``: None where it moved in passes over the whole
         vector; none where nothing was in flight)."""
         timed = not self.in_flight.resending
@@ -480,6 +485,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._next_landing = next_landing(self.landing, arrivals, self.config.H)
         if reweigh:
             self._reweigh()
+        if longer:
+            self._weigh_longer(max((a for a in arrivals if math.isfinite(a) and a > 0), default=0.0))
         return touched
 
     def _set_params(self, flat: torch.Tensor) -> None:
@@ -549,7 +556,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     def outer_step(self) -> None:
         if self._period_next and self.step_count % self._period_next[0] == 0:
             self._take_next_period()  # --H auto: a longer period chosen at a verdict taken again
-        if self._again:  # (only auto's own landing asks: restored under it alone)
+        if self._again:  # (asked under auto's own landing alone, and restored under it alone)
             self._to_undecided()
         if not self.overlap:  # off, or auto deciding (first or again): synchronous (and timed)
             deciding, watching = self.overlap is None, self.watches_link
@@ -586,7 +593,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
 
     def finalize(self) -> None:
         if self.overlap:
-            self._land_in_flight(reweigh=False)
+            self._land_in_flight(reweigh=False, longer=False)
             if self.at_boundary():
                 # No step since the last message: a message now would be an extra outer step
                 # made of error-feedback residual alone.
@@ -643,7 +650,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
                     self.decision,
                     self.verdicts_again
                     and f"taken again {self.verdicts_again} time{'s' if self.verdicts_again > 1 else ''} "
-                    f"(the landing moved, or the synchronous waits rose), the last: {self.last_verdict}",
+                    "(the landing moved, the synchronous waits rose, or the period moved), "
+                    f"the last: {self.last_verdict}",
                     self.period_moves
                     and "the period moved with the link: "
                     + ", ".join(f"H={H} from step {step}" for step, H in self.period_moves),
@@ -679,6 +687,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self.auto_period:
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
             state["period"] |= {"moves": self.period_moves, "next": self._period_next}
+            state["period"]["step_s"] = self.probe_step_s
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -686,7 +695,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self._set_period(int(state["period"]["H"]))  # the base reads its boundaries with it
             self.period_choice = state["period"]["choice"]
             self.period_moves = [list(move) for move in state["period"].get("moves", [])]
-            self._period_next = state["period"].get("next")
+            self.probe_step_s = state["period"].get("step_s", 0.0)
         super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
         self._error.copy_(self._in_layout(state["error"]))
@@ -706,6 +715,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self.config.overlap == "auto" and not self.config.tau:  # auto's own landing only
             # (a state saved before the verdict was weighed again has no share: kept for the run)
             self._share, self._again = state.get("overlap_share"), state.get("overlap_again")
+            if self.auto_period:  # a longer period chosen, for a later outer step
+                self._period_next = (state.get("period") or {}).get("next")
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
             self._waited = state.get("overlap_waited", 0.0)
             self._watch_level, self._rises = state.get("overlap_watch", [None, 0])
