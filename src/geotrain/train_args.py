@@ -103,7 +103,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "the next steps' compute (--no-overlap: never; unset or --overlap auto: on where that reaches "
         "a loss sooner, the step it saves against the steps its later landing costs, from a gather "
         "timed at start-up with --H auto, else at the first outer step, and again on a timed synchronous "
-        "step where its landing moves later than that pays for); demo (on only with --overlap, "
+        "step where its landing moves later than that pays for or its waits rise, which under --H auto "
+        "may also move to a longer period); demo (on only with --overlap, "
         "auto is off: the loss suffers, see docs/frontier.md): each step's update lands one step late, its "
         "all-gather under the next step's compute",
         "mean_over": "sparseloco: each entry of the outer step is the mean over the workers that "
