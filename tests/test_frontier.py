@@ -1297,6 +1297,7 @@ def test_under_h_auto_a_fixed_period_or_a_near_tie_keeps_the_period():
     _, sync = _h_auto_at(5, comm)
     assert sync._better_period(0.2) is None and sync._better_period(1.5)[0] == 10
     sync._again = ("asked", 0)
+    sync._period_next = [10, 1.0, 10.0, 0.1, 0, 0]  # chosen before: weighed again here, and withdrawn
     sync._decide(1.0, 5.0, 0.2)
     assert sync.config.H == 5 and not sync.period_moves and sync._period_next is None
     assert "again at step 0, asked" in sync.decision and "the period from" not in sync.decision
@@ -1407,22 +1408,52 @@ def test_a_period_moved_is_priced_on_the_start_up_probes_steps_where_it_measured
     150% of the probe's. Priced on the run's steps it would take H=40 (30 steps of gather); on
     the probe's it takes H=20, and the verdict there is taken on the same steps (75%: landing
     a period late, 1.24 against 1.75). Without a probe (a fixed H, or geotrain.wrap without
-    profile=) the run's steps price it, as before."""
-    for probe, H, share in ((1.0, 20, 0.75), (0.0, 40, 0.75)):
+    profile=) the run's steps price it, as before. Where the run's steps are the slower (1.5 s:
+    something else takes the CPU), they price it: 100%, and H=10 stays (1.396 against 1.552)."""
+    for probe, step_s, H, share in ((1.0, 0.5, 20, 0.75), (0.0, 0.5, 40, 0.75), (1.0, 1.5, 10, 1.0)):
         comm = _ClockedGather(15.0)
         opt, sync = _h_auto_at(10, comm)
         sync.probe_step_s = probe
         for _ in range(10):
-            comm.now += 0.5
+            comm.now += step_s
             sync._stepped_at.append(comm.now)
         sync._again = ("asked", 0)
         sync._decide(*sync._verdict(15.0))
-        assert sync.config.H == H and sync.period_moves == [[0, H]] and sync._share == pytest.approx(share)
-        assert ("on the start-up probe's steps: a share of 150.0%" in sync.decision) is bool(probe)
+        assert sync.config.H == H and sync._share == pytest.approx(share)
+        assert sync.period_moves == ([[0, H]] if H != 10 else [])
+        probed = bool(probe) and step_s < probe
+        assert ("on the start-up probe's steps: a share of 150.0%" in sync.decision) is probed
+        assert ("s of the period's compute (the start-up probe's steps)" in sync.decision) is probed
         assert sync.overlap and sync._nominal_share is None
         state = sync.state_dict()
         assert state["period"]["step_s"] == probe
         sync.close()
+
+
+def test_arrival_figures_past_the_period_ask_again_only_once_risen_over_the_figure_that_asked():
+    """Landing a period late at H=10 (a gather of 120%): figures 24 steps after launch ask for a
+    timed step (H=20 would pay). Where it kept the period (the run's steps, which the figures
+    count, ran faster than the probe's, which the timed step prices), figures under twice 24 do
+    not ask again; 48 does. A move of the period lets them ask afresh; snapshots keep the figure."""
+    comm = _ClockedGather(12.0)
+    _, sync = _h_auto_at(10, comm)
+    sync._decide(12.0, 10.0, 1.2, at_start=True)
+    assert sync.overlap and sync.landing == 10
+    sync._weigh_longer(24.0)
+    assert sync._again and sync._again[1] == 10 and sync._longer_asked == 24.0
+    sync._again = None  # the timed step kept the period
+    sync._weigh_longer(30.0)
+    assert sync._again is None
+    _, _, again = _tiny_sync({"H": "auto", "chunk": 256, "k": 8})
+    again.load_state_dict(sync.state_dict())
+    assert again._longer_asked == 24.0
+    again.close()
+    sync._weigh_longer(48.0)
+    assert sync._again is not None and sync._longer_asked == 48.0
+    sync._again = None
+    sync._switch_period(20)
+    assert sync._longer_asked == 0.0 and sync.period_moves == [[0, 20]]
+    sync.close()
 
 
 def _period_moved(rank, world_size):

@@ -248,6 +248,7 @@ class AutoOverlap:
         """Run at period H from this outer step (a multiple of it) on, and note it."""
         self.period_moves.append([self.step_count, H])
         self._set_period(H)
+        self._longer_asked = 0.0  # the figures at the new period ask afresh
 
     def _take_next_period(self) -> None:
         """At the first outer step that is a multiple of the longer period a verdict taken again
@@ -257,7 +258,7 @@ class AutoOverlap:
         new, gather_s, period_s, share, floor, chosen_at = self._period_next
         old = self.config.H
         if self.in_flight.flying:  # with the mean and alpha it was launched with (its landing's)
-            self._land_early(reweigh=False)
+            self._land_early(reweigh=False, longer=False)
         # Only once it has landed: a wait that fails leaves the move pending for the retry
         # (``retry_sync`` runs this outer step again), as it leaves the message in flight.
         self._period_next = None
@@ -278,13 +279,22 @@ class AutoOverlap:
         H = self.config.H
         if not self.auto_period or self._again or self._period_next or self._share is None or latest <= H:
             return
+        # Once a timed step has kept the period, only a figure risen ``WATCH_RISE`` times over the
+        # one that asked asks again: the figures count the run's steps, which run faster while a
+        # worker waits on the link, and the timed step prices the probe's (``_decide``), so the
+        # same figures would ask every few outer steps. (The run's own step is each worker's, and
+        # every worker must ask alike: the figures are the agreed measure here.)
+        if self._longer_asked and latest < WATCH_RISE * self._longer_asked:
+            return
         if self._better_period(latest / H) is not None:
+            self._longer_asked = latest
             self._decide_again(f"the gathers there {latest:.1f} steps after launch, past the period", H)
 
     def _decide_again(self, why: str, floor: int = 0, weighed: str = "") -> None:
         """The next outer step synchronous, timed after a barrier, deciding again (``_decide``),
-        landing no sooner than ``floor``: asked for by the landing's check (``_reweigh``) or by
-        the synchronous waits (``_watch``). Every worker asks at the same outer step."""
+        landing no sooner than ``floor``: asked for by the landing's check (``_reweigh``), by
+        the synchronous waits (``_watch``) or, under --H auto, by arrival figures past the period
+        (``_weigh_longer``). Every worker asks at the same outer step."""
         self._again = (why, floor)
         said = f" ({weighed} at the share measured before)" if weighed else ""
         self.notice(f"sparseloco --overlap auto: {why}{said}; the next outer step is timed and decides again")
@@ -322,7 +332,9 @@ class AutoOverlap:
     def _verdict(self, gather_s: float) -> tuple[float, float, float]:
         """--overlap auto: this worker's gather time and the period's compute (H times the median
         interval between the steps before it, so a validation or the first step's start-up
-        does not count), and the largest ratio of the two over the workers."""
+        does not count), and the largest ratio of the two over the workers. Under --H auto the
+        largest share of a period of the start-up probe's steps is agreed in the same call, for
+        ``_decide`` (``_nominal_share``)."""
         period_s = self._step_s() * self.config.H
         # A worker that timed no step here (it adopted another's state for this sync) has no
         # say: -1 leaves the others' verdict, and where no worker has one, none is taken yet.
@@ -362,9 +374,13 @@ class AutoOverlap:
             return
         H = self.config.H
         again, self._again, self._rises = self._again, None, 0
-        # the share on the start-up probe's steps (``_verdict``; None: not measured)
+        whose_steps = ""
+        # the share on the start-up probe's steps (``_verdict``; None: not measured), where it is
+        # the smaller: the run's steps are faster while a worker waits (4 workers on 2 cores), and
+        # slower where something else takes the CPU, and a move to a longer period needs both.
+        # (``_share`` then holds it, where the period moves: the checks after weigh on it.)
         nominal, self._nominal_share = self._nominal_share, None
-        share = nominal if nominal is not None and nominal > 0 else ratio
+        share = min(ratio, nominal) if nominal is not None and nominal > 0 else ratio
         period = ""
         if again and choose_period:  # a move still pending is weighed again here, on these figures
             self._period_next = None
@@ -373,7 +389,8 @@ class AutoOverlap:
             weighed = f"time to a loss x nosync's step {now:.3f} at H={H}, {sooner:.3f} at H={new}"
             if share != ratio:
                 weighed += f", on the start-up probe's steps: a share of {100 * share:.1f}%"
-            ratio = share  # the new period's verdict too: its steps will not wait on the link
+            if share != ratio:  # the new period's verdict too: its steps will not wait on the link
+                ratio, period_s, whose_steps = share, self.probe_step_s * H, " (the start-up probe's steps)"
             if self.step_count % new == 0:  # a boundary of the longer period too: from here
                 ratio, period_s = ratio * H / new, period_s * new / H
                 self._switch_period(new)
@@ -398,7 +415,7 @@ class AutoOverlap:
         whose = "the slowest worker's share" if at_start else "the largest share on any worker"
         taken = (
             f"--overlap auto: {'on' if self.overlap else 'off'} ({timed} took "
-            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute; {whose} "
+            f"{gather_s:.3f} s against {period_s:.2f} s of the period's compute{whose_steps}; {whose} "
             f"{100 * ratio:.1f}%; time to a loss x nosync's: synchronous {verdict.sync:.3f}, "
             f"overlapped {verdict.overlapped:.3f} (landing {verdict.landing} of {H} steps late: "
             f"{100 * verdict.penalty:.0f}% more steps){lands}){period}"

@@ -229,6 +229,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # last timed gather's share of a period of such steps (``AutoOverlap._verdict``)
         self.probe_step_s = 0.0
         self._nominal_share: float | None = None
+        # --H auto: the arrival figure that last asked for a timed step past the period
+        # (``AutoOverlap._weigh_longer``; 0: none since the period last moved)
+        self._longer_asked = 0.0
         self.chunker = self.config.codec()
         params = [p.detach() for p in self.parameters()]
         real = sum(p.numel() for p in params)
@@ -523,7 +526,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if self._lands_now():  # this step's landing failed with the group: land on the new one
             self._land_early()
 
-    def _land_early(self, reweigh: bool = True) -> None:
+    def _land_early(self, reweigh: bool = True, longer: bool = True) -> None:
         """``tau`` steps into the period: the last outer step's mean lands in the anchor, and
         this worker's stand-in for it (its own message, in the period's start) is replaced by
         it, in the start and in the parameters alike: x <- x + (new anchor - start). From here
@@ -537,7 +540,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         few (``_in_passes``), the change is made at those entries alone, not by three passes
         over the model. (In passes, a parameter that is -0.0 where nothing changed becomes
         +0.0: the same value.)"""
-        touched = self._land_in_flight(reweigh)
+        touched = self._land_in_flight(reweigh, longer)
         moved_at, self._start_moved_at, self._start_message = self._start_moved_at, self._no_entries(), None
         if touched is None:  # landed in passes: x <- x + (new anchor - start) in passes too
             change = torch.sub(self._anchor, self._start, out=self._scratch)
@@ -688,6 +691,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             state["period"] = {"H": self.config.H, "choice": self.period_choice}
             state["period"] |= {"moves": self.period_moves, "next": self._period_next}
             state["period"]["step_s"] = self.probe_step_s
+            state["period"]["longer_asked"] = self._longer_asked
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -696,6 +700,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self.period_choice = state["period"]["choice"]
             self.period_moves = [list(move) for move in state["period"].get("moves", [])]
             self.probe_step_s = state["period"].get("step_s", 0.0)
+            self._longer_asked = state["period"].get("longer_asked", 0.0)
         super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
         self._error.copy_(self._in_layout(state["error"]))
