@@ -1456,6 +1456,46 @@ def test_arrival_figures_past_the_period_ask_again_only_once_risen_over_the_figu
     sync.close()
 
 
+def test_a_state_saved_before_the_checks_is_timed_at_its_next_outer_step_and_checked_from_there():
+    """A state saved before stop 69 holds a verdict (overlapped, landing 4) and no share: its
+    next outer step (30) lands the gather in flight, is timed and decides again (a gather of
+    0.6 s, 6%: off, as overlap would win by 0.02 of a step, under the margin of a verdict taken
+    again), and the share it measured is what the checks weigh from there."""
+    comm = _ClockedGather(2.5)
+    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()
+    for step in range(1, 21):
+        comm.now += 1.0
+        _local_step(sync, opt, step)
+        sync.after_step()
+    assert sync.overlap and sync.landing == 4 and sync.in_flight.flying
+    state = sync.state_dict()
+    for key in (
+        "overlap_share",
+        "overlap_again",
+        "overlap_verdicts_again",
+        "overlap_waited",
+        "overlap_watch",
+    ):
+        del state[key]
+    sync.close()
+    comm = _ClockedGather(0.6)
+    _, opt, again = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
+    again.load_state_dict(state)
+    assert again._share is None and again._again and "without the share" in again._again[0]
+    again.clock = comm.clock
+    again._restart_timing()
+    for step in range(21, 31):
+        comm.now += 1.0
+        _local_step(again, opt, step)
+        again.after_step()
+    assert again.verdicts_again == 1 and again._share == pytest.approx(0.06) and not again._again
+    assert again.overlap is False and not again.in_flight.flying and again.watches_link
+    assert "again at step 30, resumed from a state saved without the share" in again.last_verdict
+    again.close()
+
+
 def _period_moved(rank, world_size):
     """--H auto at 5 on a real group of 3, its timings fixed and different on each worker (a
     share of 2% to step 10, then of 240%: twelve steps' gather, on rank 1; 0.6 of those on the

@@ -718,8 +718,12 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._next_landing = state.get("next_landing", 0)
         self.landing_moves = state.get("landing_moves", 0)
         if self.config.overlap == "auto" and not self.config.tau:  # auto's own landing only
-            # (a state saved before the verdict was weighed again has no share: kept for the run)
             self._share, self._again = state.get("overlap_share"), state.get("overlap_again")
+            if "overlap_share" not in state and self.overlap is not None:
+                # Saved before the verdict was weighed again: the share it was taken on is not
+                # known, and neither check can weigh without it, so the next outer step is timed
+                # and decides again (one synchronous gather), and the checks follow from there.
+                self._again = ("resumed from a state saved without the share of its verdict", 0)
             if self.auto_period:  # a longer period chosen, for a later outer step
                 self._period_next = (state.get("period") or {}).get("next")
             self.verdicts_again, self.last_verdict = state.get("overlap_verdicts_again", [0, ""])
