@@ -579,6 +579,14 @@ class _ClockedGather(Communicator):
         return handle if async_op else handle.wait()
 
 
+def _clocked(config: dict, comm: _ClockedGather):
+    """A world of one whose steps and gathers run on the test's clock (``comm``'s)."""
+    _, opt, sync = _tiny_sync(config, comm)
+    sync.clock = comm.clock
+    sync._restart_timing()
+    return opt, sync
+
+
 @pytest.mark.parametrize(
     "gather_s, overlap, landing",
     [(0.04, False, 10), (0.4, False, 10), (0.6, True, 1), (4.0, True, 6), (30.0, True, 10)],
@@ -906,9 +914,7 @@ def test_under_auto_the_landing_follows_when_the_gathers_arrive():
     outer step: inside a period every worker, wherever it is, sees the landing it lands at (the
     regroup's collective points)."""
     comm = _ClockedGather(2.5)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()  # on the test's clock
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     payload = sync.chunker.payload_bytes(sync.n)
     landings, arrivals = {}, {}
     for step in range(1, 81):
@@ -971,9 +977,7 @@ def test_under_auto_a_landing_moved_past_what_overlap_pays_for_decides_again_on_
       4 (1.5 x 2.5 steps), 1.16 against 1.25.
     A snapshot between the two holds what is to come."""
     comm = _ClockedGather(0.6) if link_slowed else _DriftingGather(0.6, 2.5)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()  # on the test's clock
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     for step in range(1, 61):
         comm.now += 1.0
         if link_slowed:
@@ -1037,9 +1041,7 @@ def test_a_landing_moved_within_what_overlap_pays_for_keeps_overlap_on_without_a
     check (1.24 against 1.23); the synchronous step times 6.4 s (64%) and overlaps again, landing
     a period late (1.24 against 1.64)."""
     comm = _ClockedGather(first_s)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     for step in range(1, 71):
         comm.now += 1.0
         comm.gather_s = first_s if step <= 20 else 6.4
@@ -1058,9 +1060,7 @@ def test_a_check_with_the_gather_in_flight_lands_it_first_and_one_without_timing
     timed (0.5 s: off), every replica on the anchor. Where no worker timed a step, the check
     waits for the next outer step, its floor kept."""
     comm = _ClockedGather(30.0)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     for step in range(1, 31):
         comm.now += 1.0
         comm.gather_s = 30.0 if step < 30 else 0.5
@@ -1082,9 +1082,7 @@ def _synchronous_then(later_s: float, steps: int = 70):
     """H=10 steps of 1 s; gathers of 0.3 s to step 25 (3%: synchronous at the first outer step,
     1.04 overlapped against 1.03), ``later_s`` after."""
     comm = _ClockedGather(0.3)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     for step in range(1, steps + 1):
         comm.now += 1.0
         comm.gather_s = 0.3 if step <= 25 else later_s
@@ -1217,11 +1215,9 @@ def test_on_a_real_group_every_worker_takes_the_check_and_the_synchronous_step_t
 
 def _h_auto_at(H: int, comm):
     """A world of one on the test's clock, --H auto at H (as if its start-up probe chose it)."""
-    _, opt, sync = _tiny_sync({"H": "auto", "chunk": 256, "k": 8}, comm)
+    opt, sync = _clocked({"H": "auto", "chunk": 256, "k": 8}, comm)
     sync._set_period(H)
     sync.period_choice = []
-    sync.clock = comm.clock
-    sync._restart_timing()
     return opt, sync
 
 
@@ -1316,9 +1312,7 @@ def test_under_h_auto_a_synchronous_run_watched_asks_for_a_longer_period_where_i
         if auto:
             opt, sync = _h_auto_at(5, comm)
         else:
-            _, opt, sync = _tiny_sync({"H": 5, "chunk": 256, "k": 8}, comm)
-            sync.clock = comm.clock
-            sync._restart_timing()
+            opt, sync = _clocked({"H": 5, "chunk": 256, "k": 8}, comm)
         for step in range(1, 81):
             comm.now += 1.0
             comm.gather_s = 0.3 if step <= 25 else 20.0
@@ -1462,9 +1456,7 @@ def test_a_state_saved_before_the_checks_is_timed_at_its_next_outer_step_and_che
     0.6 s, 6%: off, as overlap would win by 0.02 of a step, under the margin of a verdict taken
     again), and the share it measured is what the checks weigh from there."""
     comm = _ClockedGather(2.5)
-    _, opt, sync = _tiny_sync({"H": 10, "chunk": 256, "k": 8}, comm)
-    sync.clock = comm.clock
-    sync._restart_timing()
+    opt, sync = _clocked({"H": 10, "chunk": 256, "k": 8}, comm)
     for step in range(1, 21):
         comm.now += 1.0
         _local_step(sync, opt, step)

@@ -244,6 +244,48 @@ class AutoOverlap:
             return None
         return best, factor[best], factor[H]
 
+    def _weigh_period(
+        self, gather_s: float, period_s: float, ratio: float, nominal: float | None, floor: int
+    ) -> tuple[float, float, bool, str]:
+        """A verdict taken again (``_decide``), under --H auto: a move still pending is weighed
+        again on these figures, and a longer period that pays (``_better_period``) is taken, at
+        once where this outer step is a multiple of it, else at its first multiple, decided
+        there from these figures (``_period_next``, ``_take_next_period``). The share that prices
+        it is the smaller of the run's and the start-up probe's (``nominal``; None: not
+        measured): the run's steps are faster while a worker waits (4 workers on 2 cores), and
+        slower where something else takes the CPU, and a move needs both. Returns the share and
+        the period's compute for the verdict at the period in force after it (the probe's where
+        they priced the move: its steps will not wait on the link; ``_share`` then holds it, and
+        the checks after weigh on it), whether the probe's steps did, and what the summary says."""
+        self._period_next = None
+        share = min(ratio, nominal) if nominal is not None and nominal > 0 else ratio
+        better = self._better_period(share)
+        if better is None:
+            return ratio, period_s, False, ""
+        (new, sooner, now), H = better, self.config.H
+        scale = new / H
+        weighed = f"time to a loss x nosync's step {now:.3f} at H={H}, {sooner:.3f} at H={new}"
+        probed = share != ratio
+        if probed:
+            weighed += f", on the start-up probe's steps: a share of {100 * share:.1f}%"
+            ratio, period_s = share, self.probe_step_s * H
+        if self.step_count % new == 0:  # a boundary of the longer period too: from here
+            self._switch_period(new)
+            return (
+                ratio / scale,
+                period_s * scale,
+                probed,
+                f"; the period from H={H} to H={new} here ({weighed})",
+            )
+        at = -(-self.step_count // new) * new
+        self._period_next = [new, gather_s, period_s * scale, ratio / scale, floor, self.step_count]
+        return (
+            ratio,
+            period_s,
+            probed,
+            f"; the period to go from H={H} to H={new} at step {at}, its multiple ({weighed})",
+        )
+
     def _switch_period(self, H: int) -> None:
         """Run at period H from this outer step (a multiple of it) on, and note it."""
         self.period_moves.append([self.step_count, H])
@@ -257,12 +299,10 @@ class AutoOverlap:
         timed then; where a check asks for a timed step here, that step decides instead."""
         new, gather_s, period_s, share, floor, chosen_at = self._period_next
         old = self.config.H
-        if self.in_flight.flying:  # with the mean and alpha it was launched with (its landing's)
-            self._land_early(reweigh=False, longer=False)
+        self._land_for_a_verdict()
         # Only once it has landed: a wait that fails leaves the move pending for the retry
         # (``retry_sync`` runs this outer step again), as it leaves the message in flight.
         self._period_next = None
-        self._next_landing, self._seen, self._arrival = 0, 0, 0.0
         self._switch_period(new)
         if self._again:  # this outer step is timed: it decides at the new period
             return
@@ -304,9 +344,16 @@ class AutoOverlap:
         one is, lands first with the mean and alpha it was launched with, the replica moving
         with the anchor as at a landing inside the period (``_land_early``), so that the
         synchronous pseudo-gradient is the whole period's progress."""
-        if self.in_flight.flying:
-            self._land_early()
+        self._land_for_a_verdict()
         self.overlap = None
+
+    def _land_for_a_verdict(self) -> None:
+        """Before a verdict is taken again (``_to_undecided``, ``_take_next_period``): the gather
+        in flight, where one is, lands with the mean and alpha it was launched with (its
+        landing's; its figures weigh nothing: the verdict is taken here), and the arrival
+        figures start afresh."""
+        if self.in_flight.flying:
+            self._land_early(reweigh=False, longer=False)
         self._next_landing, self._seen, self._arrival = 0, 0, 0.0
 
     def _take_next_landing(self) -> None:
@@ -372,35 +419,13 @@ class AutoOverlap:
         if ratio < 0:  # no worker timed a step: the next outer step is timed instead
             self._restart_timing()
             return
-        H = self.config.H
         again, self._again, self._rises = self._again, None, 0
-        whose_steps = ""
-        # the share on the start-up probe's steps (``_verdict``; None: not measured), where it is
-        # the smaller: the run's steps are faster while a worker waits (4 workers on 2 cores), and
-        # slower where something else takes the CPU, and a move to a longer period needs both.
-        # (``_share`` then holds it, where the period moves: the checks after weigh on it.)
-        nominal, self._nominal_share = self._nominal_share, None
-        share = min(ratio, nominal) if nominal is not None and nominal > 0 else ratio
-        period = ""
-        if again and choose_period:  # a move still pending is weighed again here, on these figures
-            self._period_next = None
-        if again and choose_period and (better := self._better_period(share)):
-            new, sooner, now = better
-            weighed = f"time to a loss x nosync's step {now:.3f} at H={H}, {sooner:.3f} at H={new}"
-            if share != ratio:
-                weighed += f", on the start-up probe's steps: a share of {100 * share:.1f}%"
-            if share != ratio:  # the new period's verdict too: its steps will not wait on the link
-                ratio, period_s, whose_steps = share, self.probe_step_s * H, " (the start-up probe's steps)"
-            if self.step_count % new == 0:  # a boundary of the longer period too: from here
-                ratio, period_s = ratio * H / new, period_s * new / H
-                self._switch_period(new)
-                period = f"; the period from H={H} to H={new} here ({weighed})"
-                H = new
-            else:  # at its first multiple, the verdict for it taken there from these figures
-                at, scale = -(-self.step_count // new) * new, new / H
-                figures = [gather_s, period_s * scale, ratio / scale, again[1]]
-                self._period_next = [new, *figures, self.step_count]
-                period = f"; the period to go from H={H} to H={new} at step {at}, its multiple ({weighed})"
+        nominal, self._nominal_share = self._nominal_share, None  # (``_verdict``'s, used once)
+        probed, period = False, ""
+        if again and choose_period:
+            ratio, period_s, probed, period = self._weigh_period(gather_s, period_s, ratio, nominal, again[1])
+        H = self.config.H
+        whose_steps = " (the start-up probe's steps)" if probed else ""
         tau = max(again[1], hiding_steps(1.0, ratio * H, H)) if again else self.config.tau
         verdict = weigh_overlap(ratio, H, tau=tau)
         if again and verdict.overlap and verdict.sync - verdict.overlapped < watch_margin(H):
