@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator, peer_lost_line, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
 from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
@@ -83,6 +84,13 @@ def test_who_adopts_the_leaders_state():
     # The final average (20 steps, H=4): done on host 0 (it reports 20 + H), failed on host 1.
     assert catching_up([S(24, False), S(20, False)], 4) == [1]
     assert catching_up([S(21, False), S(20, False)], 1) == [1]
+    # A sync that lands the message in flight and then gathers (SparseLoCo's timed outer step):
+    # one survivor landed it before the gather failed, the other's wait failed. The first is
+    # further: the second (and one still before that sync) would send the message again.
+    assert S(19, True, 1) > S(19, True) and S(19, True, 1) < S(20, False)
+    assert catching_up([S(19, True, 1), S(19, True, 0), S(17, False)], 10) == [1, 2]
+    assert catching_up([S(19, True, 1), S(19, True, 1)], 10) == []
+    assert catching_up([S(19, True, 0), S(19, True, 1)], 1) == [0]
 
 
 class _Work:
@@ -733,3 +741,104 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     t.start()
     t.join(timeout=20)
     assert out[1] == {"finished": True, "stopped": False}
+
+
+def _split_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    """SparseLoCo under --overlap auto, H=4, on 3 hosts, landing a period late: the gather
+    launched at step 8 has arrived everywhere when host 2 is lost. At step 12 a check has asked
+    for a timed outer step, which lands that gather and then gathers synchronously: host 0 lands
+    it and fails at the barrier before its gather; host 1's wait for it fails."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+    from geotrain.sync import sparseloco as sparseloco_module
+
+    torch.set_num_threads(1)
+    # every verdict the same (15% of the period: overlap on), whatever each worker's clock says
+    sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", 256, 16))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        comm = Communicator(membership=membership)
+        sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8})
+
+        def step(n: int) -> None:
+            g = torch.Generator().manual_seed(1000 * host + n)
+            xy = torch.randint(0, 256, (2, 17), generator=g)
+            sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for n in range(1, 12):
+            step(n)
+            sync.after_step()
+            if n == 4:  # decided at the first outer step: overlapped, landing a period late
+                assert sync.overlap
+                sync.landing = 4
+        assert sync.in_flight.flying  # launched at step 8
+        while not sync.in_flight.arrived():
+            time.sleep(0.01)
+        dist.barrier()
+        if host == 2:
+            os._exit(0)  # lost
+        sync._again = ("a check (the test's)", 0)
+        step(12)
+        landings = sync.landings()
+        if host == 0:
+
+            def lost():
+                raise RuntimeError("a member was lost")
+
+            comm.barrier = lost
+        else:
+            handle = sync.in_flight._handle
+
+            def lost_wait(timeout=None):
+                raise RuntimeError("a member was lost")
+
+            handle.wait = lost_wait
+        with contextlib.suppress(RuntimeError):
+            sync.after_step()
+            raise AssertionError("the step did not fail")
+        if host == 0:
+            del comm.barrier  # the Communicator's own again
+        status = StepStatus(11, True, sync.landings() - landings)
+        before = sync._anchor.clone()
+        event = regroup(membership, comm, sync, model, optimizer, status)
+        result = {
+            "event": event,
+            "status": status,
+            "before": before,
+            "anchor": sync._anchor.clone(),
+            "params": flatten(list(model.parameters())).detach().clone(),
+            "flying": sync.in_flight.flying,
+            "overlap": sync.overlap,
+        }
+        sync.close()
+        dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_handed_over_not_resent(tmp_path):
+    """A timed outer step lands the gather in flight, then gathers: host 0 landed it and failed
+    after, host 1's wait failed. Both failed step 12's sync, but host 0 is further: were each to
+    retry alone, host 1 would send the old message again where host 0 gathers the new one, and
+    the collectives would pair wrongly. Host 1 adopts host 0's state instead, and both redo the
+    timed gather: the anchors and the models end bitwise equal, with nothing in flight."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    h0, h1 = _hosts(_split_landing, store, 3, (0, 1))
+    assert h0["status"] == StepStatus(11, True, 1) and h1["status"] == StepStatus(11, True, 0)
+    for h in (h0, h1):
+        assert h["event"]["leader"] == 0 and h["event"]["behind"] == [1]
+        assert h["event"]["handed_over_bytes"] > 0 and h["event"]["resume"] == StepStatus(11, True, 1)
+        assert not h["flying"] and h["overlap"] is not None  # the timed step decided
+    assert torch.equal(h0["anchor"], h1["anchor"]) and torch.equal(h0["params"], h1["params"])
+    assert not torch.equal(h0["anchor"], h0["before"])  # the redone gather moved it

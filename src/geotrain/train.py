@@ -347,13 +347,15 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         compute_clock = time.thread_time
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
+    landings_before_sync = 0  # sync.landings() where this step's sync began (StepStatus.landed)
     no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
 
     def one_step(x: torch.Tensor | None, y: torch.Tensor | None, step: int) -> bool:
         """One step; with no batch, a step this worker skips (``--pace time``): only the sync
         it holds, if any."""
-        nonlocal phase, loss
+        nonlocal phase, loss, landings_before_sync
         phase = "compute"
+        landings_before_sync = sync.landings()
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
@@ -442,6 +444,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 raise BelowMinWorkers(f"stopped after step {boundary}")
             time.sleep(0.1)
 
+    def failed_in_sync(step: int) -> StepStatus:
+        """Where this worker stands after a failure in step ``step``: its optimizer step applied
+        and its sync failed, with what that sync landed before it failed; or before that."""
+        if phase != "sync":
+            return StepStatus(step - 1, False)
+        return StepStatus(step - 1, True, sync.landings() - landings_before_sync)
+
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
@@ -454,12 +463,16 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is None or not lost_member(error):
             raise error
         previous, stopped_at = list(membership.members), status
+        landings = sync.landings()  # a redo that fails again may have landed one more meanwhile
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
-            nonlocal status, tokens_done  # a retried regroup starts from the state now loaded
-            status, tokens_done = leaders, tokens
+            nonlocal status, tokens_done, landings  # a retried regroup starts from the state now loaded
+            status, tokens_done, landings = leaders, tokens, sync.landings()
 
         while True:
+            if status.local_done:
+                status = replace(status, landed=status.landed + sync.landings() - landings)
+                landings = sync.landings()
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
@@ -540,7 +553,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         except RuntimeError as e:
             if phase == "sync":
                 batch = None  # this worker's step used it
-            resume = recover(e, StepStatus(step - 1, phase == "sync"))
+            resume = recover(e, failed_in_sync(step))
             if not resume.local_done and resume.committed < step:
                 step = resume.committed + 1  # redo it
                 continue

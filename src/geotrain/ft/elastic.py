@@ -16,7 +16,9 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
    between them), each goes on from its own step: those whose averaging failed redo it
    (``retry_sync``) and the others meet it at that boundary from their own ``after_step``. A
    collective can finish on some survivors and fail on others (the lost peer had sent its last
-   chunk); then the one that got
+   chunk; or a message in flight landed on one, which then failed its sync's next collective,
+   while its wait failed on another or it was still before that sync: ``StepStatus.landed``,
+   since a retry lands nothing twice); then the one that got
    furthest (the leader) sends its model and algorithm state (its optimizer too where every
    worker's is the same: S-SGD, DDP) to the others, who adopt it. Codec residuals and data
    streams stay with their owners;
@@ -57,6 +59,10 @@ from geotrain.ft.state import (
 class StepStatus:
     committed: int  # the last step finished on this worker, synchronisation included
     local_done: bool  # the step after it applied its optimizer step, and its sync failed
+    # Of that failed sync, the messages in flight it landed before the collective that failed
+    # (``SyncAlgorithm.landings``): a retry does not land them again, so a survivor that landed
+    # one is further than one whose wait failed, though both failed the same step.
+    landed: int = 0
 
     @property
     def done(self) -> int:
@@ -67,10 +73,13 @@ class StepStatus:
 def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
     """The ranks that must adopt the leader's state: none where periodic members (``period`` > 1,
     the collective period) have all completed the same collectives (each goes on from its own
-    local step), otherwise every
-    rank not at the furthest status (a joiner is at step -1, behind every sync)."""
+    local step), otherwise every rank not at the furthest status (a joiner is at step -1, behind
+    every sync). Landing a message in flight is a collective too: where one member landed it
+    in the sync that failed and another did not (its wait failed, or it had not reached that
+    sync), the first is further, and the others would send it again."""
     best = max(statuses)
-    if period > 1 and len({s.committed // period for s in statuses}) == 1:
+    same = len({s.committed // period for s in statuses}) == 1 and len({s.landed for s in statuses}) == 1
+    if period > 1 and same:
         return []
     return [r for r, s in enumerate(statuses) if s != best]
 
@@ -202,10 +211,10 @@ def regroup(
     reports = comm.all_gather_object(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
-            membership.holds_copy,
+            membership.holds_copy, status.landed,
         )
     )  # fmt: skip
-    statuses = [StepStatus(c, d) for c, d, *_ in reports]
+    statuses = [StepStatus(r[0], r[1], r[6]) for r in reports]
     voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
     best = max(statuses)

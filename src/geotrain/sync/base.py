@@ -233,6 +233,14 @@ class SyncAlgorithm:
         continue``): drop what was bound to the old one (handles in flight, a DDP wrapper) and
         adapt to the new worker count. Called on every member at once, so it may communicate."""
 
+    def landings(self) -> int:
+        """The messages in flight this worker has landed so far (``InFlight.landings``; 0 for an
+        algorithm without one). A step's sync can land one and then fail in a collective after
+        it: a retry does not land it again, so the regroup compares how many each survivor
+        landed in the failed step (``StepStatus.landed``)."""
+        in_flight = getattr(self, "in_flight", None)
+        return in_flight.landings if in_flight is not None else 0
+
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
         periodic methods' averaging at a sync boundary), on the new group. ``adopters``: the
@@ -585,6 +593,9 @@ class InFlight:
         self._handle = None
         self._payload: torch.Tensor | None = None  # of the collective in flight, as sent
         self._resend: torch.Tensor | None = None  # to send again at the next land
+        # Messages landed so far: a regroup compares how many each survivor landed in the step
+        # that failed (``StepStatus.landed``), since a landing changes what a retry would redo.
+        self.landings = 0
 
     @property
     def flying(self) -> bool:
@@ -628,6 +639,7 @@ class InFlight:
             return None
         landed = self._handle.wait()
         self._handle = self._payload = None
+        self.landings += 1
         if self.op == "mean":  # the sum over the senders, divided by how many sent
             landed = landed[:-1] / landed[-1] if landed[-1] > 0 else torch.zeros_like(landed[:-1])
         return landed
