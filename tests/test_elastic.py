@@ -754,7 +754,9 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
     from geotrain.sync import sparseloco as sparseloco_module
 
     torch.set_num_threads(1)
-    # every verdict the same (15% of the period: overlap on), whatever each worker's clock says
+    # the first verdict the same everywhere (15% of the period: overlap on), whatever each
+    # worker's clock says; the redone one is the method's own (its agreement a collective)
+    verdict = sparseloco_module.SparseLoCo._verdict
     sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
     try:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
@@ -778,6 +780,7 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
             if n == 4:  # decided at the first outer step: overlapped, landing a period late
                 assert sync.overlap
                 sync.landing = 4
+                sparseloco_module.SparseLoCo._verdict = verdict
         assert sync.in_flight.flying  # launched at step 8
         while not sync.in_flight.arrived():
             time.sleep(0.01)
@@ -815,6 +818,7 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
             "anchor": sync._anchor.clone(),
             "params": flatten(list(model.parameters())).detach().clone(),
             "flying": sync.in_flight.flying,
+            "landings": sync.landings(),
             "overlap": sync.overlap,
         }
         sync.close()
@@ -840,5 +844,6 @@ def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_handed_ov
         assert h["event"]["leader"] == 0 and h["event"]["behind"] == [1]
         assert h["event"]["handed_over_bytes"] > 0 and h["event"]["resume"] == StepStatus(11, True, 1)
         assert not h["flying"] and h["overlap"] is not None  # the timed step decided
+    assert h0["landings"] == 1 and h1["landings"] == 0  # landed once, on host 0 only
     assert torch.equal(h0["anchor"], h1["anchor"]) and torch.equal(h0["params"], h1["params"])
     assert not torch.equal(h0["anchor"], h0["before"])  # the redone gather moved it

@@ -663,6 +663,53 @@ def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
     assert torch.equal(flight.land(), torch.zeros(2))  # weight 0: nothing, and no division by 0
 
 
+def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_once():
+    """CO2's mean is screened (--max-norm-ratio, a robust aggregate) by a collective before it is
+    launched. Where that fails after the last period's mean landed, the retry (``rebind``,
+    ``retry_sync``) makes the message again and lands nothing: it ends where a run without the
+    failure does, to the bit. Kept to send again, the new message would land as the last one's
+    and then be launched again, the period's progress applied twice. A message sent again whose
+    screen fails stays the one to land."""
+
+    class Screened(Communicator):
+        fail = False
+
+        def all_reduce(self, tensor, op="mean", async_op=False, screen=False):
+            if screen and self.fail:
+                self.fail = False
+                raise RuntimeError("a member was lost")
+            return super().all_reduce(tensor, op=op, async_op=async_op, screen=screen)
+
+    runs = []
+    for fails in (False, True):
+        comm = Screened()
+        _, opt, sync = _tiny("co2", {"H": 2, "tau": 2, "bits": 32}, comm)
+        seen = []
+        for step in range(1, 7):
+            comm.fail = fails and step == 4
+            if comm.fail:
+                with pytest.raises(RuntimeError, match="lost"):
+                    _train_step(sync, opt, 0, step)
+                assert sync.landings() == 1 and not sync.in_flight.flying  # landed, then failed
+                sync.rebind()
+                sync.retry_sync()
+            else:
+                _train_step(sync, opt, 0, step)
+            seen.append((sync._anchor.clone(), sync._local(), sync.landings()))
+        runs.append(seen)
+        sync.close()
+    for (a, x, n), (b, y, m) in zip(*runs, strict=True):
+        assert torch.equal(a, b) and torch.equal(x, y) and n == m
+    flight = InFlight(Screened(), op="mean")
+    flight.launch(torch.tensor([2.0, -4.0]))
+    flight.rebind()
+    flight.comm.fail = True
+    with pytest.raises(RuntimeError, match="lost"):
+        flight.land()
+    assert torch.equal(flight.saved(), torch.tensor([2.0, -4.0, 1.0])) and flight.landings == 0
+    assert torch.equal(flight.land(), torch.tensor([2.0, -4.0])) and flight.landings == 1
+
+
 # -- the CLI --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "args, needle",

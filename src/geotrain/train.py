@@ -470,9 +470,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             status, tokens_done, landings = leaders, tokens, sync.landings()
 
         while True:
-            if status.local_done:
-                status = replace(status, landed=status.landed + sync.landings() - landings)
-                landings = sync.landings()
+            status = replace(status, landed=status.landed + sync.landings() - landings)
+            landings = sync.landings()
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
@@ -674,6 +673,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     before = comm.stats.copy()
     t_final = time.perf_counter()
     finalized = False
+    # Where it failed, what the last average landed first (a message in flight, then its own
+    # collective): a survivor that landed it leads one whose wait failed (StepStatus.landed).
+    landed_before, landings = 0, sync.landings()
     while True:
         try:
             if not finalized:
@@ -687,7 +689,11 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             # A member whose last average completed reports a step past every sync, so the ones
             # whose copy of it failed adopt its model instead of all redoing it (twice for it).
             past = cfg.steps + sync.sync_period()
-            finalized = recover(e, StepStatus(past if finalized else cfg.steps, False)).committed > cfg.steps
+            landed = landed_before + sync.landings() - landings
+            at = StepStatus(past, False) if finalized else StepStatus(cfg.steps, False, landed)
+            resume = recover(e, at)
+            finalized = resume.committed > cfg.steps
+            landed_before, landings = resume.landed, sync.landings()  # an adopter's: the leader's
     writer.write(
         {
             "step": cfg.steps,

@@ -6,8 +6,9 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
 1. wait for the newest epoch whose members are all ready, leave the old group, join the new one
    (``ft/membership.py``); the algorithm drops what was bound to the old group;
 2. agree on a consistent point. Each survivor reports how far it got: ``committed`` (the last
-   step it finished, synchronisation included) and ``local_done`` (step t's optimizer step was
-   applied but its synchronisation failed: a periodic method's sync boundary). Nothing moves
+   step it finished, synchronisation included), ``local_done`` (step t's optimizer step was
+   applied but its synchronisation failed: a periodic method's sync boundary) and ``landed``
+   (the messages in flight that sync, or the end-of-run average, landed before it failed). Nothing moves
    where that is consistent. Per-step methods all report the same step and redo it with the same
    batch (no survivor applied it: their collectives come before the optimizer step). Periodic
    methods (``sync_period() = H > 1``) run free between syncs, so survivors are at different

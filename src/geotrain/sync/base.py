@@ -620,12 +620,14 @@ class InFlight:
     def launch_weighted(self, message: torch.Tensor) -> None:
         """A ``mean`` message as ``saved`` holds it (its weight last): sent again as it was. A
         message left out by ``--max-norm-ratio`` is zeroed with its weight, so it weighs 0. The
-        screen before it is a collective: if it fails, the message is kept to send again."""
+        screen before it is a collective: if it fails, nothing is in flight (the caller's retry,
+        ``retry_sync``, makes the message again: had it been kept to send again, the retry's
+        landing would take it for the last one's and apply it twice)."""
         self._payload = message
         try:
             self._handle = self.comm.all_reduce(message.clone(), op="sum", async_op=True, screen=True)
         except RuntimeError:
-            self._resend, self._payload = message, None
+            self._payload = None
             raise
 
     def land(self) -> torch.Tensor | None:
@@ -633,8 +635,12 @@ class InFlight:
         once it has arrived; None if none flies. If the wait fails (a lost member), the message
         stays in flight for ``rebind``."""
         if self._resend is not None:
-            (self.launch if self.op == "gather" else self.launch_weighted)(self._resend)
-            self._resend = None
+            resend, self._resend = self._resend, None
+            try:
+                (self.launch if self.op == "gather" else self.launch_weighted)(resend)
+            except RuntimeError:  # (a mean's screen) still the message to land: sent again later
+                self._resend = resend
+                raise
         if self._handle is None:
             return None
         landed = self._handle.wait()
