@@ -386,6 +386,42 @@ def test_a_worker_that_adopts_anothers_state_takes_part_in_its_gather_in_flight_
     member_sync.close()
 
 
+@pytest.mark.parametrize("algo, key", [("sparseloco", "error"), ("demo", "momentum")])
+def test_a_workers_own_buffer_is_in_its_snapshots_and_never_in_a_hand_over(algo, key):
+    """SparseLoCo's error feedback and DeMo's momentum are each worker's own: an adopter zeroes
+    what it loads (``adopted_state``), so the state handed over leaves them out (a third of
+    SparseLoCo's), while a snapshot holds them and a resume restores them exactly. A snapshot
+    made when they sat with the shared state loads too."""
+    from geotrain.ft.state import capture, restore
+
+    options = (
+        {"H": 1, "chunk": 256, "k": 16, "overlap": True}
+        if algo == "sparseloco"
+        else {"chunk": 16, "k": 8, "overlap": True}
+    )
+    model, opt, sync = _tiny_sync(options, Communicator(), seed=0, algo=algo)
+    x, y = _batch(0, 1)
+    sync.model(x, y)[1].backward()
+    sync.before_step()  # DeMo's momentum takes the gradient here
+    opt.step()
+    sync.after_step()
+    mine = [t.clone() for t in ([sync._error] if algo == "sparseloco" else sync._momentum)]
+    assert any(t.any() for t in mine)
+    state = capture(
+        step=1, model=model, optimizer=opt, sync=sync, generators={}, progress={}, replicated=set(), copy=True
+    )  # fmt: skip
+    assert key not in state["parts"]["sync"] and key in state["parts"]["own"]
+    for old_style in (False, True):
+        if old_style:  # where snapshots held it before: with the shared state
+            state["parts"]["sync"][key] = state["parts"]["own"].pop(key)
+        other_model, other_opt, other = _tiny_sync(options, Communicator(), seed=1, algo=algo)
+        restore(state, model=other_model, optimizer=other_opt, sync=other, generators={})
+        got = [other._error] if algo == "sparseloco" else other._momentum
+        assert all(torch.equal(a, b) for a, b in zip(got, mine, strict=True))
+        other.close()
+    sync.close()
+
+
 def test_an_outer_step_is_the_closed_form_and_leaves_identical_replicas():
     ranks = RUNS.get(False)
     codec = ChunkTopK(chunk=256, k=16, bits=2)

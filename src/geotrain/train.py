@@ -483,6 +483,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             except RuntimeError as e:  # a member lost while the group formed: regroup again
                 if not lost_member(e):
                     raise
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(
+                    f"geotrain: host {host}: the regroup was cut short ({why}); regrouping again",
+                    file=sys.stderr,
+                    flush=True,
+                )
         tokens_done = event.pop("tokens")
         # A member behind the furthest (periodic methods: each goes on from its own step) must
         # not wait in an evaluation the others have done or skipped.

@@ -235,7 +235,9 @@ class DeMo(SyncAlgorithm):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["momentum"] = list(self._momentum)
+        # this worker's alone ("own"): in its snapshots, never handed to an adopter (who would
+        # zero it: ``adopted_state``)
+        state["own"] = {**state.get("own", {}), "momentum": list(self._momentum)}
         # This worker's own message in flight (overlap): a resumed run gathers it again first, so
         # N + stop + N lands the same update at the same step as 2N.
         state["in_flight"] = self.in_flight.saved()
@@ -243,6 +245,9 @@ class DeMo(SyncAlgorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        for dst, src in zip(self._momentum, state["momentum"], strict=True):
-            dst.copy_(src)
+        # absent where the state was handed over; at the top level in snapshots made before it
+        # was the worker's own part
+        momentum = state.get("own", {}).get("momentum", state.get("momentum"))
+        for k, dst in enumerate(self._momentum):
+            dst.copy_(momentum[k]) if momentum is not None else dst.zero_()
         self.in_flight.restore(state.get("in_flight"), self.device)

@@ -669,7 +669,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["anchor"] = self._anchor
-        state["error"] = self._error
+        # this worker's alone ("own"): in its snapshots, never handed to an adopter (who would
+        # zero it: ``adopted_state``), so a joiner's hand-over is a third smaller
+        state["own"] = {**state.get("own", {}), "error": self._error}
         # A message in flight is saved as this worker's own payload; a resumed run gathers it
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
@@ -703,7 +705,10 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self._longer_asked = state["period"].get("longer_asked", 0.0)
         super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
-        self._error.copy_(self._in_layout(state["error"]))
+        # absent where the state was handed over; at the top level in snapshots made before it
+        # was the worker's own part
+        error = state.get("own", {}).get("error", state.get("error"))
+        self._error.copy_(self._in_layout(error)) if error is not None else self._error.zero_()
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
         self.in_flight.restore(resend)
