@@ -51,3 +51,30 @@ def test_the_report_is_one_page_with_the_picture_and_the_tables(tmp_path):
     page = paths["html"].read_text()
     assert 'src="data:image/png;base64,' in page and "<th>fault</th>" in page and "<td>kill</td>" in page
     assert "kill:every=60s,restart=5" in page
+
+
+def test_an_admission_counts_the_members_digests_of_their_parameters_and_of_what_they_hold_equal(tmp_path):
+    """SparseLoCo under overlap: at an admission each member's parameters are its own (a period
+    starts from the anchor moved by its own message) while the anchor is every member's. The
+    merged epoch counts both, and the soak's comparison reads what the algorithm holds equal."""
+    from geotrain.bench.soak import compare
+    from geotrain.launch.faults import regroup_events
+
+    control = tmp_path / "control"
+    control.mkdir()
+    base = {"members": [0, 1, 2], "behind": [2], "step": 20, "at": 1.0, "handed_over_bytes": 10}
+    for host, params, shared in ((0, "a", "s"), (1, "b", "s"), (2, "a", "s")):
+        digests = {"param_digest": params, "shared_digest": shared}
+        view = {**base, "epoch": 2, "joined": [2], "host": host, **digests}
+        older = {**base, "epoch": 1, "joined": [], "host": host}
+        (control / f"regroups-h{host}.jsonl").write_text(json.dumps(older) + "\n" + json.dumps(view) + "\n")
+    first, admitted = regroup_events(control)
+    assert "param_digests" not in first and "shared_digests" not in first
+    assert admitted["param_digests"] == 2 and admitted["shared_digests"] == 1
+    run = {"elapsed_s": 10.0, "tokens": 100, "final_val_loss": 2.0}
+    (tmp_path / "metrics").mkdir()
+    curve = [{"tokens": t, "val_loss": v} for t, v in ((0, 3.0), (200, 1.0))]
+    (tmp_path / "metrics" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+    cmp = compare({**run, "final_val_loss": 2.0}, {**run, "membership": [first, admitted]}, tmp_path)
+    assert cmp["admissions_with_members_bitwise_equal"] == 0
+    assert cmp["admissions_with_shared_state_bitwise_equal"] == 1

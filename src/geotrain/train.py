@@ -49,7 +49,7 @@ from geotrain.ft.membership import (
     RunFinished,
 )
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
-from geotrain.ft.state import capture, param_digest
+from geotrain.ft.state import capture, param_digest, tensors_digest
 from geotrain.ft.state import restore as restore_state
 from geotrain.launch.admission import Refused, eviction, read_token
 from geotrain.launch.agent import TRAINER_LOG_ONLY
@@ -517,8 +517,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         events.append(event)
         if run_dir is not None:  # every host's view: the summary's writer may have joined late
             view = dict(event, host=host)
-            if event["joined"]:  # for audit: every member's parameters at an admission
+            if event["joined"]:  # for audit: every member's parameters at an admission, and what
+                # they hold equal there (the parameters, or an anchor where replicas differ)
                 view["param_digest"] = param_digest(model)
+                view["shared_digest"] = tensors_digest(sync.shared_state())
             with (
                 contextlib.suppress(OSError),
                 (run_dir / "control" / f"regroups-h{host}.jsonl").open("a") as f,

@@ -115,8 +115,13 @@ def compare(calm: dict, faulty: dict, calm_dir: Path) -> dict:
         "admission_s_mean": (
             sum(e["regroup_s"] for e in admissions) / len(admissions) if admissions else None
         ),
-        # At each admission every member recorded its parameters' digest: one each, bitwise equal.
+        # At each admission every member recorded its parameters' digest and that of what the
+        # algorithm holds equal there (the parameters; the anchor where replicas differ between
+        # syncs: SparseLoCo under overlap, CO2, Streaming DiLoCo): one each, bitwise equal.
         "admissions_with_members_bitwise_equal": sum(e.get("param_digests") == 1 for e in admissions),
+        "admissions_with_shared_state_bitwise_equal": sum(
+            e.get("shared_digests", e.get("param_digests")) == 1 for e in admissions
+        ),
     }
 
 
@@ -139,8 +144,10 @@ def comparison_table(calm: dict, faulty: dict, cmp: dict) -> str:
     if cmp["admissions"]:
         rows.append(
             f"replacements admitted: {cmp['admissions']}, each stopping the members "
-            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); members bitwise "
-            f"equal at {cmp['admissions_with_members_bitwise_equal']} of them"
+            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); members' parameters "
+            f"bitwise equal at {cmp['admissions_with_members_bitwise_equal']} of them, what the "
+            f"algorithm holds equal at a sync (its parameters or its anchor) at "
+            f"{cmp['admissions_with_shared_state_bitwise_equal']}"
         )
     return "\n".join(rows)
 

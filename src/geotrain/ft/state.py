@@ -103,6 +103,15 @@ def param_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def tensors_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 of ``tensors`` in order: equal iff bitwise equal (``SyncAlgorithm.shared_state``)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def canonical(obj: Any) -> Any:
     """``obj`` rebuilt so that equal states pickle to equal bytes on every worker.
 

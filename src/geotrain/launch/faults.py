@@ -132,16 +132,18 @@ def regroup_events(control: Path) -> list[dict]:
     one before (a joiner's own wait for the boundary is its ``rejoin_s``), ``step`` the earliest
     step a member went on after (between syncs of the local methods each goes on from its own),
     and at an admission how many different parameter digests the members had (1: bitwise
-    equal)."""
+    equal; ``param_digests``), and of what they hold equal there (``shared_digests``: the
+    parameters, or the anchor of a method whose replicas differ between syncs)."""
     merged: dict[int, dict] = {}
-    digests: dict[int, set] = {}
+    digests: dict[str, dict[int, set]] = {"param_digest": {}, "shared_digest": {}}
     for path in sorted(control.glob("regroups-h*.jsonl")):
         for e in read_jsonl(path):
             host = e.pop("host", None)
-            digest = e.pop("param_digest", None)  # each member's own
+            for key, seen in digests.items():  # each member's own
+                digest = e.pop(key, None)
+                if digest is not None:
+                    seen.setdefault(e["epoch"], set()).add(digest)
             m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0)})
-            if digest is not None:
-                digests.setdefault(e["epoch"], set()).add(digest)
             if host not in e["joined"]:
                 for k in _REGROUP_TIMES:
                     m[k] = max(m[k], e.get(k, 0))
@@ -149,8 +151,9 @@ def regroup_events(control: Path) -> list[dict]:
             m["step"] = min(m["step"], e["step"])
             m["at"] = min(m["at"], e["at"])
             m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
-    for epoch, seen in digests.items():
-        merged[epoch]["param_digests"] = len(seen)
+    for key, by_epoch in digests.items():
+        for epoch, seen in by_epoch.items():
+            merged[epoch][f"{key}s"] = len(seen)
     return [merged[e] for e in sorted(merged)]
 
 

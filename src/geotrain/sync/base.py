@@ -285,6 +285,13 @@ class SyncAlgorithm:
         at least ``MIN_SNAPSHOT_EVERY`` steps on."""
         return period * math.ceil(MIN_SNAPSHOT_EVERY / period)
 
+    def shared_state(self) -> list[torch.Tensor]:
+        """What every worker holds bitwise equal at a sync boundary (where a joiner is admitted):
+        the parameters, or where replicas differ between syncs the reference they share
+        (SparseLoCo's and CO2's anchor, Streaming DiLoCo's global fragments). An admission
+        records its digest on every member, for audit (``geotrain soak``)."""
+        return [p.detach() for p in self.parameters()]
+
     def replicated_parts(self) -> set[str]:
         """The parts of a worker's state (``geotrain.ft.state.PARTS``) that are bitwise equal on
         every worker now, after ``after_step``: a snapshot protects only the rest on peers."""

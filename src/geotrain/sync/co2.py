@@ -325,6 +325,9 @@ class CO2(AutoTau, PeriodicSync):
         # --lr-scale auto needs a period's first step taken from common parameters: not eager's
         return not self.config.eager
 
+    def shared_state(self) -> list[torch.Tensor]:
+        return [self._anchor]  # an eager start is each worker's own
+
     def replicated_parts(self) -> set[str]:
         # Right after an outer step every worker starts from the anchor, but with ``eager``
         # from the anchor moved by its own pseudo-gradient; the message in flight (in "sync") is

@@ -630,6 +630,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # overlap (auto may turn it on) each worker starts from the anchor moved by its own message
         return self.config.overlap is False
 
+    def shared_state(self) -> list[torch.Tensor]:
+        return [self._anchor]  # under overlap each replica starts a period from its own message
+
     def replicated_parts(self) -> set[str]:
         # e is each worker's own, so "sync" never is; under overlap neither are the parameters.
         return {"model"} if self.at_boundary() and not self.overlap else set()

@@ -366,6 +366,9 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         s = self.config.every
         return self._landing(-(-self.step_count // s) * s)
 
+    def shared_state(self) -> list[torch.Tensor]:
+        return list(self._global)  # the replicas never: each fragment lands at its own step
+
     def replicated_parts(self) -> set[str]:
         return set()  # the fragments are never all equal at once: each worker's own
 
