@@ -663,13 +663,16 @@ def test_a_mean_in_flight_is_over_the_workers_that_sent_one():
     assert torch.equal(flight.land(), torch.zeros(2))  # weight 0: nothing, and no division by 0
 
 
-def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_once():
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_once(eager):
     """CO2's mean is screened (--max-norm-ratio, a robust aggregate) by a collective before it is
     launched. Where that fails after the last period's mean landed, the retry (``rebind``,
     ``retry_sync``) makes the message again and lands nothing: it ends where a run without the
     failure does, to the bit. Kept to send again, the new message would land as the last one's
     and then be launched again, the period's progress applied twice. A message sent again whose
-    screen fails stays the one to land."""
+    screen fails stays the one to land. Without eager the period's start is the anchor, which
+    the landing moves: the retry still takes the delta the failed launch had. A worker that
+    adopts the failed worker's state takes its period start too (eager: not the anchor)."""
 
     class Screened(Communicator):
         fail = False
@@ -683,7 +686,7 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
     runs = []
     for fails in (False, True):
         comm = Screened()
-        _, opt, sync = _tiny("co2", {"H": 2, "tau": 2, "bits": 32}, comm)
+        _, opt, sync = _tiny("co2", {"H": 2, "tau": 2, "bits": 32, "eager": eager}, comm)
         seen = []
         for step in range(1, 7):
             comm.fail = fails and step == 4
@@ -691,6 +694,11 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
                 with pytest.raises(RuntimeError, match="lost"):
                     _train_step(sync, opt, 0, step)
                 assert sync.landings() == 1 and not sync.in_flight.flying  # landed, then failed
+                _, _, adopter = _tiny("co2", {"H": 2, "tau": 2, "bits": 32, "eager": eager}, seed=1)
+                adopter.load_state_dict(sync.state_dict())
+                adopter.adopted_state()
+                assert torch.equal(adopter._start, sync._start) and not adopter.in_flight.flying
+                adopter.close()
                 sync.rebind()
                 sync.retry_sync()
             else:

@@ -684,10 +684,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     # Where it failed, what the last average landed first (a message in flight, then its own
     # collective): a survivor that landed it leads one whose wait failed (StepStatus.landed).
     landed_before, landings = 0, sync.landings()
+    copies: set[int] = set()  # after a regroup, the ranks holding a copy of the leader's state
     while True:
         try:
             if not finalized:
-                sync.finalize()  # part of training: the replicas become one model
+                with comm.leaving_out(copies):  # (their message would count the leader's twice)
+                    sync.finalize()  # part of training: the replicas become one model
                 finalized = True
             final_s = time.perf_counter() - t_final
             final_spent = comm.stats.delta(before)
@@ -702,6 +704,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             resume = recover(e, at)
             finalized = resume.committed > cfg.steps
             landed_before, landings = resume.landed, sync.landings()  # an adopter's: the leader's
+            copies = {events[-1]["members"].index(h) for h in events[-1]["behind"]}
     writer.write(
         {
             "step": cfg.steps,

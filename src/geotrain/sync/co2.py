@@ -244,6 +244,8 @@ class CO2(AutoTau, PeriodicSync):
         return self._anchor - (cfg.eager_weight * cfg.outer_lr / cfg.gap_penalty) * delta
 
     def outer_step(self) -> None:
+        if self._start is self._anchor:  # (no eager) the landing below moves the anchor in place:
+            self._start = self._anchor.clone()  # a retry after a failed launch takes the same delta
         delta = self._start - self._local()
         # The last period's message: if its wait fails (a lost member), nothing here has changed
         # and ``retry_sync`` sends it again on the new group.
@@ -370,10 +372,10 @@ class CO2(AutoTau, PeriodicSync):
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
-        if flying is None:
-            self._start = self._anchor
-        elif "start" in state:
+        if "start" in state:  # with nothing in flight too: a launch that failed left an eager start
             self._start = state["start"].to(self._anchor).clone()
+        elif flying is None:
+            self._start = self._anchor
         else:  # fp32, saved before the start was: the message in flight is the Delta, weight last
             self._start = self._eager_start(flying[:-1])
         if self._residual is not None:

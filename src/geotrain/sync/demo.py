@@ -248,6 +248,8 @@ class DeMo(SyncAlgorithm):
         # absent where the state was handed over; at the top level in snapshots made before it
         # was the worker's own part
         momentum = state.get("own", {}).get("momentum", state.get("momentum"))
-        for k, dst in enumerate(self._momentum):
-            dst.copy_(momentum[k]) if momentum is not None else dst.zero_()
+        if momentum is None:
+            momentum = [torch.zeros_like(m) for m in self._momentum]
+        for dst, src in zip(self._momentum, momentum, strict=True):
+            dst.copy_(src)
         self.in_flight.restore(state.get("in_flight"), self.device)
