@@ -743,11 +743,13 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     assert out[1] == {"finished": True, "stopped": False}
 
 
-def _split_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+def _split_landing(host: int, store_port: int, file_store: str, out: str, final: bool = False) -> None:
     """SparseLoCo under --overlap auto, H=4, on 3 hosts, landing a period late: the gather
     launched at step 8 has arrived everywhere when host 2 is lost. At step 12 a check has asked
     for a timed outer step, which lands that gather and then gathers synchronously: host 0 lands
-    it and fails at the barrier before its gather; host 1's wait for it fails."""
+    it and fails at the barrier before its gather; host 1's wait for it fails. ``final``: the
+    same in the end-of-run average after step 11 (land, then gather), redone as ``train`` does,
+    leaving out the adopters' copies."""
     from geotrain.ft.elastic import regroup
     from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
@@ -787,14 +789,17 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
         dist.barrier()
         if host == 2:
             os._exit(0)  # lost
-        sync._again = ("a check (the test's)", 0)
-        step(12)
+        if not final:
+            sync._again = ("a check (the test's)", 0)
+            step(12)
         landings = sync.landings()
-        if host == 0:
 
-            def lost():
-                raise RuntimeError("a member was lost")
+        def lost(*args, **kwargs):
+            raise RuntimeError("a member was lost")
 
+        if host == 0 and final:
+            comm.all_gather = lost  # the average's own gather (the one in flight has arrived)
+        elif host == 0:
             comm.barrier = lost
         else:
             handle = sync.in_flight._handle
@@ -804,14 +809,22 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
 
             handle.wait = lost_wait
         with contextlib.suppress(RuntimeError):
-            sync.after_step()
+            sync.finalize() if final else sync.after_step()
             raise AssertionError("the step did not fail")
         if host == 0:
-            del comm.barrier  # the Communicator's own again
-        status = StepStatus(11, True, sync.landings() - landings)
+            del comm.__dict__["all_gather" if final else "barrier"]  # the Communicator's own again
+        status = StepStatus(11, not final, sync.landings() - landings)
         before = sync._anchor.clone()
         event = regroup(membership, comm, sync, model, optimizer, status)
+        rows = []
+        if final:  # as train() redoes it
+            copies = {event["members"].index(h) for h in event["behind"]}
+            gather = comm.all_gather
+            comm.all_gather = lambda t, async_op=False: rows.append(got := gather(t, async_op)) or got
+            with comm.leaving_out(copies):
+                sync.finalize()
         result = {
+            "rows": rows,
             "event": event,
             "status": status,
             "before": before,
@@ -827,6 +840,10 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str) -> Non
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
         raise
+
+
+def _split_final_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _split_landing(host, store_port, file_store, out, final=True)
 
 
 def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_handed_over_not_resent(tmp_path):
@@ -847,3 +864,21 @@ def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_handed_ov
     assert h0["landings"] == 1 and h1["landings"] == 0  # landed once, on host 0 only
     assert torch.equal(h0["anchor"], h1["anchor"]) and torch.equal(h0["params"], h1["params"])
     assert not torch.equal(h0["anchor"], h0["before"])  # the redone gather moved it
+
+
+def test_the_end_of_run_average_redone_after_a_split_landing_leaves_the_adopters_copy_out(tmp_path):
+    """The end-of-run average lands the gather in flight and then gathers the last steps: host
+    0 landed it and its gather failed, host 1's wait failed. Host 1 adopts host 0's state, and
+    the average is redone with host 1's message empty (its copy of host 0's progress would
+    count twice): both end on one model, the anchor."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    h0, h1 = _hosts(_split_final_landing, store, 3, (0, 1))
+    assert h0["status"] == StepStatus(11, False, 1) and h1["status"] == StepStatus(11, False, 0)
+    for h in (h0, h1):
+        assert h["event"]["leader"] == 0 and h["event"]["behind"] == [1]
+        (gathered,) = h["rows"]  # the redone average's one gather: nothing was in flight
+        assert gathered[0].any() and not gathered[1].any()
+        assert torch.equal(h["params"], h0["params"]) and not h["flying"]
+    assert torch.equal(h0["anchor"], h1["anchor"]) and not torch.equal(h0["anchor"], h0["before"])
