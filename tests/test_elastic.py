@@ -882,3 +882,74 @@ def test_the_end_of_run_average_redone_after_a_split_landing_leaves_the_adopters
         assert gathered[0].any() and not gathered[1].any()
         assert torch.equal(h["params"], h0["params"]) and not h["flying"]
     assert torch.equal(h0["anchor"], h1["anchor"]) and not torch.equal(h0["anchor"], h0["before"])
+
+
+def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
+    """SparseLoCo overlapped (H=4, landing a period late) on hosts 0 and 1 after step 8, a gather
+    in flight; host 2 joins (it trained alongside, and comes as a joiner: its state is dropped)."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", 256, 16))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        comm = Communicator(membership=membership)
+        options = {"H": 4, "chunk": 256, "k": 8, "overlap": True}
+        sync = build_sync("sparseloco", model, optimizer, comm, options)
+
+        def step(n: int) -> None:
+            g = torch.Generator().manual_seed(1000 * host + n)
+            xy = torch.randint(0, 256, (2, 17), generator=g)
+            sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync.after_step()
+
+        for n in range(1, 9):
+            step(n)
+        assert sync.in_flight.flying
+        status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
+        event = regroup(membership, comm, sync, model, optimizer, status)
+        after = {
+            "params": sync._local(),  # in the anchor's layout
+            "anchor": sync._anchor.clone(),
+            "start": sync._start.clone(),
+            "shared": tensors_digest(sync.shared_state()),
+        }
+        for n in range(9, 13):  # the gather in flight lands at 12, the joiner's part empty
+            step(n)
+        result = {"event": event, "after": after, "anchor12": sync._anchor.clone(), "n": sync.n}
+        sync.close()
+        dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_a_sparseloco_joiner_gets_no_parameters_and_starts_from_the_anchor(tmp_path):
+    """A joiner under SparseLoCo receives the algorithm's state (the anchor, its stand-in for the
+    message in flight) and no parameters: under overlap each member's are its own (its period
+    began from its own message), and the joiner's are rebuilt from the anchor, where its own
+    empty message leaves its period's start. The members' shared digests are its digest, the
+    hand-over is under the anchor's bytes and a few KB, and at the next outer step every
+    worker's anchor is the same."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
+    store.add("epoch", 1)
+    runs = _hosts(_sparseloco_joiner, store, 3, (0, 1, 2))
+    joiner = runs[2]
+    assert joiner["event"]["behind"] == [2] and joiner["event"]["leader"] == 0
+    assert joiner["event"]["handed_over_bytes"] < 4 * joiner["n"] + 20_000  # the anchor, little else
+    assert torch.equal(joiner["after"]["params"][:100], joiner["after"]["anchor"][:100])
+    assert torch.equal(joiner["after"]["start"], joiner["after"]["anchor"])
+    assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
+    assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
+    assert all(torch.equal(r["anchor12"], runs[0]["anchor12"]) for r in runs)

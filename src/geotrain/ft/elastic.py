@@ -53,6 +53,7 @@ from geotrain.ft.state import (
     encode,
     handed_over,
     param_digest,
+    tensors_digest,
 )
 
 
@@ -136,10 +137,14 @@ def _hand_over(
     the algorithm keeps it equal on every worker (S-SGD, DDP); under the local methods each
     worker's inner optimizer is its own: a survivor keeps its own and a joiner starts a fresh one
     rather than wait for a copy of another's (at 100 Mbit/s, 7 s for ``mini``'s AdamW moments).
+    Where the algorithm rebuilds an adopter's trainable parameters from its own state
+    (``parameters_from_state``: SparseLoCo's anchor), the model part holds only the rest (frozen
+    weights, buffers), and the check is of what the members hold equal (``shared_state``).
     Returns bytes and stripes per part handed over."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
     leader = up[0]
+    from_state = sync.parameters_from_state
     blobs: dict[str, memoryview] = {}
     mine = None
     if comm.rank in up:
@@ -147,10 +152,13 @@ def _hand_over(
             step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
+        if from_state:
+            trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in trained}
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
         headers = {p: bytes(b[:HEADER_BYTES]).hex() for p, b in blobs.items()}
-        mine = (headers, param_digest(model), "optimizer" in sync.replicated_parts())
+        mine = (headers, _check_digest(model, sync), "optimizer" in sync.replicated_parts())
     metas = comm.all_gather_object(mine)
     headers, digest, shared_optimizer = metas[leader]
     parts = handed_over(shared_optimizer)
@@ -170,14 +178,22 @@ def _hand_over(
     comm.exchange(sends, recvs)
     if comm.rank in behind:
         got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
-        model.load_state_dict(got["model"])
+        model.load_state_dict(got["model"], strict=not from_state)
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))
-        if param_digest(model) != digest:
-            raise CorruptSnapshot("the parameters received differ from the leader's after loading")
-        sync.adopted_state()  # after the check: Streaming DiLoCo's adopter restarts from theta
+        if _check_digest(model, sync) != digest:
+            what = "state the members share" if from_state else "parameters"
+            raise CorruptSnapshot(f"the {what} received differ from the leader's after loading")
+        # after the check: Streaming DiLoCo's adopter restarts from theta, SparseLoCo's from its anchor
+        sync.adopted_state()
     return {"handed_over_bytes": total, "stripes": stripes}
+
+
+def _check_digest(model, sync) -> str:
+    """What a hand-over's receiver checks against the leader's once loaded: the parameters, or
+    where the algorithm rebuilds them from its state, what the members hold equal."""
+    return tensors_digest(sync.shared_state()) if sync.parameters_from_state else param_digest(model)
 
 
 def regroup(

@@ -285,6 +285,10 @@ class SyncAlgorithm:
         at least ``MIN_SNAPSHOT_EVERY`` steps on."""
         return period * math.ceil(MIN_SNAPSHOT_EVERY / period)
 
+    # An adopter (a joiner, a survivor behind) rebuilds its trainable parameters from the
+    # algorithm's state in ``adopted_state``, so a hand-over need not carry them (ft/elastic.py).
+    parameters_from_state = False
+
     def shared_state(self) -> list[torch.Tensor]:
         """What every worker holds bitwise equal at a sync boundary (where a joiner is admitted):
         the parameters, or where replicas differ between syncs the reference they share

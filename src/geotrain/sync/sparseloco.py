@@ -617,12 +617,21 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     def rebind(self) -> None:
         self.in_flight.rebind()  # a lost worker's part of the message in flight is lost with it
 
+    # An adopter starts from the anchor (below): a hand-over carries no parameters, which under
+    # overlap are each worker's own anyway (its period began from its own message).
+    parameters_from_state = True
+
     def adopted_state(self) -> None:
         # This worker loaded another's state (a joiner, a survivor behind): that worker's
-        # unsent residual and message in flight are its own, and would count twice here.
+        # unsent residual and message in flight are its own, and would count twice here. Its
+        # parameters and its period's start become the anchor: its stand-in for the mean in
+        # flight is its own message, which is empty.
         self._error.zero_()
         self.in_flight.adopted()
         self._arrival, self._seen, self._waited = 0.0, 0, 0.0  # the other worker's timing, not this one's
+        self._start = self._anchor.clone()
+        self._start_moved_at, self._start_message = self._no_entries(), None
+        self._set_params(self._anchor)
 
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]
