@@ -132,6 +132,9 @@ def test_copies_held_after_a_failed_redo_are_left_out_while_their_leader_is_a_me
     # A joiner that took host 0's number is not host 0's state.
     assert held_copies([None, None, 0, 0], [S(-1, False)] + [S(9, True)] * 3, members) == {3}
     assert held_copies([None] * 3, [S(9, True)] * 3, [0, 1, 2]) == set()
+    # A copy that holds none of the leader's progress (SparseLoCo's adopter starts from the
+    # anchor) cannot stand in for it: left out, leader or not.
+    assert held_copies([None, 0, 0], [S(9, True)] * 3, [1, 2, 3], stands_in=False) == {1, 2}
 
 
 def test_a_worker_left_out_of_a_redone_average_sends_an_empty_message():

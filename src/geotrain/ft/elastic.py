@@ -102,16 +102,20 @@ def next_boundary(statuses: list[StepStatus], behind: list[int], period: int | l
     )
 
 
-def held_copies(leaders: list[int | None], statuses: list[StepStatus], members: list[int]) -> set[int]:
+def held_copies(
+    leaders: list[int | None], statuses: list[StepStatus], members: list[int], stands_in: bool = True
+) -> set[int]:
     """The ranks whose state is a copy of a leader's for an average not yet redone (``leaders``:
     by rank, the host each copied, or None), and so are left out of it: all of them while that
     leader is a member (not a joiner that took its host's number), else all but the lowest
-    rank, whose copy then stands for the leader, once."""
+    rank, whose copy then stands for the leader, once. Not where the copy cannot stand in
+    (``stands_in`` False: an adopter that started from the shared state, ``parameters_from_state``,
+    holds none of the leader's progress): all of them, always."""
     present = {members[r] for r, s in enumerate(statuses) if s.committed >= 0 and leaders[r] is None}
     out: set[int] = set()
     for host in {h for h in leaders if h is not None}:
         holders = [r for r, h in enumerate(leaders) if h == host]
-        out |= set(holders if host in present else holders[1:])
+        out |= set(holders if host in present or not stands_in else holders[1:])
     return out
 
 
@@ -153,7 +157,7 @@ def _hand_over(
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
         if from_state:
-            trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            trained = _trained(model)
             state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in trained}
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
@@ -178,7 +182,11 @@ def _hand_over(
     comm.exchange(sends, recvs)
     if comm.rank in behind:
         got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
-        model.load_state_dict(got["model"], strict=not from_state)
+        loaded = model.load_state_dict(got["model"], strict=not from_state)
+        if from_state:  # only the trained entries may be missing, and nothing unknown come
+            odd = sorted(set(loaded.missing_keys) - _trained(model)) + sorted(loaded.unexpected_keys)
+            if odd:
+                raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))
@@ -188,6 +196,11 @@ def _hand_over(
         # after the check: Streaming DiLoCo's adopter restarts from theta, SparseLoCo's from its anchor
         sync.adopted_state()
     return {"handed_over_bytes": total, "stripes": stripes}
+
+
+def _trained(model) -> set[str]:
+    """The names of the model's trained entries, each alias of a tied weight included."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
 def _check_digest(model, sync) -> str:
@@ -239,7 +252,8 @@ def regroup(
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, collective_period)
-    copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members)
+    stands_in = not sync.parameters_from_state
+    copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
         handed = _hand_over(comm, statuses, behind, model, optimizer, sync)

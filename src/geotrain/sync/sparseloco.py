@@ -393,6 +393,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         of the leader's) sends the empty payload, which the decoders leave out, and keeps its e
         as it is. ``delta`` may be the work vector: it is used up here."""
         if not self.contributes():
+            self._unspoiled = None  # (its start moved by nothing: a spoiled message is no longer its own)
             empty = torch.zeros(self.chunker.payload_bytes(self.n), dtype=torch.uint8)
             nothing = torch.zeros(self.n // self.config.chunk, 0)
             return empty, Sent(nothing.long(), nothing), self._error.clone()
@@ -535,7 +536,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
 
         The start differs from the anchor only where the message that stood in for the mean
         took it off (``_start_moved_at``: this worker's own, clean even where ``--chaos``
-        spoiled what was sent, or, for one that adopted another's state, that worker's), and
+        spoiled what was sent; none for one that adopted another's state, which starts from the
+        anchor), and
         the mean moves the anchor only where a message it kept holds an entry: where those are
         few (``_in_passes``), the change is made at those entries alone, not by three passes
         over the model. (In passes, a parameter that is -0.0 where nothing changed becomes
