@@ -210,6 +210,8 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert sorted(v["host"] for v in views) == [0, 1, 2]
     digests = {v["param_digest"] for v in views}
     assert len(digests) == 1
+    assert len({v["shared_digest"] for v in views}) == 1  # what it holds equal: its parameters
+    assert joined["param_digests"] == joined["shared_digests"] == 1
     for h in survivors:
         assert [r["step"] for r in _records(run_dir, h)] == list(range(1, steps + 1))
     after = [r for r in _records(run_dir, lost) if r["step"] > s]
