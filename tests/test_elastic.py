@@ -901,10 +901,15 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         torch.manual_seed(0)
         model = GPT(gpt_config("tiny", 256, 16))
+        frozen = model.ln_f.bias  # not trained (as LoRA's base weights)
+        frozen.requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         comm = Communicator(membership=membership)
         options = {"H": 4, "chunk": 256, "k": 8, "overlap": True}
         sync = build_sync("sparseloco", model, optimizer, comm, options)
+        if host == 2:  # the joiner's differs (built from another checkpoint, say)
+            with torch.no_grad():
+                frozen.add_(1.0)
 
         def step(n: int) -> None:
             g = torch.Generator().manual_seed(1000 * host + n)
@@ -918,16 +923,19 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
             step(n)
         assert sync.in_flight.flying
         status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
+        frozen_before = frozen.detach().clone()
         event = regroup(membership, comm, sync, model, optimizer, status)
         after = {
             "params": sync._local(),  # in the anchor's layout
             "anchor": sync._anchor.clone(),
             "start": sync._start.clone(),
             "shared": tensors_digest(sync.shared_state()),
+            "frozen": frozen.detach().clone(),
         }
         for n in range(9, 13):  # the gather in flight lands at 12, the joiner's part empty
             step(n)
         result = {"event": event, "after": after, "anchor12": sync._anchor.clone(), "n": sync.n}
+        result["frozen_before"] = frozen_before
         sync.close()
         dist.destroy_process_group()
         torch.save({"ok": result}, out)
@@ -938,11 +946,12 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
 
 def test_a_sparseloco_joiner_gets_no_parameters_and_starts_from_the_anchor(tmp_path):
     """A joiner under SparseLoCo receives the algorithm's state (the anchor, its stand-in for the
-    message in flight) and no parameters: under overlap each member's are its own (its period
-    began from its own message), and the joiner's are rebuilt from the anchor, where its own
-    empty message leaves its period's start. The members' shared digests are its digest, the
-    hand-over is under the anchor's bytes and a few KB, and at the next outer step every
-    worker's anchor is the same."""
+    message in flight) and no trained parameters: under overlap each member's are its own (its
+    period began from its own message), and the joiner's are rebuilt from the anchor, where its
+    own empty message leaves its period's start. A frozen one (as LoRA's base weights) comes in
+    the model part as before. The members' shared digests are its digest, the hand-over is under
+    the anchor's bytes and a few KB, and at the next outer step every worker's anchor is the
+    same."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
@@ -953,6 +962,9 @@ def test_a_sparseloco_joiner_gets_no_parameters_and_starts_from_the_anchor(tmp_p
     assert joiner["event"]["handed_over_bytes"] < 4 * joiner["n"] + 20_000  # the anchor, little else
     assert torch.equal(joiner["after"]["params"][:100], joiner["after"]["anchor"][:100])
     assert torch.equal(joiner["after"]["start"], joiner["after"]["anchor"])
+    # what is not trained comes in the model part: the joiner takes the leader's
+    assert all(torch.equal(r["after"]["frozen"], runs[0]["after"]["frozen"]) for r in runs)
+    assert not torch.equal(joiner["frozen_before"], runs[0]["after"]["frozen"])
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
     assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
     assert all(torch.equal(r["anchor12"], runs[0]["anchor12"]) for r in runs)
