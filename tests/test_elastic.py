@@ -887,11 +887,12 @@ def test_the_end_of_run_average_redone_after_a_split_landing_leaves_the_adopters
     assert torch.equal(h0["anchor"], h1["anchor"]) and not torch.equal(h0["anchor"], h0["before"])
 
 
-def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
-    """SparseLoCo overlapped (H=4, landing a period late) on hosts 0 and 1 after step 8, a gather
-    in flight; host 2 joins (it trained alongside, and comes as a joiner: its state is dropped)."""
+def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, algo: str) -> None:
+    """``algo`` on hosts 0 and 1 after step 8, a message in flight (SparseLoCo overlapped, landing
+    a period late; CO2 landing 2 steps into the next period; Streaming DiLoCo's fragments); host
+    2 joins (it trained alongside, and comes as a joiner: its state is dropped)."""
     from geotrain.ft.elastic import regroup
-    from geotrain.ft.state import tensors_digest
+    from geotrain.ft.state import capture, encode, tensors_digest
     from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
 
@@ -905,8 +906,12 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
         frozen.requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         comm = Communicator(membership=membership)
-        options = {"H": 4, "chunk": 256, "k": 8, "overlap": True}
-        sync = build_sync("sparseloco", model, optimizer, comm, options)
+        options = {
+            "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
+            "co2": {"H": 4, "tau": 2},
+            "streaming": {"H": 8, "fragments": 2, "tau": 1},
+        }[algo]
+        sync = build_sync(algo, model, optimizer, comm, options)
         if host == 2:  # the joiner's differs (built from another checkpoint, say)
             with torch.no_grad():
                 frozen.add_(1.0)
@@ -919,23 +924,32 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
             optimizer.zero_grad(set_to_none=True)
             sync.after_step()
 
+        def from_shared() -> bool:  # the parameters are the state the members share
+            if algo == "streaming":
+                pairs = zip(sync.fragments, sync._global, strict=True)
+                return all(torch.equal(flatten(list(f)), theta) for f, theta in pairs)
+            return torch.equal(sync._local(), sync._anchor) and torch.equal(sync._start, sync._anchor)
+
         for n in range(1, 9):
             step(n)
-        assert sync.in_flight.flying
+        state = capture(
+            step=8, model=model, optimizer=optimizer, sync=sync, generators={}, progress={},
+            replicated=set(), copy=False,
+        )  # fmt: skip
+        sizes = {part: len(encode(state["parts"][part])) for part in ("model", "sync")}
         status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
         frozen_before = frozen.detach().clone()
         event = regroup(membership, comm, sync, model, optimizer, status)
         after = {
-            "params": sync._local(),  # in the anchor's layout
-            "anchor": sync._anchor.clone(),
-            "start": sync._start.clone(),
+            "params": flatten(list(model.parameters())).detach().clone(),
+            "from_shared": from_shared(),
             "shared": tensors_digest(sync.shared_state()),
             "frozen": frozen.detach().clone(),
         }
-        for n in range(9, 13):  # the gather in flight lands at 12, the joiner's part empty
+        for n in range(9, 13):  # what was in flight lands, the joiner's part empty
             step(n)
-        result = {"event": event, "after": after, "anchor12": sync._anchor.clone(), "n": sync.n}
-        result["frozen_before"] = frozen_before
+        result = {"event": event, "after": after, "shared12": tensors_digest(sync.shared_state())}
+        result |= {"frozen_before": frozen_before, "sizes": sizes}
         sync.close()
         dist.destroy_process_group()
         torch.save({"ok": result}, out)
@@ -944,27 +958,40 @@ def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) ->
         raise
 
 
-def test_a_sparseloco_joiner_gets_no_parameters_and_starts_from_the_anchor(tmp_path):
-    """A joiner under SparseLoCo receives the algorithm's state (the anchor, its stand-in for the
-    message in flight) and no trained parameters: under overlap each member's are its own (its
-    period began from its own message), and the joiner's are rebuilt from the anchor, where its
-    own empty message leaves its period's start. A frozen one (as LoRA's base weights) comes in
-    the model part as before. The members' shared digests are its digest, the hand-over is under
-    the anchor's bytes and a few KB, and at the next outer step every worker's anchor is the
-    same."""
+def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
+    _joiner_from_state(host, store_port, file_store, out, "sparseloco")
+
+
+def _co2_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
+    _joiner_from_state(host, store_port, file_store, out, "co2")
+
+
+def _streaming_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
+    _joiner_from_state(host, store_port, file_store, out, "streaming")
+
+
+@pytest.mark.parametrize("worker", [_sparseloco_joiner, _co2_joiner, _streaming_joiner])
+def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_members_share(tmp_path, worker):
+    """SparseLoCo, CO2 and Streaming DiLoCo: a joiner receives the algorithm's state (the anchor
+    or the global fragments, its stand-in for the message in flight) and no trained parameters:
+    between syncs each member's are its own (a period begun from its own message, the steps
+    since), and the joiner's are rebuilt from the shared state, where its own empty message
+    leaves its period's start. A frozen one (as LoRA's base weights) comes in the model part as
+    before. The hand-over is the algorithm's state and little else; the members' shared digests
+    are the joiner's, then and once what was in flight has landed."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
     store.add("epoch", 1)
-    runs = _hosts(_sparseloco_joiner, store, 3, (0, 1, 2))
-    joiner = runs[2]
+    runs = _hosts(worker, store, 3, (0, 1, 2))
+    joiner, leader = runs[2], runs[0]
     assert joiner["event"]["behind"] == [2] and joiner["event"]["leader"] == 0
-    assert joiner["event"]["handed_over_bytes"] < 4 * joiner["n"] + 20_000  # the anchor, little else
-    assert torch.equal(joiner["after"]["params"][:100], joiner["after"]["anchor"][:100])
-    assert torch.equal(joiner["after"]["start"], joiner["after"]["anchor"])
+    sizes = leader["sizes"]  # the leader's whole model part and algorithm state, encoded
+    assert joiner["event"]["handed_over_bytes"] < sizes["sync"] + sizes["model"] // 10
+    assert joiner["after"]["from_shared"]
     # what is not trained comes in the model part: the joiner takes the leader's
-    assert all(torch.equal(r["after"]["frozen"], runs[0]["after"]["frozen"]) for r in runs)
-    assert not torch.equal(joiner["frozen_before"], runs[0]["after"]["frozen"])
+    assert all(torch.equal(r["after"]["frozen"], leader["after"]["frozen"]) for r in runs)
+    assert not torch.equal(joiner["frozen_before"], leader["after"]["frozen"])
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
     assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
-    assert all(torch.equal(r["anchor12"], runs[0]["anchor12"]) for r in runs)
+    assert all(r["shared12"] == leader["shared12"] for r in runs)

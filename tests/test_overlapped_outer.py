@@ -672,7 +672,7 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
     and then be launched again, the period's progress applied twice. A message sent again whose
     screen fails stays the one to land. Without eager the period's start is the anchor, which
     the landing moves: the retry still takes the delta the failed launch had. A worker that
-    adopts the failed worker's state takes its period start too (eager: not the anchor)."""
+    adopts the failed worker's state starts from the anchor, its own message being empty."""
 
     class Screened(Communicator):
         fail = False
@@ -697,7 +697,9 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
                 _, _, adopter = _tiny("co2", {"H": 2, "tau": 2, "bits": 32, "eager": eager}, seed=1)
                 adopter.load_state_dict(sync.state_dict())
                 adopter.adopted_state()
-                assert torch.equal(adopter._start, sync._start) and not adopter.in_flight.flying
+                # its own message is empty: its period starts from the anchor, as do its parameters
+                assert torch.equal(adopter._start, sync._anchor) and not adopter.in_flight.flying
+                assert torch.equal(adopter._local(), sync._anchor)
                 adopter.close()
                 sync.rebind()
                 sync.retry_sync()

@@ -317,10 +317,19 @@ class CO2(AutoTau, PeriodicSync):
     def rebind(self) -> None:
         self.in_flight.rebind()  # a lost worker's part of the mean in flight is lost with it
 
+    # An adopter starts from the anchor (below): a hand-over carries no parameters, which between
+    # syncs are each worker's own (an eager start, the steps since).
+    parameters_from_state = True
+
     def adopted_state(self) -> None:
         self.in_flight.adopted()  # the message it loaded is the other worker's
         if self._residual is not None:
             self._residual.zero_()  # and so is what its rounding lost
+        # Its stand-in for the mean in flight is its own message, which is empty: its period
+        # starts from the anchor, and so do its parameters (the other worker's progress since
+        # the last outer step, kept, would count twice in both workers' next Delta).
+        self._start = self._anchor.clone()
+        self._set_params(self._anchor)
 
     @property
     def measures_noise(self) -> bool:  # type: ignore[override]

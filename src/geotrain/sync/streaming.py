@@ -347,6 +347,9 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
     def rebind(self) -> None:
         self.in_flight.rebind()
 
+    # An adopter's parameters are the global fragments (below): a hand-over carries none.
+    parameters_from_state = True
+
     def adopted_state(self) -> None:
         self.in_flight.adopted()
         for residual in self._residual or []:
