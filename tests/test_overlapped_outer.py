@@ -17,6 +17,7 @@ import torch
 import geotrain.plan.profile as profile_module
 import geotrain.sync.co2 as co2_module
 import geotrain.sync.streaming as streaming_module
+from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator
 from geotrain.compress.quantize import Int4
 from geotrain.models.gpt import GPT, gpt_config
@@ -718,6 +719,44 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
         flight.land()
     assert torch.equal(flight.saved(), torch.tensor([2.0, -4.0, 1.0])) and flight.landings == 0
     assert torch.equal(flight.land(), torch.tensor([2.0, -4.0])) and flight.landings == 1
+
+
+def test_an_adopter_of_a_finished_streaming_worker_has_its_final_model_and_a_co2_one_its_anchor():
+    """Streaming DiLoCo's end-of-run average leaves each fragment's global value at the final
+    one, so a worker whose own average failed and that adopts a finished one's state (which
+    rebuilds its parameters from the fragments) ends on that model; a worker that adopts one
+    inside the average goes on from its stage. CO2's period start is the worker's own part:
+    never handed over, and an adopter (4-bit messages in flight) starts from the anchor."""
+    _, opt, done = _tiny("streaming", {"H": 8, "fragments": 2, "tau": 1})
+    for step in range(1, 12):
+        _train_step(done, opt, 0, step)
+    done.finalize()
+    model = flatten(list(done.parameters()))
+    assert torch.equal(torch.cat(done.shared_state()), flatten([p for f in done.fragments for p in f]))
+    state = done.state_dict()
+    assert state["final_stage"] == 2
+    adopter_model, _, adopter = _tiny("streaming", {"H": 8, "fragments": 2, "tau": 1}, seed=1)
+    adopter.load_state_dict(state)
+    adopter.adopted_state()
+    assert torch.equal(flatten(list(adopter.parameters())), model) and adopter._final_stage == 2
+    for s in (done, adopter):
+        s.close()
+
+    _, opt, co2 = _tiny("co2", {"H": 4, "tau": 2})
+    for step in range(1, 6):
+        _train_step(co2, opt, 0, step)
+    state = co2.state_dict()
+    assert "start" not in state and "start" in state["own"] and co2.in_flight.flying
+    handed = {k: v for k, v in state.items() if k != "own"}
+    _, _, other = _tiny("co2", {"H": 4, "tau": 2}, seed=1)
+    other.load_state_dict(handed)
+    other.adopted_state()
+    assert torch.equal(other._start, co2._anchor) and torch.equal(other._local(), co2._anchor)
+    resumed = _tiny("co2", {"H": 4, "tau": 2}, seed=1)[2]
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed._start, co2._start)
+    for s in (co2, other, resumed):
+        s.close()
 
 
 # -- the CLI --------------------------------------------------------------------------------------

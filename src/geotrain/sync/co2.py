@@ -367,11 +367,13 @@ class CO2(AutoTau, PeriodicSync):
         # measured at start-up under auto: a resume and an adopter keep it
         state["tau"] = self.config.tau
         # where this period started: moved by this worker's fp32 Delta, which a 4-bit message in
-        # flight holds only rounded, and an adopter's or a left-out worker's holds not at all
-        state["start"] = self._start
+        # flight holds only rounded, and an adopter's or a left-out worker's holds not at all.
+        # This worker's alone ("own", as the residual): in its snapshots, never handed to an
+        # adopter, who starts from the anchor (adopted_state)
+        own = {"start": self._start}
         if self._residual is not None:
-            # this worker's alone ("own"): in its snapshots, never handed to an adopter
-            state["own"] = {**state.get("own", {}), "residual": self._residual}
+            own["residual"] = self._residual
+        state["own"] = {**state.get("own", {}), **own}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -381,9 +383,12 @@ class CO2(AutoTau, PeriodicSync):
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
-        if "start" in state:  # with nothing in flight too: a launch that failed left an eager start
-            self._start = state["start"].to(self._anchor).clone()
-        elif flying is None:
+        # at the top level in snapshots made before it was the worker's own part; absent where
+        # the state was handed over (the adopter starts from the anchor: adopted_state)
+        start = state.get("own", {}).get("start", state.get("start"))
+        if start is not None:  # with nothing in flight too: a launch that failed left an eager start
+            self._start = start.to(self._anchor).clone()
+        elif flying is None or self.messages is not None:
             self._start = self._anchor
         else:  # fp32, saved before the start was: the message in flight is the Delta, weight last
             self._start = self._eager_start(flying[:-1])

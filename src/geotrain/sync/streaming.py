@@ -337,8 +337,11 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
                 if residual is not None:
                     residual.zero_()
             mean = self.messages.mean(self.in_flight.land(), theta.numel())[0].to(theta.device)
+            # theta_f becomes the fragment's final value too: a worker that adopts this one's
+            # state (its own average failed) rebuilds its parameters from theta (adopted_state)
+            theta.sub_(mean)
             with torch.no_grad():
-                unflatten_into(theta - mean, [p.data for p in self.fragments[f]])
+                unflatten_into(theta, [p.data for p in self.fragments[f]])
             self._final_stage += 1
 
     def close(self) -> None:
@@ -391,6 +394,8 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         state["outer_optimizers"] = [o.state_dict() for o in self.outer_optimizers]
         state["in_flight"] = self.in_flight.saved()
         state["tau"] = self.config.tau  # as --tau auto chose it: a resume and an adopter keep it
+        if self._final_stage >= 0:  # inside finalize: an adopter goes on from this stage
+            state["final_stage"] = self._final_stage
         # This worker's alone ("own"): kept in its snapshots, never handed to an adopter over the
         # link (a model's worth of residuals that the adopter would drop).
         own = {}
@@ -409,6 +414,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"], strict=True):
             opt.load_state_dict(saved)
         self._restore_tau(state, 1)
+        self._final_stage = state.get("final_stage", -1)
         self.in_flight.restore(state["in_flight"], self.device)
         own = state.get("own", {})  # absent where another worker handed the state over
         saved = own.get("residual")
