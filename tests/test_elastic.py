@@ -746,6 +746,28 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     assert out[1] == {"finished": True, "stopped": False}
 
 
+def _tiny_member(host: int, store_port: int, file_store: str):
+    """Host ``host`` of 3 on gloo, with its membership, a ``tiny`` GPT (seed 0) and AdamW."""
+    from geotrain.models.gpt import GPT, gpt_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+    membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return membership, model, optimizer, Communicator(membership=membership)
+
+
+def _tiny_step(sync, optimizer, host: int, n: int) -> None:
+    """Host ``host``'s local step ``n`` on its own batch (before ``after_step``)."""
+    g = torch.Generator().manual_seed(1000 * host + n)
+    xy = torch.randint(0, 256, (2, 17), generator=g)
+    sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _split_landing(host: int, store_port: int, file_store: str, out: str, final: bool = False) -> None:
     """SparseLoCo under --overlap auto, H=4, on 3 hosts, landing a period late: the gather
     launched at step 8 has arrived everywhere when host 2 is lost. At step 12 a check has asked
@@ -754,30 +776,19 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str, final:
     same in the end-of-run average after step 11 (land, then gather), redone as ``train`` does,
     leaving out the adopters' copies."""
     from geotrain.ft.elastic import regroup
-    from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
     from geotrain.sync import sparseloco as sparseloco_module
 
-    torch.set_num_threads(1)
     # the first verdict the same everywhere (15% of the period: overlap on), whatever each
     # worker's clock says; the redone one is the method's own (its agreement a collective)
     verdict = sparseloco_module.SparseLoCo._verdict
     sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
-        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
-        torch.manual_seed(0)
-        model = GPT(gpt_config("tiny", 256, 16))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        comm = Communicator(membership=membership)
+        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
         sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8})
 
         def step(n: int) -> None:
-            g = torch.Generator().manual_seed(1000 * host + n)
-            xy = torch.randint(0, 256, (2, 17), generator=g)
-            sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _tiny_step(sync, optimizer, host, n)
 
         for n in range(1, 12):
             step(n)
@@ -795,7 +806,6 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str, final:
         if not final:
             sync._again = ("a check (the test's)", 0)
             step(12)
-        landings = sync.landings()
 
         def lost(*args, **kwargs):
             raise RuntimeError("a member was lost")
@@ -816,7 +826,8 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str, final:
             raise AssertionError("the step did not fail")
         if host == 0:
             del comm.__dict__["all_gather" if final else "barrier"]  # the Communicator's own again
-        status = StepStatus(11, not final, sync.landings() - landings)
+        status = StepStatus(11, not final)
+        reported = StepStatus(11, not final, not sync.in_flight.flying)  # what regroup reads
         before = sync._anchor.clone()
         event = regroup(membership, comm, sync, model, optimizer, status)
         rows = []
@@ -829,12 +840,12 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str, final:
         result = {
             "rows": rows,
             "event": event,
-            "status": status,
+            "status": reported,
             "before": before,
             "anchor": sync._anchor.clone(),
             "params": flatten(list(model.parameters())).detach().clone(),
             "flying": sync.in_flight.flying,
-            "landings": sync.landings(),
+            "landings": sync.in_flight.landings,
             "overlap": sync.overlap,
         }
         sync.close()
@@ -893,19 +904,12 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
     2 joins (it trained alongside, and comes as a joiner: its state is dropped)."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import capture, encode, tensors_digest
-    from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
 
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
-        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
-        torch.manual_seed(0)
-        model = GPT(gpt_config("tiny", 256, 16))
+        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
         frozen = model.ln_f.bias  # not trained (as LoRA's base weights)
         frozen.requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        comm = Communicator(membership=membership)
         options = {
             "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
             "co2": {"H": 4, "tau": 2},
@@ -917,11 +921,7 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
                 frozen.add_(1.0)
 
         def step(n: int) -> None:
-            g = torch.Generator().manual_seed(1000 * host + n)
-            xy = torch.randint(0, 256, (2, 17), generator=g)
-            sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _tiny_step(sync, optimizer, host, n)
             sync.after_step()
 
         def from_shared() -> bool:  # the parameters are the state the members share

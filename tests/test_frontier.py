@@ -351,23 +351,32 @@ def test_a_demo_step_is_signed_sgd_on_the_decoded_mean_and_replicas_stay_equal(o
     assert ranks[0]["sent"] == 3 * 2 * ranks[0]["message"]
 
 
+# overlapped: after each step a message of the worker's own is in flight (sparseloco at H=1)
+IN_FLIGHT_OPTIONS = {
+    "sparseloco": {"H": 1, "chunk": 256, "k": 16, "overlap": True},
+    "demo": {"chunk": 16, "k": 8, "overlap": True},
+}
+
+
+def _one_step_in_flight(algo: str, step: int):
+    """A world of one after one step of ``algo`` (on batch ``step``), its message in flight."""
+    model, opt, sync = _tiny_sync(IN_FLIGHT_OPTIONS[algo], Communicator(), seed=0, algo=algo)
+    x, y = _batch(0, step)
+    sync.model(x, y)[1].backward()
+    sync.before_step()  # DeMo's momentum takes the gradient here
+    opt.step()
+    sync.after_step()  # sparseloco: the outer step at H=1 launches its gather
+    return model, opt, sync
+
+
 @pytest.mark.parametrize("algo", ["sparseloco", "demo"])
 def test_a_worker_that_adopts_anothers_state_takes_part_in_its_gather_in_flight_with_nothing(algo):
     """A joiner (or a survivor behind) loads a member's state while that member's message is in
     flight (overlap). The members gather their messages again on the new group: the adopter must
     take part with a message of the same size that decodes to zero, or one period's gather would
     pair with another's; and it starts with no residual of its own."""
-    options = (
-        {"H": 1, "chunk": 256, "k": 16, "overlap": True}
-        if algo == "sparseloco"
-        else {"chunk": 16, "k": 8, "overlap": True}
-    )
-    member, member_opt, member_sync = _tiny_sync(options, Communicator(), seed=0, algo=algo)
-    x, y = _batch(0, 0)
-    member_sync.model(x, y)[1].backward()
-    member_sync.before_step()
-    member_opt.step()
-    member_sync.after_step()  # sparseloco: the outer step at H=1 launches its gather
+    options = IN_FLIGHT_OPTIONS[algo]
+    member, _, member_sync = _one_step_in_flight(algo, step=0)
     assert member_sync.in_flight.flying
     state = member_sync.state_dict()
     joiner, _, joiner_sync = _tiny_sync(options, Communicator(), seed=1, algo=algo)
@@ -394,17 +403,8 @@ def test_a_workers_own_buffer_is_in_its_snapshots_and_never_in_a_hand_over(algo,
     made when they sat with the shared state loads too."""
     from geotrain.ft.state import capture, restore
 
-    options = (
-        {"H": 1, "chunk": 256, "k": 16, "overlap": True}
-        if algo == "sparseloco"
-        else {"chunk": 16, "k": 8, "overlap": True}
-    )
-    model, opt, sync = _tiny_sync(options, Communicator(), seed=0, algo=algo)
-    x, y = _batch(0, 1)
-    sync.model(x, y)[1].backward()
-    sync.before_step()  # DeMo's momentum takes the gradient here
-    opt.step()
-    sync.after_step()
+    options = IN_FLIGHT_OPTIONS[algo]
+    model, opt, sync = _one_step_in_flight(algo, step=1)
     mine = [t.clone() for t in ([sync._error] if algo == "sparseloco" else sync._momentum)]
     assert any(t.any() for t in mine)
     state = capture(

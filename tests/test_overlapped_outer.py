@@ -694,7 +694,7 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
             if comm.fail:
                 with pytest.raises(RuntimeError, match="lost"):
                     _train_step(sync, opt, 0, step)
-                assert sync.landings() == 1 and not sync.in_flight.flying  # landed, then failed
+                assert sync.in_flight.landings == 1 and not sync.in_flight.flying  # landed, then failed
                 _, _, adopter = _tiny("co2", {"H": 2, "tau": 2, "bits": 32, "eager": eager}, seed=1)
                 adopter.load_state_dict(sync.state_dict())
                 adopter.adopted_state()
@@ -706,7 +706,7 @@ def test_a_co2_launch_whose_screen_fails_is_made_again_by_the_retry_and_lands_on
                 sync.retry_sync()
             else:
                 _train_step(sync, opt, 0, step)
-            seen.append((sync._anchor.clone(), sync._local(), sync.landings()))
+            seen.append((sync._anchor.clone(), sync._local(), sync.in_flight.landings))
         runs.append(seen)
         sync.close()
     for (a, x, n), (b, y, m) in zip(*runs, strict=True):

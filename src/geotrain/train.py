@@ -347,15 +347,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         compute_clock = time.thread_time
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
-    landings_before_sync = 0  # sync.landings() where this step's sync began (StepStatus.landed)
     no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
 
     def one_step(x: torch.Tensor | None, y: torch.Tensor | None, step: int) -> bool:
         """One step; with no batch, a step this worker skips (``--pace time``): only the sync
         it holds, if any."""
-        nonlocal phase, loss, landings_before_sync
+        nonlocal phase, loss
         phase = "compute"
-        landings_before_sync = sync.landings()
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
@@ -444,13 +442,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 raise BelowMinWorkers(f"stopped after step {boundary}")
             time.sleep(0.1)
 
-    def failed_in_sync(step: int) -> StepStatus:
-        """Where this worker stands after a failure in step ``step``: its optimizer step applied
-        and its sync failed, with what that sync landed before it failed; or before that."""
-        if phase != "sync":
-            return StepStatus(step - 1, False)
-        return StepStatus(step - 1, True, sync.landings() - landings_before_sync)
-
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
@@ -463,15 +454,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is None or not lost_member(error):
             raise error
         previous, stopped_at = list(membership.members), status
-        landings = sync.landings()  # a redo that fails again may have landed one more meanwhile
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
-            nonlocal status, tokens_done, landings  # a retried regroup starts from the state now loaded
-            status, tokens_done, landings = leaders, tokens, sync.landings()
+            nonlocal status, tokens_done  # a retried regroup starts from the state now loaded
+            status, tokens_done = leaders, tokens
 
         while True:
-            status = replace(status, landed=status.landed + sync.landings() - landings)
-            landings = sync.landings()
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
@@ -560,7 +548,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         except RuntimeError as e:
             if phase == "sync":
                 batch = None  # this worker's step used it
-            resume = recover(e, failed_in_sync(step))
+            resume = recover(e, StepStatus(step - 1, phase == "sync"))
             if not resume.local_done and resume.committed < step:
                 step = resume.committed + 1  # redo it
                 continue
@@ -681,9 +669,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     before = comm.stats.copy()
     t_final = time.perf_counter()
     finalized = False
-    # Where it failed, what the last average landed first (a message in flight, then its own
-    # collective): a survivor that landed it leads one whose wait failed (StepStatus.landed).
-    landed_before, landings = 0, sync.landings()
     copies: set[int] = set()  # after a regroup, the ranks holding a copy of the leader's state
     while True:
         try:
@@ -699,11 +684,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             # A member whose last average completed reports a step past every sync, so the ones
             # whose copy of it failed adopt its model instead of all redoing it (twice for it).
             past = cfg.steps + sync.sync_period()
-            landed = landed_before + sync.landings() - landings
-            at = StepStatus(past, False) if finalized else StepStatus(cfg.steps, False, landed)
-            resume = recover(e, at)
-            finalized = resume.committed > cfg.steps
-            landed_before, landings = resume.landed, sync.landings()  # an adopter's: the leader's
+            finalized = recover(e, StepStatus(past if finalized else cfg.steps, False)).committed > cfg.steps
             copies = {events[-1]["members"].index(h) for h in events[-1]["behind"]}
     writer.write(
         {

@@ -8,7 +8,8 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
 2. agree on a consistent point. Each survivor reports how far it got: ``committed`` (the last
    step it finished, synchronisation included), ``local_done`` (step t's optimizer step was
    applied but its synchronisation failed: a periodic method's sync boundary) and ``landed``
-   (the messages in flight that sync, or the end-of-run average, landed before it failed). Nothing moves
+   (its message in flight has landed: that sync, or the end-of-run average, may have landed it
+   before it failed). Nothing moves
    where that is consistent. Per-step methods all report the same step and redo it with the same
    batch (no survivor applied it: their collectives come before the optimizer step). Periodic
    methods (``sync_period() = H > 1``) run free between syncs, so survivors are at different
@@ -61,10 +62,12 @@ from geotrain.ft.state import (
 class StepStatus:
     committed: int  # the last step finished on this worker, synchronisation included
     local_done: bool  # the step after it applied its optimizer step, and its sync failed
-    # Of that failed sync, the messages in flight it landed before the collective that failed
-    # (``SyncAlgorithm.landings``): a retry does not land them again, so a survivor that landed
-    # one is further than one whose wait failed, though both failed the same step.
-    landed: int = 0
+    # Its algorithm's message in flight has landed, none is left to land (False where it has
+    # none: ``SyncAlgorithm.in_flight``). A sync that landed one and then failed does not land
+    # it again in its retry, so a survivor that landed it is further than one whose wait failed,
+    # though both failed the same step. Read live by ``regroup``: a redo that failed again, or
+    # an adoption, has moved it.
+    landed: bool = False
 
     @property
     def done(self) -> int:
@@ -241,7 +244,7 @@ def regroup(
     reports = comm.all_gather_object(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
-            membership.holds_copy, status.landed,
+            membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6]) for r in reports]
@@ -261,7 +264,7 @@ def regroup(
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
             membership.holds_copy = members[leader]  # until the average below completes
-    mine = best if comm.rank in behind else status  # behind none: each at its own step
+    mine = best if comm.rank in behind else statuses[comm.rank]  # behind none: each at its own step
     # Where joiners are admitted: each member's next boundary, by its own period (which under
     # --H-schedule depends on its step; the least of them would name a step that is none).
     periods = [r[4] if r[0] >= 0 else sync_period for r in reports]

@@ -98,8 +98,7 @@ def param_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        t = t.detach().to("cpu").contiguous()
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _hash_tensor(h, t)
     return h.hexdigest()
 
 
@@ -107,9 +106,13 @@ def tensors_digest(tensors: list[torch.Tensor]) -> str:
     """sha256 of ``tensors`` in order: equal iff bitwise equal (``SyncAlgorithm.shared_state``)."""
     h = hashlib.sha256()
     for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _hash_tensor(h, t)
     return h.hexdigest()
+
+
+def _hash_tensor(h, t: torch.Tensor) -> None:
+    t = t.detach().to("cpu").contiguous()
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def canonical(obj: Any) -> Any:

@@ -97,6 +97,13 @@ def require_warm_start(warm_start: int) -> None:
     )
 
 
+def own_value(state: dict[str, Any], key: str) -> Any:
+    """A value of the worker's own part of a saved state (``"own"``: in its snapshots, never
+    handed to an adopter, so None in a hand-over), or at the top level where a snapshot was
+    made before it moved there."""
+    return state.get("own", {}).get(key, state.get(key))
+
+
 def codec_from_config(config: SyncConfig, chooses: bool = False) -> Codec | None:
     """The codec named by ``config.compress`` ("", "none" or absent: send uncompressed; "auto":
     none yet, the algorithm chooses one when it plans, ``DreamDDP``)."""
@@ -233,13 +240,7 @@ class SyncAlgorithm:
         continue``): drop what was bound to the old one (handles in flight, a DDP wrapper) and
         adapt to the new worker count. Called on every member at once, so it may communicate."""
 
-    def landings(self) -> int:
-        """The messages in flight this worker has landed so far (``InFlight.landings``; 0 for an
-        algorithm without one). A step's sync can land one and then fail in a collective after
-        it: a retry does not land it again, so the regroup compares how many each survivor
-        landed in the failed step (``StepStatus.landed``)."""
-        in_flight = getattr(self, "in_flight", None)
-        return in_flight.landings if in_flight is not None else 0
+    in_flight: InFlight | None = None  # a message whose collective lands later, where one is
 
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
@@ -604,9 +605,7 @@ class InFlight:
         self._handle = None
         self._payload: torch.Tensor | None = None  # of the collective in flight, as sent
         self._resend: torch.Tensor | None = None  # to send again at the next land
-        # Messages landed so far: a regroup compares how many each survivor landed in the step
-        # that failed (``StepStatus.landed``), since a landing changes what a retry would redo.
-        self.landings = 0
+        self.landings = 0  # messages landed so far
 
     @property
     def flying(self) -> bool:

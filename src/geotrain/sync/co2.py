@@ -90,7 +90,7 @@ from geotrain.comm.buckets import flat_copy, unflatten_into
 from geotrain.plan.gather import hiding_steps
 from geotrain.plan.profile import time_all_reduce, time_gather
 from geotrain.sync.auto_tau import AutoTau
-from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
+from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, own_value, require, require_period
 from geotrain.sync.quantized_gather import BITS, QuantizedGather
 
 PROBE_BYTES = 1 << 20  # --tau auto times an exchange of at most this much, and scales it
@@ -383,9 +383,7 @@ class CO2(AutoTau, PeriodicSync):
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
         self.in_flight.restore(state["in_flight"], self.device)
         flying = self.in_flight.saved()
-        # at the top level in snapshots made before it was the worker's own part; absent where
-        # the state was handed over (the adopter starts from the anchor: adopted_state)
-        start = state.get("own", {}).get("start", state.get("start"))
+        start = own_value(state, "start")  # none handed over: the adopter starts from the anchor
         if start is not None:  # with nothing in flight too: a launch that failed left an eager start
             self._start = start.to(self._anchor).clone()
         elif flying is None or self.messages is not None:
@@ -393,7 +391,5 @@ class CO2(AutoTau, PeriodicSync):
         else:  # fp32, saved before the start was: the message in flight is the Delta, weight last
             self._start = self._eager_start(flying[:-1])
         if self._residual is not None:
-            # absent where the state was handed over; at the top level in snapshots made before
-            # it was the worker's own part (an adopter zeroes it anyway: adopted_state)
-            saved = state.get("own", {}).get("residual", state.get("residual"))
+            saved = own_value(state, "residual")  # none handed over: an adopter's starts at zero
             self._residual.copy_(saved) if saved is not None else self._residual.zero_()

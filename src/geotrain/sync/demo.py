@@ -46,7 +46,7 @@ import torch
 
 from geotrain.compress.chunked import ChunkTopK, require_chunking
 from geotrain.plan.gather import gather_warning
-from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, require
+from geotrain.sync.base import InFlight, SyncAlgorithm, SyncConfig, own_value, require
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -245,9 +245,7 @@ class DeMo(SyncAlgorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        # absent where the state was handed over; at the top level in snapshots made before it
-        # was the worker's own part
-        momentum = state.get("own", {}).get("momentum", state.get("momentum"))
+        momentum = own_value(state, "momentum")
         if momentum is None:
             momentum = [torch.zeros_like(m) for m in self._momentum]
         for dst, src in zip(self._momentum, momentum, strict=True):

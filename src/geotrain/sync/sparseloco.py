@@ -109,7 +109,7 @@ from geotrain.plan.gather import (
 )
 from geotrain.plan.profile import probe_step_and_gather, time_gather
 from geotrain.sync.auto_overlap import AutoOverlap, next_landing
-from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, require, require_period
+from geotrain.sync.base import InFlight, PeriodicSync, SyncConfig, own_value, require, require_period
 from geotrain.sync.periods import periods_for
 
 # How the gathered messages are averaged: each entry over the workers that sent it (the reference
@@ -719,9 +719,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             self._longer_asked = state["period"].get("longer_asked", 0.0)
         super().load_state_dict(state)
         self._anchor.copy_(self._in_layout(state["anchor"]))
-        # absent where the state was handed over; at the top level in snapshots made before it
-        # was the worker's own part
-        error = state.get("own", {}).get("error", state.get("error"))
+        error = own_value(state, "error")
         self._error.copy_(self._in_layout(error)) if error is not None else self._error.zero_()
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
