@@ -234,6 +234,56 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert len({f["param_digest"] for f in finals}) == 1 and len(finals) == 3
 
 
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_sparseloco_joiner_under_overlap_gets_the_anchor_not_the_model_and_ends_as_one_model(
+    tmp_path, cleanup_keepers, lora
+):
+    """Under overlap each member's parameters are its own (its period started from the anchor
+    minus its message in flight), so the joiner is handed the anchor and the members' shared
+    state, not a model: what every member holds equal at the admission is the anchor
+    (``shared_digests``), the hand-over is under the anchor and the model together, no optimizer
+    travels (each worker's AdamW is its own), and the end-of-run average makes one model.
+    With LoRA the anchor is the adapters', and the frozen base travels (the model part: what is
+    not trained)."""
+    run_dir = tmp_path / "sparseloco"
+    cleanup_keepers.append((run_dir, 3))
+    # ~0.01 s a step here (LoRA's ~0.007 s): the replacement (~4 s to start) is admitted late
+    steps = 1500 if lora else 400
+    adapters = ["--lora", "r=2,alpha=4,targets=c_attn", "--chunk", "256", "--k", "8"] if lora else []
+    job = ["run", "--workers", "3", "--algo", "sparseloco", "--overlap", "--steps", str(steps), *JOB]
+    job += adapters
+    proc = geotrain([*job, "--run-dir", str(run_dir), "--chaos", "kill:step=4,rank=2,restart=0.5"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    left, joined = summary["membership"]
+    assert joined["members"] == [0, 1, 2] and joined["joined"] == [2] and joined["behind"] == [2]
+    s = joined["step"]
+    assert s % 4 == 0 and s < steps
+    views = [
+        e
+        for h in range(3)
+        for e in map(json.loads, (run_dir / "control" / f"regroups-h{h}.jsonl").read_text().splitlines())
+        if e["epoch"] == 2
+    ]
+    assert sorted(v["host"] for v in views) == [0, 1, 2]
+    assert len({v["shared_digest"] for v in views}) == 1 and joined["shared_digests"] == 1
+    anchor = 4 * summary["trainable_parameters"]  # fp32 (in chunks: tiny's small tensors pad more)
+    base = 4 * (summary["parameters"] - summary["trainable_parameters"])  # LoRA's frozen base
+    # no copy of the trained values beside the anchor (32 KiB: the state's other fields)
+    assert base + anchor < joined["handed_over_bytes"] < base + 2 * anchor + 32768, joined
+    assert "optimizer" not in joined["stripes"] and joined["stripes"]["model"] == 2  # buffers only
+    after = [r for r in _records(run_dir, 2) if r["step"] > s]
+    assert [r["step"] for r in after] == list(range(s + 1, steps + 1))
+    finals = [
+        json.loads(x)
+        for h in range(3)
+        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
+        if json.loads(x).get("final")
+    ]
+    assert len(finals) == 3 and len({f["param_digest"] for f in finals}) == 1
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_below_min_workers_the_survivors_pause_snapshot_and_stop_and_a_resume_brings_the_lost_host_back(
     tmp_path, cleanup_keepers

@@ -486,6 +486,8 @@ def test_only_differing_replicas_are_broadcast_at_start_up():
         ("sparseloco", ["--H", "20", "--tau", "21"], "--tau (steps after an outer step"),
         ("sparseloco", ["--tau", "3", "--no-overlap"], "drop one of them"),
         ("sparseloco", ["--H", "auto", "--tau", "41"], "H=auto (at most 40)"),
+        # with --lora only the adapters are chunked (1,024 values on tiny), counted on the meta device
+        ("sparseloco", ["--model", "tiny", "--lora", "r=2,alpha=4,targets=c_attn"], "(1024 trained values)"),
         ("demo", ["--beta", "1"], "--beta (momentum decay)"),
         ("demo", ["--compress", "int8"], "demo does not take --compress"),
     ],

@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from geotrain.compress.codec import ConfigError
 from geotrain.data.corpus import DataError, load_corpus
-from geotrain.models import ModelError, model_context
+from geotrain.models import ModelError, model_context, trainable_count
 
 EXIT_USAGE = 2
 
@@ -75,3 +76,13 @@ def check_model_and_data(cfg, workers: int) -> None:
     corpus = load_corpus(cfg.data or None, cfg.tokenizer)
     context = model_context(cfg.model_spec(), corpus.vocab_size, cfg.block_size, corpus.tokens)
     corpus.check_fits(context, workers)
+    if cfg.algo == "sparseloco":  # its chunks cut the trained values (with --lora, the adapters')
+        from geotrain.sync.sparseloco import SparseLoCoConfig
+
+        chunk = cfg.chunk or SparseLoCoConfig.chunk
+        trained = trainable_count(cfg.model_spec(), corpus.vocab_size, corpus.tokens)
+        if chunk > trained:
+            raise ConfigError(
+                f"--chunk {chunk} is larger than the whole model ({trained} trained values): "
+                "use a smaller --chunk"
+            )

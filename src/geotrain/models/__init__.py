@@ -129,6 +129,17 @@ def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:
     return sum(p.numel() for p in _meta_model(spec, vocab_size).parameters())
 
 
+def trainable_count(spec: ModelSpec, vocab_size: int = 256, tokens: int | None = None) -> int:
+    """Trainable parameters (with ``--lora``, the adapters' alone), counted on the meta device."""
+    model = _meta_model(spec, vocab_size, tokens)
+    if spec.lora:
+        from geotrain.models.hf import apply_lora
+
+        with torch.device("meta"):
+            apply_lora(model, LoraSpec.parse(spec.lora, spec.lora_fa))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def describe(model: nn.Module, spec: ModelSpec) -> dict[str, Any]:
     """What ``geotrain export`` needs to build the model again without the run's flags or files."""
     out: dict[str, Any] = {"spec": dataclasses.asdict(spec), "block_size": model.block_size}
