@@ -25,7 +25,7 @@ import torch.distributed as dist
 from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator, peer_lost_line, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
-from geotrain.ft.elastic import StepStatus, catching_up, next_boundary, owned_shards
+from geotrain.ft.elastic import StepStatus, catching_up, copies_at_the_end, next_boundary, owned_shards
 from geotrain.ft.keeper import KeeperError
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
@@ -91,6 +91,11 @@ def test_who_adopts_the_leaders_state():
     assert catching_up([S(19, True, 1), S(19, True, 0), S(17, False)], 10) == [1, 2]
     assert catching_up([S(19, True, 1), S(19, True, 1)], 10) == []
     assert catching_up([S(19, True, 0), S(19, True, 1)], 1) == [0]
+    # Inside an end-of-run average of several stages (Streaming DiLoCo's fragments), the one
+    # further in it leads, whatever the period: the others would redo an earlier stage.
+    assert S(20, False, False, 2) > S(20, False, True, 1) and S(20, False, False, 2) < S(24, False)
+    assert catching_up([S(20, False, False, 2), S(20, False, False, 1)], 4) == [1]
+    assert catching_up([S(20, False, False, 2), S(20, False, False, 2)], 4) == []
 
 
 class _Work:
@@ -118,6 +123,14 @@ class _RacyWork(_Work):
             self.left = 0
             raise RuntimeError("Operation timed out!")
         return super().wait(timeout)
+
+
+def test_the_end_of_run_average_leaves_out_who_adopted_at_the_end_and_not_before():
+    event = {"members": [0, 2, 3], "behind": [3], "furthest": 100}
+    assert copies_at_the_end(event, 100) == {2}  # the leader was in the average: rank 2 a copy
+    assert copies_at_the_end(event | {"furthest": 104}, 100) == {2}  # ... or had finished it
+    assert copies_at_the_end(event | {"furthest": 96}, 100) == set()  # it trained 4 steps since
+    assert copies_at_the_end(None, 100) == set()
 
 
 def test_copies_held_after_a_failed_redo_are_left_out_while_their_leader_is_a_member():
@@ -995,3 +1008,124 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
     assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
     assert all(r["shared12"] == leader["shared12"] for r in runs)
+
+
+class _Failing:
+    """A collective's handle whose wait fails as a lost member's does (``after``: once the
+    collective under it has completed, as where the lost peer had sent its last chunk)."""
+
+    def __init__(self, handle, after: bool) -> None:
+        self.handle, self.after = handle, after
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed() if self.after else False
+
+    def wait(self, timeout=None):
+        if self.after:
+            self.handle.wait()
+        raise RuntimeError("a member was lost")
+
+
+class _Recorded:
+    """A collective's handle whose result is kept in ``rows`` once waited for."""
+
+    def __init__(self, handle, rows: list) -> None:
+        self.handle, self.rows = handle, rows
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+    def wait(self, timeout=None):
+        got = self.handle.wait()
+        self.rows.append(got.clone())
+        return got
+
+
+def _streaming_stages(host: int, store_port: int, file_store: str, out: str) -> None:
+    """Streaming DiLoCo (H=12, 3 fragments, tau 1) on 3 hosts ends its run after step 11 with a
+    fragment in flight: its end-of-run average lands it, then averages fragments 0, 1 and 2
+    (stages 0, 1, 2), a gather each. Stage 0 completes on every host, but host 1's wait for
+    it fails; host 0 goes on to stage 1, whose wait fails; host 2 is lost there. The two
+    survivors regroup and redo the average as ``train`` does, leaving out the adopters' copies."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.sync import build_sync
+
+    try:
+        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+        sync = build_sync("streaming", model, optimizer, comm, {"H": 12, "fragments": 3, "tau": 1})
+        for n in range(1, 12):
+            _tiny_step(sync, optimizer, host, n)
+            sync.after_step()
+        assert sync.in_flight.flying  # fragment 2's, launched at step 11
+        gather, calls = comm.all_gather, []
+
+        def failing(t, async_op=False):  # the average's gathers: stage 0, then stage 1
+            calls.append(t.numel())
+            if host == 2 and len(calls) == 2:
+                os._exit(0)  # lost before stage 1
+            handle = gather(t, async_op)
+            if (host, len(calls)) == (1, 1):
+                return _Failing(handle, after=True)
+            return _Failing(handle, after=False) if (host, len(calls)) == (0, 2) else handle
+
+        comm.all_gather = failing
+        with contextlib.suppress(RuntimeError):
+            sync.finalize()
+            raise AssertionError("the average did not fail")
+        comm.all_gather = gather
+        reported = (sync.final_progress(), sync.in_flight.flying)
+        # the replica once fragment 2's message in flight has landed (its outer step and merge),
+        # and where each fragment's last sync put it
+        replica = [flatten(list(f)).detach().clone() for f in sync.fragments]
+        synced = [t.clone() for t in sync._global]
+        event = regroup(membership, comm, sync, model, optimizer, StepStatus(11, False))
+        rows = []
+        copies = {event["members"].index(h) for h in event["behind"]}
+        comm.all_gather = lambda t, async_op=False: _Recorded(gather(t, async_op), rows)
+        with comm.leaving_out(copies):
+            sync.finalize()
+        comm.all_gather = gather
+        result = {
+            "event": event,
+            "reported": reported,
+            "rows": rows,
+            "replica": replica,
+            "synced": synced,
+            "fragments": [flatten(list(f)).detach().clone() for f in sync.fragments],
+            "global": [t.clone() for t in sync._global],
+            "progress": sync.final_progress(),
+        }
+        sync.close()
+        dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_survivors_at_different_stages_of_streamings_end_of_run_average_follow_the_furthest(tmp_path):
+    """Host 0 completed stage 0 of Streaming DiLoCo's end-of-run average and failed at stage 1;
+    host 1 failed at stage 0. Both have a message in flight, at the same step: only the stage
+    tells them apart. Were each to redo its own stage, host 0 would gather fragment 1 where
+    host 1 gathers fragment 0. Host 1 adopts host 0's state (fragment 0 final, its stage), and
+    in the redone stage 1 and in stage 2 its message is all zero bytes: its replica is the shared
+    state, and its zero Delta in 4 bits would still count and halve host 0's. Both end on one
+    model, whose fragment 1 is host 0's own replica to rounding (the only one left of the
+    survivors' progress there)."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    h0, h1 = _hosts(_streaming_stages, store, 3, (0, 1))
+    assert h0["reported"] == (2, True) and h1["reported"] == (1, True)
+    for h in (h0, h1):
+        assert h["event"]["leader"] == 0 and h["event"]["behind"] == [1]
+        assert len(h["rows"]) == 2  # stages 1 and 2
+        assert all(gathered[0].any() and not gathered[1].any() for gathered in h["rows"])
+        assert h["progress"] == 4
+    for a, b in zip(h0["fragments"] + h0["global"], h1["fragments"] + h1["global"], strict=True):
+        assert torch.equal(a, b)
+    # fragment 1 ends at host 0's replica, to 4-bit rounding (its residual included: about a
+    # quarter here); counting host 1's message would have left it halfway back to where its last
+    # sync put it (0.5). (Fragment 2 landed at the start: host 0's replica is its theta.)
+    moved = (h0["replica"][1] - h0["synced"][1]).norm()
+    assert (h0["fragments"][1] - h0["replica"][1]).norm() < 0.35 * moved

@@ -271,6 +271,9 @@ def test_the_collective_timeout_follows_the_model_and_the_slowest_link():
     assert collective_timeout_s(mini, 350e3) == round(6 * mini * 8 / 350e3 + 60)
     assert 5900 < collective_timeout_s(mini, 350e3) < 6100
     assert collective_timeout_s(mini, 10e9) == collective_timeout_s(mini, 0) == 600
+    # A rate not known (real machines without --link-rate) is taken as 10 Mbit/s, the slowest
+    # link the library is built for: a 1B model's hand-over (~55 minutes there) is not cut at 600 s.
+    assert collective_timeout_s(4e9, 0) == collective_timeout_s(4e9, 10e6) == round(6 * 4e9 * 8 / 10e6 + 60)
     derived = TrainConfig(model="mini", algo="diloco", link_rate="350kbit")
     assert derived.collective_timeout_s() == collective_timeout_s(mini, 350e3)
     assert TrainConfig(model="mini", timeout_s=30, link_rate="350kbit").collective_timeout_s() == 30

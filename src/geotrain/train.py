@@ -37,7 +37,7 @@ from geotrain.comm.guard import AUTO, AUTO_MIN_WORKERS
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import atomic_file, write_atomic
 from geotrain.ft.chaos import fire_at_step, parse_chaos
-from geotrain.ft.elastic import StepStatus, owned_shards, regroup
+from geotrain.ft.elastic import StepStatus, copies_at_the_end, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
 from geotrain.ft.membership import (
     EXIT_BELOW_MIN_WORKERS,
@@ -669,7 +669,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     before = comm.stats.copy()
     t_final = time.perf_counter()
     finalized = False
-    copies: set[int] = set()  # after a regroup, the ranks holding a copy of the leader's state
+    # the ranks holding a copy of the leader's state, from the start where a regroup left them
+    # at the end (the leader was in this average, or done)
+    copies = copies_at_the_end(events[-1] if events else None, cfg.steps)
     while True:
         try:
             if not finalized:
@@ -685,7 +687,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             # whose copy of it failed adopt its model instead of all redoing it (twice for it).
             past = cfg.steps + sync.sync_period()
             finalized = recover(e, StepStatus(past if finalized else cfg.steps, False)).committed > cfg.steps
-            copies = {events[-1]["members"].index(h) for h in events[-1]["behind"]}
+            copies = copies_at_the_end(events[-1], cfg.steps)
     writer.write(
         {
             "step": cfg.steps,

@@ -36,6 +36,7 @@ was updated when it was encoded): one step's compressed gradient, once.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ from geotrain.ft.state import (
 )
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class StepStatus:
     committed: int  # the last step finished on this worker, synchronisation included
     local_done: bool  # the step after it applied its optimizer step, and its sync failed
@@ -68,6 +70,17 @@ class StepStatus:
     # though both failed the same step. Read live by ``regroup``: a redo that failed again, or
     # an adoption, has moved it.
     landed: bool = False
+    # Inside an end-of-run average of several collectives in turn (Streaming DiLoCo's
+    # fragments), how many it has completed (``SyncAlgorithm.final_progress``): survivors at
+    # different stages would each redo their own. Read live by ``regroup`` too. It ranks before
+    # ``landed``: a survivor a stage further has landed more, whatever its message now.
+    stage: int = 0
+
+    def _rank(self) -> tuple[int, bool, int, bool]:
+        return (self.committed, self.local_done, self.stage, self.landed)
+
+    def __lt__(self, other: StepStatus) -> bool:
+        return self._rank() < other._rank()
 
     @property
     def done(self) -> int:
@@ -83,7 +96,7 @@ def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
     in the sync that failed and another did not (its wait failed, or it had not reached that
     sync), the first is further, and the others would send it again."""
     best = max(statuses)
-    same = len({s.committed // period for s in statuses}) == 1 and len({s.landed for s in statuses}) == 1
+    same = len({(s.committed // period, s.landed, s.stage) for s in statuses}) == 1
     if period > 1 and same:
         return []
     return [r for r, s in enumerate(statuses) if s != best]
@@ -120,6 +133,17 @@ def held_copies(
         holders = [r for r, h in enumerate(leaders) if h == host]
         out |= set(holders if host in present or not stands_in else holders[1:])
     return out
+
+
+def copies_at_the_end(event: dict[str, Any] | None, steps: int) -> set[int]:
+    """The ranks left out of the end-of-run average after the regroup ``event`` (None: none
+    yet): those that adopted a leader's state at the end of a run of ``steps`` (the leader was
+    in that average, or done) hold a copy of it (or the shared state) and train no step of their
+    own after it, so their message would count the leader's twice, or a replica nobody trained.
+    None where the regroup was earlier: the adopters have trained since."""
+    if event is None or event["furthest"] < steps:
+        return set()
+    return {event["members"].index(h) for h in event["behind"]}
 
 
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
@@ -245,9 +269,10 @@ def regroup(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
             membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
+            sync.final_progress(),
         )
     )  # fmt: skip
-    statuses = [StepStatus(r[0], r[1], r[6]) for r in reports]
+    statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
     voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
     best = max(statuses)

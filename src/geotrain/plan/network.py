@@ -75,18 +75,22 @@ class NetworkModel:
 # AdamW's two moments, three fp32 copies, down one link (an all-reduce of the model moves two).
 STATE_COPIES = 3
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
+# Where the link's rate is not known (a run on real machines without --link-rate): the slowest
+# the library is built for, so a large model's hand-over is not cut at the floor
+UNKNOWN_LINK_BPS = 10e6
 
 
 def collective_timeout_s(
     model_bytes: int, link_bps: float, floor_s: float = MIN_COLLECTIVE_TIMEOUT_S
 ) -> float:
     """The process groups' timeout when none is given: twice the time the slowest link
-    (``link_bps``, 0 when unknown or unshaped) needs for ``STATE_COPIES`` copies of the model,
-    plus a minute, and never under ``floor_s``. At 350 kbit/s that is 1.7 hours for GPT ``mini``
-    (43.6 MB), where 600 s ended a run in the middle of its first outer step.
+    (``link_bps``; 0 when unknown or unshaped, taken as ``UNKNOWN_LINK_BPS``) needs for
+    ``STATE_COPIES`` copies of the model, plus a minute, and never under ``floor_s``. At 350
+    kbit/s that is 1.7 hours for GPT ``mini`` (43.6 MB), where 600 s ended a run in the middle of
+    its first outer step; at an unknown rate, the floor up to about 300M parameters, and 5.3
+    hours for 1B (whose hand-over at 10 Mbit/s takes about 55 minutes).
 
     A long timeout does not slow failure detection: a lost or frozen peer is found by its
     heartbeat (``--fault-timeout``), not by a collective's timeout."""
-    if link_bps <= 0:
-        return floor_s
+    link_bps = link_bps if link_bps > 0 else UNKNOWN_LINK_BPS
     return max(floor_s, round(2 * STATE_COPIES * model_bytes * 8 / link_bps + 60))

@@ -242,6 +242,13 @@ class SyncAlgorithm:
 
     in_flight: InFlight | None = None  # a message whose collective lands later, where one is
 
+    def final_progress(self) -> int:
+        """How many collectives of its end-of-run average (``finalize``) this worker has
+        completed, where the average takes several in turn (Streaming DiLoCo's fragments): a
+        regroup inside it makes the survivor furthest in it the leader (``ft/elastic.py``), or
+        the others would redo different stages. 0 where it is one collective (or not begun)."""
+        return 0
+
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         """Redo this step's synchronisation, which failed after the local optimizer step (the
         periodic methods' averaging at a sync boundary), on the new group. ``adopters``: the

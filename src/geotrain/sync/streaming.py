@@ -331,7 +331,13 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         while self._final_stage < len(self._global):
             f = self._final_stage
             theta = self._global[f]
-            if not self.in_flight.flying:  # with what the fragment's last rounding lost
+            if not self.in_flight.flying and not self.contributes():
+                # A copy of the leader's state (an average redone after it adopted): its replica
+                # is theta, and its zero Delta_f, quantised, would still count (int4 codes zero
+                # as 8) and halve the others'. All zero bytes are left out of the mean.
+                nbytes = self.messages.payload_bytes(theta.numel())
+                self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=theta.device))
+            elif not self.in_flight.flying:  # with what the fragment's last rounding lost
                 residual = None if self._residual is None else self._residual[f]
                 self.in_flight.launch(self.messages.encode_with_feedback(theta - self._local(f), residual)[0])
                 if residual is not None:
@@ -343,6 +349,9 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
             with torch.no_grad():
                 unflatten_into(theta, [p.data for p in self.fragments[f]])
             self._final_stage += 1
+
+    def final_progress(self) -> int:
+        return self._final_stage + 1  # the message in flight landed (1), then each fragment's
 
     def close(self) -> None:
         self.in_flight.close()
