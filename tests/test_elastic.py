@@ -126,11 +126,23 @@ class _RacyWork(_Work):
 
 
 def test_the_end_of_run_average_leaves_out_who_adopted_at_the_end_and_not_before():
-    event = {"members": [0, 2, 3], "behind": [3], "furthest": 100}
-    assert copies_at_the_end(event, 100) == {2}  # the leader was in the average: rank 2 a copy
-    assert copies_at_the_end(event | {"furthest": 104}, 100) == {2}  # ... or had finished it
-    assert copies_at_the_end(event | {"furthest": 96}, 100) == set()  # it trained 4 steps since
-    assert copies_at_the_end(None, 100) == set()
+    event = {"members": [0, 2, 3], "behind": [3], "leader": 0, "furthest": 100}
+    assert copies_at_the_end([event], 100) == {2}  # the leader was in the average: rank 2 a copy
+    assert copies_at_the_end([event | {"furthest": 104}], 100) == {2}  # ... or had finished it
+    assert copies_at_the_end([event | {"furthest": 96}], 100) == set()  # it trained 4 steps since
+    assert copies_at_the_end([], 100) == set()
+    # A second regroup inside the average (host 2 lost, nobody behind): host 3 is still a copy.
+    second = {"members": [0, 3, 4], "behind": [], "leader": 0, "furthest": 100}
+    assert copies_at_the_end([event, second], 100) == {1}
+    # Its leader lost too: the copy stands in for it (its replica is the only one of that
+    # progress), unless adopters start from the shared state (they hold none of it).
+    third = {"members": [3, 4], "behind": [], "leader": 3, "furthest": 100}
+    assert copies_at_the_end([event, second, third], 100) == set()
+    assert copies_at_the_end([event, second, third], 100, stands_in=False) == {0}
+    # two copies of a leader gone: one stands in, once
+    both = {"members": [0, 1, 2, 3], "behind": [2, 3], "leader": 0, "furthest": 100}
+    after = {"members": [1, 2, 3], "behind": [], "leader": 1, "furthest": 100}
+    assert copies_at_the_end([both], 100) == {2, 3} and copies_at_the_end([both, after], 100) == {2}
 
 
 def test_copies_held_after_a_failed_redo_are_left_out_while_their_leader_is_a_member():
@@ -1041,7 +1053,7 @@ class _Recorded:
         return got
 
 
-def _streaming_stages(host: int, store_port: int, file_store: str, out: str) -> None:
+def _streaming_stages(host: int, store_port: int, file_store: str, out: str, bits: int = 4) -> None:
     """Streaming DiLoCo (H=12, 3 fragments, tau 1) on 3 hosts ends its run after step 11 with a
     fragment in flight: its end-of-run average lands it, then averages fragments 0, 1 and 2
     (stages 0, 1, 2), a gather each. Stage 0 completes on every host, but host 1's wait for
@@ -1052,7 +1064,8 @@ def _streaming_stages(host: int, store_port: int, file_store: str, out: str) -> 
 
     try:
         membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-        sync = build_sync("streaming", model, optimizer, comm, {"H": 12, "fragments": 3, "tau": 1})
+        options = {"H": 12, "fragments": 3, "tau": 1, "bits": bits}
+        sync = build_sync("streaming", model, optimizer, comm, options)
         for n in range(1, 12):
             _tiny_step(sync, optimizer, host, n)
             sync.after_step()
@@ -1103,7 +1116,12 @@ def _streaming_stages(host: int, store_port: int, file_store: str, out: str) -> 
         raise
 
 
-def test_survivors_at_different_stages_of_streamings_end_of_run_average_follow_the_furthest(tmp_path):
+def _streaming_stages_fp32(host: int, store_port: int, file_store: str, out: str) -> None:
+    _streaming_stages(host, store_port, file_store, out, bits=32)
+
+
+@pytest.mark.parametrize("worker", [_streaming_stages, _streaming_stages_fp32])
+def test_survivors_at_different_stages_of_streamings_end_of_run_average_follow_the_furthest(tmp_path, worker):
     """Host 0 completed stage 0 of Streaming DiLoCo's end-of-run average and failed at stage 1;
     host 1 failed at stage 0. Both have a message in flight, at the same step: only the stage
     tells them apart. Were each to redo its own stage, host 0 would gather fragment 1 where
@@ -1111,16 +1129,16 @@ def test_survivors_at_different_stages_of_streamings_end_of_run_average_follow_t
     in the redone stage 1 and in stage 2 its message is all zero bytes: its replica is the shared
     state, and its zero Delta in 4 bits would still count and halve host 0's. Both end on one
     model, whose fragment 1 is host 0's own replica to rounding (the only one left of the
-    survivors' progress there)."""
+    survivors' progress there). In fp32 messages (``bits`` 32) the empty one is fp32 zeros."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
-    h0, h1 = _hosts(_streaming_stages, store, 3, (0, 1))
+    h0, h1 = _hosts(worker, store, 3, (0, 1))
     assert h0["reported"] == (2, True) and h1["reported"] == (1, True)
     for h in (h0, h1):
         assert h["event"]["leader"] == 0 and h["event"]["behind"] == [1]
         assert len(h["rows"]) == 2  # stages 1 and 2
-        assert all(gathered[0].any() and not gathered[1].any() for gathered in h["rows"])
+        assert h["rows"][0][0].any() and not any(gathered[1].any() for gathered in h["rows"])
         assert h["progress"] == 4
     for a, b in zip(h0["fragments"] + h0["global"], h1["fragments"] + h1["global"], strict=True):
         assert torch.equal(a, b)

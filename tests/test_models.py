@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from geotrain.models import ModelError, ModelSpec, build_model, model_context
+from geotrain.models import ModelError, ModelSpec, build_model, model_context, trainable_count
 from geotrain.plan.layers import layer_groups
 from helpers import geotrain
 
@@ -46,6 +46,12 @@ def test_lora_trains_only_the_adapters_and_lora_fa_only_b():
     # the base is the model the same seed builds without adapters, and B = 0 leaves it unchanged
     x = torch.randint(0, 256, (2, 16))
     assert torch.equal(plain(x)[0], lora(x)[0])
+    # counted on the meta device before any worker starts (the launcher's --chunk check): the
+    # adapters alone, and a GPT's position embedding at the run's context
+    adapters = trainable_count(ModelSpec(model="tiny", lora="r=4,alpha=8"), 256, None, 32)
+    assert adapters == 2 * (4 * 64 + 192 * 4)
+    counted, default = (trainable_count(ModelSpec(model="tiny"), 256, None, b) for b in (32, None))
+    assert counted == sum(p.numel() for p in plain.parameters()) < default
     fa = _build(model="tiny", lora="r=4", lora_fa=True)
     assert {n.split(".lora_")[1].split(".")[0] for n, p in fa.named_parameters() if p.requires_grad} == {"B"}
     with pytest.raises(ModelError, match="no layer of that name"):

@@ -80,7 +80,7 @@ def check_model_and_data(cfg, workers: int) -> None:
         from geotrain.sync.sparseloco import SparseLoCoConfig
 
         chunk = cfg.chunk or SparseLoCoConfig.chunk
-        trained = trainable_count(cfg.model_spec(), corpus.vocab_size, corpus.tokens)
+        trained = trainable_count(cfg.model_spec(), corpus.vocab_size, corpus.tokens, context)
         if chunk > trained:
             raise ConfigError(
                 f"--chunk {chunk} is larger than the whole model ({trained} trained values): "

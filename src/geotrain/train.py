@@ -671,7 +671,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     finalized = False
     # the ranks holding a copy of the leader's state, from the start where a regroup left them
     # at the end (the leader was in this average, or done)
-    copies = copies_at_the_end(events[-1] if events else None, cfg.steps)
+    copies = copies_at_the_end(events, cfg.steps, not sync.parameters_from_state)
     while True:
         try:
             if not finalized:
@@ -687,7 +687,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             # whose copy of it failed adopt its model instead of all redoing it (twice for it).
             past = cfg.steps + sync.sync_period()
             finalized = recover(e, StepStatus(past if finalized else cfg.steps, False)).committed > cfg.steps
-            copies = copies_at_the_end(events[-1], cfg.steps)
+            copies = copies_at_the_end(events, cfg.steps, not sync.parameters_from_state)
     writer.write(
         {
             "step": cfg.steps,

@@ -135,15 +135,29 @@ def held_copies(
     return out
 
 
-def copies_at_the_end(event: dict[str, Any] | None, steps: int) -> set[int]:
-    """The ranks left out of the end-of-run average after the regroup ``event`` (None: none
-    yet): those that adopted a leader's state at the end of a run of ``steps`` (the leader was
-    in that average, or done) hold a copy of it (or the shared state) and train no step of their
-    own after it, so their message would count the leader's twice, or a replica nobody trained.
-    None where the regroup was earlier: the adopters have trained since."""
-    if event is None or event["furthest"] < steps:
+def copies_at_the_end(events: list[dict[str, Any]], steps: int, stands_in: bool = True) -> set[int]:
+    """The ranks (in the last regroup's order) left out of the end-of-run average of a run of
+    ``steps``, after the regroups ``events``: those that adopted a leader's state in a regroup at
+    the end (the leader was in that average, or done with it) train no step after it, so they hold
+    a copy of its replica (or the shared state) and their message would count it twice, or a
+    replica nobody trained. A regroup before the end is not counted: its adopters trained since.
+    Kept through every regroup at the end (a second one inside the average too). Where the leader
+    copied has left, one copy stands in for it where a copy can (``stands_in``, as
+    :func:`held_copies`); never where adopters start from the shared state."""
+    copied: dict[int, int] = {}  # host -> the leader whose state it took
+    for event in events:
+        if event["furthest"] >= steps:
+            copied |= {h: event["leader"] for h in event["behind"]}
+    if not events:
         return set()
-    return {event["members"].index(h) for h in event["behind"]}
+    members = events[-1]["members"]
+    leaders = [copied.get(h) for h in members]
+    out: set[int] = set()
+    for leader in {h for h in leaders if h is not None}:
+        holders = [r for r, h in enumerate(leaders) if h == leader]
+        present = leader in members and leader not in copied
+        out |= set(holders if present or not stands_in else holders[1:])
+    return out
 
 
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:

@@ -129,9 +129,16 @@ def parameter_count(spec: ModelSpec, vocab_size: int = 256) -> int:
     return sum(p.numel() for p in _meta_model(spec, vocab_size).parameters())
 
 
-def trainable_count(spec: ModelSpec, vocab_size: int = 256, tokens: int | None = None) -> int:
-    """Trainable parameters (with ``--lora``, the adapters' alone), counted on the meta device."""
-    model = _meta_model(spec, vocab_size, tokens)
+def trainable_count(
+    spec: ModelSpec, vocab_size: int = 256, tokens: int | None = None, block_size: int | None = None
+) -> int:
+    """Trainable parameters (with ``--lora``, the adapters' alone), counted on the meta device;
+    a GPT's at context ``block_size`` (its position embedding; None: the model's own)."""
+    if is_hf(spec.model) or not block_size:
+        model = _meta_model(spec, vocab_size, tokens)
+    else:
+        with torch.device("meta"):
+            model = GPT(spec.gpt_config(vocab_size, block_size))
     if spec.lora:
         from geotrain.models.hf import apply_lora
 

@@ -41,6 +41,13 @@ class QuantizedGather:
         block, chunk = self.quantizer.layout(n, 1)
         return self.quantizer.row_bytes(chunk, block)
 
+    def empty(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A message of ``n`` values that weighs nothing: all zero bytes, of the messages' dtype
+        and size (fp32 values with ``bits`` 32, else the packed bytes), left out of ``mean``."""
+        if self.quantizer is None:
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        return torch.zeros(self.payload_bytes(n), dtype=torch.uint8, device=device)
+
     def encode(self, delta: torch.Tensor) -> torch.Tensor:
         """The message of ``delta`` (1-d), made on ``delta``'s device (on every worker alike: a
         restored or an adopter's empty message is made there too)."""

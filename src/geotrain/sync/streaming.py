@@ -214,6 +214,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
             else None
         )
         self._final_stage = -1  # finalize: -1 before its landing, then the fragment it averages
+        self._final_landed = False  # finalize landed a message in flight (a collective) first
         # carry: x_f at the launch of the fragment in flight (``_in_flight_fragment``)
         self._launched_from: torch.Tensor | None = None
         self._init_auto_tau()
@@ -327,6 +328,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         if self._final_stage < 0:
             if self.in_flight.flying:
                 self._land(self._in_flight_fragment())
+                self._final_landed = True
             self._final_stage = 0
         while self._final_stage < len(self._global):
             f = self._final_stage
@@ -335,8 +337,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
                 # A copy of the leader's state (an average redone after it adopted): its replica
                 # is theta, and its zero Delta_f, quantised, would still count (int4 codes zero
                 # as 8) and halve the others'. All zero bytes are left out of the mean.
-                nbytes = self.messages.payload_bytes(theta.numel())
-                self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=theta.device))
+                self.in_flight.launch(self.messages.empty(theta.numel(), theta.device))
             elif not self.in_flight.flying:  # with what the fragment's last rounding lost
                 residual = None if self._residual is None else self._residual[f]
                 self.in_flight.launch(self.messages.encode_with_feedback(theta - self._local(f), residual)[0])
@@ -351,7 +352,8 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
             self._final_stage += 1
 
     def final_progress(self) -> int:
-        return self._final_stage + 1  # the message in flight landed (1), then each fragment's
+        # the collectives it completed: the message in flight landed (if one flew), each fragment's
+        return max(0, self._final_stage) + int(self._final_landed)
 
     def close(self) -> None:
         self.in_flight.close()
@@ -405,6 +407,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         state["tau"] = self.config.tau  # as --tau auto chose it: a resume and an adopter keep it
         if self._final_stage >= 0:  # inside finalize: an adopter goes on from this stage
             state["final_stage"] = self._final_stage
+            state["final_landed"] = self._final_landed
         # This worker's alone ("own"): kept in its snapshots, never handed to an adopter over the
         # link (a model's worth of residuals that the adopter would drop).
         own = {}
@@ -424,6 +427,7 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
             opt.load_state_dict(saved)
         self._restore_tau(state, 1)
         self._final_stage = state.get("final_stage", -1)
+        self._final_landed = state.get("final_landed", self._final_stage >= 0)
         self.in_flight.restore(state["in_flight"], self.device)
         own = state.get("own", {})  # absent where another worker handed the state over
         saved = own.get("residual")
