@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from geotrain.comm.communicator import Communicator
+from geotrain.ft.state import param_digest, tensors_digest
 from geotrain.models.gpt import GPT, gpt_config
 from geotrain.plan.layers import layer_groups
 from geotrain.sync import build_sync
@@ -542,18 +543,27 @@ def _refs_after_rebind(rank, world_size):
     sync.rebind()
     mended = sync.comm.stats.recv_bytes - received
     refs = [t.clone() for layer in sync.layers for t in sync._ref[layer.name]]
+    # what an admission's audit reads: the references (the replicas differ mid-period)
+    digests = (tensors_digest(sync.shared_state()), param_digest(sync.model))
     sync.close()
-    return quiet, mended, refs
+    plain_model = _model()
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=LR)
+    plain = build_sync("dreamddp", plain_model, plain_opt, Communicator(), {"H": 2, "compress": "none"})
+    nothing = plain.shared_state()  # no codec: each layer averaged at its own iteration
+    plain.close()
+    return quiet, mended, refs, digests, nothing
 
 
 def test_a_regroup_gives_every_worker_one_reference_for_a_codecs_changes():
     results = run_workers(_refs_after_rebind, 2)
-    (quiet0, _, refs0), (quiet1, mended1, refs1) = results
+    (quiet0, _, refs0, digests0, nothing0), (quiet1, mended1, refs1, digests1, _) = results
     nbytes = sum(t.numel() * 4 for t in refs0)
     assert quiet0 < 100 and quiet1 < 100
     assert mended1 >= nbytes
     for a, b in zip(refs0, refs1, strict=True):
         assert torch.equal(a, b)
+    assert digests0[0] == digests1[0] and digests0[1] != digests1[1]  # shared: the references
+    assert nothing0 is None
 
 
 @pytest.mark.parametrize("saved", ["", "int8"])

@@ -78,3 +78,28 @@ def test_an_admission_counts_the_members_digests_of_their_parameters_and_of_what
     cmp = compare({**run, "final_val_loss": 2.0}, {**run, "membership": [first, admitted]}, tmp_path)
     assert cmp["admissions_with_members_bitwise_equal"] == 0
     assert cmp["admissions_with_shared_state_bitwise_equal"] == 1
+
+
+def test_an_algorithm_that_holds_nothing_equal_is_reported_so_not_as_unequal(tmp_path):
+    """DreamDDP (without a codec) averages each layer at its own iteration: at no boundary are
+    the replicas equal. Its members record no shared digest (None), the merged epoch says so, and
+    the soak's line says the algorithm holds nothing equal instead of "equal at 0 of 1"."""
+    from geotrain.bench.soak import compare, comparison_table
+    from geotrain.launch.faults import regroup_events
+
+    control = tmp_path / "control"
+    control.mkdir()
+    base = {"members": [0, 1], "behind": [1], "step": 20, "at": 1.0, "epoch": 2, "joined": [1]}
+    for host, params in ((0, "a"), (1, "a")):
+        view = {**base, "host": host, "param_digest": params, "shared_digest": None}
+        (control / f"regroups-h{host}.jsonl").write_text(json.dumps(view) + "\n")
+    (admitted,) = regroup_events(control)
+    assert admitted["param_digests"] == 1 and admitted["shared_digests"] is None
+    run = {"elapsed_s": 10.0, "tokens": 100, "final_val_loss": 2.0, "workers_start": 2, "workers": 2}
+    (tmp_path / "metrics").mkdir()
+    curve = [{"tokens": t, "val_loss": v} for t, v in ((0, 3.0), (200, 1.0))]
+    (tmp_path / "metrics" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+    faulty = {**run, "membership": [{**admitted, "regroup_s": 1.5}]}
+    cmp = compare(run, faulty, tmp_path)
+    assert cmp["admissions_with_shared_state_bitwise_equal"] is None
+    assert "holds nothing bitwise equal at a sync" in comparison_table(run, faulty, cmp)

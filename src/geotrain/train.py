@@ -508,7 +508,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if event["joined"]:  # for audit: every member's parameters at an admission, and what
                 # they hold equal there (the parameters, or an anchor where replicas differ)
                 view["param_digest"] = param_digest(model)
-                view["shared_digest"] = tensors_digest(sync.shared_state())
+                shared = sync.shared_state()  # None: nothing held equal (DreamDDP)
+                view["shared_digest"] = tensors_digest(shared) if shared is not None else None
             with (
                 contextlib.suppress(OSError),
                 (run_dir / "control" / f"regroups-h{host}.jsonl").open("a") as f,

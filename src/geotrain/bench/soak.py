@@ -119,8 +119,11 @@ def compare(calm: dict, faulty: dict, calm_dir: Path) -> dict:
         # algorithm holds equal there (the parameters; the anchor where replicas differ between
         # syncs: SparseLoCo under overlap, CO2, Streaming DiLoCo): one each, bitwise equal.
         "admissions_with_members_bitwise_equal": sum(e.get("param_digests") == 1 for e in admissions),
-        "admissions_with_shared_state_bitwise_equal": sum(
-            e.get("shared_digests", e.get("param_digests")) == 1 for e in admissions
+        # None where the algorithm holds nothing equal at a boundary (DreamDDP without a codec)
+        "admissions_with_shared_state_bitwise_equal": (
+            sum(e.get("shared_digests", e.get("param_digests")) == 1 for e in admissions)
+            if not admissions or any(e.get("shared_digests", 0) is not None for e in admissions)
+            else None
         ),
     }
 
@@ -148,6 +151,10 @@ def comparison_table(calm: dict, faulty: dict, cmp: dict) -> str:
             f"bitwise equal at {cmp['admissions_with_members_bitwise_equal']} of them, what the "
             f"algorithm holds equal at a sync (its parameters or its anchor) at "
             f"{cmp['admissions_with_shared_state_bitwise_equal']}"
+            if cmp["admissions_with_shared_state_bitwise_equal"] is not None
+            else f"replacements admitted: {cmp['admissions']}, each stopping the members "
+            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); the algorithm holds "
+            "nothing bitwise equal at a sync (DreamDDP averages each layer at its own iteration)"
         )
     return "\n".join(rows)
 

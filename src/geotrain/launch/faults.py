@@ -133,16 +133,19 @@ def regroup_events(control: Path) -> list[dict]:
     step a member went on after (between syncs of the local methods each goes on from its own),
     and at an admission how many different parameter digests the members had (1: bitwise
     equal; ``param_digests``), and of what they hold equal there (``shared_digests``: the
-    parameters, or the anchor of a method whose replicas differ between syncs)."""
+    parameters, or the anchor of a method whose replicas differ between syncs; None where the
+    method holds nothing equal at a boundary: DreamDDP without a codec)."""
     merged: dict[int, dict] = {}
     digests: dict[str, dict[int, set]] = {"param_digest": {}, "shared_digest": {}}
     for path in sorted(control.glob("regroups-h*.jsonl")):
         for e in read_jsonl(path):
             host = e.pop("host", None)
             for key, seen in digests.items():  # each member's own
-                digest = e.pop(key, None)
+                recorded, digest = key in e, e.pop(key, None)
                 if digest is not None:
                     seen.setdefault(e["epoch"], set()).add(digest)
+                elif recorded:  # recorded as nothing held equal
+                    seen.setdefault(e["epoch"], set())
             m = merged.setdefault(e["epoch"], {**e, **dict.fromkeys(_REGROUP_TIMES, 0.0)})
             if host not in e["joined"]:
                 for k in _REGROUP_TIMES:
@@ -153,7 +156,7 @@ def regroup_events(control: Path) -> list[dict]:
             m["joined"] = sorted(set(m["joined"]) | set(e["joined"]))
     for key, by_epoch in digests.items():
         for epoch, seen in by_epoch.items():
-            merged[epoch][f"{key}s"] = len(seen)
+            merged[epoch][f"{key}s"] = len(seen) or None
     return [merged[e] for e in sorted(merged)]
 
 

@@ -297,11 +297,12 @@ class SyncAlgorithm:
     # algorithm's state in ``adopted_state``, so a hand-over need not carry them (ft/elastic.py).
     parameters_from_state = False
 
-    def shared_state(self) -> list[torch.Tensor]:
+    def shared_state(self) -> list[torch.Tensor] | None:
         """What every worker holds bitwise equal at a sync boundary (where a joiner is admitted):
         the parameters, or where replicas differ between syncs the reference they share
-        (SparseLoCo's and CO2's anchor, Streaming DiLoCo's global fragments). An admission
-        records its digest on every member, for audit (``geotrain soak``)."""
+        (SparseLoCo's and CO2's anchor, Streaming DiLoCo's global fragments); None where nothing
+        is (DreamDDP averages each layer at its own iteration). An admission records its digest
+        on every member, for audit (``geotrain soak``)."""
         return [p.detach() for p in self.parameters()]
 
     def replicated_parts(self) -> set[str]:

@@ -576,6 +576,14 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         H = H if isinstance(H, int) else DreamDDPConfig.H  # "auto" not chosen yet (observe())
         return self.snapshot_boundary(H)
 
+    def shared_state(self) -> list[torch.Tensor] | None:
+        # Each layer is averaged at its own iteration of the period, so no boundary finds the
+        # replicas equal; with a codec, the references its messages are taken against are one
+        # (``_agree_refs``), by layer name (a plan's order may differ between workers' re-plans).
+        if not self._ref:
+            return None
+        return [t for name in sorted(self._ref) for t in self._ref[name]]
+
     def state_dict(self) -> dict[str, Any]:
         self._land_all_late()  # before the model is read: a snapshot holds no collective in flight
         state = super().state_dict()
