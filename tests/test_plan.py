@@ -838,10 +838,70 @@ def test_a_replan_refits_the_links_scale_from_the_measured_step():
     assert fit_link_scale(compute, link, schedule, 1e6) is None
 
 
+def test_a_profile_moves_to_another_group_size_along_the_rings_terms():
+    """A regroup re-plans from the profile it has: the all-reduce's latency follows the ring's
+    2 (N - 1) hops and its per-byte cost the 2 (N - 1) / N of the bytes on the slowest link; the
+    trust options' cost is taken out and put back; a move there and back is the profile again."""
+    from geotrain.plan.cost import guard_factors
+    from geotrain.plan.profile import profile_for_workers
+
+    profile = {"workers": 4, "layers": [], "allreduce": {"alpha_s": 0.006, "beta_s_per_byte": 1.5e-6}}
+    three = profile_for_workers(profile, 3)
+    assert three["workers"] == 3 and three["allreduce"]["moved_from"] == 4
+    assert three["allreduce"]["alpha_s"] == pytest.approx(0.006 * 2 / 3)
+    assert three["allreduce"]["beta_s_per_byte"] == pytest.approx(1.5e-6 * (2 / 3) / (3 / 4))
+    back = profile_for_workers(three, 4)["allreduce"]
+    assert (back["alpha_s"], back["beta_s_per_byte"]) == pytest.approx((0.006, 1.5e-6))
+    assert profile_for_workers(profile, 4) is profile
+    assert profile_for_workers(profile, 1) is None and profile_for_workers({**profile, "workers": 1}, 3) is None
+    # measured with the norm check: its cost at 4 out, at 3 in
+    checked = {**profile, "allreduce": {**profile["allreduce"], "checked": True}}
+    moved = profile_for_workers(checked, 3)["allreduce"]
+    (l4, b4), (l3, b3) = guard_factors(4, "mean", True), guard_factors(3, "mean", True)
+    assert moved["alpha_s"] == pytest.approx(0.006 / l4 * 2 / 3 * l3)
+    assert moved["beta_s_per_byte"] == pytest.approx(1.5e-6 / b4 * (2 / 3) / (3 / 4) * b3)
+
+
+def _rebind_from_profile(rank, world_size):
+    """DreamDDP profiled at start-up, then a regroup's rebind: it re-plans from its profile (the
+    loss function is not called again) and every worker adopts one plan."""
+    import torch
+
+    from geotrain.comm.communicator import Communicator
+    from geotrain.models.gpt import GPT, gpt_config
+    from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "compress": "none"})
+    xy = torch.randint(0, 256, (2, 17))
+    calls = []
+
+    def loss_fn():
+        calls.append(1)
+        return model(xy[:, :-1], xy[:, 1:])[1]
+
+    sync.prepare(loss_fn)
+    profiled = len(calls)
+    sync.rebind()
+    result = (profiled, len(calls), sync.replans, sync.reprofiles, sync.schedule.iterations)
+    sync.close()
+    return result
+
+
+def test_a_regroup_replans_dreamddp_from_its_profile_without_profiling_again():
+    from helpers import run_workers
+
+    results = run_workers(_rebind_from_profile, 2)
+    for profiled, calls, replans, reprofiles, _ in results:
+        assert profiled > 0 and calls == profiled and (replans, reprofiles) == (1, 0)
+    assert results[0][4] == results[1][4]
+
+
 def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     """A persistent drift re-plans once, from the models the plan was searched on (no profile:
-    the loss function is never called), to a prediction of the measured step; a new group
-    (rebind) still profiles again."""
+    the loss function is never called), to a prediction of the measured step."""
     import torch
 
     from geotrain.comm.communicator import Communicator

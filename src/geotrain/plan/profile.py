@@ -28,7 +28,7 @@ import torch.nn as nn
 from geotrain.comm.communicator import TWO_LEVEL_GATHER_BYTES, Communicator
 from geotrain.comm.guard import SPARSE_CODECS
 from geotrain.plan.codec_time import codec_key, time_codec
-from geotrain.plan.cost import MAX_COMM_SLOWDOWN, ComputeModel, LinkModel
+from geotrain.plan.cost import MAX_COMM_SLOWDOWN, ComputeModel, LinkModel, guarded_link, unguarded_link
 from geotrain.plan.layers import Layer, layer_groups
 
 PROFILE_VERSION = 1
@@ -604,6 +604,33 @@ def models_from_profile(profile: dict[str, Any]) -> tuple[ComputeModel, LinkMode
     )
     link = LinkModel(float(profile["allreduce"]["alpha_s"]), float(profile["allreduce"]["beta_s_per_byte"]))
     return compute, link
+
+
+def profile_for_workers(profile: dict[str, Any], workers: int) -> dict[str, Any] | None:
+    """What ``profile`` (taken on a group of at least 2) would have measured on a group of
+    ``workers`` on the same machines and links, without measuring again: the all-reduce's line
+    moved along a ring's terms (2 (N - 1) hops of latency; 2 (N - 1) / N of the bytes through the
+    slowest link), the trust options' cost taken out for the move and put back (``cost``); the
+    compute as it was (each worker has its own hardware). None where it cannot be moved (taken
+    alone). A membership change re-plans from it (DreamDDP's ``rebind``): the profile's link
+    probe drains a shaper's burst at three sizes twice, 6 s at 10 Mbit/s on 4 hosts and minutes
+    on a slower link, for what a line through the group's size gives. A link that differs
+    after all (a joiner's slower uplink) shows as drift, which re-fits the line from the run's
+    own steps (``_refit``)."""
+    before = int(profile.get("workers", 1))
+    if before < 2 or workers < 2:
+        return None
+    if workers == before:
+        return profile
+    measured = profile["allreduce"]
+    options = measured.get("aggregate", "mean"), bool(measured.get("checked", False))
+    line = LinkModel(float(measured["alpha_s"]), float(measured["beta_s_per_byte"]))
+    plain = unguarded_link(line, before, *options)
+    hops = (workers - 1) / (before - 1)
+    share = ((workers - 1) / workers) / ((before - 1) / before)
+    moved = guarded_link(LinkModel(plain.alpha_s * hops, plain.beta_s_per_byte * share), workers, *options)
+    allreduce = {**measured, "alpha_s": moved.alpha_s, "beta_s_per_byte": moved.beta_s_per_byte}
+    return {**profile, "workers": workers, "allreduce": {**allreduce, "samples": [], "moved_from": before}}
 
 
 def contention_scale(profile: dict[str, Any]) -> float:

@@ -89,9 +89,7 @@ from geotrain.plan.cost import (
     unpriced,
 )
 from geotrain.plan.layers import layer_groups, order_layers
-from geotrain.plan.profile import (
-    StepObserver,
-)
+from geotrain.plan.profile import StepObserver, profile_for_workers
 from geotrain.plan.schedule import (
     AUTO_CODEC,
     Schedule,
@@ -522,8 +520,15 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         self._blocked = [[] for _ in range(self.schedule.H)] if self.schedule is not None else []
         if self._profile_fn is not None and self.comm.world_size > 1:
             self.replans += 1
-            self.reprofiles += 1
-            self._replan()
+            # rank 0's profile (a member's: joiners rank last), moved to the group's size; a
+            # fresh profile only where there is none to move (every worker decides alike)
+            profile = self.comm.all_gather_object(getattr(self, "profile", None))[0]
+            moved = profile_for_workers(profile, self.comm.world_size) if profile is not None else None
+            if moved is not None:
+                self._plan_from(moved)
+            else:
+                self.reprofiles += 1
+                self._replan()
         if self.schedule is not None:
             self._begin_iteration()
 
