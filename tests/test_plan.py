@@ -853,7 +853,8 @@ def test_a_profile_moves_to_another_group_size_along_the_rings_terms():
     back = profile_for_workers(three, 4)["allreduce"]
     assert (back["alpha_s"], back["beta_s_per_byte"]) == pytest.approx((0.006, 1.5e-6))
     assert profile_for_workers(profile, 4) is profile
-    assert profile_for_workers(profile, 1) is None and profile_for_workers({**profile, "workers": 1}, 3) is None
+    assert profile_for_workers(profile, 1) is None
+    assert profile_for_workers({**profile, "workers": 1}, 3) is None
     # measured with the norm check: its cost at 4 out, at 3 in
     checked = {**profile, "allreduce": {**profile["allreduce"], "checked": True}}
     moved = profile_for_workers(checked, 3)["allreduce"]
@@ -863,40 +864,73 @@ def test_a_profile_moves_to_another_group_size_along_the_rings_terms():
 
 
 def _rebind_from_profile(rank, world_size):
-    """DreamDDP profiled at start-up, then a regroup's rebind: it re-plans from its profile (the
-    loss function is not called again) and every worker adopts one plan."""
+    """DreamDDP profiled at start-up, then three regroups' rebinds: (a) the same machines, as if
+    the group had been 3 when profiled: it re-plans from the profile moved to 2 (the loss
+    function not called, no link probe); (b) rank 1 as a joiner, with no profile of a group: its
+    compute is measured (the loss function called on both) but the link is not probed, its line
+    moved from rank 0's; (c) with --compress auto, the codec chosen at start-up kept."""
     import torch
 
+    import geotrain.plan.profile as profile_module
     from geotrain.comm.communicator import Communicator
     from geotrain.models.gpt import GPT, gpt_config
     from geotrain.sync import build_sync
 
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", 256, 16))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "compress": "none"})
-    xy = torch.randint(0, 256, (2, 17))
-    calls = []
+    probes = []
+    probe = profile_module.profile_link
+    profile_module.profile_link = lambda *a, **k: probes.append(1) or probe(*a, **k)
+    out = {}
+    for compress in ("none", "auto"):
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny", 256, 16))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "compress": compress})
+        xy = torch.randint(0, 256, (2, 17))
+        calls = []
 
-    def loss_fn():
-        calls.append(1)
-        return model(xy[:, :-1], xy[:, 1:])[1]
+        def loss_fn(model=model, xy=xy, calls=calls):
+            calls.append(1)
+            return model(xy[:, :-1], xy[:, 1:])[1]
 
-    sync.prepare(loss_fn)
-    profiled = len(calls)
-    sync.rebind()
-    result = (profiled, len(calls), sync.replans, sync.reprofiles, sync.schedule.iterations)
-    sync.close()
-    return result
+        sync.prepare(loss_fn)
+        counts = [(len(calls), len(probes))]
+        codec = sync._codec_spec()
+        measured = dict(sync.profile["allreduce"])
+        sync.profile = {**sync.profile, "workers": 3}  # (a) as if profiled on 3
+        sync.rebind()
+        counts.append((len(calls), len(probes)))
+        moved = dict(sync.profile["allreduce"])
+        if rank == 1:  # (b) a joiner: none of a group
+            sync.profile = None
+        sync.rebind()
+        counts.append((len(calls), len(probes)))
+        out[compress] = {
+            "counts": counts, "measured": measured, "moved": moved, "after": dict(sync.profile["allreduce"]),
+            "reprofiles": sync.reprofiles, "replans": sync.replans, "codec": (codec, sync._codec_spec()),
+            "schedule": sync.schedule.iterations,
+        }  # fmt: skip
+        sync.close()
+    return out
 
 
-def test_a_regroup_replans_dreamddp_from_its_profile_without_profiling_again():
+def test_a_regroup_replans_dreamddp_from_its_profile_without_probing_the_link_again():
     from helpers import run_workers
 
     results = run_workers(_rebind_from_profile, 2)
-    for profiled, calls, replans, reprofiles, _ in results:
-        assert profiled > 0 and calls == profiled and (replans, reprofiles) == (1, 0)
-    assert results[0][4] == results[1][4]
+    for compress in ("none", "auto"):
+        runs = [r[compress] for r in results]
+        for r in runs:
+            (calls0, probes0), (calls1, probes1), (calls2, probes2) = r["counts"]
+            assert calls0 > 0 and probes0 > 0
+            assert (calls1, probes1) == (calls0, probes0)  # (a) nothing measured
+            assert calls2 > calls1 and probes2 == probes1  # (b) the compute, not the link
+            assert (r["replans"], r["reprofiles"]) == (2, 1)
+            # (a) moved from 3 workers to 2: latency by 1/2, per byte by (1/2) / (2/3)
+            assert r["moved"]["alpha_s"] == pytest.approx(r["measured"]["alpha_s"] / 2)
+            assert r["moved"]["beta_s_per_byte"] == pytest.approx(r["measured"]["beta_s_per_byte"] * 3 / 4)
+            assert r["after"]["alpha_s"] == r["moved"]["alpha_s"]  # (b) rank 0's line, as it was
+            assert r["codec"][0] == r["codec"][1]  # (c) the codec chosen at start-up kept
+        assert runs[0]["schedule"] == runs[1]["schedule"]
 
 
 def test_dreamddp_refits_from_measured_steps_without_profiling_again():
@@ -927,10 +961,17 @@ def test_dreamddp_refits_from_measured_steps_without_profiling_again():
     sync.predicted_step_s = predict_schedule(*sync._models, sync.schedule.iterations, sync.lag)
     measured = 3 * sync.predicted_step_s  # the link is slower than it was
     before = [list(it) for it in sync.schedule.iterations]
+    line = dict(sync.profile["allreduce"])
     for _ in range(2):  # two periods running
         sync._period_s = measured * 2
         sync._end_period()
     assert sync.replans == 1 and sync.reprofiles == 0 and len(calls) == profiled
+    # the profile a later regroup moves carries the scale the run found
+    k = sync._models[1].beta_s_per_byte / 1e-8
+    assert k > 1 and sync.profile["allreduce"]["beta_s_per_byte"] == pytest.approx(
+        line["beta_s_per_byte"] * k
+    )
+    assert sync.profile["allreduce"]["alpha_s"] == pytest.approx(line["alpha_s"] * k)
     # The refitted models predict the measured step for the schedule that made it; the schedule
     # is searched again on them (it may move layers where they now hide better).
     assert predict_schedule(*sync._models, before, sync.lag) == pytest.approx(measured, rel=1e-4)

@@ -352,17 +352,29 @@ def build_profile(
     reps: int = 3,
     contention: bool = True,
     codecs: Sequence[str] = (),
+    link_from: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole profile, identical on every worker (times averaged over workers). ``codecs``:
-    specs whose encoding and decoding are timed per layer too (``codecs`` in the profile)."""
+    specs whose encoding and decoding are timed per layer too (``codecs`` in the profile).
+    ``link_from``: a profile of this group's links (``profile_for_workers``) whose all-reduce
+    line and contention figures are taken as they are: only the compute is measured (a machine
+    new to the group), not the link, whose probe takes seconds to minutes on a slow one."""
     with comm.control_traffic():  # a measurement: not in the training's bytes and seconds
         started = time.perf_counter()
         barrier = comm.barrier if comm.world_size > 1 else None
         local = profile_compute(model, layers, loss_fn, optimizer, reps, barrier)
         timed_codecs = time_codecs(layers, comm, codecs) if codecs else {}
-        order, averaged, link = _shared(local, layers, comm)
+        given = None
+        if link_from is not None:
+            residual = link_from.get("spread", {}).get("link_max_rel_residual", 0.0)
+            given = {**link_from["allreduce"], "max_rel_residual": residual}
+        order, averaged, link = _shared(local, layers, comm, given)
         n = len(order)
         interference, slowdown, extra = 0.0, 1.0, 0.0
+        if link_from is not None:
+            interference = float(link_from.get("interference_s_per_byte", 0.0))
+            slowdown = float(link_from.get("comm_slowdown_in_backward", 1.0))
+            contention = False  # measured on the group's links already: taken with its line
         # Where workers share cores, transfers take CPU from backward and backward from them.
         # (It was off for a while: a worker aborted at exit in CI, "terminate called without an
         # active exception", which leaving the group together in ``launch.dist`` since fixed.)
@@ -391,6 +403,8 @@ def build_profile(
         profile["interference_s_per_byte"] = interference
         profile["comm_slowdown_in_backward"] = slowdown
         profile["contention_measured"] = bool(contention and comm.world_size > 1)
+        if link_from is not None:
+            profile["contention_measured"] = bool(link_from.get("contention_measured", False))
         profile["spread"]["interference_extra_backward_s"] = extra
         profile["profile_s"] = time.perf_counter() - started
         return profile
@@ -456,8 +470,11 @@ def _profile(order, averaged, link, layers: list[Layer], comm: Communicator, met
     }
 
 
-def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
-    """Rank 0's backward order, every time averaged over workers in it, and the link's fit."""
+def _shared(
+    local: dict[str, Any], layers: list[Layer], comm: Communicator, link: dict[str, Any] | None = None
+):
+    """Rank 0's backward order, every time averaged over workers in it, and the link's fit
+    (``link``: one given, not measured)."""
     names = [layer.name for layer in layers]
     # Every worker adopts rank 0's measured backward order, then times are averaged in that order.
     order = local["order"]
@@ -474,11 +491,12 @@ def _shared(local: dict[str, Any], layers: list[Layer], comm: Communicator):
         local.get("barrier_wait_s", 0.0),
     ]
     averaged = comm.mean_scalars(scalars)
-    link = (
-        profile_link(comm, probe_sizes(layers), device=_device(layers))
-        if comm.world_size > 1
-        else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
-    )
+    if link is None:
+        link = (
+            profile_link(comm, probe_sizes(layers), device=_device(layers))
+            if comm.world_size > 1
+            else {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "samples": [], "max_rel_residual": 0.0}
+        )
     return order, averaged, link
 
 

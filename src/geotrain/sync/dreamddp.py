@@ -520,15 +520,19 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         self._blocked = [[] for _ in range(self.schedule.H)] if self.schedule is not None else []
         if self._profile_fn is not None and self.comm.world_size > 1:
             self.replans += 1
-            # rank 0's profile (a member's: joiners rank last), moved to the group's size; a
-            # fresh profile only where there is none to move (every worker decides alike)
-            profile = self.comm.all_gather_object(getattr(self, "profile", None))[0]
-            moved = profile_for_workers(profile, self.comm.world_size) if profile is not None else None
-            if moved is not None:
+            # Rank 0's profile (a member's: joiners rank last), moved to the group's size: where
+            # every worker has one of a group (the same machines), as it is; with a machine new
+            # to the group (a joiner's own is none, or of itself alone), its compute measured and
+            # the line moved; a whole profile only where there is none to move. Every worker
+            # decides alike, on what all of them sent.
+            profiles = self.comm.all_gather_object(getattr(self, "profile", None))
+            group = [p is not None and int(p.get("workers", 1)) >= 2 for p in profiles]
+            moved = profile_for_workers(profiles[0], self.comm.world_size) if group[0] else None
+            if moved is not None and all(group):
                 self._plan_from(moved)
             else:
                 self.reprofiles += 1
-                self._replan()
+                self._replan(link_from=moved)
         if self.schedule is not None:
             self._begin_iteration()
 
@@ -540,7 +544,9 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         a model's worth of bytes at a regroup on a slow link is minutes."""
         if not self._ref or self.comm.world_size == 1:
             return
-        refs = [t for ts in self._ref.values() for t in ts]  # the model's order: a plan's may differ
+        # by name: the dict's order is the layers' when the codec was taken, which a plan made
+        # before (a joiner's own, alone) may have reordered
+        refs = [t for name in sorted(self._ref) for t in self._ref[name]]
         flat = flatten(refs)
         if not self.comm.same_everywhere(flat):
             unflatten_into(self.comm.broadcast(flat, src=0), refs)

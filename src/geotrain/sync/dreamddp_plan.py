@@ -49,7 +49,9 @@ CALIBRATION_STEP = 0.1
 class DreamDDPPlanning:
     """What DreamDDP plans with (see the module docstring); not used alone."""
 
-    def _replan(self) -> None:
+    def _replan(self, link_from: dict[str, Any] | None = None) -> None:
+        """Profile and plan; ``link_from``: a profile of this group's links, whose line is
+        taken rather than probed (``build_profile``)."""
         assert self._profile_fn is not None
         self._profiling = True
         try:
@@ -57,8 +59,9 @@ class DreamDDPPlanning:
             if self._choosing_codec():
                 codecs = [spec for spec in self._auto_codecs() if spec]
             profile = build_profile(
-                self.module, self.layers, self._profile_fn, self.optimizer, self.comm, codecs=codecs
-            )
+                self.module, self.layers, self._profile_fn, self.optimizer, self.comm, codecs=codecs,
+                link_from=link_from,
+            )  # fmt: skip
         finally:
             self._profiling = False
         self._plan_from(profile)
@@ -177,6 +180,11 @@ class DreamDDPPlanning:
             self._replan()
             return
         compute, link = models
+        profile = getattr(self, "profile", None)
+        if profile is not None:  # a later regroup moves the line the run measured, not the first
+            line = profile["allreduce"]
+            scaled = {"alpha_s": line["alpha_s"] * k, "beta_s_per_byte": line["beta_s_per_byte"] * k}
+            self.profile = {**profile, "allreduce": {**line, **scaled}}
         self._plan_with(compute, link.scaled(k))
 
     def _plan_with(self, compute: ComputeModel, link: LinkModel, H: int | None = None) -> None:
