@@ -935,6 +935,7 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
         membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
         frozen = model.ln_f.bias  # not trained (as LoRA's base weights)
         frozen.requires_grad_(False)
+        model.wpe.weight.requires_grad_(False)  # not trained either, and the same on every host
         options = {
             "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
             "co2": {"H": 4, "tau": 2},
@@ -964,7 +965,11 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
         sizes = {part: len(encode(state["parts"][part])) for part in ("model", "sync")}
         status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
         frozen_before = frozen.detach().clone()
+        loaded = []  # the entries a hand-over's model part brought
+        load = model.load_state_dict
+        model.load_state_dict = lambda sd, strict=True: loaded.extend(sd) or load(sd, strict=strict)
         event = regroup(membership, comm, sync, model, optimizer, status)
+        model.load_state_dict = load
         after = {
             "params": flatten(list(model.parameters())).detach().clone(),
             "from_shared": from_shared(),
@@ -974,7 +979,7 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
         for n in range(9, 13):  # what was in flight lands, the joiner's part empty
             step(n)
         result = {"event": event, "after": after, "shared12": tensors_digest(sync.shared_state())}
-        result |= {"frozen_before": frozen_before, "sizes": sizes}
+        result |= {"frozen_before": frozen_before, "sizes": sizes, "loaded": loaded}
         sync.close()
         dist.destroy_process_group()
         torch.save({"ok": result}, out)
@@ -1001,8 +1006,8 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     or the global fragments, its stand-in for the message in flight) and no trained parameters:
     between syncs each member's are its own (a period begun from its own message, the steps
     since), and the joiner's are rebuilt from the shared state, where its own empty message
-    leaves its period's start. A frozen one (as LoRA's base weights) comes in the model part as
-    before. The hand-over is the algorithm's state and little else; the members' shared digests
+    leaves its period's start. A frozen one (as LoRA's base weights) comes in the model part
+    where the joiner's differs, and not at all where it is bitwise the leader's. The hand-over is the algorithm's state and little else; the members' shared digests
     are the joiner's, then and once what was in flight has landed."""
     store = _master()
     Epochs(store, tmp_path, 3)
@@ -1014,7 +1019,9 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     sizes = leader["sizes"]  # the leader's whole model part and algorithm state, encoded
     assert joiner["event"]["handed_over_bytes"] < sizes["sync"] + sizes["model"] // 10
     assert joiner["after"]["from_shared"]
-    # what is not trained comes in the model part: the joiner takes the leader's
+    # what is not trained comes in the model part, where the joiner's differs: it takes the
+    # leader's; what it holds bitwise equal already does not come at all
+    assert joiner["loaded"] == ["ln_f.bias"]
     assert all(torch.equal(r["after"]["frozen"], leader["after"]["frozen"]) for r in runs)
     assert not torch.equal(joiner["frozen_before"], leader["after"]["frozen"])
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)

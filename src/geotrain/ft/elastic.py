@@ -53,6 +53,7 @@ from geotrain.ft.state import (
     capture,
     decode,
     encode,
+    entry_digests,
     handed_over,
     param_digest,
     tensors_digest,
@@ -184,12 +185,20 @@ def _hand_over(
     rather than wait for a copy of another's (at 100 Mbit/s, 7 s for ``mini``'s AdamW moments).
     Where the algorithm rebuilds an adopter's trainable parameters from its own state
     (``parameters_from_state``: SparseLoCo's anchor), the model part holds only the rest (frozen
-    weights, buffers), and the check is of what the members hold equal (``shared_state``).
+    weights, buffers), and the check is of what the members hold equal (``shared_state``). Model
+    entries every member behind holds bitwise equal to the leader's (by digest, gathered first:
+    a LoRA base built from the same seed or checkpoint) are not sent at all.
     Returns bytes and stripes per part handed over."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
     leader = up[0]
     from_state = sync.parameters_from_state
+    # What every member behind holds bitwise equal to the leader already (a LoRA base built
+    # from the same seed or checkpoint, buffers) stays out of the model part: for a large
+    # frozen base, hours of a slow link.
+    digests = comm.all_gather_object(entry_digests(model) if comm.rank in (leader, *behind) else None)
+    at_leader = digests[leader]
+    held = {name for name, d in at_leader.items() if all(digests[r].get(name) == d for r in behind)}
     blobs: dict[str, memoryview] = {}
     mine = None
     if comm.rank in up:
@@ -197,9 +206,8 @@ def _hand_over(
             step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
-        if from_state:
-            trained = _trained(model)
-            state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in trained}
+        left_home = held | (_trained(model) if from_state else set())
+        state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in left_home}
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
         headers = {p: bytes(b[:HEADER_BYTES]).hex() for p, b in blobs.items()}
@@ -223,11 +231,12 @@ def _hand_over(
     comm.exchange(sends, recvs)
     if comm.rank in behind:
         got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
-        loaded = model.load_state_dict(got["model"], strict=not from_state)
-        if from_state:  # only the trained entries may be missing, and nothing unknown come
-            odd = sorted(set(loaded.missing_keys) - _trained(model)) + sorted(loaded.unexpected_keys)
-            if odd:
-                raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")
+        loaded = model.load_state_dict(got["model"], strict=False)
+        # only what it holds already (or rebuilds from the state) may be missing, nothing unknown come
+        kept = held | (_trained(model) if from_state else set())
+        odd = sorted(set(loaded.missing_keys) - kept) + sorted(loaded.unexpected_keys)
+        if odd:
+            raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))

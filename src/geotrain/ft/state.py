@@ -110,6 +110,17 @@ def tensors_digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def entry_digests(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of each entry of the model's state (its dtype, shape and bytes), by name: which
+    entries two workers hold bitwise equal (a hand-over leaves those out, ``ft/elastic.py``)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+        _hash_tensor(h, t)
+        out[name] = h.hexdigest()
+    return out
+
+
 def _hash_tensor(h, t: torch.Tensor) -> None:
     t = t.detach().to("cpu").contiguous()
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
