@@ -196,7 +196,8 @@ def _hand_over(
     # What every member behind holds bitwise equal to the leader already (a LoRA base built
     # from the same seed or checkpoint, buffers) stays out of the model part: for a large
     # frozen base, hours of a slow link.
-    digests = comm.all_gather_object(entry_digests(model) if comm.rank in (leader, *behind) else None)
+    rebuilt = _trained(model) if from_state else set()  # never sent: not worth hashing
+    digests = comm.all_gather_object(entry_digests(model, rebuilt) if comm.rank in (leader, *behind) else None)
     at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r].get(name) == d for r in behind)}
     blobs: dict[str, memoryview] = {}
@@ -206,7 +207,7 @@ def _hand_over(
             step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
-        left_home = held | (_trained(model) if from_state else set())
+        left_home = held | rebuilt
         state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in left_home}
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
@@ -233,7 +234,7 @@ def _hand_over(
         got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
         loaded = model.load_state_dict(got["model"], strict=False)
         # only what it holds already (or rebuilds from the state) may be missing, nothing unknown come
-        kept = held | (_trained(model) if from_state else set())
+        kept = held | rebuilt
         odd = sorted(set(loaded.missing_keys) - kept) + sorted(loaded.unexpected_keys)
         if odd:
             raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")

@@ -30,6 +30,7 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -110,11 +111,14 @@ def tensors_digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def entry_digests(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of each entry of the model's state (its dtype, shape and bytes), by name: which
-    entries two workers hold bitwise equal (a hand-over leaves those out, ``ft/elastic.py``)."""
+def entry_digests(model: torch.nn.Module, skip: Collection[str] = ()) -> dict[str, str]:
+    """sha256 of each entry of the model's state (its dtype, shape and bytes), by name, but
+    those in ``skip``: which entries two workers hold bitwise equal (a hand-over leaves those
+    out, ``ft/elastic.py``)."""
     out = {}
     for name, t in model.state_dict().items():
+        if name in skip:
+            continue
         h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
         _hash_tensor(h, t)
         out[name] = h.hexdigest()
