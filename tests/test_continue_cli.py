@@ -274,7 +274,8 @@ def test_a_sparseloco_joiner_under_overlap_gets_the_anchor_not_the_model_and_end
     # of the base the joiner holds already
     assert anchor < joined["handed_over_bytes"] < 2 * anchor + 32768, joined
     assert not lora or joined["handed_over_bytes"] < base // 10, joined
-    assert "optimizer" not in joined["stripes"] and joined["stripes"]["model"] == 2  # what is not trained (and differs)
+    # no optimizer (each worker's own); the model part: what is not trained and differs
+    assert "optimizer" not in joined["stripes"] and joined["stripes"]["model"] == 2
     after = [r for r in _records(run_dir, 2) if r["step"] > s]
     assert [r["step"] for r in after] == list(range(s + 1, steps + 1))
     finals = [

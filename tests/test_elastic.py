@@ -1007,8 +1007,9 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     between syncs each member's are its own (a period begun from its own message, the steps
     since), and the joiner's are rebuilt from the shared state, where its own empty message
     leaves its period's start. A frozen one (as LoRA's base weights) comes in the model part
-    where the joiner's differs, and not at all where it is bitwise the leader's. The hand-over is the algorithm's state and little else; the members' shared digests
-    are the joiner's, then and once what was in flight has landed."""
+    where the joiner's differs, and not at all where it is bitwise the leader's. The hand-over
+    is the algorithm's state and little else; the members' shared digests are the joiner's,
+    then and once what was in flight has landed."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner

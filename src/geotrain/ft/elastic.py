@@ -197,7 +197,8 @@ def _hand_over(
     # from the same seed or checkpoint, buffers) stays out of the model part: for a large
     # frozen base, hours of a slow link.
     rebuilt = _trained(model) if from_state else set()  # never sent: not worth hashing
-    digests = comm.all_gather_object(entry_digests(model, rebuilt) if comm.rank in (leader, *behind) else None)
+    own = entry_digests(model, rebuilt) if comm.rank in (leader, *behind) else None
+    digests = comm.all_gather_object(own)
     at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r].get(name) == d for r in behind)}
     blobs: dict[str, memoryview] = {}
