@@ -418,6 +418,13 @@ def test_soak_refuses_a_bad_model_option_and_passes_a_good_one_to_both_runs():
     job = SoakJob(model="tiny", extra=("--model-config", "n_layer=1", "--lora", "r=2,alpha=4,targets=c_attn"))
     argv = job.argv(Path("/tmp/x"))
     assert argv[-4:] == ["--model-config", "n_layer=1", "--lora", "r=2,alpha=4,targets=c_attn"]
+    # --H auto (SparseLoCo's and DreamDDP's default) soaks as it runs; a bad period is refused
+    err = refused(["soak", "--H", "often", "--out", "/nonexistent"])
+    assert "--H: takes a period >= 1, 0 (the algorithm's default) or auto" in err
+    from geotrain.cli_bench import _soak_H
+
+    assert _soak_H("auto") == "auto" and _soak_H("20") == 20
+    assert SoakJob(H="auto").argv(Path("/tmp/x"))[9:11] == ["--H", "auto"]
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -181,6 +181,13 @@ def cmd_bench(argv: list[str]) -> int:
     return 0
 
 
+def _soak_H(text: str) -> int | str:
+    """``--H`` of a soak: a period, or ``auto`` passed on as it is."""
+    from geotrain.train_config import AUTO_H, H_arg
+
+    return "auto" if H_arg(text) == AUTO_H else H_arg(text)
+
+
 def cmd_soak(argv: list[str]) -> int:
     from geotrain.bench.soak import SoakJob, soak
 
@@ -194,7 +201,7 @@ def cmd_soak(argv: list[str]) -> int:
     p.add_argument("--bandwidth", default=job.bandwidth)
     p.add_argument("--model", default=job.model)
     p.add_argument("--algo", default=job.algo)
-    p.add_argument("--H", type=int, default=job.H)
+    p.add_argument("--H", type=_soak_H, default=job.H, help="the period, or auto (as geotrain run)")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=job.batch_size)
     p.add_argument(
         "--steps",

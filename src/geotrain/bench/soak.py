@@ -32,7 +32,7 @@ class SoakJob:
     bandwidth: str = "100mbit"
     model: str = "mini"
     algo: str = "diloco"
-    H: int = 10
+    H: int | str = 10  # or "auto"
     batch_size: int = 8
     steps: int = 600
     eval_every: int = 20
