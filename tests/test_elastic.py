@@ -940,8 +940,14 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
             "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
             "co2": {"H": 4, "tau": 2},
             "streaming": {"H": 8, "fragments": 2, "tau": 1},
+            "dreamddp": {"H": 4, "compress": "int8", "replan_threshold": 0.0},
         }[algo]
         sync = build_sync(algo, model, optimizer, comm, options)
+        if algo == "dreamddp":  # every layer once a period, round robin (no profile)
+            names = [layer.name for layer in sync.layers]
+            iterations = [[n for i, n in enumerate(names) if i % 4 == h] for h in range(4)]
+            sync.set_plan({"schedule": {"H": 4, "layers": names, "iterations": iterations,
+                                        "assignment": [i % 4 for i in range(len(names))]}})  # fmt: skip
         if host == 2:  # the joiner's differs (built from another checkpoint, say)
             with torch.no_grad():
                 frozen.add_(1.0)
@@ -951,6 +957,11 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
             sync.after_step()
 
         def from_shared() -> bool:  # the parameters are the state the members share
+            if algo == "dreamddp":  # its codec's references
+                pairs = [
+                    (p, sync._ref[layer.name][i]) for layer in sync.layers for i, p in enumerate(layer.params)
+                ]
+                return all(torch.equal(p, ref) for p, ref in pairs)
             if algo == "streaming":
                 pairs = zip(sync.fragments, sync._global, strict=True)
                 return all(torch.equal(flatten(list(f)), theta) for f, theta in pairs)
@@ -1000,10 +1011,15 @@ def _streaming_joiner(host: int, store_port: int, file_store: str, out: str) -> 
     _joiner_from_state(host, store_port, file_store, out, "streaming")
 
 
-@pytest.mark.parametrize("worker", [_sparseloco_joiner, _co2_joiner, _streaming_joiner])
+def _dreamddp_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
+    _joiner_from_state(host, store_port, file_store, out, "dreamddp")
+
+
+@pytest.mark.parametrize("worker", [_sparseloco_joiner, _co2_joiner, _streaming_joiner, _dreamddp_joiner])
 def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_members_share(tmp_path, worker):
-    """SparseLoCo, CO2 and Streaming DiLoCo: a joiner receives the algorithm's state (the anchor
-    or the global fragments, its stand-in for the message in flight) and no trained parameters:
+    """SparseLoCo, CO2, Streaming DiLoCo and DreamDDP with a codec: a joiner receives the
+    algorithm's state (the anchor, the global fragments or the codec's references, its stand-in
+    for the message in flight) and no trained parameters:
     between syncs each member's are its own (a period begun from its own message, the steps
     since), and the joiner's are rebuilt from the shared state, where its own empty message
     leaves its period's start. A frozen one (as LoRA's base weights) comes in the model part

@@ -170,7 +170,13 @@ def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
 
 
 def _hand_over(
-    comm: Communicator, statuses: list[StepStatus], behind: list[int], model, optimizer, sync
+    comm: Communicator,
+    statuses: list[StepStatus],
+    behind: list[int],
+    model,
+    optimizer,
+    sync,
+    from_state: bool,
 ) -> dict[str, Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
@@ -188,11 +194,12 @@ def _hand_over(
     weights, buffers), and the check is of what the members hold equal (``shared_state``). Model
     entries every member behind holds bitwise equal to the leader's (by digest, gathered first:
     a LoRA base built from the same seed or checkpoint) are not sent at all.
+    ``from_state``: the leader's ``parameters_from_state`` (DreamDDP's depends on its codec,
+    which a joiner learns only from the state it receives).
     Returns bytes and stripes per part handed over."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
     leader = up[0]
-    from_state = sync.parameters_from_state
     # What every member behind holds bitwise equal to the leader already (a LoRA base built
     # from the same seed or checkpoint, buffers) stays out of the model part: for a large
     # frozen base, hours of a slow link.
@@ -213,7 +220,7 @@ def _hand_over(
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
         headers = {p: bytes(b[:HEADER_BYTES]).hex() for p, b in blobs.items()}
-        mine = (headers, _check_digest(model, sync), "optimizer" in sync.replicated_parts())
+        mine = (headers, _check_digest(model, sync, from_state), "optimizer" in sync.replicated_parts())
     metas = comm.all_gather_object(mine)
     headers, digest, shared_optimizer = metas[leader]
     parts = handed_over(shared_optimizer)
@@ -242,7 +249,7 @@ def _hand_over(
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
         sync.load_state_dict(dict(got["sync"]))
-        if _check_digest(model, sync) != digest:
+        if _check_digest(model, sync, from_state) != digest:
             what = "state the members share" if from_state else "parameters"
             raise CorruptSnapshot(f"the {what} received differ from the leader's after loading")
         # after the check: Streaming DiLoCo's adopter restarts from theta, SparseLoCo's from its anchor
@@ -255,10 +262,10 @@ def _trained(model) -> set[str]:
     return {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-def _check_digest(model, sync) -> str:
+def _check_digest(model, sync, from_state: bool) -> str:
     """What a hand-over's receiver checks against the leader's once loaded: the parameters, or
     where the algorithm rebuilds them from its state, what the members hold equal."""
-    return tensors_digest(sync.shared_state()) if sync.parameters_from_state else param_digest(model)
+    return tensors_digest(sync.shared_state()) if from_state else param_digest(model)
 
 
 def regroup(
@@ -294,7 +301,7 @@ def regroup(
         (
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
             membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
-            sync.final_progress(),
+            sync.final_progress(), sync.parameters_from_state,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
@@ -305,11 +312,12 @@ def regroup(
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, collective_period)
-    stands_in = not sync.parameters_from_state
+    from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
+    stands_in = not from_state
     copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
     handed = {"handed_over_bytes": 0, "stripes": {}}
     if behind:
-        handed = _hand_over(comm, statuses, behind, model, optimizer, sync)
+        handed = _hand_over(comm, statuses, behind, model, optimizer, sync, from_state)
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:

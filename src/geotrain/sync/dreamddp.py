@@ -587,6 +587,21 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         H = H if isinstance(H, int) else DreamDDPConfig.H  # "auto" not chosen yet (observe())
         return self.snapshot_boundary(H)
 
+    @property
+    def parameters_from_state(self) -> bool:  # type: ignore[override]
+        # With a codec an adopter starts from the references (each layer's value at its last
+        # average, one on every worker): a copy of the leader's parameters would count the
+        # leader's progress since twice, at each layer's next average. Without one there is
+        # nothing to start from but that copy.
+        return bool(self._ref)
+
+    def adopted_state(self) -> None:
+        super().adopted_state()
+        with torch.no_grad():
+            for layer in self.layers:
+                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
+                    p.copy_(ref)
+
     def shared_state(self) -> list[torch.Tensor] | None:
         # Each layer is averaged at its own iteration of the period, so no boundary finds the
         # replicas equal; with a codec, the references its messages are taken against are one
