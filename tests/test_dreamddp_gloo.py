@@ -545,18 +545,26 @@ def _refs_after_rebind(rank, world_size):
     refs = [t.clone() for layer in sync.layers for t in sync._ref[layer.name]]
     # what an admission's audit reads: the references (the replicas differ mid-period)
     digests = (tensors_digest(sync.shared_state()), param_digest(sync.model))
+    # the end-of-run average makes one model, and the references follow it: a worker whose own
+    # average failed adopts a finished one's state and starts from them
+    sync.finalize()
+    pairs = [
+        (p, ref) for layer in sync.layers for p, ref in zip(layer.params, sync._ref[layer.name], strict=True)
+    ]
+    final = all(torch.equal(p, ref) for p, ref in pairs)
     sync.close()
     plain_model = _model()
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=LR)
     plain = build_sync("dreamddp", plain_model, plain_opt, Communicator(), {"H": 2, "compress": "none"})
     nothing = plain.shared_state()  # no codec: each layer averaged at its own iteration
     plain.close()
-    return quiet, mended, refs, digests, nothing
+    return quiet, mended, refs, digests, nothing, final
 
 
 def test_a_regroup_gives_every_worker_one_reference_for_a_codecs_changes():
     results = run_workers(_refs_after_rebind, 2)
-    (quiet0, _, refs0, digests0, nothing0), (quiet1, mended1, refs1, digests1, _) = results
+    (quiet0, _, refs0, digests0, nothing0, final0), (quiet1, mended1, refs1, digests1, _, final1) = results
+    assert final0 and final1
     nbytes = sum(t.numel() * 4 for t in refs0)
     assert quiet0 < 100 and quiet1 < 100
     assert mended1 >= nbytes

@@ -789,6 +789,7 @@ def _tiny_step(sync, optimizer, host: int, n: int) -> None:
     g = torch.Generator().manual_seed(1000 * host + n)
     xy = torch.randint(0, 256, (2, 17), generator=g)
     sync.model(xy[:, :-1], xy[:, 1:])[1].backward()
+    sync.before_step()  # (DreamDDP lands its averages here)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -951,6 +952,8 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
         if host == 2:  # the joiner's differs (built from another checkpoint, say)
             with torch.no_grad():
                 frozen.add_(1.0)
+                for refs in getattr(sync, "_ref", {}).values():  # and DreamDDP's references
+                    refs[0].add_(1.0)
 
         def step(n: int) -> None:
             _tiny_step(sync, optimizer, host, n)

@@ -243,7 +243,9 @@ def cmd_soak(argv: list[str]) -> int:
     if args.spares < 0:
         raise UsageError(f"--spares must be >= 0, got {args.spares}")
     for name in ("workers", "H", "batch_size", "steps", "eval_every"):
-        if getattr(args, name) != "auto" and getattr(args, name) < 1:
+        if name == "H" and getattr(args, name) in ("auto", 0):  # 0: the algorithm's default
+            continue
+        if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     job = SoakJob(
         **{k: getattr(args, k) for k in SoakJob.__dataclass_fields__ if k not in ("extra", "on_failure")},

@@ -499,6 +499,12 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
     def finalize(self) -> None:
         self._land_all_late()
         reduce_tensors(self.comm, [p.data for p in self.parameters()])
+        # The references follow the one model (every replica's is it now): a worker whose own
+        # average failed adopts a finished one's state, and starts from them.
+        with torch.no_grad():
+            for layer in self.layers:
+                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
+                    ref.copy_(p)
 
     def _land_all_late(self) -> None:
         """Land what is in flight now: the same values as at the layers' next forward, since no
