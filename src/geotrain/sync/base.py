@@ -605,19 +605,28 @@ class InFlight:
       nothing: the mean's weight is 0, and the gathers' decoders (``ChunkTopK.mean_of``,
       Streaming DiLoCo's ``_mean``) leave all-zero payloads out of their mean."""
 
-    def __init__(self, comm, op: str = "gather") -> None:
+    def __init__(self, comm, op: str = "gather", keeps_landed: bool = False) -> None:
         if op not in ("gather", "mean"):
             raise ValueError(f"op must be 'gather' or 'mean', got {op!r}")
         self.comm = comm
         self.op = op
+        self.keeps_landed = keeps_landed  # keep ``last_landed`` (SparseLoCo's: a few KB of payloads)
+        # (rank, group size) it last sent as: the rows of its collective are in that group's order
+        self.sent_as: tuple[int, int] | None = None
         self._handle = None
         self._payload: torch.Tensor | None = None  # of the collective in flight, as sent
         self._resend: torch.Tensor | None = None  # to send again at the next land
+        # The collective's result, where it completed on another survivor and not here (a
+        # regroup's ``prime``): the next land returns it, sending nothing.
+        self._primed: torch.Tensor | None = None
+        # The last landed collective's result as it came (a mean's weight last), until the next
+        # launch: what a survivor whose wait failed is sent instead of a whole state.
+        self.last_landed: torch.Tensor | None = None
         self.landings = 0  # messages landed so far
 
     @property
     def flying(self) -> bool:
-        return self._handle is not None or self._resend is not None
+        return self._handle is not None or self._resend is not None or self._primed is not None
 
     @property
     def resending(self) -> bool:
@@ -630,6 +639,8 @@ class InFlight:
         return self._handle is not None and self._handle.is_completed()
 
     def launch(self, payload: torch.Tensor) -> None:
+        self.last_landed = None
+        self.sent_as = (self.comm.rank, self.comm.world_size)
         if self.op == "gather":
             self._handle, self._payload = self.comm.all_gather(payload, async_op=True), payload
         else:  # the all-reduce works in place: keep the message as sent, to send it again
@@ -641,7 +652,8 @@ class InFlight:
         screen before it is a collective: if it fails, nothing is in flight (the caller's retry,
         ``retry_sync``, makes the message again: had it been kept to send again, the retry's
         landing would take it for the last one's and apply it twice)."""
-        self._payload = message
+        self._payload, self.last_landed = message, None
+        self.sent_as = (self.comm.rank, self.comm.world_size)
         try:
             self._handle = self.comm.all_reduce(message.clone(), op="sum", async_op=True, screen=True)
         except RuntimeError:
@@ -652,6 +664,9 @@ class InFlight:
         """Every worker's message stacked in rank order (``gather``) or their mean (``mean``),
         once it has arrived; None if none flies. If the wait fails (a lost member), the message
         stays in flight for ``rebind``."""
+        if self._primed is not None:  # completed elsewhere: its result, nothing sent
+            landed, self._primed, self._payload = self._primed, None, None
+            return self._finish(landed)
         if self._resend is not None:
             resend, self._resend = self._resend, None
             try:
@@ -663,10 +678,34 @@ class InFlight:
             return None
         landed = self._handle.wait()
         self._handle = self._payload = None
+        return self._finish(landed)
+
+    def _finish(self, landed: torch.Tensor) -> torch.Tensor:
+        self.last_landed = landed if self.keeps_landed else None
         self.landings += 1
         if self.op == "mean":  # the sum over the senders, divided by how many sent
             landed = landed[:-1] / landed[-1] if landed[-1] > 0 else torch.zeros_like(landed[:-1])
         return landed
+
+    def prime(self, result: torch.Tensor) -> None:
+        """The collective in flight completed on another survivor (its ``last_landed``) while
+        this one's wait failed: the next ``land`` returns ``result`` as if it had completed
+        here, and sends nothing (``ft/elastic.py``, which lands it in the same regroup's
+        redone sync). This worker's own message was in it."""
+        if self._resend is not None:  # its own message, for ``unprime``
+            self._payload = self._resend
+        self._primed, self._handle, self._resend = result, None, None
+
+    @property
+    def primed(self) -> bool:
+        return self._primed is not None
+
+    def unprime(self) -> None:
+        """A regroup begins with a result primed and not landed (the one that primed it failed
+        again): it is dropped and this worker's own message is in flight again, to send at the
+        next ``land`` (the new regroup decides afresh what each survivor lacks)."""
+        if self._primed is not None:
+            self._primed, self._resend = None, self._payload
 
     def close(self) -> None:
         if self._handle is not None:
@@ -686,5 +725,5 @@ class InFlight:
 
     def restore(self, payload: torch.Tensor | None, device: torch.device | None = None) -> None:
         """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU)."""
-        self._handle = self._payload = None
+        self._handle = self._payload = self._primed = self.last_landed = None
         self._resend = payload.to(device) if payload is not None and device is not None else payload

@@ -263,7 +263,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._start_message: torch.Tensor | None = None
         self._unspoiled: torch.Tensor | None = None  # the last message made, where it was spoiled
         self._sender_counts: torch.Tensor | None = None  # ``_counts``, made at the first per-sender mean
-        self.in_flight = InFlight(comm)  # this worker's message, landing later (``landing``)
+        # this worker's message, landing later (``landing``); the landed gather kept (a few KB
+        # of payloads) for a survivor whose wait failed where this one's completed
+        self.in_flight = InFlight(comm, keeps_landed=True)
         # Overlap on or off; None: auto, not yet decided, or deciding again at this outer step.
         self.overlap: bool | None = None if self.config.overlap == "auto" else bool(self.config.overlap)
         # With overlap: steps into a period at which the last outer step's gather lands (H: at
@@ -468,7 +470,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         --H auto, figures past the period, ``_weigh_longer``) where those are asked for. Returns
         the entries the anchor moved at (``_land``: None where it moved in passes over the whole
         vector; none where nothing was in flight)."""
-        timed = not self.in_flight.resending
+        timed = not self.in_flight.resending and not self.in_flight.primed  # (no wait of its own)
         started = self.clock()
         gathered = self.in_flight.land()
         waited = self.clock() - started
