@@ -140,6 +140,29 @@ def test_only_the_result_of_a_landing_is_sent_where_that_is_all_the_others_lack(
     # without the norm check: the other gloo test, the end-of-run average, hands the state over)
 
 
+def test_an_epochs_group_forms_within_a_minute_and_then_waits_the_collective_timeout(monkeypatch):
+    """A member lost while the group forms (registered, then killed) must fail the others within
+    the formation's minute, not the collective timeout (hours on a slow link): the default group
+    is made under FORMATION_S, then given the collective timeout."""
+    import torch.distributed as tdist
+    from torch.distributed import distributed_c10d
+
+    from geotrain.ft import membership as membership_module
+
+    made, set_to = [], []
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "PrefixStore", lambda prefix, store: prefix)
+    monkeypatch.setattr(tdist, "init_process_group", lambda backend, **kw: made.append(kw))
+    monkeypatch.setattr(distributed_c10d, "_set_pg_timeout", lambda t, group=None: set_to.append(t))
+    monkeypatch.setattr(Membership, "store", lambda self: None)
+    m = Membership("127.0.0.1", 1, 2, [0, 1, 2], timeout_s=6036)
+    m.join(3, [0, 2])
+    (kw,) = made
+    assert kw["timeout"].total_seconds() == membership_module.FORMATION_S and kw["rank"] == 1
+    assert [t.total_seconds() for t in set_to] == [6036]
+    assert (m.epoch, m.members) == (3, [0, 2])
+
+
 def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():
     from geotrain.sync.base import InFlight
 

@@ -351,13 +351,25 @@ class Membership:
             retire(dist.group.WORLD)
             dist.destroy_process_group()
         gc.collect()
+        # Formed under FORMATION_S (a few connects), then given the collective timeout, which on
+        # a slow link is hours: a member lost while the group forms (it registered and died, and
+        # the others wait for its connection) fails the others within a minute, and they
+        # regroup again, where they sat out the whole collective timeout (seen in a soak with a
+        # kill every 20 s: every member stuck, and killed one by one, until none held the state).
+        from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, as formed_group
+
+        set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+        timeout = timedelta(seconds=self.timeout_s)
+        forming = min(timeout, timedelta(seconds=FORMATION_S)) if set_timeout is not None else timeout
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()),
             rank=members.index(self.host),
             world_size=len(members),
-            timeout=timedelta(seconds=self.timeout_s),
+            timeout=forming,
         )
+        if forming < timeout:
+            set_timeout(timeout, dist.group.WORLD)
         if self.snapshot_groups:
             self.snapshot_group = formed_group(None, self.timeout_s)
         # The machines' sites where the coordinator said (a spare of another site took a lost
