@@ -9,6 +9,7 @@ the survivors with its closed-form result.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import threading
@@ -824,6 +825,23 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     assert out[1] == {"finished": True, "stopped": False}
 
 
+def _saved(fn):
+    """A gloo test host: ``fn(host, store port, file store, *args)`` returns its result, which
+    is saved to ``out`` with the group left (or its traceback, and the error raised)."""
+
+    @functools.wraps(fn)
+    def host(h: int, store_port: int, file_store: str, out: str, *args, **kwargs) -> None:
+        try:
+            result = fn(h, store_port, file_store, *args, **kwargs)
+            dist.destroy_process_group()
+            torch.save({"ok": result}, out)
+        except BaseException:
+            torch.save({"error": traceback.format_exc()}, out)
+            raise
+
+    return host
+
+
 def _tiny_member(host: int, store_port: int, file_store: str):
     """Host ``host`` of 3 on gloo, with its membership, a ``tiny`` GPT (seed 0) and AdamW."""
     from geotrain.models.gpt import GPT, gpt_config
@@ -847,7 +865,8 @@ def _tiny_step(sync, optimizer, host: int, n: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _split_landing(host: int, store_port: int, file_store: str, out: str, final: bool = False) -> None:
+@_saved
+def _split_landing(host: int, store_port: int, file_store: str, final: bool = False) -> dict:
     """SparseLoCo under --overlap auto, H=4, on 3 hosts, landing a period late: the gather
     launched at step 8 has arrived everywhere when host 2 is lost. At step 12 a check has asked
     for a timed outer step, which lands that gather and then gathers synchronously: host 0 lands
@@ -862,77 +881,72 @@ def _split_landing(host: int, store_port: int, file_store: str, out: str, final:
     # worker's clock says; the redone one is the method's own (its agreement a collective)
     verdict = sparseloco_module.SparseLoCo._verdict
     sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
-    try:
-        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-        sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8})
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8})
 
-        def step(n: int) -> None:
-            _tiny_step(sync, optimizer, host, n)
+    def step(n: int) -> None:
+        _tiny_step(sync, optimizer, host, n)
 
-        for n in range(1, 12):
-            step(n)
-            sync.after_step()
-            if n == 4:  # decided at the first outer step: overlapped, landing a period late
-                assert sync.overlap
-                sync.landing = 4
-                sparseloco_module.SparseLoCo._verdict = verdict
-        assert sync.in_flight.flying  # launched at step 8
-        while not sync.in_flight.arrived():
-            time.sleep(0.01)
-        dist.barrier()
-        if host == 2:
-            os._exit(0)  # lost
-        if not final:
-            sync._again = ("a check (the test's)", 0)
-            step(12)
+    for n in range(1, 12):
+        step(n)
+        sync.after_step()
+        if n == 4:  # decided at the first outer step: overlapped, landing a period late
+            assert sync.overlap
+            sync.landing = 4
+            sparseloco_module.SparseLoCo._verdict = verdict
+    assert sync.in_flight.flying  # launched at step 8
+    while not sync.in_flight.arrived():
+        time.sleep(0.01)
+    dist.barrier()
+    if host == 2:
+        os._exit(0)  # lost
+    if not final:
+        sync._again = ("a check (the test's)", 0)
+        step(12)
 
-        def lost(*args, **kwargs):
+    def lost(*args, **kwargs):
+        raise RuntimeError("a member was lost")
+
+    if host == 0 and final:
+        comm.all_gather = lost  # the average's own gather (the one in flight has arrived)
+    elif host == 0:
+        comm.barrier = lost
+    else:
+        handle = sync.in_flight._handle
+
+        def lost_wait(timeout=None):
             raise RuntimeError("a member was lost")
 
-        if host == 0 and final:
-            comm.all_gather = lost  # the average's own gather (the one in flight has arrived)
-        elif host == 0:
-            comm.barrier = lost
-        else:
-            handle = sync.in_flight._handle
-
-            def lost_wait(timeout=None):
-                raise RuntimeError("a member was lost")
-
-            handle.wait = lost_wait
-        with contextlib.suppress(RuntimeError):
-            sync.finalize() if final else sync.after_step()
-            raise AssertionError("the step did not fail")
-        if host == 0:
-            del comm.__dict__["all_gather" if final else "barrier"]  # the Communicator's own again
-        status = StepStatus(11, not final)
-        reported = StepStatus(11, not final, not sync.in_flight.flying)  # what regroup reads
-        before = sync._anchor.clone()
-        event = regroup(membership, comm, sync, model, optimizer, status)
-        rows = []
-        if final:  # as train() redoes it
-            copies = {event["members"].index(h) for h in event["behind"]}
-            gather = comm.all_gather
-            comm.all_gather = lambda t, async_op=False: rows.append(got := gather(t, async_op)) or got
-            with comm.leaving_out(copies):
-                sync.finalize()
-        result = {
-            "rows": rows,
-            "event": event,
-            "status": reported,
-            "before": before,
-            "anchor": sync._anchor.clone(),
-            "params": flatten(list(model.parameters())).detach().clone(),
-            "flying": sync.in_flight.flying,
-            "landings": sync.in_flight.landings,
-            "overlap": sync.overlap,
-        }
-        sync.close()
-        dist.destroy_process_group()
-        torch.save({"ok": result}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
+        handle.wait = lost_wait
+    with contextlib.suppress(RuntimeError):
+        sync.finalize() if final else sync.after_step()
+        raise AssertionError("the step did not fail")
+    if host == 0:
+        del comm.__dict__["all_gather" if final else "barrier"]  # the Communicator's own again
+    status = StepStatus(11, not final)
+    reported = StepStatus(11, not final, not sync.in_flight.flying)  # what regroup reads
+    before = sync._anchor.clone()
+    event = regroup(membership, comm, sync, model, optimizer, status)
+    rows = []
+    if final:  # as train() redoes it
+        copies = {event["members"].index(h) for h in event["behind"]}
+        gather = comm.all_gather
+        comm.all_gather = lambda t, async_op=False: rows.append(got := gather(t, async_op)) or got
+        with comm.leaving_out(copies):
+            sync.finalize()
+    result = {
+        "rows": rows,
+        "event": event,
+        "status": reported,
+        "before": before,
+        "anchor": sync._anchor.clone(),
+        "params": flatten(list(model.parameters())).detach().clone(),
+        "flying": sync.in_flight.flying,
+        "landings": sync.in_flight.landings,
+        "overlap": sync.overlap,
+    }
+    sync.close()
+    return result
 
 
 def _split_final_landing(host: int, store_port: int, file_store: str, out: str) -> None:
@@ -979,7 +993,8 @@ def test_the_end_of_run_average_redone_after_a_split_landing_leaves_the_adopters
     assert torch.equal(h0["anchor"], h1["anchor"]) and not torch.equal(h0["anchor"], h0["before"])
 
 
-def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, algo: str) -> None:
+@_saved
+def _joiner_from_state(host: int, store_port: int, file_store: str, algo: str) -> dict:
     """``algo`` on hosts 0 and 1 after step 8, a message in flight (SparseLoCo overlapped, landing
     a period late; CO2 landing 2 steps into the next period; Streaming DiLoCo's fragments); host
     2 joins (it trained alongside, and comes as a joiner: its state is dropped)."""
@@ -987,74 +1002,69 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, out: str, al
     from geotrain.ft.state import capture, encode, tensors_digest
     from geotrain.sync import build_sync
 
-    try:
-        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-        frozen = model.ln_f.bias  # not trained (as LoRA's base weights)
-        frozen.requires_grad_(False)
-        model.wpe.weight.requires_grad_(False)  # not trained either, and the same on every host
-        options = {
-            "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
-            "co2": {"H": 4, "tau": 2},
-            "streaming": {"H": 8, "fragments": 2, "tau": 1},
-            "dreamddp": {"H": 4, "compress": "int8", "replan_threshold": 0.0},
-        }[algo]
-        sync = build_sync(algo, model, optimizer, comm, options)
-        if algo == "dreamddp":  # every layer once a period, round robin (no profile)
-            names = [layer.name for layer in sync.layers]
-            iterations = [[n for i, n in enumerate(names) if i % 4 == h] for h in range(4)]
-            sync.set_plan({"schedule": {"H": 4, "layers": names, "iterations": iterations,
-                                        "assignment": [i % 4 for i in range(len(names))]}})  # fmt: skip
-        if host == 2:  # the joiner's differs (built from another checkpoint, say)
-            with torch.no_grad():
-                frozen.add_(1.0)
-                for refs in getattr(sync, "_ref", {}).values():  # and DreamDDP's references
-                    refs[0].add_(1.0)
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    frozen = model.ln_f.bias  # not trained (as LoRA's base weights)
+    frozen.requires_grad_(False)
+    model.wpe.weight.requires_grad_(False)  # not trained either, and the same on every host
+    options = {
+        "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
+        "co2": {"H": 4, "tau": 2},
+        "streaming": {"H": 8, "fragments": 2, "tau": 1},
+        "dreamddp": {"H": 4, "compress": "int8", "replan_threshold": 0.0},
+    }[algo]
+    sync = build_sync(algo, model, optimizer, comm, options)
+    if algo == "dreamddp":  # every layer once a period, round robin (no profile)
+        names = [layer.name for layer in sync.layers]
+        iterations = [[n for i, n in enumerate(names) if i % 4 == h] for h in range(4)]
+        sync.set_plan({"schedule": {"H": 4, "layers": names, "iterations": iterations,
+                                    "assignment": [i % 4 for i in range(len(names))]}})  # fmt: skip
+    if host == 2:  # the joiner's differs (built from another checkpoint, say)
+        with torch.no_grad():
+            frozen.add_(1.0)
+            for refs in getattr(sync, "_ref", {}).values():  # and DreamDDP's references
+                refs[0].add_(1.0)
 
-        def step(n: int) -> None:
-            _tiny_step(sync, optimizer, host, n)
-            sync.after_step()
+    def step(n: int) -> None:
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
 
-        def from_shared() -> bool:  # the parameters are the state the members share
-            if algo == "dreamddp":  # its codec's references
-                pairs = [
-                    (p, sync._ref[layer.name][i]) for layer in sync.layers for i, p in enumerate(layer.params)
-                ]
-                return all(torch.equal(p, ref) for p, ref in pairs)
-            if algo == "streaming":
-                pairs = zip(sync.fragments, sync._global, strict=True)
-                return all(torch.equal(flatten(list(f)), theta) for f, theta in pairs)
-            return torch.equal(sync._local(), sync._anchor) and torch.equal(sync._start, sync._anchor)
+    def from_shared() -> bool:  # the parameters are the state the members share
+        if algo == "dreamddp":  # its codec's references
+            pairs = [
+                (p, sync._ref[layer.name][i]) for layer in sync.layers for i, p in enumerate(layer.params)
+            ]
+            return all(torch.equal(p, ref) for p, ref in pairs)
+        if algo == "streaming":
+            pairs = zip(sync.fragments, sync._global, strict=True)
+            return all(torch.equal(flatten(list(f)), theta) for f, theta in pairs)
+        return torch.equal(sync._local(), sync._anchor) and torch.equal(sync._start, sync._anchor)
 
-        for n in range(1, 9):
-            step(n)
-        state = capture(
-            step=8, model=model, optimizer=optimizer, sync=sync, generators={}, progress={},
-            replicated=set(), copy=False,
-        )  # fmt: skip
-        sizes = {part: len(encode(state["parts"][part])) for part in ("model", "sync")}
-        status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
-        frozen_before = frozen.detach().clone()
-        loaded = []  # the entries a hand-over's model part brought
-        load = model.load_state_dict
-        model.load_state_dict = lambda sd, strict=True: loaded.extend(sd) or load(sd, strict=strict)
-        event = regroup(membership, comm, sync, model, optimizer, status)
-        model.load_state_dict = load
-        after = {
-            "params": flatten(list(model.parameters())).detach().clone(),
-            "from_shared": from_shared(),
-            "shared": tensors_digest(sync.shared_state()),
-            "frozen": frozen.detach().clone(),
-        }
-        for n in range(9, 13):  # what was in flight lands, the joiner's part empty
-            step(n)
-        result = {"event": event, "after": after, "shared12": tensors_digest(sync.shared_state())}
-        result |= {"frozen_before": frozen_before, "sizes": sizes, "loaded": loaded}
-        sync.close()
-        dist.destroy_process_group()
-        torch.save({"ok": result}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
+    for n in range(1, 9):
+        step(n)
+    state = capture(
+        step=8, model=model, optimizer=optimizer, sync=sync, generators={}, progress={},
+        replicated=set(), copy=False,
+    )  # fmt: skip
+    sizes = {part: len(encode(state["parts"][part])) for part in ("model", "sync")}
+    status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
+    frozen_before = frozen.detach().clone()
+    loaded = []  # the entries a hand-over's model part brought
+    load = model.load_state_dict
+    model.load_state_dict = lambda sd, strict=True: loaded.extend(sd) or load(sd, strict=strict)
+    event = regroup(membership, comm, sync, model, optimizer, status)
+    model.load_state_dict = load
+    after = {
+        "params": flatten(list(model.parameters())).detach().clone(),
+        "from_shared": from_shared(),
+        "shared": tensors_digest(sync.shared_state()),
+        "frozen": frozen.detach().clone(),
+    }
+    for n in range(9, 13):  # what was in flight lands, the joiner's part empty
+        step(n)
+    result = {"event": event, "after": after, "shared12": tensors_digest(sync.shared_state())}
+    result |= {"frozen_before": frozen_before, "sizes": sizes, "loaded": loaded}
+    sync.close()
+    return result
 
 
 def _sparseloco_joiner(host: int, store_port: int, file_store: str, out: str) -> None:
@@ -1135,7 +1145,8 @@ class _Recorded:
         return got
 
 
-def _streaming_stages(host: int, store_port: int, file_store: str, out: str, bits: int = 4) -> None:
+@_saved
+def _streaming_stages(host: int, store_port: int, file_store: str, bits: int = 4) -> dict:
     """Streaming DiLoCo (H=12, 3 fragments, tau 1) on 3 hosts ends its run after step 11 with a
     fragment in flight: its end-of-run average lands it, then averages fragments 0, 1 and 2
     (stages 0, 1, 2), a gather each. Stage 0 completes on every host, but host 1's wait for
@@ -1144,58 +1155,53 @@ def _streaming_stages(host: int, store_port: int, file_store: str, out: str, bit
     from geotrain.ft.elastic import regroup
     from geotrain.sync import build_sync
 
-    try:
-        membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-        options = {"H": 12, "fragments": 3, "tau": 1, "bits": bits}
-        sync = build_sync("streaming", model, optimizer, comm, options)
-        for n in range(1, 12):
-            _tiny_step(sync, optimizer, host, n)
-            sync.after_step()
-        assert sync.in_flight.flying  # fragment 2's, launched at step 11
-        gather, calls = comm.all_gather, []
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    options = {"H": 12, "fragments": 3, "tau": 1, "bits": bits}
+    sync = build_sync("streaming", model, optimizer, comm, options)
+    for n in range(1, 12):
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    assert sync.in_flight.flying  # fragment 2's, launched at step 11
+    gather, calls = comm.all_gather, []
 
-        def failing(t, async_op=False):  # the average's gathers: stage 0, then stage 1
-            calls.append(t.numel())
-            if host == 2 and len(calls) == 2:
-                os._exit(0)  # lost before stage 1
-            handle = gather(t, async_op)
-            if (host, len(calls)) == (1, 1):
-                return _Failing(handle, after=True)
-            return _Failing(handle, after=False) if (host, len(calls)) == (0, 2) else handle
+    def failing(t, async_op=False):  # the average's gathers: stage 0, then stage 1
+        calls.append(t.numel())
+        if host == 2 and len(calls) == 2:
+            os._exit(0)  # lost before stage 1
+        handle = gather(t, async_op)
+        if (host, len(calls)) == (1, 1):
+            return _Failing(handle, after=True)
+        return _Failing(handle, after=False) if (host, len(calls)) == (0, 2) else handle
 
-        comm.all_gather = failing
-        with contextlib.suppress(RuntimeError):
-            sync.finalize()
-            raise AssertionError("the average did not fail")
-        comm.all_gather = gather
-        reported = (sync.final_progress(), sync.in_flight.flying)
-        # the replica once fragment 2's message in flight has landed (its outer step and merge),
-        # and where each fragment's last sync put it
-        replica = [flatten(list(f)).detach().clone() for f in sync.fragments]
-        synced = [t.clone() for t in sync._global]
-        event = regroup(membership, comm, sync, model, optimizer, StepStatus(11, False))
-        rows = []
-        copies = {event["members"].index(h) for h in event["behind"]}
-        comm.all_gather = lambda t, async_op=False: _Recorded(gather(t, async_op), rows)
-        with comm.leaving_out(copies):
-            sync.finalize()
-        comm.all_gather = gather
-        result = {
-            "event": event,
-            "reported": reported,
-            "rows": rows,
-            "replica": replica,
-            "synced": synced,
-            "fragments": [flatten(list(f)).detach().clone() for f in sync.fragments],
-            "global": [t.clone() for t in sync._global],
-            "progress": sync.final_progress(),
-        }
-        sync.close()
-        dist.destroy_process_group()
-        torch.save({"ok": result}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
+    comm.all_gather = failing
+    with contextlib.suppress(RuntimeError):
+        sync.finalize()
+        raise AssertionError("the average did not fail")
+    comm.all_gather = gather
+    reported = (sync.final_progress(), sync.in_flight.flying)
+    # the replica once fragment 2's message in flight has landed (its outer step and merge),
+    # and where each fragment's last sync put it
+    replica = [flatten(list(f)).detach().clone() for f in sync.fragments]
+    synced = [t.clone() for t in sync._global]
+    event = regroup(membership, comm, sync, model, optimizer, StepStatus(11, False))
+    rows = []
+    copies = {event["members"].index(h) for h in event["behind"]}
+    comm.all_gather = lambda t, async_op=False: _Recorded(gather(t, async_op), rows)
+    with comm.leaving_out(copies):
+        sync.finalize()
+    comm.all_gather = gather
+    result = {
+        "event": event,
+        "reported": reported,
+        "rows": rows,
+        "replica": replica,
+        "synced": synced,
+        "fragments": [flatten(list(f)).detach().clone() for f in sync.fragments],
+        "global": [t.clone() for t in sync._global],
+        "progress": sync.final_progress(),
+    }
+    sync.close()
+    return result
 
 
 def _streaming_stages_fp32(host: int, store_port: int, file_store: str, out: str) -> None:

@@ -145,16 +145,17 @@ def comparison_table(calm: dict, faulty: dict, cmp: dict) -> str:
     if diff is not None:
         rows.append(f"\nfinal validation loss vs the undisturbed run at equal tokens: {diff:+.2%}")
     if cmp["admissions"]:
+        shared = cmp["admissions_with_shared_state_bitwise_equal"]
+        audit = (
+            f"members' parameters bitwise equal at {cmp['admissions_with_members_bitwise_equal']} of "
+            f"them, what the algorithm holds equal at a sync (its parameters or its anchor) at {shared}"
+            if shared is not None
+            else "the algorithm holds nothing bitwise equal at a sync (DreamDDP averages each layer "
+            "at its own iteration)"
+        )
         rows.append(
             f"replacements admitted: {cmp['admissions']}, each stopping the members "
-            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); members' parameters "
-            f"bitwise equal at {cmp['admissions_with_members_bitwise_equal']} of them, what the "
-            f"algorithm holds equal at a sync (its parameters or its anchor) at "
-            f"{cmp['admissions_with_shared_state_bitwise_equal']}"
-            if cmp["admissions_with_shared_state_bitwise_equal"] is not None
-            else f"replacements admitted: {cmp['admissions']}, each stopping the members "
-            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); the algorithm holds "
-            "nothing bitwise equal at a sync (DreamDDP averages each layer at its own iteration)"
+            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); {audit}"
         )
     return "\n".join(rows)
 

@@ -129,6 +129,14 @@ def held_copies(
     (``stands_in`` False: an adopter that started from the shared state, ``parameters_from_state``,
     holds none of the leader's progress): all of them, always."""
     present = {members[r] for r, s in enumerate(statuses) if s.committed >= 0 and leaders[r] is None}
+    return _left_out(leaders, present, stands_in)
+
+
+def _left_out(leaders: list[int | None], present: set[int], stands_in: bool) -> set[int]:
+    """Of the ranks holding a copy of a leader's state (``leaders``: by rank, the host each
+    copied, or None), those an average leaves out: every copy of a leader ``present`` (a member
+    with its own state), all but the lowest rank's of one gone, or all where a copy cannot
+    stand in."""
     out: set[int] = set()
     for host in {h for h in leaders if h is not None}:
         holders = [r for r, h in enumerate(leaders) if h == host]
@@ -153,12 +161,7 @@ def copies_at_the_end(events: list[dict[str, Any]], steps: int, stands_in: bool 
         return set()
     members = events[-1]["members"]
     leaders = [copied.get(h) for h in members]
-    out: set[int] = set()
-    for leader in {h for h in leaders if h is not None}:
-        holders = [r for r, h in enumerate(leaders) if h == leader]
-        present = leader in members and leader not in copied
-        out |= set(holders if present or not stands_in else holders[1:])
-    return out
+    return _left_out(leaders, {h for h in members if h not in copied}, stands_in)
 
 
 def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
@@ -208,6 +211,7 @@ def _hand_over(
     digests = comm.all_gather_object(own)
     at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r].get(name) == d for r in behind)}
+    left_home = held | rebuilt  # the model entries not sent
     blobs: dict[str, memoryview] = {}
     mine = None
     if comm.rank in up:
@@ -215,7 +219,6 @@ def _hand_over(
             step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
             progress={}, replicated=set(), copy=False,
         )  # fmt: skip
-        left_home = held | rebuilt
         state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in left_home}
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
@@ -242,8 +245,7 @@ def _hand_over(
         got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
         loaded = model.load_state_dict(got["model"], strict=False)
         # only what it holds already (or rebuilds from the state) may be missing, nothing unknown come
-        kept = held | rebuilt
-        odd = sorted(set(loaded.missing_keys) - kept) + sorted(loaded.unexpected_keys)
+        odd = sorted(set(loaded.missing_keys) - left_home) + sorted(loaded.unexpected_keys)
         if odd:
             raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")
         if "optimizer" in got:
@@ -271,7 +273,7 @@ def _only_a_landing_behind(statuses: list[StepStatus], behind: list[int], meta) 
     leader landed (its ``meta``): the same step, the same sync and stage, their wait failed where
     the leader's completed (the lost peer's last chunk reached it). Then that result is all they
     need, not the leader's whole state."""
-    if not behind or meta is None:
+    if not behind or meta is None or meta[2] >= 256:  # (a count per entry in a byte: SparseLoCo's)
         return False
     best = max(statuses)
     return best.landed and all(
@@ -365,14 +367,14 @@ def regroup(
     # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
     # rows are the old group's) and without the norm check (whose verdict reads ranks):
     meta = reports[leader][9]
-    same_ranks = meta is not None and all(reports[r][10] == r for r in behind) and meta[2] < 256
+    same_ranks = all(reports[r][10] == r for r in behind)
     if (
         best.local_done
         and same_ranks
         and not comm.checking
-        and _only_a_landing_behind(statuses, behind, reports[leader][9])
+        and _only_a_landing_behind(statuses, behind, meta)
     ):
-        handed = _send_landing(comm, behind, leader, reports[leader][9], sync)
+        handed = _send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
     if behind:

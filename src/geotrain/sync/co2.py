@@ -223,8 +223,7 @@ class CO2(AutoTau, PeriodicSync):
                 self.in_flight.launch_weighted(delta.new_zeros(delta.numel() + 1))
             return
         if not self.contributes():  # all zero bytes: left out of the mean
-            nbytes = self.messages.payload_bytes(delta.numel())
-            self.in_flight.launch(torch.zeros(nbytes, dtype=torch.uint8, device=delta.device))
+            self.in_flight.launch(self.messages.empty(delta.numel(), delta.device))
             return
         # the next residual is kept once the message is on its way (a launch that fails is sent
         # again from this one)

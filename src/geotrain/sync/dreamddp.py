@@ -462,10 +462,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         self._observer.update_ended()
         SyncAlgorithm.after_step(self)
         reduce_tensors(self.comm, [p.data for p in self.parameters()])
-        with torch.no_grad():  # with a codec, changes are sent from the averaged values on
-            for layer in self.layers:
-                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
-                    ref.copy_(p)
+        self._refs_follow()  # with a codec, changes are sent from the averaged values on
         self.syncs += 1
         self._observe_left -= 1
         if self._observe_left <= 0:
@@ -501,10 +498,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         reduce_tensors(self.comm, [p.data for p in self.parameters()])
         # The references follow the one model (every replica's is it now): a worker whose own
         # average failed adopts a finished one's state, and starts from them.
-        with torch.no_grad():
-            for layer in self.layers:
-                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
-                    ref.copy_(p)
+        self._refs_follow()
 
     def _land_all_late(self) -> None:
         """Land what is in flight now: the same values as at the layers' next forward, since no
@@ -550,9 +544,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         a model's worth of bytes at a regroup on a slow link is minutes."""
         if not self._ref or self.comm.world_size == 1:
             return
-        # by name: the dict's order is the layers' when the codec was taken, which a plan made
-        # before (a joiner's own, alone) may have reordered
-        refs = [t for name in sorted(self._ref) for t in self._ref[name]]
+        refs = self._refs_by_name()
         flat = flatten(refs)
         if not self.comm.same_everywhere(flat):
             unflatten_into(self.comm.broadcast(flat, src=0), refs)
@@ -604,17 +596,30 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
     def adopted_state(self) -> None:
         super().adopted_state()
         with torch.no_grad():
-            for layer in self.layers:
-                for ref, p in zip(self._ref.get(layer.name, []), layer.params, strict=False):
-                    p.copy_(ref)
+            for ref, p in self._ref_pairs():
+                p.copy_(ref)
+
+    def _ref_pairs(self):
+        """(reference, parameter) of every layer, with a codec (none without)."""
+        for layer in self.layers:
+            yield from zip(self._ref.get(layer.name, []), layer.params, strict=False)
+
+    def _refs_follow(self) -> None:
+        """The references become the parameters (where the replicas are one)."""
+        with torch.no_grad():
+            for ref, p in self._ref_pairs():
+                ref.copy_(p)
+
+    def _refs_by_name(self) -> list[torch.Tensor]:
+        """The references in layer-name order: the same on every worker, whatever order a plan
+        (a joiner's own, made alone) gave its layers."""
+        return [t for name in sorted(self._ref) for t in self._ref[name]]
 
     def shared_state(self) -> list[torch.Tensor] | None:
         # Each layer is averaged at its own iteration of the period, so no boundary finds the
         # replicas equal; with a codec, the references its messages are taken against are one
         # (``_agree_refs``), by layer name (a plan's order may differ between workers' re-plans).
-        if not self._ref:
-            return None
-        return [t for name in sorted(self._ref) for t in self._ref[name]]
+        return self._refs_by_name() if self._ref else None
 
     def state_dict(self) -> dict[str, Any]:
         self._land_all_late()  # before the model is read: a snapshot holds no collective in flight
