@@ -159,9 +159,91 @@ def test_an_epochs_group_forms_within_a_minute_and_then_waits_the_collective_tim
     m = Membership("127.0.0.1", 1, 2, [0, 1, 2], timeout_s=6036)
     m.join(3, [0, 2])
     (kw,) = made
-    assert kw["timeout"].total_seconds() == membership_module.FORMATION_S and kw["rank"] == 1
+    gloo_s = membership_module.FORMATION_S / membership_module.GLOO_CONNECT_FACTOR  # its connects
+    assert kw["timeout"].total_seconds() == gloo_s and kw["rank"] == 1
+    assert isinstance(kw["store"], membership_module.FormationStore)  # its waits: the whole minute
+    assert kw["store"].inner == "geotrain/epoch3" and kw["store"].bound_s == membership_module.FORMATION_S
     assert [t.total_seconds() for t in set_to] == [6036]
     assert (m.epoch, m.members) == (3, [0, 2])
+
+
+class _Keys:
+    """A store holding ``keys`` (what a formation's waits poll), and what was asked of it."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys, self.checks = keys, 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        return set(keys) <= self.keys
+
+    def get(self, key: str) -> bytes:
+        return key.encode()
+
+
+def test_a_formations_wait_gives_up_at_its_bound_or_at_once_when_a_newer_epoch_lost_members():
+    from geotrain.ft.membership import FormationStore
+
+    inner, lost = _Keys({"0"}), []
+    store = FormationStore(inner, lambda: bool(lost), bound_s=0.3)
+    assert store.get("0") == b"0"  # there: no wait
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="wait timeout after 0 s") as e:
+        store.wait(["0", "1"], timedelta(seconds=0.01))  # gloo's timeout is not the store's bound
+    assert not isinstance(e.value, MembershipChanged) and 0.3 <= time.monotonic() - t0 < 1.0
+    lost.append(2)
+    t0 = time.monotonic()
+    with pytest.raises(MembershipChanged, match="newer epoch lost members"):
+        store.get("1")
+    assert time.monotonic() - t0 < 0.05
+
+
+def _forming_alone(host: int, store_port: int, out: str) -> None:
+    """Host 0 forms epoch 1 of hosts 0 and 1; host 1 never comes (lost after it said it was
+    ready). A heartbeat thread reads the epochs, as a trainer's does."""
+    membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=600)
+    beat = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(0.1):
+            membership.observe(beat, int(beat.add("epoch", 0)))
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    result = {"began": time.time()}  # (the test's clock: another process's)
+    try:
+        membership.join(1, [0, 1])
+        result["formed"] = True
+    except RuntimeError as e:
+        result.update(error=str(e), type=type(e).__name__)
+    result["ended"] = time.time()
+    stop.set()
+    torch.save(result, out)
+
+
+def test_a_formation_waiting_for_a_member_that_died_gives_up_as_soon_as_a_newer_epoch_is_published(tmp_path):
+    """A member that said it was ready for an epoch and died before posting its address held
+    the others in the formation for its whole bound (a minute), so kills 20 s apart stalled a
+    soak. The coordinator publishes the loss within seconds: the formation gives up then."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")  # epoch 1: hosts 0 and 1
+    out = str(tmp_path / "host0.pt")
+    p = CONTEXT.Process(target=_forming_alone, args=(0, store.port, out), daemon=True)
+    p.start()
+    try:
+        time.sleep(3.0)  # it forms, waiting for host 1's address
+        assert p.is_alive()
+        published = time.time()
+        epochs.leave({1}, "exited")  # epoch 2: host 1 is lost
+        p.join(30)
+    finally:
+        if p.is_alive():
+            p.kill()
+    got = torch.load(out, weights_only=False)
+    assert "newer epoch lost members" in got.get("error", ""), got
+    assert got["began"] < published, got
+    assert got["ended"] - published < 2.0, got  # at once, where it waited out FORMATION_S (60 s)
 
 
 def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():

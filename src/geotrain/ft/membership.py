@@ -60,20 +60,91 @@ def retire(obj) -> None:
 
 
 FORMATION_S = 60.0  # at most this long to make a group in a regroup: a few connects, not a collective's bytes
+# gloo's connect phase, where a peer posted its address and then died, gives up after about five
+# times the timeout it is given (torch 2.13, measured: 2 s -> 10 s, 4 s -> 21 s, 10 s -> 51 s), so
+# a group forms under a fifth of its bound; the store's waits (``FormationStore``) keep the whole.
+GLOO_CONNECT_FACTOR = 5
+
+
+def forming_timeout(bound_s: float, timeout_s: float) -> timedelta:
+    """The timeout gloo is given to form a group that must form within ``bound_s`` (or fail),
+    whose collectives then get ``timeout_s``."""
+    return timedelta(seconds=min(timeout_s or 600.0, bound_s / GLOO_CONNECT_FACTOR))
+
+
+class FormationStore(dist.Store):
+    """The store an epoch's groups form on (``Membership.join``): ``inner`` with waits that give
+    up within ``bound_s`` and at once where ``abandon()`` says so (a newer epoch has lost members:
+    the one forming waits for a peer that is gone, or for one that will leave it for the newer).
+    A group's formation waits here for each peer's address, so a member killed between saying it
+    was ready and posting its address held the others for the whole bound, and faults a few
+    seconds apart outpaced every formation (a soak with a kill every 20 s stalled).
+
+    Waits poll (``POLL_S``): the store's own blocking wait could not be cut short."""
+
+    def __init__(self, inner, abandon: Callable[[], bool], bound_s: float = FORMATION_S) -> None:
+        super().__init__()
+        self.inner, self.abandon, self.bound_s = inner, abandon, bound_s
+        self._clones: list[FormationStore] = []  # torch holds the C++ side; Python must hold these
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        # ``timeout`` is gloo's, a fifth of the bound (``forming_timeout``): not for the store
+        deadline = time.monotonic() + self.bound_s
+        while not self.inner.check(keys):
+            if self.abandon():
+                raise MembershipChanged(
+                    f"a newer epoch lost members while this group formed (waiting for {keys})"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"a group did not form: wait timeout after {self.bound_s:.0f} s, keys: {keys}"
+                )
+            time.sleep(POLL_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def clone(self) -> FormationStore:
+        twin = FormationStore(self.inner.clone(), self.abandon, self.bound_s)
+        self._clones.append(twin)
+        return twin
 
 
 def formed_group(ranks: list[int] | None, timeout_s: float, formation_s: float = FORMATION_S):
-    """``dist.new_group(ranks)`` (None: every rank) of gloo, made under a timeout of at most
-    ``formation_s`` (its connects move a few bytes) and then given ``timeout_s`` for its
-    collectives, which at a slow link may take hours (``plan.network.collective_timeout_s``): a
-    member lost while a regroup makes its groups fails the others here within ``formation_s``,
+    """``dist.new_group(ranks)`` (None: every rank) of gloo, made within ``formation_s`` (its
+    connects move a few bytes; the default group's store, a ``FormationStore``, bounds its waits)
+    and then given ``timeout_s`` for its collectives, which at a slow link may take hours
+    (``plan.network.collective_timeout_s``): a member lost while a regroup makes its groups fails
+    the others here within ``formation_s`` (at once where the coordinator has published that),
     and they regroup again, rather than wait out the collective timeout. Collective."""
     from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
 
     set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
     timeout = timedelta(seconds=timeout_s or 600.0)
-    # Without the helper (an older torch) the group keeps the collective timeout throughout.
-    forming = min(timeout, timedelta(seconds=formation_s)) if set_timeout is not None else timeout
+    # Without the helper (an older torch) the group keeps the collective timeout throughout. At
+    # start-up (bound by the whole timeout: peers may still be loading) the store is not a
+    # FormationStore, and gloo's timeout bounds its waits too: kept whole.
+    bounded = set_timeout is not None and formation_s < timeout.total_seconds()
+    forming = forming_timeout(formation_s, timeout_s) if bounded else timeout
     group = dist.new_group(ranks, backend="gloo", timeout=forming)  # every rank, once: collective
     if (ranks is None or dist.get_rank() in ranks) and forming < timeout:
         set_timeout(timeout, group)
@@ -152,6 +223,7 @@ class Membership:
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
+        self._forming: FormationStore | None = None  # the store of this epoch's groups
         # With redundancy: each epoch also gets a group of its own for snapshot shipments,
         # formed right after the training group by every member (they never share a group with
         # the training collectives, which run in another thread).
@@ -356,14 +428,21 @@ class Membership:
         # the others wait for its connection) fails the others within a minute, and they
         # regroup again, where they sat out the whole collective timeout (seen in a soak with a
         # kill every 20 s: every member stuck, and killed one by one, until none held the state).
+        # Its waits give up at once when a newer epoch loses members (the coordinator has seen a
+        # member die, maybe one this formation waits for): faults seconds apart each cost a
+        # detection, not a formation's bound.
         from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, as formed_group
 
         set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
         timeout = timedelta(seconds=self.timeout_s)
-        forming = min(timeout, timedelta(seconds=FORMATION_S)) if set_timeout is not None else timeout
+        forming = forming_timeout(FORMATION_S, self.timeout_s) if set_timeout is not None else timeout
+        retire(self._forming)  # the old group's (retired, never destroyed) may still call it
+        self._forming = FormationStore(
+            dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()), lambda: self.published_leave > epoch
+        )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()),
+            store=self._forming,
             rank=members.index(self.host),
             world_size=len(members),
             timeout=forming,
