@@ -239,7 +239,11 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         membership.period = sync.sync_period  # asked at each boundary: 1 in a warm start, then H
     generators = {"sampler": sampler.gen, "profile_sampler": profile_sampler.gen}
     snap_dir = run_dir / "snapshots" if run_dir is not None else None
-    snap_comm = Communicator(group=ctx.snapshot_group) if ctx.snapshot_group is not None else None
+    snap_comm = (
+        Communicator(group=ctx.snapshot_group, timeout_s=cfg.timeout_s)
+        if ctx.snapshot_group is not None
+        else None
+    )
     keeper = KeeperClient(cfg.keeper) if cfg.keeper else None
     progress0: dict[str, Any] = {"step": 0, "train_s": 0.0, "eval_s": 0.0, "wall_s": 0.0, "val_loss": None}
     resumed = None
@@ -485,7 +489,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         tokens_per_step = cfg.batch_size * model.block_size * comm.world_size
         # Snapshots go on, each into this host's keeper, and redundancy among the new members.
         group = membership.snapshot_group
-        snapshots.regroup(Communicator(group=group) if group is not None else None, event["members"])
+        snapshots.regroup(
+            Communicator(group=group, timeout_s=cfg.timeout_s) if group is not None else None,
+            event["members"],
+        )
         if not cfg.snapshot_every:  # a joiner that chose its period alone (--H auto): the members' now
             snapshots.cfg.every = sync.default_snapshot_every()
         resume = event.pop("resume")

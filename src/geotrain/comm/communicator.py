@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -621,12 +622,18 @@ class Communicator(CheckedMeans):
             self.stats.recv_bytes += t.numel() * t.element_size()
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
         with self.naming_timeouts("point-to-point transfer", nbytes):
-            wait_transfers(works, self.interrupt_after_now())
+            wait_transfers(works, self.interrupt_after_now(), None if self.nccl else self.wait_timeout())
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work, op: str, nbytes: int) -> None:
         with self.naming_timeouts(op, nbytes):
-            wait_work(work, self.interrupt_after_now(), not self.nccl)
+            wait_work(work, self.interrupt_after_now(), not self.nccl, self.wait_timeout())
+
+    def wait_timeout(self) -> timedelta | None:
+        """A plain wait's timeout: the collective timeout where known (None: the group's own).
+        gloo's sends and receives would otherwise keep a regroup's formation bound
+        (``waits.plain_wait``)."""
+        return timedelta(seconds=self.timeout_s) if self.timeout_s else None
 
     def interrupt_after_now(self) -> Callable[[], bool] | None:
         """True once an epoch newer than the current one loses members (None: never). An epoch

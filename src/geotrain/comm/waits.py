@@ -99,14 +99,30 @@ def peer_lost_line(error: BaseException, rank: int) -> str | None:
     return f"host {rank}: a collective failed, a peer gone ({gone}); that peer's failure is reported apart"
 
 
-def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = True) -> None:
+def plain_wait(work, timeout: timedelta | None) -> None:
+    """``work.wait()`` under ``timeout`` where one is given (gloo, the collective timeout).
+
+    gloo times a send or receive waited on without one by its group's context, which keeps the
+    timeout the group was formed under: a regroup's formation bound (``ft.membership``), not
+    the collective timeout ``_set_pg_timeout`` gives its collectives afterwards. A hand-over or a
+    snapshot share longer than that failed (a 0.85 MB hand-over at 1 Mbit/s, measured)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def wait_work(
+    work, interrupt: Callable[[], bool] | None, timed_waits: bool = True, timeout: timedelta | None = None
+) -> None:
     """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
 
     A wait with a timeout returns the moment the work completes, so polling costs no latency;
     a timed-out wait leaves the work as it was (gloo). NCCL aborts its communicator when a timed
-    wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead."""
+    wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead.
+    ``timeout``: a plain wait's (``plain_wait``)."""
     if interrupt is None:
-        work.wait()
+        plain_wait(work, timeout if timed_waits else None)
         return
     while True:
         if work.is_completed():
@@ -126,7 +142,9 @@ def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = Tr
             raise MembershipChanged("the group lost a member while this collective waited")
 
 
-def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
+def wait_transfers(
+    works: list, interrupt: Callable[[], bool] | None, timeout: timedelta | None = None
+) -> None:
     """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
     ``interrupt()`` says so.
 
@@ -136,10 +154,11 @@ def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
     end them: gloo tells it to the transfers queued on that connection, not to the one whose
     payload it is reading or writing, which waits for the group's timeout (a member killed
     mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
-    waited for that joiner to be ready). An abandoned waiter and its works are retired."""
+    waited for that joiner to be ready). An abandoned waiter and its works are retired.
+    ``timeout``: each wait's (``plain_wait``)."""
     if interrupt is None:
         for work in works:
-            work.wait()
+            plain_wait(work, timeout)
         return
     done = threading.Event()
     failed: list[BaseException] = []
@@ -147,7 +166,7 @@ def wait_transfers(works: list, interrupt: Callable[[], bool] | None) -> None:
     def waiter() -> None:
         try:
             for work in works:
-                work.wait()
+                plain_wait(work, timeout)
         except BaseException as e:  # the transfer's own error, raised by the caller
             failed.append(e)
         finally:
@@ -213,7 +232,7 @@ class Handle:
         start = time.perf_counter()
         with self._comm.naming_timeouts(self._op, self._nbytes):
             for work in self._works:
-                wait_work(work, self._interrupt, not self._comm.nccl)
+                wait_work(work, self._interrupt, not self._comm.nccl, self._comm.wait_timeout())
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
