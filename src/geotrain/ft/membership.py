@@ -60,16 +60,6 @@ def retire(obj) -> None:
 
 
 FORMATION_S = 60.0  # at most this long to make a group in a regroup: a few connects, not a collective's bytes
-# gloo's connect phase, where a peer posted its address and then died, gives up after about five
-# times the timeout it is given (torch 2.13, measured: 2 s -> 10 s, 4 s -> 21 s, 10 s -> 51 s), so
-# a group forms under a fifth of its bound; the store's waits (``FormationStore``) keep the whole.
-GLOO_CONNECT_FACTOR = 5
-
-
-def forming_timeout(bound_s: float, timeout_s: float) -> timedelta:
-    """The timeout gloo is given to form a group that must form within ``bound_s`` (or fail),
-    whose collectives then get ``timeout_s``."""
-    return timedelta(seconds=min(timeout_s or 600.0, bound_s / GLOO_CONNECT_FACTOR))
 
 
 class FormationStore(dist.Store):
@@ -80,7 +70,12 @@ class FormationStore(dist.Store):
     was ready and posting its address held the others for the whole bound, and faults a few
     seconds apart outpaced every formation (a soak with a kill every 20 s stalled).
 
-    Waits poll (``POLL_S``): the store's own blocking wait could not be cut short."""
+    Waits poll (``POLL_S``): the store's own blocking wait could not be cut short. Each wait
+    has the whole bound. What it cannot cut short is gloo's connect to a peer that posted its
+    address and then died (about five times gloo's timeout, measured on torch 2.13: 2 s -> 10 s,
+    10 s -> 51 s): a window of a second between posting and connecting, left to the bound, since
+    a shorter gloo timeout would also fail a healthy formation whose SYNs a shaped link's full
+    queue drops (and a formation that fails with no member lost ends the run)."""
 
     def __init__(self, inner, abandon: Callable[[], bool], bound_s: float = FORMATION_S) -> None:
         super().__init__()
@@ -88,7 +83,7 @@ class FormationStore(dist.Store):
         self._clones: list[FormationStore] = []  # torch holds the C++ side; Python must hold these
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        # ``timeout`` is gloo's, a fifth of the bound (``forming_timeout``): not for the store
+        # ``timeout``, gloo's or torch's, is at least the bound: this one rules the store's waits
         deadline = time.monotonic() + self.bound_s
         while not self.inner.check(keys):
             if self.abandon():
@@ -130,21 +125,19 @@ class FormationStore(dist.Store):
 
 
 def formed_group(ranks: list[int] | None, timeout_s: float, formation_s: float = FORMATION_S):
-    """``dist.new_group(ranks)`` (None: every rank) of gloo, made within ``formation_s`` (its
-    connects move a few bytes; the default group's store, a ``FormationStore``, bounds its waits)
-    and then given ``timeout_s`` for its collectives, which at a slow link may take hours
-    (``plan.network.collective_timeout_s``): a member lost while a regroup makes its groups fails
-    the others here within ``formation_s`` (at once where the coordinator has published that),
-    and they regroup again, rather than wait out the collective timeout. Collective."""
+    """``dist.new_group(ranks)`` (None: every rank) of gloo, made under a timeout of at most
+    ``formation_s`` (its connects move a few bytes) and then given ``timeout_s`` for its
+    collectives, which at a slow link may take hours (``plan.network.collective_timeout_s``): a
+    member lost while a regroup makes its groups fails the others here within about
+    ``formation_s`` (at once where the coordinator has published the loss before they wait for
+    it: the default group's store is a ``FormationStore``), and they regroup again, rather than
+    wait out the collective timeout. Collective."""
     from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
 
     set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
     timeout = timedelta(seconds=timeout_s or 600.0)
-    # Without the helper (an older torch) the group keeps the collective timeout throughout. At
-    # start-up (bound by the whole timeout: peers may still be loading) the store is not a
-    # FormationStore, and gloo's timeout bounds its waits too: kept whole.
-    bounded = set_timeout is not None and formation_s < timeout.total_seconds()
-    forming = forming_timeout(formation_s, timeout_s) if bounded else timeout
+    # Without the helper (an older torch) the group keeps the collective timeout throughout.
+    forming = min(timeout, timedelta(seconds=formation_s)) if set_timeout is not None else timeout
     group = dist.new_group(ranks, backend="gloo", timeout=forming)  # every rank, once: collective
     if (ranks is None or dist.get_rank() in ranks) and forming < timeout:
         set_timeout(timeout, group)
@@ -428,18 +421,24 @@ class Membership:
         # the others wait for its connection) fails the others within a minute, and they
         # regroup again, where they sat out the whole collective timeout (seen in a soak with a
         # kill every 20 s: every member stuck, and killed one by one, until none held the state).
-        # Its waits give up at once when a newer epoch loses members (the coordinator has seen a
-        # member die, maybe one this formation waits for): faults seconds apart each cost a
-        # detection, not a formation's bound.
+        # Its store's waits give up at once when a newer epoch loses members (the coordinator has
+        # seen a member die, maybe one it waits for): a member that died before posting its
+        # address costs the others its detection, not the bound.
         from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, as formed_group
 
         set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
         timeout = timedelta(seconds=self.timeout_s)
-        forming = forming_timeout(FORMATION_S, self.timeout_s) if set_timeout is not None else timeout
+        forming = min(timeout, timedelta(seconds=FORMATION_S)) if set_timeout is not None else timeout
+        abandon = lambda: self.published_leave > epoch  # noqa: E731 - read by the store, and here
+        if abandon():  # its peers are leaving it: one arriving late would find their addresses
+            raise MembershipChanged(f"epoch {epoch} lost members before this worker formed it")
+        # A formation that failed leaves torch's count of unnamed groups where the group being
+        # made took it (only destroying a default group resets it), and the next default group
+        # would be named, so keyed, "1" on this worker and "0" on its peers: none would form.
+        if hasattr(distributed_c10d, "_world") and not dist.is_initialized():
+            distributed_c10d._world.group_count = 0
         retire(self._forming)  # the old group's (retired, never destroyed) may still call it
-        self._forming = FormationStore(
-            dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()), lambda: self.published_leave > epoch
-        )
+        self._forming = FormationStore(dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()), abandon)
         dist.init_process_group(
             backend,
             store=self._forming,
