@@ -151,6 +151,8 @@ def test_an_epochs_group_forms_within_a_minute_and_then_waits_the_collective_tim
     from geotrain.ft import membership as membership_module
 
     made, set_to = [], []
+    world = distributed_c10d._world
+    monkeypatch.setattr(world, "group_count", 1)  # as a failed formation leaves torch's count
     monkeypatch.setattr(tdist, "is_initialized", lambda: False)
     monkeypatch.setattr(tdist, "PrefixStore", lambda prefix, store: prefix)
     monkeypatch.setattr(tdist, "init_process_group", lambda backend, **kw: made.append(kw))
@@ -164,6 +166,11 @@ def test_an_epochs_group_forms_within_a_minute_and_then_waits_the_collective_tim
     assert kw["store"].inner == "geotrain/epoch3" and kw["store"].bound_s == membership_module.FORMATION_S
     assert [t.total_seconds() for t in set_to] == [6036]
     assert (m.epoch, m.members) == (3, [0, 2])
+    assert world.group_count == 0  # the new default group is named, so keyed, as its peers' is
+    m.published_leave = 5  # epoch 4 lost members before this worker formed it: not even tried
+    with pytest.raises(MembershipChanged, match="epoch 4 lost members before"):
+        m.join(4, [0, 2])
+    assert len(made) == 1
 
 
 class _Keys:
@@ -286,35 +293,42 @@ def test_a_formation_waiting_for_a_member_that_died_gives_up_as_soon_as_a_newer_
 
 
 def _late_transfers(host: int, store_port: int, out: str) -> None:
-    """A group formed under a 1 s bound, then given the collective timeout (30 s), as a
-    regroup's are; host 0 sends 2.5 s late, through ``exchange`` and through ``send_async``."""
+    """A group formed under a 2 s bound, then given the collective timeout (30 s), as a
+    regroup's are; host 0 sends 4 s late, through ``exchange`` (its waiter thread: a member's,
+    which a newer epoch would interrupt) and through ``send_async``."""
     from torch.distributed import distributed_c10d
 
     from geotrain.comm.communicator import Communicator
 
     try:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+        store.add("late/up", 1)
+        while int(store.add("late/up", 0)) < 2:  # both here: the 2 s bound is for the formation
+            time.sleep(0.01)
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore("late", store),
             rank=host,
             world_size=2,
-            timeout=timedelta(seconds=1),
+            timeout=timedelta(seconds=2),
         )
         distributed_c10d._set_pg_timeout(timedelta(seconds=30), dist.group.WORLD)
-        comm = Communicator(timeout_s=30)
-        got = torch.zeros(4)
+        comm = Communicator(timeout_s=30, membership=types.SimpleNamespace(epoch=1, published_leave=1))
+        got = {}
         for how in ("exchange", "send_async"):
+            sent = torch.arange(4.0) + (10 if how == "exchange" else 20)
             if host == 0:
-                time.sleep(2.5)
+                time.sleep(4.0)
                 if how == "exchange":
-                    comm.exchange([(torch.arange(4.0), 1, 0)], [])
+                    comm.exchange([(sent, 1, 0)], [])
                 else:
-                    comm.send_async(torch.arange(4.0), 1).wait()
-            elif how == "exchange":
-                comm.exchange([], [(got, 0, 0)])
+                    comm.send_async(sent, 1).wait()
             else:
-                comm.recv_async(got, 0).wait()
+                got[how] = torch.zeros(4)
+                if how == "exchange":
+                    comm.exchange([], [(got[how], 0, 0)])
+                else:
+                    comm.recv_async(got[how], 0).wait()
         dist.destroy_process_group()
         torch.save({"ok": got}, out)
     except BaseException:
@@ -338,7 +352,8 @@ def test_a_transfer_in_a_regrouped_group_waits_the_collective_timeout_not_the_fo
             p.kill()
     got = [torch.load(o, weights_only=False) for o in outs]
     assert all("ok" in g for g in got), [g.get("error") for g in got]
-    assert torch.equal(got[1]["ok"], torch.arange(4.0))
+    assert torch.equal(got[1]["ok"]["exchange"], torch.arange(4.0) + 10)
+    assert torch.equal(got[1]["ok"]["send_async"], torch.arange(4.0) + 20)
 
 
 def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():

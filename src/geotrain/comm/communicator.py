@@ -103,7 +103,9 @@ class Communicator(CheckedMeans):
     stats: CommStats = field(default_factory=CommStats)
     control_calls: int = 0
     membership: Any = None  # with .epoch and .published (ft.membership.Membership): waits give up
-    timeout_s: float = 0.0  # the process group's timeout, for the message when one expires
+    # The process group's timeout: for the message when one expires, and what a send or receive
+    # waits (``wait_timeout``)
+    timeout_s: float = 0.0
     link: str = ""  # the links, described, for the same message
     # The site of each host: all-reduces over the default group go in two levels, and all-gathers
     # where sites are of equal size (comm/hierarchy.py)
@@ -467,14 +469,33 @@ class Communicator(CheckedMeans):
         self.stats.payload_bytes += nbytes
         self.stats.sent_bytes += nbytes
         work = dist.isend(tensor.contiguous(), group_dst=dst, group=self.group)
-        return Handle(self, work, tensor, 1, time.perf_counter(), "send", nbytes)
+        return Handle(
+            self,
+            work,
+            tensor,
+            1,
+            time.perf_counter(),
+            "send",
+            nbytes,
+            transfer=True,
+            timeout=self.wait_timeout(tensor),
+        )
 
     def recv_async(self, tensor: torch.Tensor, src: int) -> Handle:
         """Point-to-point receive from group rank ``src`` into ``tensor``."""
-        self.stats.recv_bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.recv_bytes += nbytes
         work = dist.irecv(tensor, group_src=src, group=self.group)
         return Handle(
-            self, work, tensor, 1, time.perf_counter(), "receive", tensor.numel() * tensor.element_size()
+            self,
+            work,
+            tensor,
+            1,
+            time.perf_counter(),
+            "receive",
+            nbytes,
+            transfer=True,
+            timeout=self.wait_timeout(tensor),
         )
 
     def probe_broadcast_s(self, nbytes: int, device: torch.device | None = None) -> list[float]:
@@ -622,18 +643,24 @@ class Communicator(CheckedMeans):
             self.stats.recv_bytes += t.numel() * t.element_size()
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
         with self.naming_timeouts("point-to-point transfer", nbytes):
-            wait_transfers(works, self.interrupt_after_now(), None if self.nccl else self.wait_timeout())
+            wait_transfers(
+                works, self.interrupt_after_now(), self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
+            )
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work, op: str, nbytes: int) -> None:
         with self.naming_timeouts(op, nbytes):
-            wait_work(work, self.interrupt_after_now(), not self.nccl, self.wait_timeout())
+            wait_work(work, self.interrupt_after_now(), not self.nccl)
 
-    def wait_timeout(self) -> timedelta | None:
-        """A plain wait's timeout: the collective timeout where known (None: the group's own).
-        gloo's sends and receives would otherwise keep a regroup's formation bound
-        (``waits.plain_wait``)."""
-        return timedelta(seconds=self.timeout_s) if self.timeout_s else None
+    def wait_timeout(self, *tensors: torch.Tensor) -> timedelta | None:
+        """The timeout a send or receive of ``tensors`` is waited on with: the collective timeout
+        where known, and the tensors go by gloo (on the CPU; NCCL's would abort its
+        communicator when a timed wait expires); None: the group's own. gloo's would otherwise
+        keep a regroup's formation bound (``waits.plain_wait``). Collectives follow the group's
+        timeout (``_set_pg_timeout``) and are waited on plainly."""
+        if not self.timeout_s or any(t.device.type != "cpu" for t in tensors):
+            return None
+        return timedelta(seconds=self.timeout_s)
 
     def interrupt_after_now(self) -> Callable[[], bool] | None:
         """True once an epoch newer than the current one loses members (None: never). An epoch

@@ -112,17 +112,15 @@ def plain_wait(work, timeout: timedelta | None) -> None:
         work.wait(timeout)
 
 
-def wait_work(
-    work, interrupt: Callable[[], bool] | None, timed_waits: bool = True, timeout: timedelta | None = None
-) -> None:
+def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = True) -> None:
     """``work.wait()``, abandoned with ``MembershipChanged`` once ``interrupt()`` says so.
 
     A wait with a timeout returns the moment the work completes, so polling costs no latency;
     a timed-out wait leaves the work as it was (gloo). NCCL aborts its communicator when a timed
     wait expires, so on a group with NCCL (``timed_waits`` False) the work is polled instead.
-    ``timeout``: a plain wait's (``plain_wait``)."""
+    For a collective: a send or receive is waited on by ``wait_transfers``."""
     if interrupt is None:
-        plain_wait(work, timeout if timed_waits else None)
+        work.wait()
         return
     while True:
         if work.is_completed():
@@ -195,7 +193,12 @@ class Handle:
         op: str = "",
         nbytes: int = 0,
         finish: Callable[[], None] | None = None,
+        transfer: bool = False,
+        timeout: timedelta | None = None,
     ):
+        # A send or receive: waited on as ``wait_transfers`` does (never a timed poll, which
+        # gloo takes for a failed transfer), with its timeout (``plain_wait``)
+        self._transfer, self._timeout = transfer, timeout
         self._comm = comm
         self._finish = finish  # what turns the collective's output into the result (a robust mean)
         self._op, self._nbytes = op, nbytes
@@ -231,8 +234,11 @@ class Handle:
             return self._tensor
         start = time.perf_counter()
         with self._comm.naming_timeouts(self._op, self._nbytes):
-            for work in self._works:
-                wait_work(work, self._interrupt, not self._comm.nccl, self._comm.wait_timeout())
+            if self._transfer:
+                wait_transfers(self._works, self._interrupt, self._timeout)
+            else:
+                for work in self._works:
+                    wait_work(work, self._interrupt, not self._comm.nccl)
         remaining = self._launched + self._comm.min_collective_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

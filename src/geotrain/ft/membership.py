@@ -71,11 +71,12 @@ class FormationStore(dist.Store):
     seconds apart outpaced every formation (a soak with a kill every 20 s stalled).
 
     Waits poll (``POLL_S``): the store's own blocking wait could not be cut short. Each wait
-    has the whole bound. What it cannot cut short is gloo's connect to a peer that posted its
-    address and then died (about five times gloo's timeout, measured on torch 2.13: 2 s -> 10 s,
-    10 s -> 51 s): a window of a second between posting and connecting, left to the bound, since
-    a shorter gloo timeout would also fail a healthy formation whose SYNs a shaped link's full
-    queue drops (and a formation that fails with no member lost ends the run)."""
+    has the whole bound. What this cannot cut short is gloo's connect to a peer that posted its
+    address and then died, which gives up after about five times gloo's timeout (measured on
+    torch 2.13: 2 s -> 10 s, 10 s -> 51 s; at the 60 s bound, about 5 minutes). That needs a
+    death in the second between posting and connecting; a shorter gloo timeout would also fail a
+    healthy formation whose SYNs a shaped link's full queue drops, and a formation that fails
+    with no member lost ends the run."""
 
     def __init__(self, inner, abandon: Callable[[], bool], bound_s: float = FORMATION_S) -> None:
         super().__init__()
@@ -83,7 +84,8 @@ class FormationStore(dist.Store):
         self._clones: list[FormationStore] = []  # torch holds the C++ side; Python must hold these
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        # ``timeout``, gloo's or torch's, is at least the bound: this one rules the store's waits
+        # ``timeout`` (gloo's: the bound, or the collective timeout where that is shorter) is
+        # not the store's: its waits keep the bound, and give up early only by ``abandon``
         deadline = time.monotonic() + self.bound_s
         while not self.inner.check(keys):
             if self.abandon():
@@ -128,10 +130,10 @@ def formed_group(ranks: list[int] | None, timeout_s: float, formation_s: float =
     """``dist.new_group(ranks)`` (None: every rank) of gloo, made under a timeout of at most
     ``formation_s`` (its connects move a few bytes) and then given ``timeout_s`` for its
     collectives, which at a slow link may take hours (``plan.network.collective_timeout_s``): a
-    member lost while a regroup makes its groups fails the others here within about
-    ``formation_s`` (at once where the coordinator has published the loss before they wait for
-    it: the default group's store is a ``FormationStore``), and they regroup again, rather than
-    wait out the collective timeout. Collective."""
+    member lost while a regroup makes its groups fails the others here within ``formation_s``
+    (at once where the coordinator has published the loss while they wait for its address: the
+    default group's store is a ``FormationStore``; about five times it where it died connecting),
+    and they regroup again, rather than wait out the collective timeout. Collective."""
     from torch.distributed import distributed_c10d  # noqa: PLC0415 - a private helper, where torch has it
 
     set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
@@ -418,9 +420,10 @@ class Membership:
         gc.collect()
         # Formed under FORMATION_S (a few connects), then given the collective timeout, which on
         # a slow link is hours: a member lost while the group forms (it registered and died, and
-        # the others wait for its connection) fails the others within a minute, and they
-        # regroup again, where they sat out the whole collective timeout (seen in a soak with a
-        # kill every 20 s: every member stuck, and killed one by one, until none held the state).
+        # the others wait for its address) fails the others within a minute (about five where
+        # it died connecting: ``FormationStore``), and they regroup again, where they sat out
+        # the whole collective timeout (seen in a soak with a kill every 20 s: every member
+        # stuck, and killed one by one, until none held the state).
         # Its store's waits give up at once when a newer epoch loses members (the coordinator has
         # seen a member die, maybe one it waits for): a member that died before posting its
         # address costs the others its detection, not the bound.
@@ -435,7 +438,7 @@ class Membership:
         # A formation that failed leaves torch's count of unnamed groups where the group being
         # made took it (only destroying a default group resets it), and the next default group
         # would be named, so keyed, "1" on this worker and "0" on its peers: none would form.
-        if hasattr(distributed_c10d, "_world") and not dist.is_initialized():
+        if hasattr(distributed_c10d, "_world"):  # (the old group is destroyed above)
             distributed_c10d._world.group_count = 0
         retire(self._forming)  # the old group's (retired, never destroyed) may still call it
         self._forming = FormationStore(dist.PrefixStore(f"geotrain/epoch{epoch}", self.store()), abandon)
