@@ -19,9 +19,11 @@ Each trainer learns of a new epoch within a tenth of a second (its heartbeat thr
 counter), abandons the collective it is waiting for (the Communicator polls, so a frozen peer
 that sends no reset cannot hold it), waits until every member of the newest epoch is ready,
 destroys its old default group without using it again, and joins a fresh gloo group of the new
-members on the store prefix ``geotrain/epoch{e}``. Ranks follow the order of host ids, so rank 0
-of an epoch is its lowest surviving host: losing the first epoch's rank 0 (whose torchrun hosted
-the first rendezvous) loses nothing, because no epoch after the first uses that store.
+members on the store prefix ``geotrain/epoch{e}`` (on a ``FormationStore``: a formation a newer
+epoch has doomed gives up at once). Ranks follow the coordinator's list of members, survivors in
+their order and joiners last, so rank 0 of an epoch is its longest-serving survivor: losing the
+first epoch's rank 0 (whose torchrun hosted the first rendezvous) loses nothing, because no epoch
+after the first uses that store.
 
 A *join* epoch interrupts nothing: the group in use is healthy. The members agree on the step
 after which they admit the joiner, the next sync boundary none of them has passed: each posts the
