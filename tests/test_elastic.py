@@ -292,70 +292,6 @@ def test_a_formation_waiting_for_a_member_that_died_gives_up_as_soon_as_a_newer_
         assert torch.equal(got.get("sum", torch.zeros(2)), torch.full((2,), 3.0)), got
 
 
-def _late_transfers(host: int, store_port: int, out: str) -> None:
-    """A group formed under a 2 s bound, then given the collective timeout (30 s), as a
-    regroup's are; host 0 sends 4 s late, through ``exchange`` (its waiter thread: a member's,
-    which a newer epoch would interrupt) and through ``send_async``."""
-    from torch.distributed import distributed_c10d
-
-    from geotrain.comm.communicator import Communicator
-
-    try:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-        store.add("late/up", 1)
-        while int(store.add("late/up", 0)) < 2:  # both here: the 2 s bound is for the formation
-            time.sleep(0.01)
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("late", store),
-            rank=host,
-            world_size=2,
-            timeout=timedelta(seconds=2),
-        )
-        distributed_c10d._set_pg_timeout(timedelta(seconds=30), dist.group.WORLD)
-        comm = Communicator(timeout_s=30, membership=types.SimpleNamespace(epoch=1, published_leave=1))
-        got = {}
-        for how in ("exchange", "send_async"):
-            sent = torch.arange(4.0) + (10 if how == "exchange" else 20)
-            if host == 0:
-                time.sleep(4.0)
-                if how == "exchange":
-                    comm.exchange([(sent, 1, 0)], [])
-                else:
-                    comm.send_async(sent, 1).wait()
-            else:
-                got[how] = torch.zeros(4)
-                if how == "exchange":
-                    comm.exchange([], [(got[how], 0, 0)])
-                else:
-                    comm.recv_async(got[how], 0).wait()
-        dist.destroy_process_group()
-        torch.save({"ok": got}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-
-
-def test_a_transfer_in_a_regrouped_group_waits_the_collective_timeout_not_the_formations(tmp_path):
-    """gloo times a send or receive by the timeout its group formed under, which
-    ``_set_pg_timeout`` does not change: after a regroup, every hand-over and snapshot share
-    longer than the formation bound failed (a 0.85 MB hand-over at 1 Mbit/s, in a soak)."""
-    store = _master()
-    outs = [str(tmp_path / f"host{h}.pt") for h in range(2)]
-    procs = [
-        CONTEXT.Process(target=_late_transfers, args=(h, store.port, outs[h]), daemon=True) for h in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        if p.is_alive():
-            p.kill()
-    got = [torch.load(o, weights_only=False) for o in outs]
-    assert all("ok" in g for g in got), [g.get("error") for g in got]
-    assert torch.equal(got[1]["ok"]["exchange"], torch.arange(4.0) + 10)
-    assert torch.equal(got[1]["ok"]["send_async"], torch.arange(4.0) + 20)
-
-
 def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():
     from geotrain.sync.base import InFlight
 
@@ -1143,6 +1079,51 @@ def _split_landing(host: int, store_port: int, file_store: str, final: bool = Fa
 
 def _split_final_landing(host: int, store_port: int, file_store: str, out: str) -> None:
     _split_landing(host, store_port, file_store, out, final=True)
+
+
+@_saved
+def _late_transfers(host: int, store_port: int, file_store: str) -> dict:
+    """A group formed under a 2 s bound, then given the collective timeout (30 s), as a
+    regroup's are; host 0 sends 4 s late, through ``exchange`` (its waiter thread: a member's,
+    which a newer epoch would interrupt) and through ``send_async``."""
+    from torch.distributed import distributed_c10d
+
+    from geotrain.comm.communicator import Communicator
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    store.add("late/up", 1)
+    while int(store.add("late/up", 0)) < 2:  # both here: the 2 s bound is for the formation
+        time.sleep(0.01)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("late", store), rank=host, world_size=2, timeout=timedelta(seconds=2)
+    )
+    distributed_c10d._set_pg_timeout(timedelta(seconds=30), dist.group.WORLD)
+    comm = Communicator(timeout_s=30, membership=types.SimpleNamespace(epoch=1, published_leave=1))
+    got = {}
+    for how in ("exchange", "send_async"):
+        sent = torch.arange(4.0) + (10 if how == "exchange" else 20)
+        if host == 0:
+            time.sleep(4.0)
+            if how == "exchange":
+                comm.exchange([(sent, 1, 0)], [])
+            else:
+                comm.send_async(sent, 1).wait()
+        else:
+            got[how] = torch.zeros(4)
+            if how == "exchange":
+                comm.exchange([], [(got[how], 0, 0)])
+            else:
+                comm.recv_async(got[how], 0).wait()
+    return got
+
+
+def test_a_transfer_in_a_regrouped_group_waits_the_collective_timeout_not_the_formations():
+    """gloo times a send or receive by the timeout its group formed under, which
+    ``_set_pg_timeout`` does not change: after a regroup, every hand-over and snapshot share
+    longer than the formation bound failed (a 0.85 MB hand-over at 1 Mbit/s, in a soak)."""
+    _, got = _hosts(_late_transfers, _master(), 2, kept=(0, 1))
+    assert torch.equal(got["exchange"], torch.arange(4.0) + 10)
+    assert torch.equal(got["send_async"], torch.arange(4.0) + 20)
 
 
 def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_sent_as_landed_not_resent(tmp_path):

@@ -468,35 +468,20 @@ class Communicator(CheckedMeans):
         self.stats.calls += 1
         self.stats.payload_bytes += nbytes
         self.stats.sent_bytes += nbytes
-        work = dist.isend(tensor.contiguous(), group_dst=dst, group=self.group)
-        return Handle(
-            self,
-            work,
-            tensor,
-            1,
-            time.perf_counter(),
-            "send",
-            nbytes,
-            transfer=True,
-            timeout=self.wait_timeout(tensor),
+        return self._transfer(
+            dist.isend(tensor.contiguous(), group_dst=dst, group=self.group), tensor, "send"
         )
 
     def recv_async(self, tensor: torch.Tensor, src: int) -> Handle:
         """Point-to-point receive from group rank ``src`` into ``tensor``."""
+        self.stats.recv_bytes += tensor.numel() * tensor.element_size()
+        return self._transfer(dist.irecv(tensor, group_src=src, group=self.group), tensor, "receive")
+
+    def _transfer(self, work, tensor: torch.Tensor, op: str) -> Handle:
+        """A send's or receive's handle: waited on as ``exchange``'s are, under ``wait_timeout``."""
         nbytes = tensor.numel() * tensor.element_size()
-        self.stats.recv_bytes += nbytes
-        work = dist.irecv(tensor, group_src=src, group=self.group)
-        return Handle(
-            self,
-            work,
-            tensor,
-            1,
-            time.perf_counter(),
-            "receive",
-            nbytes,
-            transfer=True,
-            timeout=self.wait_timeout(tensor),
-        )
+        timeout = self.wait_timeout(tensor)
+        return Handle(self, work, tensor, 1, time.perf_counter(), op, nbytes, transfer=True, timeout=timeout)
 
     def probe_broadcast_s(self, nbytes: int, device: torch.device | None = None) -> list[float]:
         """Seconds for each worker in turn to broadcast ``nbytes`` from ``device`` (default the
