@@ -26,7 +26,14 @@ import torch.distributed as dist
 from geotrain.comm.buckets import flatten
 from geotrain.comm.communicator import Communicator, peer_lost_line, wait_work
 from geotrain.data.corpus import BatchSampler, TokenCorpus
-from geotrain.ft.elastic import StepStatus, catching_up, copies_at_the_end, next_boundary, owned_shards
+from geotrain.ft.elastic import (
+    StepStatus,
+    catching_up,
+    copies_at_the_end,
+    next_boundary,
+    owned_shards,
+    regroup,
+)
 from geotrain.ft.keeper import KeeperError
 from geotrain.ft.membership import Excluded, Membership, MembershipChanged
 from geotrain.launch.coordinator import Epochs, read_epochs
@@ -504,6 +511,33 @@ def test_a_hand_over_transfer_completes_and_reports_its_error_unless_members_wer
     outcome = _run(lambda: comm.exchange([], [(torch.zeros(4), 1, 0)]), 5.0)
     assert isinstance(outcome, RuntimeError) and not isinstance(outcome, MembershipChanged)
     assert "Connection closed by peer" in str(outcome)
+
+
+def test_an_exchange_cut_short_says_which_receives_completed_each_peers_apart(monkeypatch):
+    """The transfers from each peer are waited on apart from the others': a receive stuck on a
+    killed peer hides neither those that completed from a live one (a retried hand-over keeps
+    them) nor those of the live peer that complete after the killed one's connection failed."""
+    membership = types.SimpleNamespace(epoch=8, published_leave=8)
+    stuck, failing = _Transfer(), _Transfer(0.05, "Connection closed by peer")
+    late = _Transfer(0.3)  # from the live peer, after the killed one's error
+    works = [stuck, _Transfer(0.05), failing, late]  # from peers 3, 1, 3 (queued), 1
+    comm = _exchanging_comm(monkeypatch, membership, works)
+    recvs = [(torch.zeros(4), r, i) for i, r in enumerate((3, 1, 3, 1))]
+    received: list[bool] = []
+    threading.Timer(1.0, setattr, args=(membership, "published_leave", 9)).start()
+    try:
+        outcome = _run(lambda: comm.exchange([], recvs, received), timeout_s=5.0)
+        assert isinstance(outcome, MembershipChanged), outcome
+        assert received == [False, True, False, True]
+    finally:
+        stuck.ends.set()
+    comm = _exchanging_comm(monkeypatch, membership, [_Transfer(0.05, "Connection closed by peer"), late])
+    membership.published_leave = 8  # no member lost: the error, once the live peer's completed
+    received = []
+    late.ends.clear()
+    threading.Timer(0.3, late.ends.set).start()
+    outcome = _run(lambda: comm.exchange([], recvs[:2], received), timeout_s=5.0)
+    assert "Connection closed by peer" in str(outcome) and received == [False, True]
 
 
 def test_members_regroup_at_once_when_the_joiner_they_hand_over_to_loses_a_server(tmp_path, monkeypatch):
@@ -1285,6 +1319,89 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
     assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
     assert all(r["shared12"] == leader["shared12"] for r in runs)
+
+
+@_saved
+def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
+    """SparseLoCo (H=4) on hosts 0 and 1 after step 8; host 2 joins. Hosts 0 and 1 hold the
+    state equal and send it in stripes; host 1 is killed as its stripes should go, host 0's
+    arrive. The joiner keeps them, and the retry (epoch 3: hosts 0 and 2) sends only the rest."""
+    from geotrain.ft import elastic
+    from geotrain.ft.state import tensors_digest
+    from geotrain.sync import build_sync
+
+    elastic.CHUNK_BYTES = 16 * 1024  # several chunks per part of ``tiny``'s state
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8, "overlap": False})
+    for n in range(1, 9):
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        beat = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+        while not stop.is_set():
+            membership.observe(beat, int(beat.add("epoch", 0)))
+            time.sleep(0.05)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    if host == 1:
+
+        def killed(*args, **kwargs):
+            client.set("test/lost", "1")
+            os._exit(0)
+
+        comm.exchange = killed
+    status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
+    events, errors = [], []
+    while True:
+        before = comm.stats.sent_bytes, comm.stats.recv_bytes
+        try:
+            events.append(regroup(membership, comm, sync, model, optimizer, status))
+        except RuntimeError as e:  # cut short: regroup again once the loss is published
+            errors.append(type(e).__name__)
+        moved = comm.stats.sent_bytes - before[0], comm.stats.recv_bytes - before[1]
+        if membership.epoch == 3:
+            break
+        while membership.published_leave < 3:
+            time.sleep(0.05)
+    stop.set()
+    result = {"events": events, "errors": errors, "moved": moved}
+    result["shared"] = tensors_digest(sync.shared_state())
+    sync.close()
+    return result
+
+
+def test_a_hand_over_cut_short_by_a_lost_server_keeps_what_arrived_and_the_retry_sends_the_rest(tmp_path):
+    """The Streaming DiLoCo soak (a kill every 20 s, 1 Mbit/s): a joiner's 10 s hand-over was cut
+    short by a kill again and again, each retry from nothing, until the run stood still. Here
+    the joiner keeps host 0's stripe, host 1's being lost, and in the retry receives only what
+    it lacks: the part host 1 was to send, not the whole state, and loads the members' state."""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    epochs.join(2)  # epoch 2 = [0, 1, 2]: host 2 a joiner
+
+    def coordinator() -> None:
+        store.wait(["test/lost"], timedelta(seconds=60))
+        epochs.leave({1}, "exited")  # epoch 3 = [0, 2]
+
+    watcher = threading.Thread(target=coordinator, daemon=True)
+    watcher.start()
+    h0, h2 = _hosts(_resumed_hand_over, store, 3, (0, 2))
+    first, second = h0["events"]
+    assert first["epoch"] == 2 and first["behind"] == [2] and first["stripes"]["sync"] == 2
+    assert first["resumed_bytes"] == 0
+    assert h2["errors"] and len(h2["events"]) == 1  # cut short once, then admitted
+    (admitted,) = h2["events"]
+    assert admitted["epoch"] == 3 and admitted["members"] == [0, 2] and admitted["stripes"]["sync"] == 1
+    total = admitted["handed_over_bytes"]
+    kept = admitted["resumed_bytes"]
+    assert second["resumed_bytes"] == kept and 0.3 * total < kept < 0.7 * total, (kept, total)
+    sent, _ = h0["moved"]  # host 0's bytes in the retry: the rest, and the regroup's control
+    assert sent == total - kept, (sent, total, kept)
+    assert h0["shared"] == h2["shared"]
 
 
 class _Failing:

@@ -501,10 +501,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         pause_after = event["boundary"] if few and event["boundary"] < cfg.steps else None
         if host in event["joined"]:
             stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
+            kept = event.get("resumed_bytes", 0)
+            kept_line = f", {kept / 1e6:.1f} MB of it kept from a hand-over cut short" if kept else ""
             print(
                 f"geotrain: host {host} was admitted after step {resume.done}: "
                 f"{event['handed_over_bytes'] / 1e6:.1f} MB of state ({stripes} member(s), "
-                f"checked) in {event['hand_over_s']:.2f} s",
+                f"checked{kept_line}) in {event['hand_over_s']:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )

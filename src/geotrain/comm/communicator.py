@@ -606,11 +606,16 @@ class Communicator(CheckedMeans):
             self._wait(dist.barrier(group=self.group, async_op=True), "barrier", 0)
 
     def exchange(
-        self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]
+        self,
+        sends: list[tuple[torch.Tensor, int, int]],
+        recvs: list[tuple[torch.Tensor, int, int]],
+        received: list[bool] | None = None,
     ) -> None:
         """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
         message between two workers is told from the others between them by its tag. Abandoned,
-        like a collective, once an epoch that lost members is published (``wait_transfers``)."""
+        like a collective, once an epoch that lost members is published (``wait_transfers``).
+        ``received``: one flag per receive, set as it completes, also where the exchange is
+        abandoned (the messages from each peer are waited on in order, apart from the others')."""
         if self.world_size == 1 or not (sends or recvs):
             return
         start = time.perf_counter()
@@ -627,10 +632,15 @@ class Communicator(CheckedMeans):
         for t, _, _ in recvs:
             self.stats.recv_bytes += t.numel() * t.element_size()
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
-        with self.naming_timeouts("point-to-point transfer", nbytes):
-            wait_transfers(
-                works, self.interrupt_after_now(), self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
-            )
+        lanes = [2 * r for _, r, _ in sends] + [2 * r + 1 for _, r, _ in recvs]  # (peer, direction)
+        done = [False] * len(works)
+        try:
+            with self.naming_timeouts("point-to-point transfer", nbytes):
+                timeout = self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
+                wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
+        finally:
+            if received is not None:
+                received[:] = done[len(sends) :]
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work, op: str, nbytes: int) -> None:

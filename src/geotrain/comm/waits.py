@@ -141,40 +141,64 @@ def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = Tr
 
 
 def wait_transfers(
-    works: list, interrupt: Callable[[], bool] | None, timeout: timedelta | None = None
+    works: list,
+    interrupt: Callable[[], bool] | None,
+    timeout: timedelta | None = None,
+    lanes: list[int] | None = None,
+    done: list[bool] | None = None,
 ) -> None:
     """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
     ``interrupt()`` says so.
 
     Not polled like a collective: gloo takes a timed-out wait on a send or receive for a failed
-    transfer and closes the group's connections. So a thread of its own waits on them plainly
+    transfer and closes the group's connections. So threads of their own wait on them plainly
     while this one watches ``interrupt``. Nor can a lost peer's connection error be counted on to
     end them: gloo tells it to the transfers queued on that connection, not to the one whose
     payload it is reading or writing, which waits for the group's timeout (a member killed
     mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
     waited for that joiner to be ready). An abandoned waiter and its works are retired.
-    ``timeout``: each wait's (``plain_wait``)."""
+    ``timeout``: each wait's (``plain_wait``). ``lanes``: a lane per work (its peer), each
+    waited in order by a thread of its own, so that a transfer stuck on a lost peer does not
+    hide those that completed from the others; ``done[i]`` is set as work i's wait returns
+    (what a hand-over cut short keeps, ``ft/elastic.py``)."""
     if interrupt is None:
-        for work in works:
+        for i, work in enumerate(works):
             plain_wait(work, timeout)
+            if done is not None:
+                done[i] = True
         return
-    done = threading.Event()
+    by_lane: dict[int, list[int]] = {}
+    for i, lane in enumerate(lanes if lanes is not None else [0] * len(works)):
+        by_lane.setdefault(lane, []).append(i)
+    left = threading.Semaphore(0)
     failed: list[BaseException] = []
 
-    def waiter() -> None:
+    def waiter(order: list[int]) -> None:
         try:
-            for work in works:
-                plain_wait(work, timeout)
+            for i in order:
+                plain_wait(works[i], timeout)
+                if done is not None:
+                    done[i] = True
         except BaseException as e:  # the transfer's own error, raised by the caller
             failed.append(e)
         finally:
-            done.set()
+            left.release()
 
-    thread = threading.Thread(target=waiter, name="geotrain-transfers", daemon=True)
-    thread.start()
-    while not done.wait(INTERRUPT_POLL.total_seconds()):
+    threads = [
+        threading.Thread(target=waiter, args=(order,), name="geotrain-transfers", daemon=True)
+        for order in by_lane.values()
+    ]
+    for thread in threads:
+        thread.start()
+    finished = 0
+    while finished < len(threads):
+        # A lane's error (a lost peer's connection closed) ends that lane only: the others'
+        # transfers are waited for, so that a retry keeps what they bring.
+        if left.acquire(timeout=INTERRUPT_POLL.total_seconds()):
+            finished += 1
+            continue
         if interrupt():
-            retire((thread, works))
+            retire((threads, works))
             raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
     if failed:
         raise failed[0]

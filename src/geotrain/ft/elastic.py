@@ -172,6 +172,16 @@ def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     return mine + [s for k, s in enumerate(orphans) if members[k % len(members)] == host]
 
 
+CHUNK_BYTES = 64 * 1024  # the least a hand-over's chunk holds: what a cut costs the retry
+MAX_CHUNKS = 256  # chunks per part at most (each a transfer of its own)
+
+
+def chunk_cuts(size: int) -> list[int]:
+    """Where a part of ``size`` bytes is cut into the chunks a hand-over sends."""
+    chunk = max(CHUNK_BYTES, -(-size // MAX_CHUNKS))
+    return [*range(0, size, chunk), size]
+
+
 def _hand_over(
     comm: Communicator,
     statuses: list[StepStatus],
@@ -180,6 +190,7 @@ def _hand_over(
     optimizer,
     sync,
     from_state: bool,
+    kept: dict[str, tuple[str, dict[int, torch.Tensor]]] | None = None,
 ) -> dict[str, Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
@@ -199,7 +210,12 @@ def _hand_over(
     a LoRA base built from the same seed or checkpoint) are not sent at all.
     ``from_state``: the leader's ``parameters_from_state`` (DreamDDP's depends on its codec,
     which a joiner learns only from the state it receives).
-    Returns bytes and stripes per part handed over."""
+    Each part goes in chunks (``chunk_cuts``), and a receiver keeps in ``kept`` (its
+    ``Membership.received``) those that arrived before a lost member cut the hand-over short:
+    where the part's header (its length and sha256) is the same at the retry, as it is when the
+    members stopped at the same step, only the other chunks are sent again. Under faults every
+    20 s a 10 s hand-over was cut short again and again, and each retry started from nothing.
+    Returns bytes and stripes per part handed over, and the bytes of it a receiver kept."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
     leader = up[0]
@@ -207,8 +223,10 @@ def _hand_over(
     # from the same seed or checkpoint, buffers) stays out of the model part: for a large
     # frozen base, hours of a slow link.
     rebuilt = _trained(model) if from_state else set()  # never sent: not worth hashing
+    kept = {} if kept is None else kept
     own = entry_digests(model, rebuilt) if comm.rank in (leader, *behind) else None
-    digests = comm.all_gather_object(own)
+    has = {p: (header, sorted(chunks)) for p, (header, chunks) in kept.items()} if comm.rank in behind else {}
+    digests, kept_by = zip(*comm.all_gather_object((own, has)), strict=True)
     at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r].get(name) == d for r in behind)}
     left_home = held | rebuilt  # the model entries not sent
@@ -227,22 +245,49 @@ def _hand_over(
     metas = comm.all_gather_object(mine)
     headers, digest, shared_optimizer = metas[leader]
     parts = handed_over(shared_optimizer)
-    sends, recvs, bufs, stripes, total = [], [], {}, {}, 0
+    sends, recvs, slots, stripes, total = [], [], [], {}, 0
+    resumed = dict.fromkeys(behind, 0)  # bytes each receiver kept from a hand-over cut short
+    chunks: dict[str, dict[int, torch.Tensor]] = {}
     for tag, part in enumerate(parts):
         servers = [r for r in up if metas[r][0][part] == headers[part]]
         size = HEADER_BYTES + int.from_bytes(bytes.fromhex(headers[part])[8:16], "little")
-        cuts = [size * k // len(servers) for k in range(len(servers) + 1)]
+        cuts = chunk_cuts(size)
         stripes[part], total = len(servers), total + size
-        if comm.rank in behind:
-            bufs[part] = torch.empty(size, dtype=torch.uint8)
-            recvs += [(bufs[part][cuts[k] : cuts[k + 1]], r, tag) for k, r in enumerate(servers)]
-        elif comm.rank in servers:
-            k = servers.index(comm.rank)
-            stripe = torch.frombuffer(blobs[part], dtype=torch.uint8)[cuts[k] : cuts[k + 1]]
-            sends += [(stripe, r, tag) for r in behind]
-    comm.exchange(sends, recvs)
+        payload = torch.frombuffer(blobs[part], dtype=torch.uint8) if comm.rank in servers else None
+        for r in behind:  # every rank deals the chunks each receiver lacks the same way
+            header, held_chunks = kept_by[r].get(part, ("", []))
+            have = set(held_chunks) if header == headers[part] else set()
+            resumed[r] += sum(cuts[i + 1] - cuts[i] for i in have)
+            missing = [i for i in range(len(cuts) - 1) if i not in have]
+            if comm.rank == r:
+                mine = kept.get(part, ("", {}))
+                chunks[part] = dict(mine[1]) if mine[0] == headers[part] else {}
+            for k, i in enumerate(missing):
+                server = servers[k % len(servers)]
+                if comm.rank == r:
+                    buf = torch.empty(cuts[i + 1] - cuts[i], dtype=torch.uint8)
+                    recvs.append((buf, server, tag * MAX_CHUNKS + i))
+                    slots.append((part, i, buf))
+                elif comm.rank == server:
+                    sends.append((payload[cuts[i] : cuts[i + 1]], r, tag * MAX_CHUNKS + i))
+    received = [False] * len(recvs)
+    try:
+        comm.exchange(sends, recvs, received)
+    finally:
+        if comm.rank in behind:  # what arrived stays for a retry, whatever cut this one short
+            for (part, i, buf), arrived in zip(slots, received, strict=True):
+                if arrived:
+                    chunks[part][i] = buf
+            kept.clear()
+            kept.update({p: (headers[p], c) for p, c in chunks.items()})
     if comm.rank in behind:
-        got = {p: decode(memoryview(bufs[p].numpy()), f"the members' {p} state") for p in parts}
+        try:
+            got = {}
+            for p in parts:
+                blob = torch.cat([chunks[p][i] for i in sorted(chunks[p])])
+                got[p] = decode(memoryview(blob.numpy()), f"the members' {p} state")
+        finally:
+            kept.clear()  # loaded, or not to be trusted again
         loaded = model.load_state_dict(got["model"], strict=False)
         # only what it holds already (or rebuilds from the state) may be missing, nothing unknown come
         odd = sorted(set(loaded.missing_keys) - left_home) + sorted(loaded.unexpected_keys)
@@ -256,7 +301,7 @@ def _hand_over(
             raise CorruptSnapshot(f"the {what} received differ from the leader's after loading")
         # after the check: Streaming DiLoCo's adopter restarts from theta, SparseLoCo's from its anchor
         sync.adopted_state()
-    return {"handed_over_bytes": total, "stripes": stripes}
+    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": max(resumed.values())}
 
 
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
@@ -299,7 +344,7 @@ def _send_landing(comm: Communicator, behind: list[int], leader: int, meta, sync
         comm.exchange([], [(buf, leader, 0)])
         sync.in_flight.prime(buf.to(sync.device))
         nbytes = buf.numel() * buf.element_size()
-    return {"handed_over_bytes": comm.max_scalars([float(nbytes)])[0], "stripes": {}}
+    return {"handed_over_bytes": comm.max_scalars([float(nbytes)])[0], "stripes": {}, "resumed_bytes": 0}
 
 
 def _trained(model) -> set[str]:
@@ -362,7 +407,7 @@ def regroup(
     behind = catching_up(statuses, collective_period)
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
-    handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}}
+    handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
     caught_up: list[int] = []
     # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
     # rows are the old group's) and without the norm check (whose verdict reads ranks):
@@ -377,8 +422,10 @@ def regroup(
         handed = _send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
+    if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
+        membership.received.clear()
     if behind:
-        handed = _hand_over(comm, statuses, behind, model, optimizer, sync, from_state)
+        handed = _hand_over(comm, statuses, behind, model, optimizer, sync, from_state, membership.received)
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
