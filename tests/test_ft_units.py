@@ -586,3 +586,41 @@ def test_the_keepers_disk_writer_outlives_a_full_disk_and_a_log_it_cannot_write(
     threading.Thread(target=lambda: (keeper.flush(), done.set()), daemon=True).start()
     assert done.wait(10), "the disk writer died: flush waits forever"
     assert keeper._writer.is_alive()
+
+
+def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_back():
+    """``without_leaves`` / ``with_leaves``: the tensors at the held paths travel as markers and
+    come back as copies of the receiver's own; small ones and plain values always travel."""
+    from collections import OrderedDict
+
+    from geotrain.ft.state import Held, leaf_digests, tensor_digest, with_leaves, without_leaves
+
+    big = torch.arange(512, dtype=torch.float32)
+    ordered = OrderedDict(w=big + 1)
+    ordered._metadata = {"": {"version": 2}}
+    leader = {
+        "global": [big, big * 2],
+        "opt": {0: {"m": big * 3}},
+        "small": torch.ones(3),
+        "n": 7,
+        "o": ordered,
+    }
+    mine = {
+        "global": [big.clone(), big * 5],
+        "opt": {0: {"m": big * 3}},
+        "small": torch.ones(3),
+        "n": 1,
+        "o": ordered,
+    }
+    ours, theirs = leaf_digests(leader), leaf_digests(mine)
+    assert ("small",) not in ours and set(ours) == {("global", 0), ("global", 1), ("opt", 0, "m"), ("o", "w")}
+    held = {path for path, d in ours.items() if theirs.get(path) == d}
+    assert held == {("global", 0), ("opt", 0, "m"), ("o", "w")}
+    sent = decode(encode(without_leaves(leader, held)))
+    assert sent["global"][0] == Held(("global", 0)) and torch.equal(sent["global"][1], big * 2)
+    assert sent["o"]._metadata == {"": {"version": 2}}
+    got = with_leaves(sent, mine)
+    assert tensor_digest(got) == tensor_digest({**leader, "n": 7})
+    assert got["global"][0] is not mine["global"][0]  # a copy: loading it leaves the source alone
+    with pytest.raises(CorruptSnapshot, match="lacks"):
+        with_leaves(sent, {"global": []})

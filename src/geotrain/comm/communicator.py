@@ -28,7 +28,7 @@ import math
 import pickle
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -609,12 +609,12 @@ class Communicator(CheckedMeans):
         self,
         sends: list[tuple[torch.Tensor, int, int]],
         recvs: list[tuple[torch.Tensor, int, int]],
-        received: list[bool] | None = None,
+        received: MutableSequence[bool] | None = None,
     ) -> None:
         """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
         message between two workers is told from the others between them by its tag. Abandoned,
         like a collective, once an epoch that lost members is published (``wait_transfers``).
-        ``received``: one flag per receive, set as it completes, also where the exchange is
+        ``received``: one flag per receive, set as it completes, also after the exchange was
         abandoned (the messages from each peer are waited on in order, apart from the others')."""
         if self.world_size == 1 or not (sends or recvs):
             return
@@ -633,14 +633,15 @@ class Communicator(CheckedMeans):
             self.stats.recv_bytes += t.numel() * t.element_size()
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
         lanes = [2 * r for _, r, _ in sends] + [2 * r + 1 for _, r, _ in recvs]  # (peer, direction)
-        done = [False] * len(works)
-        try:
-            with self.naming_timeouts("point-to-point transfer", nbytes):
-                timeout = self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
-                wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
-        finally:
-            if received is not None:
-                received[:] = done[len(sends) :]
+        first = len(sends)
+
+        def done(i: int) -> None:
+            if received is not None and i >= first:
+                received[i - first] = True
+
+        with self.naming_timeouts("point-to-point transfer", nbytes):
+            timeout = self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
+            wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
         self.stats.blocked_s += time.perf_counter() - start
 
     def _wait(self, work, op: str, nbytes: int) -> None:

@@ -145,7 +145,7 @@ def wait_transfers(
     interrupt: Callable[[], bool] | None,
     timeout: timedelta | None = None,
     lanes: list[int] | None = None,
-    done: list[bool] | None = None,
+    done: Callable[[int], None] | None = None,
 ) -> None:
     """Every point-to-point ``work.wait()``, abandoned with ``MembershipChanged`` once
     ``interrupt()`` says so.
@@ -159,13 +159,14 @@ def wait_transfers(
     waited for that joiner to be ready). An abandoned waiter and its works are retired.
     ``timeout``: each wait's (``plain_wait``). ``lanes``: a lane per work (its peer), each
     waited in order by a thread of its own, so that a transfer stuck on a lost peer does not
-    hide those that completed from the others; ``done[i]`` is set as work i's wait returns
-    (what a hand-over cut short keeps, ``ft/elastic.py``)."""
+    hide those that completed from the others; ``done(i)`` is told as work i's wait returns,
+    also after this call was abandoned: transfers between live peers go on (what a hand-over
+    cut short keeps, ``ft/elastic.py``)."""
     if interrupt is None:
         for i, work in enumerate(works):
             plain_wait(work, timeout)
             if done is not None:
-                done[i] = True
+                done(i)
         return
     by_lane: dict[int, list[int]] = {}
     for i, lane in enumerate(lanes if lanes is not None else [0] * len(works)):
@@ -178,7 +179,7 @@ def wait_transfers(
             for i in order:
                 plain_wait(works[i], timeout)
                 if done is not None:
-                    done[i] = True
+                    done(i)
         except BaseException as e:  # the transfer's own error, raised by the caller
             failed.append(e)
         finally:

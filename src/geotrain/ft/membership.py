@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 POLL_S = 0.05
@@ -218,9 +217,9 @@ class Membership:
         # The host whose state this worker holds a copy of, for an average a regroup has still
         # to redo (ft/elastic.py: the copy is left out of it while that host is a member)
         self.holds_copy: int | None = None
-        # What this worker received of a hand-over a lost member cut short, by part: the
-        # payload's header and its chunks received (ft/elastic.py: the retry sends only the rest)
-        self.received: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        # What this worker received of a hand-over a lost member cut short, by part
+        # (``ft.elastic.PartReceived``: the retry sends only the rest)
+        self.received: dict = {}
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None

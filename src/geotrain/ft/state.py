@@ -31,6 +31,7 @@ import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,6 +124,79 @@ def entry_digests(model: torch.nn.Module, skip: Collection[str] = ()) -> dict[st
         _hash_tensor(h, t)
         out[name] = h.hexdigest()
     return out
+
+
+MIN_LEAF_BYTES = 1024  # smaller tensors of a state go as they are (not worth a digest)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A tensor a hand-over leaves out of a part, at ``path`` in its tree: the receiver holds
+    it bitwise equal already (``leaf_digests``) and puts its own back (``with_leaves``)."""
+
+    path: tuple
+
+
+def _leaves(obj: Any, path: tuple = ()):
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+
+
+def leaf_digests(obj: Any) -> dict[tuple, str]:
+    """sha256 of each tensor of a state's tree (its dtype, shape and bytes) of at least
+    ``MIN_LEAF_BYTES``, by its path (the keys and indices down to it)."""
+    out = {}
+    for path, t in _leaves(obj):
+        if t.numel() * t.element_size() >= MIN_LEAF_BYTES:
+            h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+            _hash_tensor(h, t)
+            out[path] = h.hexdigest()
+    return out
+
+
+def without_leaves(obj: Any, paths: Collection[tuple], path: tuple = ()) -> Any:
+    """``obj`` with the tensors at ``paths`` replaced by ``Held`` markers."""
+    if path in paths and isinstance(obj, torch.Tensor):
+        return Held(path)
+    if type(obj) in (dict, OrderedDict):
+        return _like(obj, {k: without_leaves(v, paths, (*path, k)) for k, v in obj.items()})
+    if type(obj) in (list, tuple):
+        return type(obj)(without_leaves(v, paths, (*path, i)) for i, v in enumerate(obj))
+    return obj
+
+
+def _like(obj: dict, out: dict) -> dict:
+    """``out`` as the kind of mapping ``obj`` is (a module's ``OrderedDict`` keeps its versions)."""
+    if type(obj) is not OrderedDict:
+        return out
+    ordered = OrderedDict(out)
+    if hasattr(obj, "_metadata"):
+        ordered._metadata = obj._metadata  # type: ignore[attr-defined]
+    return ordered
+
+
+def with_leaves(obj: Any, own: Any) -> Any:
+    """``obj`` with each ``Held`` marker replaced by a copy of the tensor at its path in ``own``
+    (this worker's tree, which holds it bitwise equal to the sender's)."""
+    if isinstance(obj, Held):
+        t = own
+        try:
+            for key in obj.path:
+                t = t[key]
+        except (KeyError, IndexError, TypeError) as e:
+            raise CorruptSnapshot(f"a hand-over left out {obj.path}, which this worker lacks") from e
+        return t.detach().clone()
+    if type(obj) in (dict, OrderedDict):
+        return _like(obj, {k: with_leaves(v, own) for k, v in obj.items()})
+    if type(obj) in (list, tuple):
+        return type(obj)(with_leaves(v, own) for v in obj)
+    return obj
 
 
 def _hash_tensor(h, t: torch.Tensor) -> None:
