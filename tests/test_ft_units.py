@@ -596,7 +596,7 @@ def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_
     from geotrain.ft.state import Held, leaf_digests, tensor_digest, with_leaves, without_leaves
 
     big = torch.arange(512, dtype=torch.float32)
-    ordered = OrderedDict(w=big + 1)
+    ordered, own = OrderedDict(w=big + 1), OrderedDict(w=big + 1)
     ordered._metadata = {"": {"version": 2}}
     leader = {
         "global": [big, big * 2],
@@ -610,7 +610,7 @@ def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_
         "opt": {0: {"m": big * 3}},
         "small": torch.ones(3),
         "n": 1,
-        "o": ordered,
+        "o": own,
     }
     ours, theirs = leaf_digests(leader), leaf_digests(mine)
     assert ("small",) not in ours and set(ours) == {("global", 0), ("global", 1), ("opt", 0, "m"), ("o", "w")}
@@ -620,6 +620,7 @@ def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_
     assert sent["global"][0] == Held(("global", 0)) and torch.equal(sent["global"][1], big * 2)
     assert sent["o"]._metadata == {"": {"version": 2}}
     got = with_leaves(sent, mine)
+    assert type(got["o"]) is OrderedDict and got["o"]._metadata == {"": {"version": 2}}
     assert tensor_digest(got) == tensor_digest({**leader, "n": 7})
     assert got["global"][0] is not mine["global"][0]  # a copy: loading it leaves the source alone
     with pytest.raises(CorruptSnapshot, match="lacks"):

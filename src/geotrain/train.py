@@ -502,7 +502,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if host in event["joined"]:
             stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
             kept = event.get("resumed_bytes", 0)
-            kept_line = f", {kept / 1e6:.1f} MB of it kept from a hand-over cut short" if kept else ""
+            amount = f"{kept / 1e6:.1f} MB" if kept >= 100_000 else f"{kept / 1e3:.1f} KB"
+            kept_line = f", {amount} of it kept from a hand-over cut short" if kept else ""
             print(
                 f"geotrain: host {host} was admitted after step {resume.done}: "
                 f"{event['handed_over_bytes'] / 1e6:.1f} MB of state ({stripes} member(s), "

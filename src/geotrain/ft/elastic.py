@@ -175,7 +175,6 @@ def owned_shards(host: int, hosts: int, members: list[int]) -> list[int]:
     return mine + [s for k, s in enumerate(orphans) if members[k % len(members)] == host]
 
 
-LEAF_PARTS = ("optimizer", "sync")  # parts whose tensors a receiver may hold equal already
 CHUNK_BYTES = 64 * 1024  # the least a hand-over's chunk holds: what a cut costs the retry
 MAX_CHUNKS = 256  # chunks per part at most (each a transfer of its own)
 
@@ -237,6 +236,7 @@ def _hand_over(
     sync,
     from_state: bool,
     kept: dict[str, PartReceived] | None = None,
+    leaf_parts: tuple[str, ...] = ("sync",),
 ) -> dict[str, Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
@@ -261,6 +261,9 @@ def _hand_over(
     where the part's header (its length and sha256) is the same at the retry, as it is when the
     members stopped at the same step, only the other chunks are sent again. Under faults every
     20 s a 10 s hand-over was cut short again and again, and each retry started from nothing.
+    ``leaf_parts``: the parts whose tensors are compared one by one (by digest) with the
+    receivers' (none where a joiner receives: its fresh state holds none of the members'; the
+    optimizer only where it is handed over).
     Returns bytes and stripes per part handed over, and the bytes of it a receiver kept."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
@@ -271,36 +274,44 @@ def _hand_over(
     rebuilt = _trained(model) if from_state else set()  # never sent: not worth hashing
     kept = {} if kept is None else kept
     state = None
-    if comm.rank in (*up, *behind):
-        state = capture(
-            step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
-            progress={}, replicated=set(), copy=False,
-        )  # fmt: skip
+    if comm.rank in up or (comm.rank in behind and leaf_parts):
+        try:
+            state = capture(
+                step=sync.step_count, model=model, optimizer=optimizer, sync=sync, generators={},
+                progress={}, replicated=set(), copy=False,
+            )  # fmt: skip
+        except Exception:
+            if comm.rank in up:
+                raise
+            # a receiver whose state does not even capture (DreamDDP landing its averages late
+            # on the old group, say) holds nothing to compare: it receives every tensor
     own = None
     if comm.rank in (leader, *behind):  # what each holds, by entry of the model, by tensor of the rest
-        own = (entry_digests(model, rebuilt), {p: leaf_digests(state["parts"][p]) for p in LEAF_PARTS})
+        leaves = {p: leaf_digests(state["parts"][p]) for p in leaf_parts} if state is not None else {}
+        own = (entry_digests(model, rebuilt), leaves)
     has = {p: (part.header, part.arrived()) for p, part in kept.items()} if comm.rank in behind else {}
     digests, kept_by = zip(*comm.all_gather_object((own, has)), strict=True)
     at_leader, leaves_at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r][0].get(name) == d for r in behind)}
     left_home = held | rebuilt  # the model entries not sent
-    # Of the optimizer's and the algorithm's state, each tensor that every member behind holds
-    # bitwise equal already stays out too: a survivor a step behind the leader lacks only what
-    # the leader's last sync changed (Streaming DiLoCo: one fragment's global parameters and
-    # momentum, where it took the whole state, 1.1 MB for ``tiny``, 87 MB for ``mini``).
+    # Of the algorithm's state (and the optimizer's, where it is handed over) each tensor that
+    # every member behind holds bitwise equal already stays out too: a survivor a step behind
+    # the leader lacks only what the leader's last sync changed (Streaming DiLoCo: one
+    # fragment's global parameters and momentum, where it took the whole state, 1.1 MB for
+    # ``tiny``, 87 MB for ``mini``).
     held_leaves = {
         p: {
             path
-            for path, d in leaves_at_leader[p].items()
-            if all(digests[r][1][p].get(path) == d for r in behind)
+            for path, d in leaves_at_leader.get(p, {}).items()
+            if all(digests[r][1].get(p, {}).get(path) == d for r in behind)
         }
-        for p in LEAF_PARTS
+        for p in leaf_parts
     }
     blobs: dict[str, memoryview] = {}
     mine = None
     if comm.rank in up:
         state["parts"]["model"] = {k: v for k, v in state["parts"]["model"].items() if k not in left_home}
-        for p in LEAF_PARTS:
+        for p in leaf_parts:
             state["parts"][p] = without_leaves(state["parts"][p], held_leaves[p])
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
@@ -342,7 +353,7 @@ def _hand_over(
             got = {}
             for p in parts:
                 got[p] = decode(memoryview(mine[p].buffer.numpy()), f"the members' {p} state")
-                if p in LEAF_PARTS:  # what it holds equal already, its own copy
+                if held_leaves.get(p):  # what it holds equal already, its own copy
                     got[p] = with_leaves(got[p], state["parts"][p])
         finally:
             kept.clear()  # loaded, or not to be trusted again
@@ -455,6 +466,7 @@ def regroup(
             membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
+            "optimizer" in sync.replicated_parts(),
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
@@ -485,7 +497,11 @@ def regroup(
     if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
         membership.received.clear()
     if behind:
-        handed = _hand_over(comm, statuses, behind, model, optimizer, sync, from_state, membership.received)
+        joiners = any(statuses[r].committed < 0 for r in behind)
+        leaf_parts = () if joiners else ("sync", "optimizer") if reports[leader][11] else ("sync",)
+        handed = _hand_over(
+            comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts
+        )
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:

@@ -163,7 +163,7 @@ def leaf_digests(obj: Any) -> dict[tuple, str]:
 def without_leaves(obj: Any, paths: Collection[tuple], path: tuple = ()) -> Any:
     """``obj`` with the tensors at ``paths`` replaced by ``Held`` markers."""
     if path in paths and isinstance(obj, torch.Tensor):
-        return Held(path)
+        return Held(canonical(path))  # (its strings interned: equal states, equal bytes)
     if type(obj) in (dict, OrderedDict):
         return _like(obj, {k: without_leaves(v, paths, (*path, k)) for k, v in obj.items()})
     if type(obj) in (list, tuple):
@@ -201,7 +201,8 @@ def with_leaves(obj: Any, own: Any) -> Any:
 
 def _hash_tensor(h, t: torch.Tensor) -> None:
     t = t.detach().to("cpu").contiguous()
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # (its buffer, not a copy of it)
 
 
 def canonical(obj: Any) -> Any:
