@@ -350,3 +350,41 @@ def test_below_min_workers_the_survivors_wait_at_the_boundary_for_the_replacemen
     assert [r["step"] for r in records] == list(range(1, 17))
     assert records[8]["wall_s"] - records[7]["wall_s"] > 1.0  # the wait for the replacement
     assert [r["step"] for r in _records(run_dir, 2)][-8:] == list(range(9, 17))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_joiner_receives_the_state_while_the_members_train_on_to_their_next_sync(tmp_path, cleanup_keepers):
+    """A deferred admission: the survivors pause after step 8 for the replacement (--min-workers
+    3), hand their state over without waiting for it to arrive, and train steps 9-16 while it
+    does; the joiner skips those steps and meets them at the sync after step 16, its part of that
+    average left out (it trained nothing since the state of step 8), so the run's tokens count
+    two workers for those steps. On 1 Mbit/s links the hand-over (about 1.1 MB) outlasts the
+    members' eight steps: they had trained them before the joiner came."""
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 3))
+    net = ["--bandwidth", "1mbit"] if NETNS else ["--no-netem"]
+    job = ["run", "--workers", "3", "--algo", "diloco", "--steps", "24", *BASE, "--H", "8", *net]
+    job += ["--min-workers", "3", "--join-timeout", "60", "--chaos", "kill:step=5,rank=2,restart=0.5"]
+    proc = geotrain([*job, "--run-dir", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    joined = summary["membership"][-1]
+    assert joined["joined"] == [2] and joined["step"] == 8, joined
+    assert joined["deferred"] == [2] and joined["deferred_until"] == 16
+    members, joiner = _records(run_dir, 0), {r["step"]: r for r in _records(run_dir, 2)}
+    assert [r["step"] for r in members] == list(range(1, 25)) and all(
+        r.get("computed", True) for r in members
+    )
+    assert [s for s in range(9, 25) if joiner[s].get("computed", True)] == list(range(17, 25))
+    by_step = {r["step"]: r for r in members}
+    per_worker = by_step[17]["tokens"] - by_step[16]["tokens"]  # three workers computed step 17
+    assert (by_step[16]["tokens"] - by_step[8]["tokens"]) * 3 == 8 * 2 * per_worker
+    finals = [
+        json.loads(x)
+        for h in range(3)
+        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
+        if json.loads(x).get("final")
+    ]
+    assert len(finals) == 3 and len({f["param_digest"] for f in finals}) == 1
+    if NETNS:  # the members' steps 9-15 were done before the joiner reached the sync of step 16
+        assert by_step[15]["at"] < joiner[16]["at"] - 2.0, (by_step[15]["at"], joiner[16]["at"])

@@ -1334,6 +1334,7 @@ def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
     elastic.CHUNK_BYTES = 16 * 1024  # several chunks per part of ``tiny``'s state
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
     sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8, "overlap": False})
+    sync.defers_admission = lambda: False  # the members wait in the hand-over (not deferred)
     for n in range(1, 9):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()

@@ -625,3 +625,28 @@ def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_
     assert got["global"][0] is not mine["global"][0]  # a copy: loading it leaves the source alone
     with pytest.raises(CorruptSnapshot, match="lacks"):
         with_leaves(sent, {"global": []})
+
+
+@pytest.mark.parametrize(
+    "algo, options, defers",
+    [
+        ("diloco", {"H": 4}, True),
+        ("localsgd", {"H": 4}, True),
+        ("sparseloco", {"H": 4, "chunk": 256, "k": 8}, True),
+        ("diloco", {"H": 4, "warm_start": 10}, False),  # every step a collective, for now
+        ("diloco", {"H": 4, "pace": "time"}, False),  # the joiner's quota would weigh in its sync
+        ("diloco", {"H": 1}, False),
+        ("co2", {"H": 4}, False),  # its mean lands tau steps into the period
+        ("streaming", {"H": 8}, False),
+        ("dreamddp", {"H": 4}, False),
+        ("ssgd", {}, False),
+    ],
+)
+def test_an_admission_is_deferred_only_where_no_collective_comes_before_the_next_sync(algo, options, defers):
+    """``defers_admission``: the members train on while a joiner receives their state only where
+    they meet it nowhere before their next sync (``ft/elastic.py``, ``regroup``)."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = build_sync(algo, model, opt, Communicator(), options)
+    assert sync.defers_admission() is defers

@@ -411,6 +411,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         return synced
 
     pause_after: int | None = None  # fewer than --min-workers: the boundary where they wait
+    # A deferred admission (ft/elastic.py): the sync where the joiners meet the members, the
+    # joiners' ranks (their part of it is left out), and whether this worker is one of them
+    # (it receives the state, then skips its steps up to that sync).
+    deferred_until: int | None = None
+    deferred_ranks: frozenset[int] = frozenset()
+    deferred_here = False
 
     def wait_for_joiners(boundary: int) -> None:
         """Fewer than ``--min-workers`` are left: every member stops after the same sync boundary
@@ -449,6 +455,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
+        nonlocal deferred_until, deferred_ranks, deferred_here
 
         def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
@@ -482,6 +489,13 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     flush=True,
                 )
         tokens_done = event.pop("tokens")
+        deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
+        if event["deferred"]:  # the members train on while the joiners receive the state
+            deferred_until = event["deferred_until"]
+            deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
+            deferred_here = host in event["deferred"]
+            # no evaluation before that sync: the members would wait there for the joiners
+            no_eval_through = max(no_eval_through, deferred_until - 1)
         # A member behind the furthest (periodic methods: each goes on from its own step) must
         # not wait in an evaluation the others have done or skipped.
         no_eval_through = max(no_eval_through, event["furthest"])
@@ -549,13 +563,22 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         t0 = time.perf_counter()
         before = comm.stats.copy()
         computes = sync.computes_step()  # False: a straggler's skipped step (--pace time)
-        step_tokens = cfg.batch_size * model.block_size * sync.workers_computing()
+        deferring = deferred_until is not None and step <= deferred_until
+        computes = computes and not (deferring and deferred_here)  # a joiner skips to that sync
+        computing = sync.workers_computing() - (len(deferred_ranks) if deferring else 0)
+        step_tokens = cfg.batch_size * model.block_size * computing
         if batch is None and computes:
             batch = sampler.next_train()
         counted = False  # this step's tokens are in tokens_done already (adopted from a leader)
+        met = False
         try:
-            synced = one_step(*(batch if computes else (None, None)), step)
+            # The sync where deferred joiners meet the members: their part is left out (they hold
+            # the state of the sync before, and trained no step since).
+            meeting = step == deferred_until
+            with comm.leaving_out(deferred_ranks) if meeting else contextlib.nullcontext():
+                synced = one_step(*(batch if computes else (None, None)), step)
             batch = None if computes else batch
+            met = meeting
         except RuntimeError as e:
             if phase == "sync":
                 batch = None  # this worker's step used it
@@ -574,6 +597,14 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 step, synced = resume.done, True
                 if phase != "sync":
                     loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
+        if met:  # the joiners received the state before they came: the sends are done
+            finish, membership.sending = membership.sending, None
+            deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
+            try:
+                if finish is not None:
+                    finish()
+            except RuntimeError as e:  # a member lost since: the step itself is complete
+                step = recover(e, StepStatus(step, False)).done
         if device.type == "cuda":
             torch.cuda.synchronize()
         if not counted:

@@ -619,6 +619,43 @@ class Communicator(CheckedMeans):
         if self.world_size == 1 or not (sends or recvs):
             return
         start = time.perf_counter()
+        works, nbytes = self._post(sends, recvs)
+        lanes = [2 * r for _, r, _ in sends] + [2 * r + 1 for _, r, _ in recvs]  # (peer, direction)
+        first = len(sends)
+
+        def done(i: int) -> None:
+            if received is not None and i >= first:
+                received[i - first] = True
+
+        with self.naming_timeouts("point-to-point transfer", nbytes):
+            timeout = self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
+            wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
+        self.stats.blocked_s += time.perf_counter() - start
+
+    def send_later(self, sends: list[tuple[torch.Tensor, int, int]]) -> Callable[[], None]:
+        """Point-to-point sends posted now, and the function that waits for them: a joiner's
+        hand-over that the members leave to gloo while they train on (``ft/elastic.py``). The
+        tensors stay referenced until then. Abandoned as ``exchange``'s are, once an epoch that
+        lost members is published after this call."""
+        if self.world_size == 1 or not sends:
+            return lambda: None
+        works, nbytes = self._post(sends, [])
+        lanes = [r for _, r, _ in sends]
+        interrupt = self.interrupt_after_now()
+        timeout = self.wait_timeout(*(t for t, _, _ in sends))
+        pending = [sends]
+
+        def finish() -> None:
+            start = time.perf_counter()
+            with self.naming_timeouts("point-to-point transfer", nbytes):
+                wait_transfers(works, interrupt, timeout, lanes)
+            pending.clear()
+            self.stats.blocked_s += time.perf_counter() - start
+
+        return finish
+
+    def _post(self, sends, recvs) -> tuple[list, int]:
+        """``isend``/``irecv`` each, counted: the works and their bytes."""
 
         def peer(r: int) -> int:
             return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -631,18 +668,7 @@ class Communicator(CheckedMeans):
             self.stats.sent_bytes += t.numel() * t.element_size()
         for t, _, _ in recvs:
             self.stats.recv_bytes += t.numel() * t.element_size()
-        nbytes = sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
-        lanes = [2 * r for _, r, _ in sends] + [2 * r + 1 for _, r, _ in recvs]  # (peer, direction)
-        first = len(sends)
-
-        def done(i: int) -> None:
-            if received is not None and i >= first:
-                received[i - first] = True
-
-        with self.naming_timeouts("point-to-point transfer", nbytes):
-            timeout = self.wait_timeout(*(t for t, _, _ in [*sends, *recvs]))
-            wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
-        self.stats.blocked_s += time.perf_counter() - start
+        return works, sum(t.numel() * t.element_size() for t, _, _ in [*sends, *recvs])
 
     def _wait(self, work, op: str, nbytes: int) -> None:
         with self.naming_timeouts(op, nbytes):

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.ft.membership import Membership, RunFinished, sync_boundary
+from geotrain.ft.membership import Membership, RunFinished, retire, sync_boundary
 from geotrain.ft.state import (
     HANDED_OVER,
     HEADER_BYTES,
@@ -237,6 +237,7 @@ def _hand_over(
     from_state: bool,
     kept: dict[str, PartReceived] | None = None,
     leaf_parts: tuple[str, ...] = ("sync",),
+    defer: bool = False,
 ) -> dict[str, Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
@@ -264,6 +265,8 @@ def _hand_over(
     ``leaf_parts``: the parts whose tensors are compared one by one (by digest) with the
     receivers' (none where a joiner receives: its fresh state holds none of the members'; the
     optimizer only where it is handed over).
+    ``defer``: the servers post their sends and return (``_finish`` waits for them), the
+    receivers wait as ever: an admission that does not stop the members (``regroup``).
     Returns bytes and stripes per part handed over, and the bytes of it a receiver kept."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
@@ -347,7 +350,11 @@ def _hand_over(
     if comm.rank in behind:  # what arrives stays for a retry, whatever cuts this one short
         kept.clear()
         kept.update(mine)
-    comm.exchange(sends, recvs, _ChunkFlags(slots))
+    finish = None
+    if defer and comm.rank not in behind:  # gloo sends it while this member trains on
+        finish = comm.send_later(sends)
+    else:
+        comm.exchange(sends, recvs, _ChunkFlags(slots))
     if comm.rank in behind:
         try:
             got = {}
@@ -372,7 +379,7 @@ def _hand_over(
         sync.adopted_state()
     # (a receiver's own figure; the others report the most any receiver kept)
     own_kept = resumed.get(comm.rank, max(resumed.values(), default=0))
-    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept}
+    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept, "_finish": finish}
 
 
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
@@ -449,6 +456,9 @@ def regroup(
     ``adopted(status, tokens)`` is told as soon as this member has loaded the leader's state, so
     that a regroup retried after a later failure reports where this member now is."""
     t0 = time.perf_counter()
+    if membership.sending is not None:  # a deferred hand-over's sends, on a group now left
+        retire(membership.sending)
+        membership.sending = None
     epoch, members = membership.next_epoch()
     before = membership.members if previous is None else previous
     t_join = time.perf_counter()
@@ -466,7 +476,7 @@ def regroup(
             membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
-            "optimizer" in sync.replicated_parts(),
+            "optimizer" in sync.replicated_parts(), sync.defers_admission(),
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
@@ -480,6 +490,7 @@ def regroup(
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
+    deferred: tuple[list[int], int] = ([], 0)  # joiners that join at the members' next sync, and it
     caught_up: list[int] = []
     # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
     # rows are the old group's) and without the norm check (whose verdict reads ranks):
@@ -499,9 +510,18 @@ def regroup(
     if behind:
         joiners = any(statuses[r].committed < 0 for r in behind)
         leaf_parts = () if joiners else ("sync", "optimizer") if reports[leader][11] else ("sync",)
+        # Only joiners behind, at a sync the members completed, under an algorithm with no
+        # collective before its next sync: the members train on while the joiners receive, and
+        # meet them at that sync, where the joiners' part is left out (``deferred_until``).
+        defer = all(statuses[r].committed < 0 for r in behind) and reports[leader][12] and not best.local_done
         handed = _hand_over(
-            comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts
-        )
+            comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
+            defer,
+        )  # fmt: skip
+        if defer:
+            membership.sending = handed["_finish"]
+            deferred = ([members[r] for r in behind], sync_boundary(best.done + 1, reports[leader][4]))
+        handed.pop("_finish")
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
@@ -536,6 +556,8 @@ def regroup(
         "leader": members[leader],
         "furthest": best.done,  # collectives up to it (an evaluation) are behind every member
         "boundary": boundary,
+        "deferred": deferred[0],  # they skip to it, and their part of its average is left out
+        "deferred_until": deferred[1],
         "tokens": reports[leader][2] if comm.rank in behind else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),

@@ -220,6 +220,9 @@ class Membership:
         # What this worker received of a hand-over a lost member cut short, by part
         # (``ft.elastic.PartReceived``: the retry sends only the rest)
         self.received: dict = {}
+        # A deferred hand-over's sends (``Communicator.send_later``): waited on at the sync
+        # where the joiner meets the members, retired at a regroup before it
+        self.sending: Callable[[], None] | None = None
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None

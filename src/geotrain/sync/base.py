@@ -221,6 +221,12 @@ class SyncAlgorithm:
         on every worker."""
         return self.comm.world_size
 
+    def defers_admission(self) -> bool:
+        """Whether a joiner may receive the members' state while they train on to their next
+        sync, where it joins them (``ft/elastic.py``): only where no collective comes between
+        two syncs, so that the members meet the joiner nowhere before."""
+        return False
+
     def before_step(self) -> None:
         """After backward, before ``optimizer.step()``."""
 
@@ -451,6 +457,17 @@ class PeriodicSync(SyncAlgorithm):
     def rebind(self) -> None:
         if self.pacer is not None:
             self.pacer.reset()  # the new group's first period runs unpaced, its sync unweighted
+
+    def defers_admission(self) -> bool:
+        # Not in the warm start (a collective every step), nor with --site-H's site averages
+        # between syncs, --pace time's weights or --lr-scale auto's agreement at a regroup.
+        return (
+            not self.in_warm_start()
+            and self.sync_period() > 1
+            and self.collective_period() == self.sync_period()
+            and self.pacer is None
+            and self.noise is None
+        )
 
     @property
     def warm_start(self) -> int:

@@ -316,6 +316,9 @@ class CO2(AutoTau, PeriodicSync):
     def rebind(self) -> None:
         self.in_flight.rebind()  # a lost worker's part of the mean in flight is lost with it
 
+    def defers_admission(self) -> bool:
+        return False  # its mean in flight lands tau steps into the period: a collective there
+
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which between
     # syncs are each worker's own (an eager start, the steps since).
     parameters_from_state = True
