@@ -1476,6 +1476,54 @@ def test_a_survivor_a_step_behind_receives_only_the_tensors_it_lacks(tmp_path):
     assert h0["shared12"] == h1["shared12"] == h2["shared12"]
 
 
+@_saved
+def _deferred_joiner(host: int, store_port: int, file_store: str) -> dict:
+    """Local SGD (H=4) on hosts 0 and 1 after step 8; host 2 joins, deferred: the members train
+    steps 9-12 while it receives, it skips them, and the average of step 12 leaves it out."""
+    from geotrain.sync import build_sync
+
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    sync = build_sync("localsgd", model, optimizer, comm, {"H": 4})
+    for n in range(1, 9):
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
+    event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+    left_out = frozenset(event["members"].index(h) for h in event["deferred"])
+    before = None
+    for n in range(9, 13):
+        if host != 2:
+            _tiny_step(sync, optimizer, host, n)
+        if n == 12:
+            before = flatten(list(model.parameters())).detach().clone()
+            with comm.leaving_out(left_out):
+                sync.after_step()
+        else:
+            sync.after_step()
+    if membership.sending is not None:
+        membership.sending.finish()
+    after = flatten(list(model.parameters())).detach().clone()
+    sync.close()
+    return {"event": event, "before": before, "after": after}
+
+
+def test_a_deferred_joiner_meets_the_members_at_their_next_sync_and_weighs_nothing_in_it(tmp_path):
+    """The members do not wait for the hand-over (they train steps 9-12 meanwhile); the joiner,
+    its state that of step 8, skips to step 12, where the average is the two members' alone,
+    and all three hold it."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1,2")
+    store.add("epoch", 1)
+    h0, h1, h2 = _hosts(_deferred_joiner, store, 3, (0, 1, 2))
+    for h in (h0, h1, h2):
+        assert h["event"]["deferred"] == [2] and h["event"]["deferred_until"] == 12
+    mean = (h0["before"] + h1["before"]) / 2
+    assert torch.allclose(h0["after"], mean, atol=1e-6)  # the joiner's replica weighs nothing
+    assert not torch.allclose(h0["after"], (h0["before"] + h1["before"] + h2["before"]) / 3, atol=1e-4)
+    assert torch.equal(h0["after"], h1["after"]) and torch.equal(h0["after"], h2["after"])
+
+
 class _Failing:
     """A collective's handle whose wait fails as a lost member's does (``after``: once the
     collective under it has completed, as where the lost peer had sent its last chunk)."""

@@ -464,6 +464,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         if membership is None or not lost_member(error):
             raise error
+        if deferred_here:  # a deferred joiner that has not met the members: admitted afresh
+            status = StepStatus(-1, False)  # (the state it holds is of a sync they are past)
         previous, stopped_at = list(membership.members), status
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
@@ -474,7 +476,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
-                    previous, adopted,
+                    previous, adopted, cfg.steps,
                 )  # fmt: skip
                 break
             except (Excluded, RunFinished):
@@ -602,7 +604,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
             try:
                 if finish is not None:
-                    finish()
+                    finish.finish()
             except RuntimeError as e:  # a member lost since: the step itself is complete
                 step = recover(e, StepStatus(step, False)).done
         if device.type == "cuda":
@@ -615,7 +617,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             snapshots.cfg.every = sync.default_snapshot_every()
         # Not at a step adopted from a leader: the others are past their snapshot of it (a
         # snapshot's agreement to ship is a collective every member must join).
-        if not counted and (step == cfg.steps or snapshots.due(step)):
+        # Nor before a deferred admission's meeting: the joiner holds the state of the sync
+        # before, not of this step (and a shipment's agreement would wait for its hand-over).
+        before_meeting = deferred_until is not None and step < deferred_until
+        if not counted and not before_meeting and (step == cfg.steps or snapshots.due(step)):
             # The final one too, before the end-of-run average: a resumed run continues from it.
             try:
                 take_snapshot(step, final=step == cfg.steps)

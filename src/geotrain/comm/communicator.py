@@ -27,6 +27,7 @@ import contextlib
 import math
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, MutableSequence
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,7 @@ from geotrain.comm.waits import (
 )
 from geotrain.ft.membership import (
     FORMATION_S,
-    MembershipChanged,  # noqa: F401
+    MembershipChanged,
     retire,
 )
 
@@ -632,27 +633,14 @@ class Communicator(CheckedMeans):
             wait_transfers(works, self.interrupt_after_now(), timeout, lanes, done)
         self.stats.blocked_s += time.perf_counter() - start
 
-    def send_later(self, sends: list[tuple[torch.Tensor, int, int]]) -> Callable[[], None]:
-        """Point-to-point sends posted now, and the function that waits for them: a joiner's
-        hand-over that the members leave to gloo while they train on (``ft/elastic.py``). The
-        tensors stay referenced until then. Abandoned as ``exchange``'s are, once an epoch that
-        lost members is published after this call."""
-        if self.world_size == 1 or not sends:
-            return lambda: None
-        works, nbytes = self._post(sends, [])
-        lanes = [r for _, r, _ in sends]
-        interrupt = self.interrupt_after_now()
+    def send_later(self, sends: list[tuple[torch.Tensor, int, int]]) -> PostedSends:
+        """Point-to-point sends posted now, left to gloo: a joiner's hand-over while the members
+        train on (``ft/elastic.py``). A thread waits for them and then lets their tensors go;
+        ``finish()`` waits for that thread (abandoned as ``exchange`` is, once an epoch that lost
+        members is published after this call)."""
+        works, nbytes = self._post(sends, []) if self.world_size > 1 and sends else ([], 0)
         timeout = self.wait_timeout(*(t for t, _, _ in sends))
-        pending = [sends]
-
-        def finish() -> None:
-            start = time.perf_counter()
-            with self.naming_timeouts("point-to-point transfer", nbytes):
-                wait_transfers(works, interrupt, timeout, lanes)
-            pending.clear()
-            self.stats.blocked_s += time.perf_counter() - start
-
-        return finish
+        return PostedSends(self, works, [r for _, r, _ in sends], nbytes, timeout)
 
     def _post(self, sends, recvs) -> tuple[list, int]:
         """``isend``/``irecv`` each, counted: the works and their bytes."""
@@ -692,3 +680,39 @@ class Communicator(CheckedMeans):
             return None
         epoch = membership.epoch
         return lambda: membership.published_leave > epoch
+
+
+class PostedSends:
+    """Sends posted by ``Communicator.send_later``: a thread of its own waits for them (each
+    peer's in order) and then drops the works, whose tensors gloo no longer needs."""
+
+    def __init__(self, comm: Communicator, works: list, lanes: list[int], nbytes: int, timeout) -> None:
+        self.comm, self.nbytes = comm, nbytes
+        self.interrupt = comm.interrupt_after_now()
+        self.failed: list[BaseException] = []
+        self.finished = threading.Event()
+        pending = [works]
+
+        def waiter() -> None:
+            try:
+                wait_transfers(pending[0], None, timeout, lanes)
+            except BaseException as e:  # told by finish()
+                self.failed.append(e)
+            finally:
+                pending.clear()  # sent (or failed): the tensors may go
+                self.finished.set()
+
+        threading.Thread(target=waiter, name="geotrain-posted-sends", daemon=True).start()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def finish(self) -> None:
+        start = time.perf_counter()
+        with self.comm.naming_timeouts("point-to-point transfer", self.nbytes):
+            while not self.finished.wait(0.05):
+                if self.interrupt is not None and self.interrupt():
+                    raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
+            if self.failed:
+                raise self.failed[0]
+        self.comm.stats.blocked_s += time.perf_counter() - start

@@ -447,6 +447,7 @@ def regroup(
     tokens: int = 0,
     previous: list[int] | None = None,
     adopted: Callable[[StepStatus, int], None] | None = None,
+    steps: int = 0,
 ) -> dict[str, Any]:
     """Join the newest epoch and agree where training goes on. Returns the event for the summary:
     ``resume`` is where this member goes on from (the leader's status once it adopted the
@@ -454,10 +455,12 @@ def regroup(
     A joiner comes with ``StepStatus(-1, False)``: behind everyone, it receives their state.
     ``previous``: the members before this regroup (a retried one has changed them already).
     ``adopted(status, tokens)`` is told as soon as this member has loaded the leader's state, so
-    that a regroup retried after a later failure reports where this member now is."""
+    that a regroup retried after a later failure reports where this member now is.
+    ``steps``: the run's last step (an admission is deferred only to a sync at or before it)."""
     t0 = time.perf_counter()
     if membership.sending is not None:  # a deferred hand-over's sends, on a group now left
-        retire(membership.sending)
+        if not membership.sending.done():  # (gloo may still read their tensors)
+            retire(membership.sending)
         membership.sending = None
     epoch, members = membership.next_epoch()
     before = membership.members if previous is None else previous
@@ -487,6 +490,20 @@ def regroup(
     if best.committed < 0:  # only joiners are left: the members have finished or stopped
         raise RunFinished("the members left the run before this joiner could be admitted")
     behind = catching_up(statuses, collective_period)
+    # A regroup inside a deferred admission's period (the members at their own steps): where
+    # the members have all completed the same syncs, only the joiners are behind, and they are
+    # admitted deferred again, to the same sync, as the members train on from their own steps.
+    joiners = [r for r, s in enumerate(statuses) if s.committed < 0]
+    within = {(s.committed // collective_period, s.landed, s.stage) for s in statuses if s.committed >= 0}
+    deferred_until = sync_boundary(best.done + 1, reports[leader][4])
+    deferrable = (
+        bool(joiners)
+        and reports[leader][12]
+        and not best.local_done
+        and (not steps or deferred_until <= steps)  # never past the run's end
+    )
+    if deferrable and collective_period > 1 and len(within) == 1:
+        behind = joiners
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
@@ -508,19 +525,19 @@ def regroup(
     if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
         membership.received.clear()
     if behind:
-        joiners = any(statuses[r].committed < 0 for r in behind)
-        leaf_parts = () if joiners else ("sync", "optimizer") if reports[leader][11] else ("sync",)
-        # Only joiners behind, at a sync the members completed, under an algorithm with no
-        # collective before its next sync: the members train on while the joiners receive, and
-        # meet them at that sync, where the joiners' part is left out (``deferred_until``).
-        defer = all(statuses[r].committed < 0 for r in behind) and reports[leader][12] and not best.local_done
+        fresh = any(statuses[r].committed < 0 for r in behind)
+        leaf_parts = () if fresh else ("sync", "optimizer") if reports[leader][11] else ("sync",)
+        # Only joiners behind, no sync failed, under an algorithm with no collective before its
+        # next sync (at or before the run's last step): the members train on while the joiners
+        # receive, and meet them at that sync, where the joiners' part is left out.
+        defer = deferrable and behind == joiners
         handed = _hand_over(
             comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
             defer,
         )  # fmt: skip
         if defer:
             membership.sending = handed["_finish"]
-            deferred = ([members[r] for r in behind], sync_boundary(best.done + 1, reports[leader][4]))
+            deferred = ([members[r] for r in behind], deferred_until)
         handed.pop("_finish")
         if comm.rank in behind and adopted is not None:
             adopted(best, reports[leader][2])

@@ -222,7 +222,7 @@ class Membership:
         self.received: dict = {}
         # A deferred hand-over's sends (``Communicator.send_later``): waited on at the sync
         # where the joiner meets the members, retired at a regroup before it
-        self.sending: Callable[[], None] | None = None
+        self.sending = None  # (comm.communicator.PostedSends)
         self.published_leave = 0  # the newest one that lost members: collectives give up
         self._where = (addr, port)
         self._store = None
