@@ -464,9 +464,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
         if membership is None or not lost_member(error):
             raise error
+        previous, stopped_at = list(membership.members), status
         if deferred_here:  # a deferred joiner that has not met the members: admitted afresh
             status = StepStatus(-1, False)  # (the state it holds is of a sync they are past)
-        previous, stopped_at = list(membership.members), status
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
             nonlocal status, tokens_done  # a retried regroup starts from the state now loaded

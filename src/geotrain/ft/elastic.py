@@ -479,7 +479,7 @@ def regroup(
             membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
-            "optimizer" in sync.replicated_parts(), sync.defers_admission(),
+            "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
@@ -500,7 +500,7 @@ def regroup(
         bool(joiners)
         and reports[leader][12]
         and not best.local_done
-        and (not steps or deferred_until <= steps)  # never past the run's end
+        and (not reports[leader][13] or deferred_until <= reports[leader][13])  # never past the end
     )
     if deferrable and collective_period > 1 and len(within) == 1:
         behind = joiners
@@ -539,7 +539,7 @@ def regroup(
             membership.sending = handed["_finish"]
             deferred = ([members[r] for r in behind], deferred_until)
         handed.pop("_finish")
-        if comm.rank in behind and adopted is not None:
+        if comm.rank in behind and adopted is not None and not defer:  # (deferred: until it meets them)
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
             membership.holds_copy = members[leader]  # until the average below completes
