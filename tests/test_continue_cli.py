@@ -31,6 +31,19 @@ def _records(run_dir: Path, host: int) -> list[dict]:
     return [json.loads(x) for x in lines if not json.loads(x).get("final")]
 
 
+def _one_final_model(run_dir: Path, hosts: int | list[int]) -> bool:
+    """Every host (``hosts``: the first N, or these) wrote its final record, and their
+    parameters hash the same."""
+    which = list(range(hosts)) if isinstance(hosts, int) else hosts
+    finals = [
+        json.loads(x)
+        for h in which
+        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
+        if json.loads(x).get("final")
+    ]
+    return len(finals) == len(which) and len({f["param_digest"] for f in finals}) == 1
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_end(
     tmp_path, cleanup_keepers
@@ -133,13 +146,7 @@ def test_each_kind_of_algorithm_goes_on_without_a_killed_worker(
     steps = {h: [r["step"] for r in _records(run_dir, h)] for h in epoch["members"]}
     assert any(s == list(range(1, 11)) for s in steps.values()), steps
     assert all(s == sorted(set(s)) and s[-1] == 10 for s in steps.values()), steps
-    finals = [
-        json.loads(x)
-        for h in epoch["members"]
-        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
-        if json.loads(x).get("final")
-    ]
-    assert len(finals) == 2 and len({f["param_digest"] for f in finals}) == 1
+    assert _one_final_model(run_dir, epoch["members"])
     if algo == "diloco" and "--site-H" in extra:
         assert epoch["behind"] == [0] and epoch["leader"] == 2  # it adopted host 2's state
     elif algo == "diloco":
@@ -225,13 +232,7 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     if NETNS:  # 1.7 MB at 100 Mbit/s: over a tenth of a second
         assert joined["hand_over_s"] > 0.1
     assert joined["stripes"].get("optimizer") == 2  # equal on both members: from both
-    finals = [
-        json.loads(x)
-        for h in range(3)
-        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
-        if json.loads(x).get("final")
-    ]
-    assert len({f["param_digest"] for f in finals}) == 1 and len(finals) == 3
+    assert _one_final_model(run_dir, 3)
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -278,13 +279,7 @@ def test_a_sparseloco_joiner_under_overlap_gets_the_anchor_not_the_model_and_end
     assert "optimizer" not in joined["stripes"] and joined["stripes"]["model"] == 2
     after = [r for r in _records(run_dir, 2) if r["step"] > s]
     assert [r["step"] for r in after] == list(range(s + 1, steps + 1))
-    finals = [
-        json.loads(x)
-        for h in range(3)
-        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
-        if json.loads(x).get("final")
-    ]
-    assert len(finals) == 3 and len({f["param_digest"] for f in finals}) == 1
+    assert _one_final_model(run_dir, 3)
 
 
 @pytest.mark.usefixtures("no_leftovers")
@@ -379,12 +374,6 @@ def test_a_joiner_receives_the_state_while_the_members_train_on_to_their_next_sy
     by_step = {r["step"]: r for r in members}
     per_worker = by_step[17]["tokens"] - by_step[16]["tokens"]  # three workers computed step 17
     assert (by_step[16]["tokens"] - by_step[8]["tokens"]) * 3 == 8 * 2 * per_worker
-    finals = [
-        json.loads(x)
-        for h in range(3)
-        for x in (run_dir / "metrics" / f"rank{h}.jsonl").read_text().splitlines()
-        if json.loads(x).get("final")
-    ]
-    assert len(finals) == 3 and len({f["param_digest"] for f in finals}) == 1
+    assert _one_final_model(run_dir, 3)
     if NETNS:  # the members' steps 9-15 were done before the joiner reached the sync of step 16
         assert by_step[15]["at"] < joiner[16]["at"] - 2.0, (by_step[15]["at"], joiner[16]["at"])

@@ -1326,7 +1326,9 @@ def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
     """SparseLoCo (H=4) on hosts 0 and 1 after step 8; host 2 joins. Hosts 0 and 1 hold the
     state equal and send it in stripes; host 1 is killed as its stripes should go. Host 0's go
     only once the joiner's hand-over was cut short (they arrive on the old group all the same).
-    The joiner keeps them, and the retry (epoch 3: hosts 0 and 2) sends only the rest."""
+    The joiner keeps them, and the retry (epoch 3: hosts 0 and 2), after host 0 trained a step
+    on (its state's step moved, its anchor did not), sends only the rest: the chunks that changed
+    and those host 1 was to send."""
     from geotrain.ft import elastic
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
@@ -1379,6 +1381,10 @@ def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
         moved = comm.stats.sent_bytes - before[0], comm.stats.recv_bytes - before[1]
         if membership.epoch == 3:
             break
+        if host == 0:  # it trains a step on before the retry: the step in its state moves
+            _tiny_step(sync, optimizer, host, 9)
+            sync.after_step()
+            status = StepStatus(9, False)
         while membership.published_leave < 3:
             time.sleep(0.05)
     stop.set()

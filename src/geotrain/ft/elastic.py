@@ -37,6 +37,7 @@ was updated when it was encoded): one step's compressed gradient, once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -209,8 +210,20 @@ class PartReceived:
     def chunk(self, i: int) -> torch.Tensor:
         return self.buffer[self.cuts[i] : self.cuts[i + 1]]
 
-    def arrived(self) -> list[int]:
-        return [i for i, f in enumerate(list(self.flags)) if f]
+    def arrived(self) -> dict[int, str]:
+        """The sha256 of each chunk that has arrived, by its index."""
+        return {i: _sha(self.chunk(i)) for i, f in enumerate(list(self.flags)) if f}
+
+
+def _sha(chunk: torch.Tensor) -> str:
+    return hashlib.sha256(chunk.numpy()).hexdigest()
+
+
+def chunk_digests(blob: memoryview) -> list[str]:
+    """The sha256 of each chunk of an encoded part (``chunk_cuts``)."""
+    payload = torch.frombuffer(blob, dtype=torch.uint8)
+    cuts = chunk_cuts(len(payload))
+    return [_sha(payload[cuts[i] : cuts[i + 1]]) for i in range(len(cuts) - 1)]
 
 
 class _ChunkFlags:
@@ -259,9 +272,11 @@ def _hand_over(
     which a joiner learns only from the state it receives).
     Each part goes in chunks (``chunk_cuts``), and a receiver keeps in ``kept`` (its
     ``Membership.received``) those that arrived before a lost member cut the hand-over short:
-    where the part's header (its length and sha256) is the same at the retry, as it is when the
-    members stopped at the same step, only the other chunks are sent again. Under faults every
-    20 s a 10 s hand-over was cut short again and again, and each retry started from nothing.
+    at the retry, a chunk whose sha256 is that of the leader's chunk at its place is not sent
+    again (all but the changed ones where the members stood still, most where they trained on
+    under a deferred admission: the step in the state moves, the anchor not until the next
+    sync). Under faults every 20 s a 10 s hand-over was cut short again and again, and each
+    retry started from nothing.
     ``leaf_parts``: the parts whose tensors are compared one by one (by digest) with the
     receivers' (none where a joiner receives: its fresh state holds none of the members'; the
     optimizer only where it is handed over).
@@ -292,7 +307,7 @@ def _hand_over(
     if comm.rank in (leader, *behind):  # what each holds, by entry of the model, by tensor of the rest
         leaves = {p: leaf_digests(state["parts"][p]) for p in leaf_parts} if state is not None else {}
         own = (entry_digests(model, rebuilt), leaves)
-    has = {p: (part.header, part.arrived()) for p, part in kept.items()} if comm.rank in behind else {}
+    has = {p: part.arrived() for p, part in kept.items()} if comm.rank in behind else {}
     digests, kept_by = zip(*comm.all_gather_object((own, has)), strict=True)
     at_leader, leaves_at_leader = digests[leader]
     held = {name for name, d in at_leader.items() if all(digests[r][0].get(name) == d for r in behind)}
@@ -319,9 +334,19 @@ def _hand_over(
         blobs = {p: encode(state["parts"][p]) for p in HANDED_OVER}  # every part: the leader's list
         # The frame's header holds the payload's length and sha256: equal headers, equal bytes.
         headers = {p: bytes(b[:HEADER_BYTES]).hex() for p, b in blobs.items()}
-        mine = (headers, _check_digest(model, sync, from_state), "optimizer" in sync.replicated_parts())
+        # each chunk's sha256 (the leader's; the others serve the same bytes): what a receiver
+        # kept of a hand-over cut short is matched chunk by chunk, not by the whole part, since
+        # under a deferred admission the members have trained on (the step in the state moves)
+        # while most of it (the anchor until the next sync) has not
+        chunks_at = {p: chunk_digests(b) for p, b in blobs.items()} if comm.rank == leader else None
+        mine = (
+            headers,
+            _check_digest(model, sync, from_state),
+            "optimizer" in sync.replicated_parts(),
+            chunks_at,
+        )
     metas = comm.all_gather_object(mine)
-    headers, digest, shared_optimizer = metas[leader]
+    headers, digest, shared_optimizer, leader_chunks = metas[leader]
     parts = handed_over(shared_optimizer)
     sends, recvs, slots, stripes, total, turn = [], [], [], {}, 0, 0
     resumed = dict.fromkeys(behind, 0)  # bytes each receiver kept from a hand-over cut short
@@ -333,8 +358,8 @@ def _hand_over(
         stripes[part], total = len(servers), total + size
         payload = torch.frombuffer(blobs[part], dtype=torch.uint8) if comm.rank in servers else None
         for r in behind:  # every rank deals the chunks each receiver lacks the same way
-            header, held_chunks = kept_by[r].get(part, ("", []))
-            have = set(held_chunks) if header == headers[part] else set()
+            held_chunks = kept_by[r].get(part, {})
+            have = {i for i, d in held_chunks.items() if i < len(cuts) - 1 and leader_chunks[part][i] == d}
             resumed[r] += sum(cuts[i + 1] - cuts[i] for i in have)
             if comm.rank == r:
                 mine[part] = PartReceived.resumed(headers[part], cuts, kept.get(part), have)
