@@ -1483,23 +1483,36 @@ def test_a_survivor_a_step_behind_receives_only_the_tensors_it_lacks(tmp_path):
 
 
 @_saved
-def _deferred_joiner(host: int, store_port: int, file_store: str) -> dict:
+def _deferred_joiner(host: int, store_port: int, file_store: str, refault: bool = False) -> dict:
     """Local SGD (H=4) on hosts 0 and 1 after step 8; host 2 joins, deferred: the members train
     steps 9-12 while it receives, it skips them, and the average of step 12 leaves it out."""
     from geotrain.sync import build_sync
 
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-    sync = build_sync("localsgd", model, optimizer, comm, {"H": 4})
+    if refault:  # its state an anchor, the same until the next sync (localsgd's: the parameters)
+        sync = build_sync(
+            "sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8, "overlap": False}
+        )
+    else:
+        sync = build_sync("localsgd", model, optimizer, comm, {"H": 4})
     for n in range(1, 9):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
     status = StepStatus(-1, False) if host == 2 else StepStatus(8, False)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
     left_out = frozenset(event["members"].index(h) for h in event["deferred"])
-    before = None
+    before, again = None, None
     for n in range(9, 13):
         if host != 2:
             _tiny_step(sync, optimizer, host, n)
+        if n == 10 and refault:  # a regroup before the meeting: the joiner is admitted afresh
+            if host == 0:
+                client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+                client.set("members/2", "0,1,2")
+                client.add("epoch", 1)
+            status = StepStatus(-1, False) if host == 2 else StepStatus(10, False)
+            again = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+            left_out = frozenset(again["members"].index(h) for h in again["deferred"])
         if n == 12:
             before = flatten(list(model.parameters())).detach().clone()
             with comm.leaving_out(left_out):
@@ -1510,20 +1523,33 @@ def _deferred_joiner(host: int, store_port: int, file_store: str) -> dict:
         membership.sending.finish()
     after = flatten(list(model.parameters())).detach().clone()
     sync.close()
-    return {"event": event, "before": before, "after": after}
+    return {"event": event, "again": again, "before": before, "after": after}
 
 
-def test_a_deferred_joiner_meets_the_members_at_their_next_sync_and_weighs_nothing_in_it(tmp_path):
+def _deferred_joiner_refault(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_joiner(host, store_port, file_store, out, refault=True)
+
+
+@pytest.mark.parametrize("worker", [_deferred_joiner, _deferred_joiner_refault])
+def test_a_deferred_joiner_meets_the_members_at_their_next_sync_and_weighs_nothing_in_it(tmp_path, worker):
     """The members do not wait for the hand-over (they train steps 9-12 meanwhile); the joiner,
     its state that of step 8, skips to step 12, where the average is the two members' alone,
-    and all three hold it."""
+    and all three hold it. With a regroup after step 10 (a fault elsewhere): the joiner is
+    admitted afresh, deferred to the same sync, and receives only the chunks that changed (the
+    step in the state), not the state again."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")
     store.add("epoch", 1)
-    h0, h1, h2 = _hosts(_deferred_joiner, store, 3, (0, 1, 2))
+    h0, h1, h2 = _hosts(worker, store, 3, (0, 1, 2))
     for h in (h0, h1, h2):
         assert h["event"]["deferred"] == [2] and h["event"]["deferred_until"] == 12
+    if worker is _deferred_joiner_refault:  # (SparseLoCo)
+        again = h2["again"]
+        assert again["deferred"] == [2] and again["deferred_until"] == 12 and again["behind"] == [2]
+        assert again["resumed_bytes"] > 0.8 * again["handed_over_bytes"], again
+        assert torch.equal(h0["after"], h1["after"]) and torch.equal(h0["after"], h2["after"])
+        return
     mean = (h0["before"] + h1["before"]) / 2
     assert torch.allclose(h0["after"], mean, atol=1e-6)  # the joiner's replica weighs nothing
     assert not torch.allclose(h0["after"], (h0["before"] + h1["before"] + h2["before"]) / 3, atol=1e-4)

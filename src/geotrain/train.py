@@ -600,6 +600,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 if phase != "sync":
                     loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
         if met:  # the joiners received the state before they came: the sends are done
+            membership.received.clear()  # (a joiner's copy of what it received, kept till now)
             finish, membership.sending = membership.sending, None
             deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
             try:

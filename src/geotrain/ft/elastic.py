@@ -387,8 +387,12 @@ def _hand_over(
                 got[p] = decode(memoryview(mine[p].buffer.numpy()), f"the members' {p} state")
                 if held_leaves.get(p):  # what it holds equal already, its own copy
                     got[p] = with_leaves(got[p], state["parts"][p])
-        finally:
-            kept.clear()  # loaded, or not to be trusted again
+        except Exception:
+            kept.clear()  # not to be trusted again
+            raise
+        kept.clear()
+        if defer:  # kept until it meets the members: a fault before makes it a joiner again, and
+            kept.update(mine)  # its next hand-over sends only the chunks that changed since
         loaded = model.load_state_dict(got["model"], strict=False)
         # only what it holds already (or rebuilds from the state) may be missing, nothing unknown come
         odd = sorted(set(loaded.missing_keys) - left_home) + sorted(loaded.unexpected_keys)
