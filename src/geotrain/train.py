@@ -411,12 +411,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         return synced
 
     pause_after: int | None = None  # fewer than --min-workers: the boundary where they wait
-    # A deferred admission (ft/elastic.py): the sync where the joiners meet the members, the
-    # joiners' ranks (their part of it is left out), and whether this worker is one of them
-    # (it receives the state, then skips its steps up to that sync).
+    # A deferred admission (ft/elastic.py): the sync where the joiners meet the members, and
+    # the joiners' ranks (their part of it is left out; a joiner skips its steps up to it).
     deferred_until: int | None = None
     deferred_ranks: frozenset[int] = frozenset()
-    deferred_here = False
 
     def wait_for_joiners(boundary: int) -> None:
         """Fewer than ``--min-workers`` are left: every member stops after the same sync boundary
@@ -455,7 +453,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
-        nonlocal deferred_until, deferred_ranks, deferred_here
+        nonlocal deferred_until, deferred_ranks
 
         def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
@@ -465,7 +463,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is None or not lost_member(error):
             raise error
         previous, stopped_at = list(membership.members), status
-        if deferred_here:  # a deferred joiner that has not met the members: admitted afresh
+        if comm.rank in deferred_ranks:  # a deferred joiner that has not met the members: admitted afresh
             status = StepStatus(-1, False)  # (the state it holds is of a sync they are past)
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
@@ -491,11 +489,10 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     flush=True,
                 )
         tokens_done = event.pop("tokens")
-        deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
+        deferred_until, deferred_ranks = None, frozenset()
         if event["deferred"]:  # the members train on while the joiners receive the state
             deferred_until = event["deferred_until"]
             deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
-            deferred_here = host in event["deferred"]
             # no evaluation before that sync: the members would wait there for the joiners
             no_eval_through = max(no_eval_through, deferred_until - 1)
         # A member behind the furthest (periodic methods: each goes on from its own step) must
@@ -566,7 +563,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         before = comm.stats.copy()
         computes = sync.computes_step()  # False: a straggler's skipped step (--pace time)
         deferring = deferred_until is not None and step <= deferred_until
-        computes = computes and not (deferring and deferred_here)  # a joiner skips to that sync
+        computes = computes and not (deferring and comm.rank in deferred_ranks)  # a joiner skips to it
         computing = sync.workers_computing() - (len(deferred_ranks) if deferring else 0)
         step_tokens = cfg.batch_size * model.block_size * computing
         if batch is None and computes:
@@ -602,7 +599,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if met:  # the joiners received the state before they came: the sends are done
             membership.received.clear()  # (a joiner's copy of what it received, kept till now)
             finish, membership.sending = membership.sending, None
-            deferred_until, deferred_ranks, deferred_here = None, frozenset(), False
+            deferred_until, deferred_ranks = None, frozenset()
             try:
                 if finish is not None:
                     finish.finish()

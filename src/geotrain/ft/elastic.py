@@ -188,20 +188,18 @@ def chunk_cuts(size: int) -> list[int]:
 
 @dataclass
 class PartReceived:
-    """What a receiver has of one part of a hand-over: the part's header (its length and
-    sha256), its buffer, and which chunks of it have arrived. The flags are set by the
-    exchange's waiter threads, also after a lost member cut the hand-over short (transfers
-    between live peers go on), and read again at the retry."""
+    """What a receiver has of one part of a hand-over: its buffer, and which chunks of it have
+    arrived. The flags are set by the exchange's waiter threads, also after a lost member cut
+    the hand-over short (transfers between live peers go on), and read again at the retry."""
 
-    header: str
     buffer: torch.Tensor
     cuts: list[int]
     flags: list[bool]
 
     @classmethod
-    def resumed(cls, header: str, cuts: list[int], before: PartReceived | None, have: set[int]):
+    def resumed(cls, cuts: list[int], before: PartReceived | None, have: set[int]):
         """A fresh buffer for the part, with the chunks ``have`` (reported from ``before``)."""
-        got = cls(header, torch.empty(cuts[-1], dtype=torch.uint8), cuts, [False] * (len(cuts) - 1))
+        got = cls(torch.empty(cuts[-1], dtype=torch.uint8), cuts, [False] * (len(cuts) - 1))
         for i in sorted(have):
             got.chunk(i).copy_(before.chunk(i))
             got.flags[i] = True
@@ -251,7 +249,7 @@ def _hand_over(
     kept: dict[str, PartReceived] | None = None,
     leaf_parts: tuple[str, ...] = ("sync",),
     defer: bool = False,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
 
@@ -280,9 +278,10 @@ def _hand_over(
     ``leaf_parts``: the parts whose tensors are compared one by one (by digest) with the
     receivers' (none where a joiner receives: its fresh state holds none of the members'; the
     optimizer only where it is handed over).
-    ``defer``: the servers post their sends and return (``_finish`` waits for them), the
-    receivers wait as ever: an admission that does not stop the members (``regroup``).
-    Returns bytes and stripes per part handed over, and the bytes of it a receiver kept."""
+    ``defer``: the servers post their sends and return, the receivers wait as ever: an
+    admission that does not stop the members (``regroup``).
+    Returns bytes and stripes per part handed over and the bytes of it a receiver kept, and a
+    server's sends where deferred (``PostedSends``; else None)."""
     best = max(statuses)
     up = [r for r, s in enumerate(statuses) if s == best]
     leader = up[0]
@@ -362,7 +361,7 @@ def _hand_over(
             have = {i for i, d in held_chunks.items() if i < len(cuts) - 1 and leader_chunks[part][i] == d}
             resumed[r] += sum(cuts[i + 1] - cuts[i] for i in have)
             if comm.rank == r:
-                mine[part] = PartReceived.resumed(headers[part], cuts, kept.get(part), have)
+                mine[part] = PartReceived.resumed(cuts, kept.get(part), have)
             for i in range(len(cuts) - 1):
                 if i in have:
                     continue
@@ -408,7 +407,7 @@ def _hand_over(
         sync.adopted_state()
     # (a receiver's own figure; the others report the most any receiver kept)
     own_kept = resumed.get(comm.rank, max(resumed.values(), default=0))
-    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept, "_finish": finish}
+    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept}, finish
 
 
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
@@ -554,20 +553,18 @@ def regroup(
     if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
         membership.received.clear()
     if behind:
-        fresh = any(statuses[r].committed < 0 for r in behind)
+        fresh = any(r in joiners for r in behind)
         leaf_parts = () if fresh else ("sync", "optimizer") if reports[leader][11] else ("sync",)
         # Only joiners behind, no sync failed, under an algorithm with no collective before its
         # next sync (at or before the run's last step): the members train on while the joiners
         # receive, and meet them at that sync, where the joiners' part is left out.
         defer = deferrable and behind == joiners
-        handed = _hand_over(
+        handed, membership.sending = _hand_over(
             comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
             defer,
         )  # fmt: skip
         if defer:
-            membership.sending = handed["_finish"]
             deferred = ([members[r] for r in behind], deferred_until)
-        handed.pop("_finish")
         if comm.rank in behind and adopted is not None and not defer:  # (deferred: until it meets them)
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:

@@ -116,14 +116,14 @@ def entry_digests(model: torch.nn.Module, skip: Collection[str] = ()) -> dict[st
     """sha256 of each entry of the model's state (its dtype, shape and bytes), by name, but
     those in ``skip``: which entries two workers hold bitwise equal (a hand-over leaves those
     out, ``ft/elastic.py``)."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if name in skip:
-            continue
-        h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-        _hash_tensor(h, t)
-        out[name] = h.hexdigest()
-    return out
+    return {name: _entry_digest(t) for name, t in model.state_dict().items() if name not in skip}
+
+
+def _entry_digest(t: torch.Tensor) -> str:
+    """sha256 of one tensor: its dtype, shape and bytes."""
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    _hash_tensor(h, t)
+    return h.hexdigest()
 
 
 MIN_LEAF_BYTES = 1024  # smaller tensors of a state go as they are (not worth a digest)
@@ -151,13 +151,9 @@ def _leaves(obj: Any, path: tuple = ()):
 def leaf_digests(obj: Any) -> dict[tuple, str]:
     """sha256 of each tensor of a state's tree (its dtype, shape and bytes) of at least
     ``MIN_LEAF_BYTES``, by its path (the keys and indices down to it)."""
-    out = {}
-    for path, t in _leaves(obj):
-        if t.numel() * t.element_size() >= MIN_LEAF_BYTES:
-            h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-            _hash_tensor(h, t)
-            out[path] = h.hexdigest()
-    return out
+    return {
+        path: _entry_digest(t) for path, t in _leaves(obj) if t.numel() * t.element_size() >= MIN_LEAF_BYTES
+    }
 
 
 def without_leaves(obj: Any, paths: Collection[tuple], path: tuple = ()) -> Any:
