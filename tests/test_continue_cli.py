@@ -377,3 +377,33 @@ def test_a_joiner_receives_the_state_while_the_members_train_on_to_their_next_sy
     assert _one_final_model(run_dir, 3)
     if NETNS:  # the members' steps 9-15 were done before the joiner reached the sync of step 16
         assert by_step[15]["at"] < joiner[16]["at"] - 2.0, (by_step[15]["at"], joiner[16]["at"])
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_with_every_state_holder_lost_before_the_joiner_is_admitted_all_restart_from_the_snapshots(
+    tmp_path, cleanup_keepers
+):
+    """Local SGD on 3 workers, snapshots every 4 steps. Host 2 is lost after step 5 and its
+    replacement starts half a second later; hosts 0 and 1 are lost after step 7, before it can
+    be admitted (its start-up alone takes seconds). Nobody is left to hand it the state: it
+    exits 5, and the launcher restarts every host from the newest snapshot all of them can
+    restore (step 4), as a rollback does; they train to the end and end as one model. The code
+    before ended the run with exit 1 ("the hosts finished but wrote no summary")."""
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 3))
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "12", *JOB, "--run-dir", str(run_dir)]
+    chaos = "kill:step=5,rank=2,restart=0.5;kill:step=7,rank=0;kill:step=7,rank=1"
+    proc = geotrain([*job, "--snapshot-every", "4", "--chaos", chaos])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no member holding the training state is left" in proc.stderr, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    assert summary["steps"] == 12 and summary["workers"] == 3
+    faults = summary["faults"]
+    assert len(faults) == 3, (faults, proc.stderr)  # (which record names which host varies)
+    last = faults[-1]
+    assert (last["at_step"], last["rollback_to"], last["steps_lost"]) == (7, 4, 3), last
+    assert last["sources"] == ["keeper"] * 3
+    for host in range(3):
+        steps = [r["step"] for r in _records(run_dir, host)]
+        assert steps[-8:] == list(range(5, 13)), (host, steps)
+    assert _one_final_model(run_dir, 3)

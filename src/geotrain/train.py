@@ -41,11 +41,13 @@ from geotrain.ft.elastic import StepStatus, copies_at_the_end, owned_shards, reg
 from geotrain.ft.keeper import KeeperClient
 from geotrain.ft.membership import (
     EXIT_BELOW_MIN_WORKERS,
+    EXIT_NO_STATE_HOLDER,
     BelowMinWorkers,
     Excluded,
     JoinRefused,
     Membership,
     MembershipChanged,
+    NoStateHolder,
     RunFinished,
 )
 from geotrain.ft.snapshots import ResumeError, SnapshotConfig, Snapshotter, restore
@@ -477,7 +479,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     previous, adopted, cfg.steps,
                 )  # fmt: skip
                 break
-            except (Excluded, RunFinished):
+            except (Excluded, RunFinished, NoStateHolder):
                 raise
             except RuntimeError as e:  # a member lost while the group formed: regroup again
                 if not lost_member(e):
@@ -1103,6 +1105,9 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         return 0
     except BelowMinWorkers:  # its snapshot is taken: a resume goes on from it
         return EXIT_BELOW_MIN_WORKERS
+    except NoStateHolder as e:  # the launcher restores every host from the snapshots
+        print(f"geotrain train: {e}", file=sys.stderr)
+        return EXIT_NO_STATE_HOLDER
     except (ConfigError, DataError, ResumeError, JoinRefused) as e:
         _fatal(cfg, ctx.rank, f"geotrain train: error: {e}", str(e))
         return 2

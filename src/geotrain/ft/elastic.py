@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.ft.membership import Membership, RunFinished, retire, sync_boundary
+from geotrain.ft.membership import Membership, NoStateHolder, RunFinished, retire, sync_boundary
 from geotrain.ft.state import (
     HANDED_OVER,
     HEADER_BYTES,
@@ -515,8 +515,12 @@ def regroup(
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
     best = max(statuses)
     leader = statuses.index(best)
-    if best.committed < 0:  # only joiners are left: the members have finished or stopped
-        raise RunFinished("the members left the run before this joiner could be admitted")
+    if best.committed < 0:  # only joiners are left: the members have finished, or were all lost
+        if membership.store().check(["finished"]):
+            raise RunFinished("the members left the run before this joiner could be admitted")
+        raise NoStateHolder(
+            "every member holding the training state was lost before this joiner could be admitted"
+        )
     behind = catching_up(statuses, collective_period)
     # A regroup inside a deferred admission's period (the members at their own steps): where
     # the members have all completed the same syncs, only the joiners are behind, and they are

@@ -165,6 +165,16 @@ class RunFinished(RuntimeError):
     """A joiner's wait ended because the run finished before the members could admit it."""
 
 
+class NoStateHolder(RuntimeError):
+    """Only joiners are left, and the run has not finished: every member that held the training
+    state was lost before they were admitted. The launcher restores every host from the
+    snapshots (exit ``EXIT_NO_STATE_HOLDER``)."""
+
+
+# A joiner's exit code when it found no member left to admit it (``NoStateHolder``).
+EXIT_NO_STATE_HOLDER = 5
+
+
 # A trainer's exit code when it stopped because fewer than --min-workers were left for longer
 # than --join-timeout (its snapshot taken): the launcher tells the user how to resume.
 EXIT_BELOW_MIN_WORKERS = 4

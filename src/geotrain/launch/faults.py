@@ -164,11 +164,12 @@ def credit_regroups(records: list[FaultRecord], events: list[dict]) -> None:
     """With continue, what each fault cost the survivors, from the trainers' regroup events: the
     step they went on after, and when its replacement was admitted. ``steps_lost`` stays 0: a
     member goes on from its own step or from a leader's further one, never redoing a finished
-    step."""
+    step; except after a fault that took the last member holding the state, where every host
+    was restored from the snapshots (``sources`` set, by ``roll_back``)."""
     for record in records:
         after = [e for e in events if e.get("at", 0) >= record.detected_at - 1.0]
         event = next((e for e in after if record.rank not in e["members"] and not e.get("joined")), None)
-        if event is not None:
+        if event is not None and record.sources is None:  # (sources: every host was restored)
             record.rollback_to = event["step"]
         if record.rejoin_started_at:
             # Before the same host fails again: a replacement killed while it waited has none.

@@ -33,7 +33,7 @@ from typing import IO
 from geotrain.ft.atomic import write_atomic
 from geotrain.ft.chaos import fired_marker, join_chaos, parse_chaos
 from geotrain.ft.keeper import KeeperError
-from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS
+from geotrain.ft.membership import EXIT_BELOW_MIN_WORKERS, EXIT_NO_STATE_HOLDER
 from geotrain.launch.admission import read_token, write_token
 from geotrain.launch.control import coordinator_up, machine_sites, restart_coordinator, start_coordinator
 from geotrain.launch.coordinator import read_jsonl, read_verdicts
@@ -266,8 +266,8 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
             said = (control / f"exit-{host}").read_text().strip()
             if said == "0" and code is None:
                 return 0
-            if said == str(EXIT_BELOW_MIN_WORKERS):
-                return EXIT_BELOW_MIN_WORKERS
+            if said in (str(EXIT_BELOW_MIN_WORKERS), str(EXIT_NO_STATE_HOLDER)):
+                return int(said)
     return code
 
 
@@ -417,6 +417,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         joiners: set[int] = set()
         machine_of = list(range(launch.workers))  # the machine (namespace, log) serving each host
         placed = 0  # hand-outs of control/spares.jsonl acted on
+        earlier_regroups: list[dict] = []  # of the epochs before every host was restored
         keeper_any = str(keeper_socket(run_dir, 0)).replace("host0.sock", "host{host}.sock")
 
         def start_spare(machine: int) -> None:
@@ -448,7 +449,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
             while True:
                 codes = [_host_code(p, control, i, elastic) for i, p in enumerate(hosts.procs)]
                 live = [i for i in range(launch.workers) if i not in dead]
-                if all(codes[i] == 0 for i in live):
+                if live and all(codes[i] == 0 for i in live):  # (none live: replacements are due)
                     break
                 if any(codes[i] == EXIT_BELOW_MIN_WORKERS for i in live):
                     at = max(last_step(run_dir, i)[0] for i in live)
@@ -531,7 +532,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     )
                 # The furthest live host: a replacement's file (its predecessor's steps) moves only
                 # once it is admitted, so watching it made recoveries look as long as admissions.
-                progress = max(last_step(run_dir, i)[0] for i in live)
+                progress = max((last_step(run_dir, i)[0] for i in live), default=start_step)
                 if recovering is not None and progress > recovering.rollback_to:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                     write_faults(run_dir, records)
@@ -560,6 +561,34 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                     recovering.recover_s = round(time.time() - recovering.detected_at, 2)
                 succeeded = True
                 break
+            if elastic and codes[failed] == EXIT_NO_STATE_HOLDER and len(records) > prior:
+                # Every member holding the state was lost before a joiner was admitted: nobody
+                # is left to hand it over. Every host restarts from the newest snapshot that
+                # all can restore, as under rollback (the joiners' hosts from a member's), on a
+                # fresh coordinator (its epochs begin again with every host).
+                record = records[-1]  # the fault that took the last holder
+                stop_processes(hosts.procs + list(pool.values()), grace_s=1.0)
+                hosts.close()
+                hosts, coordinator_waited = None, False
+                earlier_regroups += regroup_events(control)  # a fresh coordinator empties control/
+                if coordinator is not None:
+                    (control / "stop").touch()
+                    stop_processes([coordinator], grace_s=2.0)
+                coordinator = start_coordinator(launch, cluster, wait=False)
+                pool, dead, joiners, rejoin, handled, placed = {}, set(), set(), {}, set(), 0
+                machine_of = list(range(launch.workers))
+                cfg = roll_back(run_dir, launch, cfg, sockets, faults, record)
+                start_step = record.rollback_to
+                write_faults(run_dir, records)
+                print(
+                    f"geotrain: no member holding the training state is left (host {record.rank} "
+                    f"was the last; the joiners had not been admitted): all workers continue from "
+                    f"step {start_step} of their snapshots ({record.steps_lost} steps redone)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                attempt += 1
+                continue
             # A host failed: note it, stop the rest, and decide whether the run goes on.
             detected_wall = time.time()
             code = hosts.procs[failed].poll()
@@ -627,11 +656,19 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 left = launch.workers - len(dead)
                 if restart_s:
                     rejoin[machine_of[failed]] = (time.monotonic() + restart_s, record, failed)
-                if not left:
+                if not left and not rejoin and not pool:
                     raise RunFailed(
                         f"host {failed} {what}; no worker left. The keepers hold the last snapshots: "
                         f"geotrain run --resume {run_dir}{log_tail}"
                     )
+                if not left:  # a replacement will find nobody to hand it the state (see above)
+                    print(
+                        f"geotrain: host {rank} failed after step {furthest} ({kind}); no worker is "
+                        "left: once a replacement comes, every host restarts from the snapshots",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    continue
                 then = f"; a replacement comes in {restart_s:g} s" if restart_s else ""
                 if pool:
                     then = f"; one of {len(pool)} spare(s) takes its place"
@@ -721,7 +758,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
         summary |= wire_bytes(traffic, int(summary["steps"]) - start + redone)
         write_atomic(summary_path, (json.dumps(summary, indent=2) + "\n").encode())
     if elastic:
-        summary["membership"] = regroup_events(control) or summary.get("membership") or []
+        regroups = regroup_events(control) or summary.get("membership") or []
+        summary["membership"] = earlier_regroups + regroups
         credit_regroups(records[prior:], summary["membership"])
         write_faults(run_dir, records)
     if records or launch.on_failure != "stop":
