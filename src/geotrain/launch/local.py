@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -445,7 +446,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 started_wall = time.time()
                 armed = False  # timed faults count from the first step: not during start-up
             recovering = records[-1] if len(records) > prior and records[-1].recover_s is None else None
-            failed, silent_s, seen_bad = None, 0.0, []
+            failed, silent_s, seen_bad, no_holder_at = None, 0.0, [], 0.0
             while True:
                 codes = [_host_code(p, control, i, elastic) for i, p in enumerate(hosts.procs)]
                 live = [i for i in range(launch.workers) if i not in dead]
@@ -462,7 +463,17 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 # The first to fail, in the order noticed; in one poll, one that did not exit in
                 # order (no "bye") before its peers, which exit on the broken collective.
                 new_bad = [i for i in live if codes[i] not in (None, 0) and i not in seen_bad]
-                seen_bad += sorted(new_bad, key=lambda i: (control / f"bye-{attempt}-{i}").exists())
+                # A joiner that found no member to admit it (5) comes after the members' own
+                # failures, which its peers' coordinator may have seen first: the restore is
+                # recorded against the last of them (a frozen one, against its silence).
+                if any(codes[i] == EXIT_NO_STATE_HOLDER for i in new_bad):
+                    no_holder_at = no_holder_at or time.monotonic()
+                    if time.monotonic() - no_holder_at < launch.fault_timeout_s + 30 and any(
+                        codes[i] is None and i not in joiners for i in live
+                    ):
+                        new_bad = [i for i in new_bad if codes[i] != EXIT_NO_STATE_HOLDER]
+                said_bye = {i: (control / f"bye-{attempt}-{i}").exists() for i in new_bad}
+                seen_bad += sorted(new_bad, key=lambda i: (codes[i] == EXIT_NO_STATE_HOLDER, said_bye[i]))
                 if seen_bad:
                     failed = seen_bad[0]
                     break
@@ -570,13 +581,19 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 stop_processes(hosts.procs + list(pool.values()), grace_s=1.0)
                 hosts.close()
                 hosts, coordinator_waited = None, False
-                earlier_regroups += regroup_events(control)  # a fresh coordinator empties control/
                 if coordinator is not None:
                     (control / "stop").touch()
                     stop_processes([coordinator], grace_s=2.0)
+                for f in [f for f in faults if not f.timed and fired_marker(control, f).exists()]:
+                    faults.remove(f)  # fired: its marker goes with control/, it must not fire again
+                # A fresh coordinator empties control/: its records are kept beside it.
+                earlier_regroups += regroup_events(control)
+                kept = run_dir / f"control-before-restore-{attempt}"
+                shutil.rmtree(kept, ignore_errors=True)
+                shutil.copytree(control, kept)
                 coordinator = start_coordinator(launch, cluster, wait=False)
                 pool, dead, joiners, rejoin, handled, placed = {}, set(), set(), {}, set(), 0
-                machine_of = list(range(launch.workers))
+                machine_of, timed.fired, stuck = list(range(launch.workers)), None, 0
                 cfg = roll_back(run_dir, launch, cfg, sockets, faults, record)
                 start_step = record.rollback_to
                 write_faults(run_dir, records)
@@ -656,7 +673,8 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 left = launch.workers - len(dead)
                 if restart_s:
                     rejoin[machine_of[failed]] = (time.monotonic() + restart_s, record, failed)
-                if not left and not rejoin and not pool:
+                coming = rejoin or any(p.poll() is None for p in pool.values())  # (spares that live)
+                if not left and not (coming and coordinator is not None):
                     raise RunFailed(
                         f"host {failed} {what}; no worker left. The keepers hold the last snapshots: "
                         f"geotrain run --resume {run_dir}{log_tail}"
