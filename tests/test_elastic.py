@@ -940,6 +940,80 @@ def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
         assert all(r["rejected"] == {} for r in ranks)
 
 
+def _late_meeter(host: int, store_port: int, file_store: str, out: str) -> None:
+    """Host 2 is a joiner; host 0 applied step 4 and its average (H=4) failed; host 1 was at
+    step 2, short of that sync."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.elastic import regroup
+    from geotrain.sync import build_sync
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+        results = {}
+        for algo in ("localsgd", "sparseloco"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+            comm = Communicator(membership=membership)
+            options = {"H": 4} | ({"chunk": 16, "k": 16, "overlap": False} if algo == "sparseloco" else {})
+            sync = build_sync(algo, model, optimizer, comm, options)
+            with torch.no_grad():  # replicas that differ, as after local steps
+                for p in model.parameters():
+                    p.add_(host + 1)
+            sync.step_count = {0: 4, 1: 2, 2: 0}[host]
+            status = {0: StepStatus(3, True), 1: StepStatus(2, False), 2: StepStatus(-1, False)}[host]
+            before = [p.detach().clone() for p in model.parameters()]
+            event = regroup(membership, sync.comm, sync, model, optimizer, status, steps=40)
+            if host == 1:  # its steps 3 and 4 (no local change), as train() takes them
+                left_out = frozenset(event["members"].index(h) for h in event["left_out"])
+                assert event["left_out_until"] == 4
+                sync.after_step()
+                with comm.leaving_out(left_out):
+                    sync.after_step()
+            results[algo] = {
+                "event": event,
+                "before": before,
+                "after": [p.detach().clone() for p in model.parameters()],
+            }
+            sync.close()
+            dist.barrier()
+            if host == 0:
+                membership.store().set(f"members/{membership.epoch + 1}", "0,1,2")
+                membership.store().add("epoch", 1)
+        dist.destroy_process_group()
+        torch.save({"ok": results}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_step(tmp_path):
+    """A member is lost at a sync boundary while a joiner waits: host 0 applied step 4 and its
+    average failed, host 1 was at step 2. Only the joiner adopts host 0's state (a model's worth
+    on the slow link); host 1 keeps its own, and meets the redone average from its step 4 with
+    the joiner's copy left out. All three end with the mean of hosts 0 and 1: the code before
+    made host 1 adopt host 0's state too, and the average was host 0's alone."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
+    store.add("epoch", 1)
+    runs = _hosts(_late_meeter, store, 3, (0, 1, 2))
+    for algo in ("localsgd", "sparseloco"):
+        ranks = [r[algo] for r in runs]
+        for r in ranks:
+            assert r["event"]["behind"] == [2] and r["event"]["left_out"] == [2], r["event"]
+        assert ranks[1]["event"]["handed_over_bytes"] > 0  # (the joiner's, the same for all)
+        for k in range(len(ranks[0]["after"])):
+            assert torch.equal(ranks[0]["after"][k], ranks[1]["after"][k])
+            assert torch.equal(ranks[0]["after"][k], ranks[2]["after"][k])
+        if algo == "localsgd":
+            for k, x0 in enumerate(ranks[0]["before"]):
+                mean = (x0 + ranks[1]["before"][k]) / 2
+                torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
+
+
 def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_how(tmp_path):
     """``serve(until_done=True)`` (``geotrain broker``): a trainer that fails says so and its host
     leaves at once (no fault timeout); the broker returns once every member has left, saying

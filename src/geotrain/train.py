@@ -497,6 +497,12 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
             # no evaluation before that sync: the members would wait there for the joiners
             no_eval_through = max(no_eval_through, deferred_until - 1)
+        left_out = frozenset(event["members"].index(h) for h in event["left_out"])
+        if left_out and comm.rank not in left_out and event["resume"].done < event["left_out_until"]:
+            # Short of a sync the others redid with joiners' copies of the leader's state: it meets
+            # that sync from its own step, their part left out as in the redo (the joiners skip
+            # nothing: they are past it).
+            deferred_until, deferred_ranks = event["left_out_until"], left_out
         # A member behind the furthest (periodic methods: each goes on from its own step) must
         # not wait in an evaluation the others have done or skipped.
         no_eval_through = max(no_eval_through, event["furthest"])

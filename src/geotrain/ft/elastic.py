@@ -534,7 +534,17 @@ def regroup(
         and not best.local_done
         and (not reports[leader][13] or deferred_until <= reports[leader][13])  # never past the end
     )
-    if deferrable and collective_period > 1 and len(within) == 1:
+    members_even = collective_period > 1 and len(within) == 1  # each member may go on from its own step
+    if deferrable and members_even:
+        behind = joiners
+    # A sync failed on the furthest members, at its boundary, while joiners waited and other
+    # members had not reached it: the joiners adopt the leader's state and take part in the redo,
+    # and the members short of the boundary keep their own and meet the redo from their own step,
+    # leaving out what it leaves out (``left_out``). They used to adopt the leader's state as well,
+    # a model's worth each on the slow links, where a fault in it cut the hand-over again.
+    late = [r for r, s in enumerate(statuses) if s.committed >= 0 and not s.local_done]
+    meet_late = bool(joiners and best.local_done and members_even and reports[leader][12] and late)
+    if meet_late:
         behind = joiners
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
@@ -554,6 +564,7 @@ def regroup(
         handed = _send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
+    left_out = [members[r] for r in sorted(copies)] if meet_late else []
     if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
         membership.received.clear()
     if behind:
@@ -605,6 +616,9 @@ def regroup(
         "boundary": boundary,
         "deferred": deferred[0],  # they skip to it, and their part of its average is left out
         "deferred_until": deferred[1],
+        # members short of the redone sync meet it at that step with these hosts' part left out
+        "left_out": left_out,
+        "left_out_until": best.done if left_out else 0,
         "tokens": reports[leader][2] if comm.rank in behind else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),
