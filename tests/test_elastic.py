@@ -1014,6 +1014,92 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
                 torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
 
 
+def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) -> None:
+    """As ``_late_meeter`` with a fourth host, short of the sync as host 1 is, lost once the
+    joiner has adopted and while the redo waits for host 1: a second regroup, whose redo still
+    holds the joiner's copy (it has no joiner left to make ``left_out`` of)."""
+    from geotrain.comm.communicator import Communicator
+    from geotrain.ft.elastic import regroup
+    from geotrain.sync import build_sync
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=4)
+        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2, 3], timeout_s=30)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        comm = Communicator(membership=membership)
+        sync = build_sync("localsgd", model, optimizer, comm, {"H": 4})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(host + 1)
+        sync.step_count = {0: 4, 1: 2, 2: 0, 3: 2}[host]
+        status = {0: StepStatus(3, True), 2: StepStatus(-1, False)}.get(host, StepStatus(2, False))
+
+        def heartbeat() -> None:  # what a trainer's heartbeat thread does: the redo gives up
+            client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+            while True:
+                membership.observe(client, int(client.add("epoch", 0)))
+                time.sleep(0.1)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        before = [p.detach().clone() for p in model.parameters()]
+        adopted = []
+        first = second = None
+        try:
+            first = regroup(
+                membership, comm, sync, model, optimizer, status, steps=40,
+                adopted=lambda s, t: adopted.append(s),
+            )  # fmt: skip
+        except RuntimeError:  # the redo, cut by host 3's loss
+            assert host in (0, 2)
+        if host == 3:
+            os._exit(0)  # lost after the hand-over, before the redo completes
+        if host == 1:  # it notices the loss before its step 3 (its heartbeat), and says so
+            time.sleep(1.0)
+            client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+            client.set("members/2", "0,1,2")
+            client.add("epoch", 1)
+        status = adopted[-1] if adopted else status  # the joiner is at the leader's status now
+        second = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+        if host == 1:
+            left_out = frozenset(second["members"].index(h) for h in second["left_out"])
+            sync.after_step()
+            with comm.leaving_out(left_out):
+                sync.after_step()
+        result = {
+            "first": first,
+            "second": second,
+            "before": before,
+            "after": [p.detach().clone() for p in model.parameters()],
+        }
+        sync.close()
+        dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_a_late_member_meets_a_redo_that_failed_again_leaving_out_the_copy_still_held(tmp_path):
+    """The joiner adopted host 0's state and both redo the average; host 3 (short of the sync,
+    as host 1 is) is lost before host 1 meets it. In the second regroup no joiner is left, but
+    the joiner still holds host 0's copy, which the redo leaves out: host 1 must leave it out
+    too (``left_out``), or it divides by three where the others divide by two."""
+    store = _master()
+    Epochs(store, tmp_path, 4)
+    store.set("members/1", "0,1,2,3")
+    store.add("epoch", 1)
+    h0, h1, h2 = _hosts(_late_meeter_refault, store, 4, (0, 1, 2))
+    assert h1["first"]["behind"] == [2] and h1["first"]["left_out"] == [2]
+    assert h1["second"]["behind"] == [] and h1["second"]["left_out"] == [2], h1["second"]
+    for k, x0 in enumerate(h0["before"]):
+        mean = (x0 + h1["before"][k]) / 2
+        for h in (h0, h1, h2):
+            torch.testing.assert_close(h["after"][k], mean, rtol=0, atol=1e-6)
+
+
 def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_how(tmp_path):
     """``serve(until_done=True)`` (``geotrain broker``): a trainer that fails says so and its host
     leaves at once (no fault timeout); the broker returns once every member has left, saying

@@ -564,7 +564,11 @@ def regroup(
         handed = _send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
-    left_out = [members[r] for r in sorted(copies)] if meet_late else []
+    # Whoever meets a redo from its own step leaves out what the redo leaves out: the joiners'
+    # copies just made, or copies held from a regroup whose redo failed (a second fault while
+    # the redo waited for the members short of the boundary).
+    meeting = [r for r in late if r not in behind]
+    left_out = [members[r] for r in sorted(copies)] if best.local_done and meeting and copies else []
     if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
         membership.received.clear()
     if behind:
