@@ -34,8 +34,9 @@ CLUSTER_MODULES = [
 TIMED_MODULES = ["test_netem", "test_pace", "test_topology", "test_bench"]
 
 # The cluster half yields the cores to the other half, whose tests mostly wait on their groups'
-# messages: at equal priority each of their wake-ups queued behind the clusters' interpreters
-# (the other half took 170 s alone and 470-550 s beside them, CPU-bound as they are).
+# messages: at equal priority each of their wake-ups queues behind the clusters' interpreters
+# (the other half took 170 s alone and 470-555 s beside them; at nice 5, 288-623 s: the
+# machine's speed varied more than that, README "Tests").
 CLUSTER_NICE = 5
 HERE = Path(__file__).resolve().parent
 NO_TESTS = 5  # pytest's exit code when a selection (-k) leaves a half nothing to run
