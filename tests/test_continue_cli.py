@@ -235,7 +235,8 @@ def test_a_replacement_is_admitted_at_a_sync_boundary_with_the_members_state_bit
     assert _one_final_model(run_dir, 3)
 
 
-@pytest.mark.parametrize("lora", [False, True])
+# (`-m long`: with LoRA, 30 s; the hand-over of an anchor is the full model's path below)
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=LONG)])
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_sparseloco_joiner_under_overlap_gets_the_anchor_not_the_model_and_ends_as_one_model(
     tmp_path, cleanup_keepers, lora
