@@ -408,3 +408,28 @@ def test_with_every_state_holder_lost_before_the_joiner_is_admitted_all_restart_
         steps = [r["step"] for r in _records(run_dir, host)]
         assert steps[-8:] == list(range(5, 13)), (host, steps)
     assert _one_final_model(run_dir, 3)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.long  # 40 s: two hosts 60x slower, so that the joiner waits while the sync fails
+def test_a_joiner_admitted_into_a_redone_sync_takes_that_steps_snapshot_with_the_members(
+    tmp_path, cleanup_keepers
+):
+    """With --redundancy ring a snapshot's agreement to ship is a collective. Host 2 is lost
+    after step 9 and its replacement asks to join (at boundary 16); host 1 freezes after step
+    15, so host 0's sync of step 16 fails with the joiner waiting. The joiner adopts host 0's
+    state, the two redo the sync, and host 0 takes step 16's snapshot: the joiner must take it
+    too. The code before started the joiner at step 17, and host 0 died in gloo after step 23
+    ("terminate called after throwing an instance of 'gloo::EnforceNotMet'")."""
+    run_dir = tmp_path / "run"
+    cleanup_keepers.append((run_dir, 3))
+    job = ["run", "--workers", "3", "--algo", "localsgd", "--steps", "24", *JOB, "--H", "8"]
+    job += ["--run-dir", str(run_dir), "--snapshot-every", "8", "--redundancy", "ring"]
+    job += ["--slow", "0:60;1:60", "--timeout-s", "60"]
+    proc = geotrain([*job, "--chaos", "kill:step=9,rank=2,restart=0.1;stop:step=15,rank=1"], timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(run_dir)
+    admitted = [e for e in summary["membership"] if e.get("joined") == [2]]
+    assert admitted and admitted[-1]["step"] == 16 and admitted[-1]["members"] == [0, 2], admitted
+    assert len(summary["faults"]) == 2, summary["faults"]  # host 0 was not lost
+    assert _one_final_model(run_dir, [0, 2])

@@ -563,6 +563,14 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         step = resume.done + 1
         # Fresh windows of its shard: its predecessor's stream from the start would repeat data.
         sampler.fresh_stream(cfg.seed, host, salt=1_000_003 * membership.epoch)
+        # Admitted into a sync the members redid with it (theirs failed at a boundary): they
+        # take that step's snapshot now, so it does too (with --redundancy, a snapshot's
+        # agreement to ship is a collective every member joins).
+        if resume.local_done and (resume.done == cfg.steps or snapshots.due(resume.done)):
+            try:
+                take_snapshot(resume.done, final=resume.done == cfg.steps)
+            except RuntimeError as e:  # a member lost in the agreement
+                step = recover(e, StepStatus(resume.done, False)).done + 1
     while step <= cfg.steps:
         if pause_after is not None and step == pause_after + 1:
             pause_after = None
