@@ -873,37 +873,58 @@ def test_survivors_regroup_the_one_behind_adopts_the_leader_and_a_failed_average
         assert torch.equal(g0, g1)
 
 
-def _redoer(host: int, store_port: int, file_store: str, out: str) -> None:
-    """Host 2 is a joiner; hosts 0 and 1 applied step 4 and their average (H=4) failed."""
+def _shifted_replica(host: int, membership: Membership, algo: str):
+    """A two-layer model (seed 0) with AdamW, a communicator and ``algo``'s sync (H=4), its
+    parameters shifted by ``host + 1``: replicas that differ, as after local steps. ``checked``:
+    local SGD with the norm check on; DiLoCo at outer lr 1 without momentum (the plain mean)."""
     from geotrain.comm.communicator import Communicator
-    from geotrain.ft.elastic import regroup
     from geotrain.sync import build_sync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    comm = Communicator(membership=membership, max_norm_ratio=10 if algo == "checked" else 0)
+    options = {"H": 4} | {
+        "diloco": {"outer_lr": 1.0, "outer_momentum": 0.0},
+        "sparseloco": {"chunk": 16, "k": 16, "overlap": False},
+    }.get(algo, {})
+    sync = build_sync("localsgd" if algo == "checked" else algo, model, optimizer, comm, options)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(host + 1)
+    return model, optimizer, comm, sync
+
+
+def _redoer(host: int, store_port: int, file_store: str, out: str, late: bool = False) -> None:
+    """Host 2 is a joiner; hosts 0 and 1 applied step 4 and their average (H=4) failed. ``late``:
+    host 1 was at step 2 instead, short of that sync, and meets the redo from its own step."""
+    from geotrain.ft.elastic import regroup
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         results = {}
-        for algo in ("localsgd", "diloco", "checked"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-            comm = Communicator(membership=membership, max_norm_ratio=10 if algo == "checked" else 0)
-            options = {"H": 4} | ({"outer_lr": 1.0, "outer_momentum": 0.0} if algo == "diloco" else {})
-            sync = build_sync("localsgd" if algo == "checked" else algo, model, optimizer, comm, options)
-            with torch.no_grad():  # replicas that differ, as after 4 local steps
-                for p in model.parameters():
-                    p.add_(host + 1)
-            joiner = host == 2
-            sync.step_count = 0 if joiner else 4
-            status = StepStatus(-1, False) if joiner else StepStatus(3, True)
+        for algo in ("localsgd", "sparseloco") if late else ("localsgd", "diloco", "checked"):
+            model, optimizer, comm, sync = _shifted_replica(host, membership, algo)
+            role = "joiner" if host == 2 else "short" if late and host == 1 else "redo"
+            sync.step_count, status = {  # its step, and its status in the regroup
+                "joiner": (0, StepStatus(-1, False)),
+                "short": (2, StepStatus(2, False)),
+                "redo": (4, StepStatus(3, True)),
+            }[role]
             before = [p.detach().clone() for p in model.parameters()]
-            event = regroup(membership, sync.comm, sync, model, optimizer, status)
-            after = [p.detach().clone() for p in model.parameters()]
+            event = regroup(membership, sync.comm, sync, model, optimizer, status, steps=40)
+            if role == "short":  # its steps 3 and 4 (no local change), as train() takes them
+                left_out = frozenset(event["members"].index(h) for h in event["left_out"])
+                assert event["left_out_until"] == 4
+                sync.after_step()
+                with comm.leaving_out(left_out):
+                    sync.after_step()
             results[algo] = {
                 "event": event,
                 "before": before,
-                "after": after,
+                "after": [p.detach().clone() for p in model.parameters()],
                 "rejected": comm.rejected_by_rank,
             }
             sync.close()
@@ -916,6 +937,10 @@ def _redoer(host: int, store_port: int, file_store: str, out: str) -> None:
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
         raise
+
+
+def _late_meeter(host: int, store_port: int, file_store: str, out: str) -> None:
+    _redoer(host, store_port, file_store, out, late=True)
 
 
 def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
@@ -938,55 +963,6 @@ def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
             for r in ranks:
                 torch.testing.assert_close(r["after"][k], mean, rtol=0, atol=1e-6)
         assert all(r["rejected"] == {} for r in ranks)
-
-
-def _late_meeter(host: int, store_port: int, file_store: str, out: str) -> None:
-    """Host 2 is a joiner; host 0 applied step 4 and its average (H=4) failed; host 1 was at
-    step 2, short of that sync."""
-    from geotrain.comm.communicator import Communicator
-    from geotrain.ft.elastic import regroup
-    from geotrain.sync import build_sync
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
-        membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
-        results = {}
-        for algo in ("localsgd", "sparseloco"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-            comm = Communicator(membership=membership)
-            options = {"H": 4} | ({"chunk": 16, "k": 16, "overlap": False} if algo == "sparseloco" else {})
-            sync = build_sync(algo, model, optimizer, comm, options)
-            with torch.no_grad():  # replicas that differ, as after local steps
-                for p in model.parameters():
-                    p.add_(host + 1)
-            sync.step_count = {0: 4, 1: 2, 2: 0}[host]
-            status = {0: StepStatus(3, True), 1: StepStatus(2, False), 2: StepStatus(-1, False)}[host]
-            before = [p.detach().clone() for p in model.parameters()]
-            event = regroup(membership, sync.comm, sync, model, optimizer, status, steps=40)
-            if host == 1:  # its steps 3 and 4 (no local change), as train() takes them
-                left_out = frozenset(event["members"].index(h) for h in event["left_out"])
-                assert event["left_out_until"] == 4
-                sync.after_step()
-                with comm.leaving_out(left_out):
-                    sync.after_step()
-            results[algo] = {
-                "event": event,
-                "before": before,
-                "after": [p.detach().clone() for p in model.parameters()],
-            }
-            sync.close()
-            dist.barrier()
-            if host == 0:
-                membership.store().set(f"members/{membership.epoch + 1}", "0,1,2")
-                membership.store().add("epoch", 1)
-        dist.destroy_process_group()
-        torch.save({"ok": results}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
 
 
 def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_step(tmp_path):
@@ -1015,25 +991,16 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
 
 
 def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) -> None:
-    """As ``_late_meeter`` with a fourth host, short of the sync as host 1 is, lost once the
+    """As ``_redoer(late=True)`` with a fourth host, short of the sync as host 1 is, lost once the
     joiner has adopted and while the redo waits for host 1: a second regroup, whose redo still
     holds the joiner's copy (it has no joiner left to make ``left_out`` of)."""
-    from geotrain.comm.communicator import Communicator
     from geotrain.ft.elastic import regroup
-    from geotrain.sync import build_sync
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=4)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2, 3], timeout_s=30)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        comm = Communicator(membership=membership)
-        sync = build_sync("localsgd", model, optimizer, comm, {"H": 4})
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(host + 1)
+        model, optimizer, comm, sync = _shifted_replica(host, membership, "localsgd")
         sync.step_count = {0: 4, 1: 2, 2: 0, 3: 2}[host]
         status = {0: StepStatus(3, True), 2: StepStatus(-1, False)}.get(host, StepStatus(2, False))
 

@@ -554,6 +554,18 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         )
         return resume
 
+    def snapshot_if_due(at: int) -> int:
+        """Step ``at``'s snapshot where one is due (the final one too, before the end-of-run
+        average: a resumed run continues from it). Returns the step training goes on after: ``at``,
+        or where the regroup says if a member was lost in the agreement to ship (redundancy)."""
+        if at != cfg.steps and not snapshots.due(at):
+            return at
+        try:
+            take_snapshot(at, final=at == cfg.steps)
+        except RuntimeError as e:
+            return recover(e, StepStatus(at, False)).done
+        return at
+
     batch = None
     step = first_step
     if cfg.join:
@@ -566,11 +578,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Admitted into a sync the members redid with it (theirs failed at a boundary): they
         # take that step's snapshot now, so it does too (with --redundancy, a snapshot's
         # agreement to ship is a collective every member joins).
-        if resume.local_done and (resume.done == cfg.steps or snapshots.due(resume.done)):
-            try:
-                take_snapshot(resume.done, final=resume.done == cfg.steps)
-            except RuntimeError as e:  # a member lost in the agreement
-                step = recover(e, StepStatus(resume.done, False)).done + 1
+        if resume.local_done:
+            step = snapshot_if_due(resume.done) + 1
     while step <= cfg.steps:
         if pause_after is not None and step == pause_after + 1:
             pause_after = None
@@ -634,12 +643,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Nor before a deferred admission's meeting: the joiner holds the state of the sync
         # before, not of this step (and a shipment's agreement would wait for its hand-over).
         before_meeting = deferred_until is not None and step < deferred_until
-        if not counted and not before_meeting and (step == cfg.steps or snapshots.due(step)):
-            # The final one too, before the end-of-run average: a resumed run continues from it.
-            try:
-                take_snapshot(step, final=step == cfg.steps)
-            except RuntimeError as e:  # a member lost in the agreement to ship (redundancy)
-                step = recover(e, StepStatus(step, False)).done
+        if not counted and not before_meeting:
+            step = snapshot_if_due(step)
         step_s = time.perf_counter() - t0
         spent = comm.stats.delta(before)
         blocked = spent.blocked_s if sync.measures_blocked_time else None

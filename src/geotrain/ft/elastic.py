@@ -534,17 +534,14 @@ def regroup(
         and not best.local_done
         and (not reports[leader][13] or deferred_until <= reports[leader][13])  # never past the end
     )
-    members_even = collective_period > 1 and len(within) == 1  # each member may go on from its own step
-    if deferrable and members_even:
-        behind = joiners
-    # A sync failed on the furthest members, at its boundary, while joiners waited and other
+    # Or a sync failed on the furthest members, at its boundary, while joiners waited and other
     # members had not reached it: the joiners adopt the leader's state and take part in the redo,
     # and the members short of the boundary keep their own and meet the redo from their own step,
     # leaving out what it leaves out (``left_out``). They used to adopt the leader's state as well,
     # a model's worth each on the slow links, where a fault in it cut the hand-over again.
     late = [r for r, s in enumerate(statuses) if s.committed >= 0 and not s.local_done]
-    meet_late = bool(joiners and best.local_done and members_even and reports[leader][12] and late)
-    if meet_late:
+    redo_met = best.local_done and late and reports[leader][12]
+    if joiners and collective_period > 1 and len(within) == 1 and (deferrable or redo_met):
         behind = joiners
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state

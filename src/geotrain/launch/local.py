@@ -272,6 +272,16 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
     return code
 
 
+def _take_fired(faults: list, control: Path) -> list:
+    """The step faults that have fired (their trainer left a marker just before), by step,
+    taken out of ``faults``."""
+    fired = [f for f in faults if not f.timed and fired_marker(control, f).exists()]
+    fired.sort(key=lambda f: f.step)
+    for f in fired:
+        faults.remove(f)
+    return fired
+
+
 def wire_bytes(traffic: dict[str, list[int]], steps: int) -> dict:
     """Bytes per step on the sites' LANs and across their WAN uplinks, as the kernel counted them
     on the wire (headers, rendezvous and heartbeats included), over the ``steps`` this launch
@@ -584,8 +594,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 if coordinator is not None:
                     (control / "stop").touch()
                     stop_processes([coordinator], grace_s=2.0)
-                for f in [f for f in faults if not f.timed and fired_marker(control, f).exists()]:
-                    faults.remove(f)  # fired: its marker goes with control/, it must not fire again
+                _take_fired(faults, control)  # their markers go with control/: they must not fire again
                 # A fresh coordinator empties control/: its records are kept beside it.
                 earlier_regroups += regroup_events(control)
                 kept = run_dir / f"control-before-restore-{attempt}"
@@ -620,11 +629,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 stop_processes(hosts.procs, grace_s=1.0)
                 hosts.close()
                 hosts = None
-            # Step faults that have fired: their trainer left a marker just before.
-            fired = [f for f in faults if not f.timed and fired_marker(control, f).exists()]
-            fired.sort(key=lambda f: f.step)
-            for f in fired:
-                faults.remove(f)
+            fired = _take_fired(faults, control)
             kind, rank, restart_s = ("exit" if code is not None else "silent"), failed, 0.0
             if fired:
                 kind, rank, restart_s = fired[0].kind, fired[0].rank, fired[0].restart_s
