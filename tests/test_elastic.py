@@ -895,9 +895,30 @@ def _shifted_replica(host: int, membership: Membership, algo: str):
     return model, optimizer, comm, sync
 
 
-def _redoer(host: int, store_port: int, file_store: str, out: str, late: bool = False) -> None:
+def _admit_after_redo(event, membership, comm, sync, model, optimizer) -> dict:
+    """What train() does once this worker has completed a sync redone with joiners standing in:
+    the joiners receive the state (the members' sends waited on here, not at their next sync)."""
+    from geotrain.ft.elastic import admit_after_redo
+
+    if not event["hand_over_after"]:
+        return {}
+    joiners = [event["members"].index(h) for h in event["deferred"]]
+    handed = admit_after_redo(
+        membership, comm, sync, model, optimizer, event["hand_over_after"], joiners, event["from_state"]
+    )
+    if membership.sending is not None:
+        membership.sending.finish()
+        membership.sending = None
+    return handed
+
+
+def _redoer(
+    host: int, store_port: int, file_store: str, out: str, late: bool = False, steps: int = 40
+) -> None:
     """Host 2 is a joiner; hosts 0 and 1 applied step 4 and their average (H=4) failed. ``late``:
-    host 1 was at step 2 instead, short of that sync, and meets the redo from its own step."""
+    host 1 was at step 2 instead, short of that sync, and meets the redo from its own step.
+    ``steps``: the run's last step (6: the next sync, 8, is past it, and the joiner takes the
+    state before the redo; 40: it stands in for the redo and takes the state after it)."""
     from geotrain.ft.elastic import regroup
 
     torch.set_num_threads(1)
@@ -914,15 +935,18 @@ def _redoer(host: int, store_port: int, file_store: str, out: str, late: bool = 
                 "redo": (4, StepStatus(3, True)),
             }[role]
             before = [p.detach().clone() for p in model.parameters()]
-            event = regroup(membership, sync.comm, sync, model, optimizer, status, steps=40)
+            event = regroup(membership, sync.comm, sync, model, optimizer, status, steps=steps)
             if role == "short":  # its steps 3 and 4 (no local change), as train() takes them
                 left_out = frozenset(event["members"].index(h) for h in event["left_out"])
                 assert event["left_out_until"] == 4
                 sync.after_step()
                 with comm.leaving_out(left_out):
                     sync.after_step()
+            handed = _admit_after_redo(event, membership, comm, sync, model, optimizer)
             results[algo] = {
                 "event": event,
+                "handed": handed,
+                "step_count": sync.step_count,
                 "before": before,
                 "after": [p.detach().clone() for p in model.parameters()],
                 "rejected": comm.rejected_by_rank,
@@ -943,21 +967,31 @@ def _late_meeter(host: int, store_port: int, file_store: str, out: str) -> None:
     _redoer(host, store_port, file_store, out, late=True)
 
 
+def _late_meeter_at_the_end(host: int, store_port: int, file_store: str, out: str) -> None:
+    _redoer(host, store_port, file_store, out, late=True, steps=6)
+
+
 def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
     """A member is lost at a sync boundary while a joiner waits: the survivors (hosts 0 and 1)
-    had applied step 4 and their average failed; the joiner (host 2) adopts the leader's state
-    and takes part in the redone average. It must hold the survivors' mean, not (2 x0 + x1) / 3:
-    the joiner's copy of the leader's parameters weighs nothing."""
+    had applied step 4 and their average failed. The joiner (host 2) takes no state before the
+    redo (a model's worth on the slow link, which held every member): it stands in for its part
+    of the redone average, left out, and receives the survivors' state after it. All three must
+    hold the survivors' mean, not (2 x0 + x1) / 3 nor anything of the joiner's own."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
     store.add("epoch", 1)
     runs = _hosts(_redoer, store, 3, (0, 1, 2))
     # localsgd, diloco at outer lr 1 without momentum (the same mean), localsgd with the norm
-    # check on (the copy left out of the verdict, not counted as rejected)
+    # check on (the stand-in left out of the verdict, not counted as rejected)
     for algo in ("localsgd", "diloco", "checked"):
         ranks = [r[algo] for r in runs]
-        assert ranks[2]["event"]["behind"] == [2] and ranks[2]["event"]["leader"] == 0
+        for r in ranks:
+            event = r["event"]
+            assert event["behind"] == [] and event["deferred"] == [2], event
+            assert event["hand_over_after"] == 4 and event["deferred_until"] == 8 and r["step_count"] == 4
+            assert r["handed"]["handed_over_bytes"] > 0 and r["handed"]["stripes"]["model"] == 2
+        assert ranks[2]["event"]["resume"] == StepStatus(4, False)
         for k, x0 in enumerate(ranks[0]["before"]):
             mean = (x0 + ranks[1]["before"][k]) / 2
             for r in ranks:
@@ -965,22 +999,30 @@ def test_an_average_redone_with_a_joiner_counts_the_leader_once(tmp_path):
         assert all(r["rejected"] == {} for r in ranks)
 
 
-def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_step(tmp_path):
+@pytest.mark.parametrize("steps", [40, 6])
+def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_step(tmp_path, steps):
     """A member is lost at a sync boundary while a joiner waits: host 0 applied step 4 and its
-    average failed, host 1 was at step 2. Only the joiner adopts host 0's state (a model's worth
-    on the slow link); host 1 keeps its own, and meets the redone average from its step 4 with
-    the joiner's copy left out. All three end with the mean of hosts 0 and 1: the code before
-    made host 1 adopt host 0's state too, and the average was host 0's alone."""
+    average failed, host 1 was at step 2. Host 1 keeps its own state, and meets the redone
+    average from its step 4 with the joiner's part left out. The joiner stands in for the redo
+    and receives the state once host 1 has met it (``steps`` 40); or, where the members' next
+    sync is past the run's end (``steps`` 6), it adopts host 0's state before the redo. All
+    three end with the mean of hosts 0 and 1: the code before made host 1 adopt host 0's state
+    too, and the average was host 0's alone."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
     store.add("epoch", 1)
-    runs = _hosts(_late_meeter, store, 3, (0, 1, 2))
+    runs = _hosts(_late_meeter if steps == 40 else _late_meeter_at_the_end, store, 3, (0, 1, 2))
     for algo in ("localsgd", "sparseloco"):
         ranks = [r[algo] for r in runs]
         for r in ranks:
-            assert r["event"]["behind"] == [2] and r["event"]["left_out"] == [2], r["event"]
-        assert ranks[1]["event"]["handed_over_bytes"] > 0  # (the joiner's, the same for all)
+            assert r["event"]["left_out"] == [2] and r["step_count"] == 4, r["event"]
+            if steps == 40:
+                assert r["event"]["behind"] == [] and r["event"]["hand_over_after"] == 4, r["event"]
+                assert r["handed"]["handed_over_bytes"] > 0
+            else:
+                assert r["event"]["behind"] == [2] and not r["event"]["hand_over_after"], r["event"]
+                assert r["event"]["handed_over_bytes"] > 0  # (the joiner's, the same for all)
         for k in range(len(ranks[0]["after"])):
             assert torch.equal(ranks[0]["after"][k], ranks[1]["after"][k])
             assert torch.equal(ranks[0]["after"][k], ranks[2]["after"][k])
@@ -990,10 +1032,11 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
                 torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
 
 
-def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) -> None:
+def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str, steps: int = 6) -> None:
     """As ``_redoer(late=True)`` with a fourth host, short of the sync as host 1 is, lost once the
     joiner has adopted and while the redo waits for host 1: a second regroup, whose redo still
-    holds the joiner's copy (it has no joiner left to make ``left_out`` of)."""
+    holds the joiner's copy (it has no joiner left to make ``left_out`` of). With ``steps`` 40
+    the joiner stands in instead, twice, and receives the state after the second redo."""
     from geotrain.ft.elastic import regroup
 
     torch.set_num_threads(1)
@@ -1016,7 +1059,7 @@ def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) 
         first = second = None
         try:
             first = regroup(
-                membership, comm, sync, model, optimizer, status, steps=40,
+                membership, comm, sync, model, optimizer, status, steps=steps,
                 adopted=lambda s, t: adopted.append(s),
             )  # fmt: skip
         except RuntimeError:  # the redo, cut by host 3's loss
@@ -1029,15 +1072,17 @@ def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) 
             client.set("members/2", "0,1,2")
             client.add("epoch", 1)
         status = adopted[-1] if adopted else status  # the joiner is at the leader's status now
-        second = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+        second = regroup(membership, comm, sync, model, optimizer, status, steps=steps)
         if host == 1:
             left_out = frozenset(second["members"].index(h) for h in second["left_out"])
             sync.after_step()
             with comm.leaving_out(left_out):
                 sync.after_step()
+        handed = _admit_after_redo(second, membership, comm, sync, model, optimizer)
         result = {
             "first": first,
             "second": second,
+            "handed": handed,
             "before": before,
             "after": [p.detach().clone() for p in model.parameters()],
         }
@@ -1049,18 +1094,30 @@ def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str) 
         raise
 
 
-def test_a_late_member_meets_a_redo_that_failed_again_leaving_out_the_copy_still_held(tmp_path):
+def _stand_in_refault(host: int, store_port: int, file_store: str, out: str) -> None:
+    _late_meeter_refault(host, store_port, file_store, out, steps=40)
+
+
+@pytest.mark.parametrize("stands_in", [False, True])
+def test_a_late_member_meets_a_redo_that_failed_again_leaving_out_the_copy_still_held(tmp_path, stands_in):
     """The joiner adopted host 0's state and both redo the average; host 3 (short of the sync,
     as host 1 is) is lost before host 1 meets it. In the second regroup no joiner is left, but
     the joiner still holds host 0's copy, which the redo leaves out: host 1 must leave it out
-    too (``left_out``), or it divides by three where the others divide by two."""
+    too (``left_out``), or it divides by three where the others divide by two. Where the joiner
+    stands in for the redo instead (the members' next sync is before the run's end), it is a
+    joiner still in the second regroup: it stands in again, and receives the state after it."""
     store = _master()
     Epochs(store, tmp_path, 4)
     store.set("members/1", "0,1,2,3")
     store.add("epoch", 1)
-    h0, h1, h2 = _hosts(_late_meeter_refault, store, 4, (0, 1, 2))
-    assert h1["first"]["behind"] == [2] and h1["first"]["left_out"] == [2]
-    assert h1["second"]["behind"] == [] and h1["second"]["left_out"] == [2], h1["second"]
+    h0, h1, h2 = _hosts(_stand_in_refault if stands_in else _late_meeter_refault, store, 4, (0, 1, 2))
+    if stands_in:
+        for event in (h1["first"], h1["second"]):
+            assert event["behind"] == [] and event["left_out"] == [2] and event["deferred"] == [2], event
+        assert h1["second"]["hand_over_after"] == 4 and h2["handed"]["handed_over_bytes"] > 0
+    else:
+        assert h1["first"]["behind"] == [2] and h1["first"]["left_out"] == [2]
+        assert h1["second"]["behind"] == [] and h1["second"]["left_out"] == [2], h1["second"]
     for k, x0 in enumerate(h0["before"]):
         mean = (x0 + h1["before"][k]) / 2
         for h in (h0, h1, h2):
@@ -1446,6 +1503,60 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     assert all(r["after"]["shared"] == joiner["after"]["shared"] for r in runs)
     assert not torch.equal(runs[0]["after"]["params"], runs[1]["after"]["params"])  # each its own
     assert all(r["shared12"] == leader["shared12"] for r in runs)
+
+
+@_saved
+def _deferred_over_a_landing(host: int, store_port: int, file_store: str) -> dict:
+    """SparseLoCo overlapped, H=4, its gather landing 2 steps into the next period: hosts 0 and 1
+    after step 5, the gather launched at step 4 still in flight; host 2 comes as a joiner (it
+    trained alongside: its state is dropped)."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
+    from geotrain.sync import build_sync
+
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 2}
+    sync = build_sync("sparseloco", model, optimizer, comm, options)
+    for n in range(1, 6):
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    flying = sync.in_flight.flying
+    status = StepStatus(-1, False) if host == 2 else StepStatus(5, False)
+    event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+    joiners = frozenset(event["members"].index(h) for h in event["deferred"])
+    for n in range(6, 9):  # the joiner skips its steps to the members' next sync (train() does)
+        if host != 2:
+            _tiny_step(sync, optimizer, host, n)
+        with comm.leaving_out(joiners) if n == event["deferred_until"] else contextlib.nullcontext():
+            sync.after_step()
+    if membership.sending is not None:
+        membership.sending.finish()
+    at8 = tensors_digest(sync.shared_state())
+    for n in range(9, 13):  # step 8's gather lands at 10, the joiner's message in it its own
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    result = {"event": event, "flying": flying, "at8": at8, "at12": tensors_digest(sync.shared_state())}
+    sync.close()
+    return result
+
+
+def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_the_period(tmp_path):
+    """SparseLoCo whose gather lands inside the period (tau 2 of H 4), a joiner arriving before
+    the landing: the members no longer wait for its hand-over (the landing used to make every
+    step a collective point, so every admission stopped them for a model's worth of the slow
+    link). They train on; the joiner loads the state and, skipping its steps, takes part in the
+    landing with an empty message and in their next sync with its part left out; after step 12
+    all three hold the same anchor."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
+    store.add("epoch", 1)
+    runs = _hosts(_deferred_over_a_landing, store, 3, (0, 1, 2))
+    for r in runs:
+        assert r["flying"] and r["event"]["behind"] == [2], r["event"]
+        assert r["event"]["deferred"] == [2] and r["event"]["deferred_until"] == 8, r["event"]
+        assert (r["at8"], r["at12"]) == (runs[0]["at8"], runs[0]["at12"])
+    assert runs[0]["at8"] != runs[0]["at12"]
 
 
 @_saved

@@ -969,7 +969,7 @@ def test_under_auto_the_landing_follows_when_the_gathers_arrive():
             again.load_state_dict(sync.state_dict())
             assert again.landing == 4 and again._next_landing == 7 and again._arrival == sync._arrival
             assert torch.equal(again._start, sync._start)
-            assert sync.collective_period() == again.collective_period() == 2  # gcd(10, 4) to step 50
+            assert sync.collective_period() == again.collective_period() == 10  # (landed tells the sides)
             again.close()
     assert sync.overlap and sync.follows_link
     assert landings[20] == 4  # auto's: 1.5 x 2.5 steps
@@ -1794,9 +1794,10 @@ def test_a_landing_that_fails_with_the_group_lands_on_the_new_one_and_regroups_s
     """tau=1 of H=4: the wait at step 5 fails (a member lost); after the regroup (``rebind``)
     ``retry_sync`` sends the message again and lands it then, as the step would have. And the
     landing is a collective point for the regroup's agreement: a survivor past it and one
-    before it may not go on each from its own step (``collective_period``)."""
+    before it may not go on each from its own step, which the regroup tells by ``landed`` (the
+    collective period stays H, so a joiner may be admitted deferred)."""
     _, opt, sync = _tau_sync_with_a_peer()
-    assert sync.collective_period() == 1
+    assert sync.collective_period() == 4 and sync.defers_admission()
     for step in range(1, 6):
         _local_step(sync, opt, step)
         if step == 5:

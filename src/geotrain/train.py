@@ -37,7 +37,7 @@ from geotrain.comm.guard import AUTO, AUTO_MIN_WORKERS
 from geotrain.data.corpus import BatchSampler, DataError, load_corpus
 from geotrain.ft.atomic import atomic_file, write_atomic
 from geotrain.ft.chaos import fire_at_step, parse_chaos
-from geotrain.ft.elastic import StepStatus, copies_at_the_end, owned_shards, regroup
+from geotrain.ft.elastic import StepStatus, admit_after_redo, copies_at_the_end, owned_shards, regroup
 from geotrain.ft.keeper import KeeperClient
 from geotrain.ft.membership import (
     EXIT_BELOW_MIN_WORKERS,
@@ -417,6 +417,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     # the joiners' ranks (their part of it is left out; a joiner skips its steps up to it).
     deferred_until: int | None = None
     deferred_ranks: frozenset[int] = frozenset()
+    # A regroup whose joiners stood in for a sync redone before this worker reached it: the
+    # joiners receive the state once it has met that sync (``admit_joiners``).
+    admit_after: dict | None = None
 
     def wait_for_joiners(boundary: int) -> None:
         """Fewer than ``--min-workers`` are left: every member stops after the same sync boundary
@@ -455,7 +458,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
         nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
-        nonlocal deferred_until, deferred_ranks
+        nonlocal deferred_until, deferred_ranks, admit_after
 
         def lost_member(e: RuntimeError) -> bool:
             # A collective's error is a lost member if the coordinator says so within the time
@@ -492,17 +495,28 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 )
         tokens_done = event.pop("tokens")
         deferred_until, deferred_ranks = None, frozenset()
+        admit_after, again = None, None  # (each regroup decides afresh what is pending)
         if event["deferred"]:  # the members train on while the joiners receive the state
-            deferred_until = event["deferred_until"]
-            deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
             # no evaluation before that sync: the members would wait there for the joiners
-            no_eval_through = max(no_eval_through, deferred_until - 1)
+            no_eval_through = max(no_eval_through, event["deferred_until"] - 1)
+            if not event["hand_over_after"]:  # (else once the redo is done: admit_after_redo)
+                deferred_until = event["deferred_until"]
+                deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
         left_out = frozenset(event["members"].index(h) for h in event["left_out"])
-        if left_out and comm.rank not in left_out and event["resume"].done < event["left_out_until"]:
-            # Short of a sync the others redid with joiners' copies of the leader's state: it meets
-            # that sync from its own step, their part left out as in the redo (the joiners skip
-            # nothing: they are past it).
+        short = left_out and comm.rank not in left_out and event["resume"].done < event["left_out_until"]
+        if short:
+            # Short of a sync the others redid with joiners' copies of the leader's state (or
+            # joiners standing in): it meets that sync from its own step, their part left out as
+            # in the redo (the joiners skip nothing: they are past it, or not training yet).
             deferred_until, deferred_ranks = event["left_out_until"], left_out
+        if event["hand_over_after"]:
+            if short:  # once it has met the redone sync, in the loop
+                admit_after = event
+            else:  # the redo is done here: the joiners receive the state now (recorded below)
+                try:
+                    event.update(admit_joiners(event))
+                except RuntimeError as e:  # regrouped again below, once this one is recorded
+                    again = e
         # A member behind the furthest (periodic methods: each goes on from its own step) must
         # not wait in an evaluation the others have done or skipped.
         no_eval_through = max(no_eval_through, event["furthest"])
@@ -520,7 +534,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # The boundary the regroup agreed they all head for (each from its own step).
         few = len(event["members"]) < cfg.min_workers
         pause_after = event["boundary"] if few and event["boundary"] < cfg.steps else None
-        if host in event["joined"]:
+        if host in event["joined"] and again is None:
             stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
             kept = event.get("resumed_bytes", 0)
             amount = f"{kept / 1e6:.1f} MB" if kept >= 100_000 else f"{kept / 1e3:.1f} KB"
@@ -552,7 +566,26 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             file=sys.stderr,
             flush=True,
         )
+        if again is not None:  # a member lost in the joiners' hand-over after the redo
+            joiner = host in event["deferred"]  # still one: it holds nothing of the members' state
+            return recover(
+                again, StepStatus(-1, False) if joiner else StepStatus(event["hand_over_after"], False)
+            )
         return resume
+
+    def admit_joiners(event: dict) -> dict:
+        """A regroup's joiners stood in for its redone sync (``hand_over_after``): once this
+        worker has completed it, the joiners receive the state of that step (the members post
+        their sends and train on) and meet the members at their next sync, as in a deferred
+        admission. Returns the hand-over's figures."""
+        nonlocal deferred_until, deferred_ranks
+        t0 = time.perf_counter()
+        joiners = [event["members"].index(h) for h in event["deferred"]]
+        handed = admit_after_redo(
+            membership, comm, sync, model, optimizer, event["hand_over_after"], joiners, event["from_state"]
+        )
+        deferred_until, deferred_ranks = event["deferred_until"], frozenset(joiners)
+        return handed | {"hand_over_s": round(event["hand_over_s"] + time.perf_counter() - t0, 3)}
 
     def snapshot_if_due(at: int) -> int:
         """Step ``at``'s snapshot where one is due (the final one too, before the end-of-run
@@ -628,6 +661,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             try:
                 if finish is not None:
                     finish.finish()
+                if admit_after is not None:  # the sync it met was the one redone with stand-ins
+                    pending, admit_after = admit_after, None
+                    admit_joiners(pending)
             except RuntimeError as e:  # a member lost since: the step itself is complete
                 step = recover(e, StepStatus(step, False)).done
         if device.type == "cuda":

@@ -27,6 +27,14 @@ confirms a new epoch) at whatever phase of step t it happened and calls :func:`r
 3. the algorithm adapts to the new group (a new DDP wrapper; DreamDDP profiles and re-plans for
    the new worker count).
 
+Joiners of the periodic methods with no collective between syncs (``defers_admission``) never
+hold the members up for the state: where no sync failed, the members post the hand-over's
+sends and train on to their next sync, where the joiners meet them; where a sync failed at its
+boundary, the joiners stand in for their part of its redo (the leader's state's shapes, zeros,
+left out of it) and receive the state once the redo is done (``admit_after_redo``), in the
+same deferred way. Only where that next sync is past the run's end does a joiner take the state
+before the redo, and every member wait for it.
+
 What a failure costs: the failed collective's work (one step for per-step methods, one averaging
 for periodic ones), the time to detect it, and the regroup. The global batch shrinks with the
 group; the learning rate is left as it is and the token count follows the live workers.
@@ -410,6 +418,80 @@ def _hand_over(
     return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept}, finish
 
 
+@dataclass(frozen=True)
+class _Zeros:
+    """A tensor of the leader's state, by shape and dtype: what a joiner standing in for a redo
+    fills with zeros (``_stand_in``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _skeleton(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _Zeros(tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
+    if isinstance(obj, dict):
+        return {k: _skeleton(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def _filled(obj: Any, device) -> Any:
+    if isinstance(obj, _Zeros):
+        return torch.zeros(obj.shape, dtype=getattr(torch, obj.dtype), device=device)
+    if isinstance(obj, dict):
+        return {k: _filled(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_filled(v, device) for v in obj)
+    return obj
+
+
+def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None:
+    """The ``joiners`` take the leader's algorithm state with every tensor zero (its steps, its
+    decisions, the shapes of its messages: a few KB, where the state is a model's worth), as an
+    adopter that loaded it would hold it: so each makes the redone sync's collectives as the
+    members do, with an empty message, left out of the average (``retry_sync``'s adopters).
+    What it holds after is nothing; the state comes after the redo (``admit_after_redo``)."""
+    skeleton = None
+    if comm.rank == leader:
+        state = sync.state_dict()
+        state.pop("own", None)  # as a hand-over: each worker's own, never an adopter's
+        state.pop("codec", None)
+        skeleton = _skeleton(state)
+    skeleton = comm.all_gather_object(skeleton)[leader]
+    if comm.rank in joiners:
+        sync.load_state_dict(_filled(skeleton, sync.device))
+        sync.adopted_state()
+
+
+def admit_after_redo(
+    membership: Membership,
+    comm: Communicator,
+    sync,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    done: int,
+    joiners: list[int],
+    from_state: bool,
+) -> dict[str, Any]:
+    """A regroup's ``hand_over_after``: the joiners (group ranks) that stood in for the sync
+    redone at step ``done`` receive the members' state of that step, every member past it
+    serving what it holds equal to the others; the members post their sends and train on
+    (``membership.sending``, waited on where the joiners meet them), the joiners load it.
+    Called by every member of the epoch once it has completed that sync (in the regroup's redo,
+    or short of it, from its own step) and by the joiners. Returns the hand-over's figures."""
+    statuses = [
+        StepStatus(-1, False) if r in joiners else StepStatus(done, False) for r in range(comm.world_size)
+    ]
+    handed, sending = _hand_over(
+        comm, statuses, joiners, model, optimizer, sync, from_state, membership.received, (), defer=True
+    )
+    if comm.rank not in joiners:
+        membership.sending = sending
+    return handed
+
+
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
     """The shape and dtype of the last landed collective's result this worker holds, and the
     size of the group it was sent in (None: none kept)."""
@@ -541,8 +623,24 @@ def regroup(
     # a model's worth each on the slow links, where a fault in it cut the hand-over again.
     late = [r for r, s in enumerate(statuses) if s.committed >= 0 and not s.local_done]
     redo_met = best.local_done and late and reports[leader][12]
-    if joiners and collective_period > 1 and len(within) == 1 and (deferrable or redo_met):
+    consistent = joiners and collective_period > 1 and len(within) == 1
+    if consistent and (deferrable or redo_met):
         behind = joiners
+    # Where the members' next sync after the redone one is at or before the run's last step,
+    # the joiners take no state before the redo: each stands in for its part of it (the
+    # leader's state's shapes, zeros: ``_stand_in``), left out of it, and receives the state
+    # once the redo is done, as a deferred admission does, while the members train on
+    # (``admit_after_redo``). A hand-over before the redo held every member for a model's worth
+    # of the slow link, and kills more frequent than that (SparseLoCo at 300 kbit/s, a kill
+    # every 20 s) cut it again and again: the run stood still for minutes.
+    redo_first = bool(
+        consistent
+        and best.local_done
+        and reports[leader][12]
+        and (not reports[leader][13] or deferred_until <= reports[leader][13])
+    )
+    if redo_first:
+        behind = []
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
@@ -560,14 +658,18 @@ def regroup(
     ):
         handed = _send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
-    copies = frozenset(behind) | held_copies([r[5] for r in reports], statuses, members, stands_in)
+    standing_in = joiners if redo_first else []
+    copies = frozenset(behind) | frozenset(standing_in)
+    copies |= held_copies([r[5] for r in reports], statuses, members, stands_in)
     # Whoever meets a redo from its own step leaves out what the redo leaves out: the joiners'
     # copies just made, or copies held from a regroup whose redo failed (a second fault while
     # the redo waited for the members short of the boundary).
     meeting = [r for r in late if r not in behind]
     left_out = [members[r] for r in sorted(copies)] if best.local_done and meeting and copies else []
-    if comm.rank not in behind:  # chunks of a hand-over cut short it no longer needs
-        membership.received.clear()
+    if comm.rank not in behind and comm.rank not in standing_in:  # chunks of a hand-over cut
+        membership.received.clear()  # short it no longer needs
+    if standing_in:
+        _stand_in(comm, sync, leader, standing_in)
     if behind:
         fresh = any(r in joiners for r in behind)
         leaf_parts = () if fresh else ("sync", "optimizer") if reports[leader][11] else ("sync",)
@@ -585,7 +687,8 @@ def regroup(
             adopted(best, reports[leader][2])
         if comm.rank in behind and best.local_done:
             membership.holds_copy = members[leader]  # until the average below completes
-    mine = best if comm.rank in behind else statuses[comm.rank]  # behind none: each at its own step
+    # behind none: each at its own step (a joiner standing in: at the leader's, to redo it)
+    mine = best if comm.rank in behind or comm.rank in standing_in else statuses[comm.rank]
     # Where joiners are admitted: each member's next boundary, by its own period (which under
     # --H-schedule depends on its step; the least of them would name a step that is none).
     periods = [r[4] if r[0] >= 0 else sync_period for r in reports]
@@ -605,6 +708,10 @@ def regroup(
         sync.retry_sync(adopters=copies)
     membership.holds_copy = None
     membership.newcomer = False  # its site, if measured, is the members' now
+    if standing_in:
+        deferred = ([members[r] for r in standing_in], deferred_until)
+        if comm.rank in standing_in:  # past the redone sync, once it has the state (not before)
+            mine = StepStatus(best.done, False)
     return {
         "epoch": epoch,
         "members": members,
@@ -620,7 +727,11 @@ def regroup(
         # members short of the redone sync meet it at that step with these hosts' part left out
         "left_out": left_out,
         "left_out_until": best.done if left_out else 0,
-        "tokens": reports[leader][2] if comm.rank in behind else tokens,
+        # the joiners receive the state after the redone sync, ``admit_after_redo``: at once where
+        # at that sync, from the training loop where short of it (once it has met it)
+        "hand_over_after": best.done if standing_in else 0,
+        "from_state": from_state,
+        "tokens": reports[leader][2] if comm.rank in behind or comm.rank in standing_in else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),
         "hand_over_s": round(t_handed - t_join, 3),
