@@ -887,8 +887,10 @@ def _shifted_replica(host: int, membership: Membership, algo: str):
     options = {"H": 4} | {
         "diloco": {"outer_lr": 1.0, "outer_momentum": 0.0},
         "sparseloco": {"chunk": 16, "k": 16, "overlap": False},
+        "overlapped": {"chunk": 16, "k": 16, "overlap": True},  # landing at the next outer step
     }.get(algo, {})
-    sync = build_sync("localsgd" if algo == "checked" else algo, model, optimizer, comm, options)
+    name = {"checked": "localsgd", "overlapped": "sparseloco"}.get(algo, algo)
+    sync = build_sync(name, model, optimizer, comm, options)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(host + 1)
@@ -920,13 +922,15 @@ def _redoer(
     ``steps``: the run's last step (6: the next sync, 8, is past it, and the joiner takes the
     state before the redo; 40: it stands in for the redo and takes the state after it)."""
     from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
         membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
         results = {}
-        for algo in ("localsgd", "sparseloco") if late else ("localsgd", "diloco", "checked"):
+        algos = ("localsgd", "sparseloco", "overlapped") if late else ("localsgd", "diloco", "checked")
+        for algo in algos if steps == 40 else algos[:2]:
             model, optimizer, comm, sync = _shifted_replica(host, membership, algo)
             role = "joiner" if host == 2 else "short" if late and host == 1 else "redo"
             sync.step_count, status = {  # its step, and its status in the regroup
@@ -943,9 +947,21 @@ def _redoer(
                 with comm.leaving_out(left_out):
                     sync.after_step()
             handed = _admit_after_redo(event, membership, comm, sync, model, optimizer)
+            anchor = None
+            if algo == "overlapped":  # step 4's gather, launched in the redo, lands at 8 (the
+                joiners = frozenset(event["members"].index(h) for h in event["deferred"])  # meeting)
+                for n in range(5, 9):
+                    with (
+                        comm.leaving_out(joiners)
+                        if n == event["deferred_until"]
+                        else contextlib.nullcontext()
+                    ):
+                        sync.after_step()
+                anchor = tensors_digest(sync.shared_state())
             results[algo] = {
                 "event": event,
                 "handed": handed,
+                "anchor": anchor,
                 "step_count": sync.step_count,
                 "before": before,
                 "after": [p.detach().clone() for p in model.parameters()],
@@ -1013,6 +1029,9 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
     store.set("members/1", "0,1,2")  # the new epoch: the survivors and the joiner
     store.add("epoch", 1)
     runs = _hosts(_late_meeter if steps == 40 else _late_meeter_at_the_end, store, 3, (0, 1, 2))
+    if steps == 40:  # overlapped: the joiner lands the gather it stood in for, as the members do
+        anchors = [r["overlapped"]["anchor"] for r in runs]
+        assert anchors[0] is not None and anchors == [anchors[0]] * 3
     for algo in ("localsgd", "sparseloco"):
         ranks = [r[algo] for r in runs]
         for r in ranks:
@@ -1557,6 +1576,64 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
         assert r["event"]["deferred"] == [2] and r["event"]["deferred_until"] == 8, r["event"]
         assert (r["at8"], r["at12"]) == (runs[0]["at8"], runs[0]["at12"])
     assert runs[0]["at8"] != runs[0]["at12"]
+
+
+@_saved
+def _across_an_overlapped_sync(host: int, store_port: int, file_store: str) -> dict:
+    """SparseLoCo overlapped, H=4, each gather landing at the next outer step: all three hosts
+    take steps 1-6 (step 4's gather arrives everywhere), then host 2 is lost. Host 0 goes on to
+    step 9 (at 8 it lands step 4's gather and launches its own, which host 2 never joins); host 1
+    stops at step 6, short of that sync."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
+    from geotrain.sync import build_sync
+
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True}
+    sync = build_sync("sparseloco", model, optimizer, comm, options)
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+
+    def step(n: int) -> None:
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+
+    for n in range(1, 7):
+        step(n)
+    while not sync.in_flight.arrived():  # step 4's gather, here
+        time.sleep(0.01)
+    client.set(f"arrived/{host}", "1")
+    client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
+    if host == 2:
+        os._exit(0)  # lost after its part of step 4's gather has gone everywhere
+    if host == 0:
+        for n in range(7, 10):
+            step(n)
+    done = 9 if host == 0 else 6
+    event = regroup(membership, comm, sync, model, optimizer, StepStatus(done, False), steps=40)
+    for n in range(done + 1, 13):  # step 8's gather: host 1 launches it, host 0 sends it again
+        step(n)
+    result = {"event": event, "anchor": tensors_digest(sync.shared_state())}
+    sync.close()
+    return result
+
+
+def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_its_own_step(tmp_path):
+    """SparseLoCo, each outer step's gather landing a period late: host 2 is lost after step 6,
+    host 0 is at step 9 (its step-8 message in flight, never gathered with host 2's), host 1 at
+    step 6 (step 4's gather arrived). They need no state from each other: host 1 lands step 4's
+    gather from what arrived, nothing sent again, and launches step 8's message at its own step
+    8, which host 0 sends again at its step 12 in the new group. Host 1 used to take host 0's
+    whole state (a model's worth on the slow link, cut by the next kill under a kill every 20 s).
+    At step 12 both hold the same anchor."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1")  # host 2 was lost
+    store.add("epoch", 1)
+    h0, h1 = _hosts(_across_an_overlapped_sync, store, 3, (0, 1))
+    for h in (h0, h1):
+        assert h["event"]["behind"] == [] and h["event"]["handed_over_bytes"] == 0, h["event"]
+    assert h0["event"]["resume"] == StepStatus(9, False) and h1["event"]["resume"] == StepStatus(6, False)
+    assert h0["anchor"] == h1["anchor"]
 
 
 @_saved

@@ -567,10 +567,15 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             flush=True,
         )
         if again is not None:  # a member lost in the joiners' hand-over after the redo
-            joiner = host in event["deferred"]  # still one: it holds nothing of the members' state
-            return recover(
-                again, StepStatus(-1, False) if joiner else StepStatus(event["hand_over_after"], False)
-            )
+            if host in event["deferred"]:  # still a joiner: it holds nothing of the members' state
+                return recover(again, StepStatus(-1, False))
+            done = StepStatus(event["hand_over_after"], False)
+            resumed = recover(again, done)
+            # Where it goes on from its own step, that step is the one it computed and whose
+            # sync was redone (its tokens counted, its snapshot taken where due), as for a member
+            # that met the redo short of the boundary and lost the same hand-over.
+            own = (resumed.committed, resumed.local_done) == (done.committed, False)
+            return StepStatus(done.committed - 1, True) if own else resumed
         return resume
 
     def admit_joiners(event: dict) -> dict:
@@ -663,7 +668,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                     finish.finish()
                 if admit_after is not None:  # the sync it met was the one redone with stand-ins
                     pending, admit_after = admit_after, None
-                    admit_joiners(pending)
+                    pending.update(admit_joiners(pending))  # (its event: the summary's record)
             except RuntimeError as e:  # a member lost since: the step itself is complete
                 step = recover(e, StepStatus(step, False)).done
         if device.type == "cuda":

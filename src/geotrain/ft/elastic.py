@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class StepStatus:
         return self.committed + int(self.local_done)
 
 
-def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
+def catching_up(statuses: list[StepStatus], period: int, places: list | None = None) -> list[int]:
     """The ranks that must adopt the leader's state: none where periodic members (``period`` > 1,
     the collective period) have all completed the same collectives (each goes on from its own
     local step), otherwise every rank not at the furthest status (a joiner is at step -1, behind
@@ -109,10 +110,49 @@ def catching_up(statuses: list[StepStatus], period: int) -> list[int]:
     in the sync that failed and another did not (its wait failed, or it had not reached that
     sync), the first is further, and the others would send it again."""
     best = max(statuses)
-    same = len({(s.committed // period, s.landed, s.stage) for s in statuses}) == 1
-    if period > 1 and same:
+    places = places if places is not None else [_place(s, period) for s in statuses]
+    if period > 1 and len(set(places)) == 1:
         return []
     return [r for r, s in enumerate(statuses) if s != best]
+
+
+def _place(status: StepStatus, period: int) -> tuple:
+    """Where a survivor is among the collectives: the collective period it is in, whether its
+    message in flight has landed, its stage. Survivors at the same place go on each from its own
+    step."""
+    return (status.committed // period, status.landed, status.stage)
+
+
+def _places(
+    statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool
+) -> tuple[list[tuple], set[int]]:
+    """Each rank's place for the regroup's agreement (``_place``), and the periods whose
+    messages in flight land from what arrived. ``flights``: by rank, None where no message
+    flies, else whether its collective completed here without error (``InFlight.arrived_intact``).
+
+    ``by_message`` (every member's algorithm says ``places_by_message``: SparseLoCo): a
+    survivor's place is the period whose message it puts on the wire first in the new group:
+    its message in flight's, where that must be sent again, else the next sync's (which it
+    launches there). A message in flight need not be sent again where its collective completed
+    on every member holding it: each lands what arrived (``InFlight.keep_arrived``). So a member
+    past a sync, its overlapped message in flight (the lost member never sent its part: it is
+    sent again at its landing), and one short of that sync, the last period's message arrived
+    whole (it launches that sync's message there), are at the same place, and each goes on from
+    its own step, where one of them used to take the other's whole state. A joiner has a place
+    of its own."""
+    if not by_message:
+        return [_place(s, period) for s in statuses], set()
+    holders: dict[int, list[bool]] = {}
+    for s, arrived in zip(statuses, flights, strict=True):
+        if s.committed >= 0 and arrived is not None:
+            holders.setdefault(s.committed // period, []).append(arrived)
+    kept = {i for i, arrived in holders.items() if all(arrived)}
+    places: list[tuple] = []
+    for s, arrived in zip(statuses, flights, strict=True):
+        i = s.committed // period
+        sent_again = arrived is not None and i not in kept
+        places.append((i if sent_again else i + 1, s.stage) if s.committed >= 0 else ("joiner",))
+    return places, kept
 
 
 def next_boundary(statuses: list[StepStatus], behind: list[int], period: int | list[int]) -> int:
@@ -484,12 +524,25 @@ def admit_after_redo(
     statuses = [
         StepStatus(-1, False) if r in joiners else StepStatus(done, False) for r in range(comm.world_size)
     ]
+    # A joiner took part in the redone sync's collective in flight (an overlapped gather): it
+    # lands that one, not the leader's message that the state it loads holds to send again.
+    flight = sync.in_flight
+    live = flight.live() if comm.rank in joiners and flight is not None else None
     handed, sending = _hand_over(
         comm, statuses, joiners, model, optimizer, sync, from_state, membership.received, (), defer=True
     )
     if comm.rank not in joiners:
         membership.sending = sending
+    elif flight is not None:
+        flight.take_live(live)
     return handed
+
+
+def _flight(sync) -> bool | None:
+    """None where no message of this worker's flies, else whether its collective completed here
+    without error (``InFlight.arrived_intact``)."""
+    flight = sync.in_flight
+    return None if flight is None or not flight.flying else flight.arrived_intact()
 
 
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
@@ -590,11 +643,20 @@ def regroup(
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
+            _flight(sync), sync.places_by_message,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
     voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
+    by_message = all(r[15] for r in voters)
+    places, kept = _places(statuses, [r[14] for r in reports], collective_period, by_message)
+    if (
+        status.committed >= 0
+        and reports[comm.rank][14] is not None
+        and status.committed // collective_period in kept
+    ):
+        sync.in_flight.keep_arrived()  # every member holding it has it: nothing is sent again
     best = max(statuses)
     leader = statuses.index(best)
     if best.committed < 0:  # only joiners are left: the members have finished, or were all lost
@@ -603,12 +665,12 @@ def regroup(
         raise NoStateHolder(
             "every member holding the training state was lost before this joiner could be admitted"
         )
-    behind = catching_up(statuses, collective_period)
+    behind = catching_up(statuses, collective_period, places)
     # A regroup inside a deferred admission's period (the members at their own steps): where
     # the members have all completed the same syncs, only the joiners are behind, and they are
     # admitted deferred again, to the same sync, as the members train on from their own steps.
     joiners = [r for r, s in enumerate(statuses) if s.committed < 0]
-    within = {(s.committed // collective_period, s.landed, s.stage) for s in statuses if s.committed >= 0}
+    within = {place for place, s in zip(places, statuses, strict=True) if s.committed >= 0}
     deferred_until = sync_boundary(best.done + 1, reports[leader][4])
     deferrable = (
         bool(joiners)
@@ -670,6 +732,21 @@ def regroup(
         membership.received.clear()  # short it no longer needs
     if standing_in:
         _stand_in(comm, sync, leader, standing_in)
+    adopting = [r for r in behind if r not in joiners]
+    if adopting and comm.rank == leader:  # members whose own state cannot go on: why, for the log
+        where = "; ".join(
+            f"host {members[r]} after step {statuses[r].committed}"
+            + (" (sync failed)" if statuses[r].local_done else "")
+            + f" at {places[r]}"
+            for r in range(len(members))
+            if r not in joiners
+        )
+        print(
+            f"geotrain: host {members[leader]}: hosts {[members[r] for r in adopting]} take its state "
+            f"(collective period {collective_period}; {where})",
+            file=sys.stderr,
+            flush=True,
+        )
     if behind:
         fresh = any(r in joiners for r in behind)
         leaf_parts = () if fresh else ("sync", "optimizer") if reports[leader][11] else ("sync",)

@@ -247,6 +247,11 @@ class SyncAlgorithm:
         adapt to the new worker count. Called on every member at once, so it may communicate."""
 
     in_flight: InFlight | None = None  # a message whose collective lands later, where one is
+    # Whether a regroup may place this worker by the message it puts on the wire first in the
+    # new group (``ft.elastic._places``): its message in flight's period where that must be sent
+    # again, else the next sync's. True where every message in flight is launched at a sync
+    # and lands at a fixed step of the period after it (SparseLoCo).
+    places_by_message = False
 
     def final_progress(self) -> int:
         """How many collectives of its end-of-run average (``finalize``) this worker has
@@ -636,6 +641,7 @@ class InFlight:
         # The collective's result, where it completed on another survivor and not here (a
         # regroup's ``prime``): the next land returns it, sending nothing.
         self._primed: torch.Tensor | None = None
+        self._arrived = None  # the collective whose own result is primed (``keep_arrived``)
         # The last landed collective's result as it came (a mean's weight last), until the next
         # launch: what a survivor whose wait failed is sent instead of a whole state.
         self.last_landed: torch.Tensor | None = None
@@ -681,8 +687,8 @@ class InFlight:
         """Every worker's message stacked in rank order (``gather``) or their mean (``mean``),
         once it has arrived; None if none flies. If the wait fails (a lost member), the message
         stays in flight for ``rebind``."""
-        if self._primed is not None:  # completed elsewhere: its result, nothing sent
-            landed, self._primed, self._payload = self._primed, None, None
+        if self._primed is not None:  # completed elsewhere (or here, on a group left): its result
+            landed, self._primed, self._payload, self._arrived = self._primed, None, None, None
             return self._finish(landed)
         if self._resend is not None:
             resend, self._resend = self._resend, None
@@ -717,12 +723,55 @@ class InFlight:
     def primed(self) -> bool:
         return self._primed is not None
 
+    @property
+    def primed_result(self) -> torch.Tensor | None:
+        """The result ``land`` returns next, nothing sent (``prime``): what a worker restored
+        from this one's state (a joiner, a snapshot's resume) must land the same way."""
+        return self._primed
+
     def unprime(self) -> None:
         """A regroup begins with a result primed and not landed (the one that primed it failed
         again): it is dropped and this worker's own message is in flight again, to send at the
-        next ``land`` (the new regroup decides afresh what each survivor lacks)."""
-        if self._primed is not None:
+        next ``land`` (the new regroup decides afresh what each survivor lacks); where the
+        result was its own collective's (``keep_arrived``), that collective is in flight again."""
+        if self._primed is not None and self._arrived is not None:
+            self._primed, self._handle, self._arrived = None, self._arrived, None
+        elif self._primed is not None:
             self._primed, self._resend = None, self._payload
+
+    def live(self) -> tuple | None:
+        """The collective in flight, where this worker has launched it in the current group (its
+        handle and this worker's message): kept across a load of another worker's state, which
+        would replace it with a message to send again (``take_live``)."""
+        return (self._handle, self._payload) if self._handle is not None else None
+
+    def take_live(self, live: tuple | None) -> None:
+        """``live`` (from ``live``) is in flight again: the next ``land`` waits for it, nothing
+        sent again. A joiner that stood in for a redone sync took part in that sync's collective
+        with an empty message; the state it loads after holds the leader's message to send, and
+        sending it would pair with the members' next collective."""
+        if live is not None:
+            self._handle, self._payload = live
+            self._resend = self._primed = self._arrived = None
+
+    def arrived_intact(self) -> bool:
+        """Its collective completed here without error (on a group a regroup has since left):
+        its result can land with nothing sent again (``keep_arrived``)."""
+        if self._handle is None or not self._handle.is_completed():
+            return False
+        try:
+            self._handle.wait()  # (completed: returns at once, its result or its error)
+        except RuntimeError:
+            return False
+        return True
+
+    def keep_arrived(self) -> None:
+        """A regroup agreed that every member holding this message has its collective's result
+        (``arrived_intact``): the next ``land`` returns it, nothing sent again, as where another
+        survivor sent it (``prime``)."""
+        handle = self._handle
+        self.prime(handle.wait())
+        self._arrived = handle  # for ``unprime``
 
     def close(self) -> None:
         if self._handle is not None:
@@ -742,5 +791,5 @@ class InFlight:
 
     def restore(self, payload: torch.Tensor | None, device: torch.device | None = None) -> None:
         """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU)."""
-        self._handle = self._payload = self._primed = self.last_landed = None
+        self._handle = self._payload = self._primed = self.last_landed = self._arrived = None
         self._resend = payload.to(device) if payload is not None and device is not None else payload

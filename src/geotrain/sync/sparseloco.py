@@ -487,7 +487,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._arrival = float(self._seen or self.landing + late) if timed else 0.0
         self._seen = 0
         # Taken at the next outer step: until then every worker must see this period's landing
-        # (``collective_period``, a landing redone after a regroup), wherever it is in the period.
+        # (a landing redone after a regroup, or a joiner's: the regroup places each survivor by
+        # its message in flight, ``places_by_message``), wherever it is in the period.
         self._next_landing = next_landing(self.landing, arrivals, self.config.H)
         if reweigh:
             self._reweigh()
@@ -624,6 +625,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which under
     # overlap are each worker's own anyway (its period began from its own message).
     parameters_from_state = True
+    places_by_message = True  # each message launched at an outer step, landing tau steps on
 
     def adopted_state(self) -> None:
         # This worker loaded another's state (a joiner, a survivor behind): that worker's
@@ -692,6 +694,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
+        if self.in_flight.primed:  # its gather's result is here already (kept at a regroup):
+            state["in_flight_result"] = self.in_flight.primed_result  # one restored lands it too
         if self._start_message is not None and self.in_flight.flying:
             state["start_message"] = self._start_message
         state["overlap"] = self.overlap  # None: auto, not yet decided
@@ -726,6 +730,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
         self.in_flight.restore(resend)
+        if resend is not None and state.get("in_flight_result") is not None:
+            self.in_flight.prime(state["in_flight_result"].to(self.device))
         if self.config.overlap == "auto":
             # A state saved before --overlap auto ran with overlap on, the default then.
             self.overlap = state.get("overlap", True)
