@@ -314,6 +314,48 @@ def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():
     assert not f.primed and f.resending and f.saved() is own
 
 
+def test_a_result_kept_from_its_own_collective_is_in_flight_again_after_a_failed_regroup():
+    """``keep_arrived``: the collective completed here (on a group left since) lands its result,
+    nothing sent; a regroup that fails before it lands puts that collective back in flight (its
+    result still here: kept again, not sent again). An adopter of a state holding such a result
+    keeps none of the other worker's message: a later regroup would send it again as its own.
+    And a collective that completed with an error has not arrived."""
+    from geotrain.sync.base import InFlight
+
+    result = torch.arange(6, dtype=torch.uint8).reshape(3, 2)
+
+    class Done:
+        def __init__(self, error: bool = False) -> None:
+            self.error = error
+
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self):
+            if self.error:
+                raise RuntimeError("a lost peer")
+            return result
+
+    f = InFlight(comm=None)
+    own = torch.tensor([1, 2], dtype=torch.uint8)
+    f._handle, f._payload = Done(), own
+    assert f.arrived_intact()
+    f.keep_arrived()
+    assert f.primed and f.primed_result is result and f.saved() is own
+    f.unprime()
+    assert not f.primed and not f.resending and f.arrived_intact()  # in flight again, not to send
+    f.keep_arrived()
+    assert f.land() is result and not f.flying
+    g = InFlight(comm=None)
+    g.restore(own)
+    g.prime(result)  # a state with a kept result, loaded (``SparseLoCo.load_state_dict``)
+    g.adopted()
+    assert torch.equal(g.saved(), torch.zeros_like(own)) and g.primed_result is result
+    h = InFlight(comm=None)
+    h._handle, h._payload = Done(error=True), own
+    assert not h.arrived_intact()
+
+
 def test_the_end_of_run_average_leaves_out_who_adopted_at_the_end_and_not_before():
     event = {"members": [0, 2, 3], "behind": [3], "leader": 0, "furthest": 100}
     assert copies_at_the_end([event], 100) == {2}  # the leader was in the average: rank 2 a copy

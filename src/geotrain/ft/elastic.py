@@ -643,12 +643,14 @@ def regroup(
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
-            _flight(sync), sync.places_by_message,
+            _flight(sync) if sync.places_by_message else None, sync.places_by_message and not comm.checking,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
     voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
+    # (not where contributions are checked: a kept result's rows are the old group's, and the
+    # verdict reads them as the new group's ranks)
     by_message = all(r[15] for r in voters)
     places, kept = _places(statuses, [r[14] for r in reports], collective_period, by_message)
     if (

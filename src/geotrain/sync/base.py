@@ -761,7 +761,7 @@ class InFlight:
             return False
         try:
             self._handle.wait()  # (completed: returns at once, its result or its error)
-        except RuntimeError:
+        except Exception:  # (a timeout is named as ``CollectiveTimeout``)
             return False
         return True
 
@@ -785,6 +785,8 @@ class InFlight:
     def adopted(self) -> None:
         if self._resend is not None:  # all zeros decode to nothing (and weigh 0 in a mean)
             self._resend = torch.zeros_like(self._resend)
+        if self._primed is not None and self._payload is not None:  # (the other's, kept to resend)
+            self._payload = torch.zeros_like(self._payload)
 
     def saved(self) -> torch.Tensor | None:
         return self._resend if self._resend is not None else self._payload
