@@ -1093,6 +1093,69 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
                 torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
 
 
+def _revived(host: int, store_port: int, file_store: str, out: str) -> None:
+    """Local SGD (H=4). Host 0, the only member, after step 5; host 1 joins (epoch 1), deferred to
+    step 8, loads host 0's state and skips step 6; then host 0 is lost, and host 2 joins (epoch 2:
+    hosts 1 and 2, no member left)."""
+    from geotrain.ft.elastic import regroup
+
+    torch.set_num_threads(1)
+    try:
+        membership = Membership("127.0.0.1", store_port, host, [0] if host == 0 else [], timeout_s=30)
+        model, optimizer, comm, sync = _shifted_replica(host, membership, "localsgd")
+        result = {}
+        if host == 0:
+            sync.step_count = 5
+            result["first"] = regroup(
+                membership, comm, sync, model, optimizer, StepStatus(5, False), steps=40
+            )
+            membership.sending.finish()  # (the joiner has it all before this host is lost)
+            client = membership.store()
+            client.set("members/2", "1,2")
+            client.add("epoch", 1)
+        elif host == 1:
+            result["first"] = regroup(
+                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
+            )
+            sync.after_step()  # step 6, skipped (a deferred joiner computes nothing up to step 8)
+            result["second"] = regroup(
+                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40,
+                held=StepStatus(6, False),
+            )  # fmt: skip
+        else:
+            result["second"] = regroup(
+                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
+            )
+        if host == 1 and membership.sending is not None:
+            membership.sending.finish()
+        result["params"] = [p.detach().clone() for p in model.parameters()]
+        result["step_count"] = sync.step_count
+        sync.close()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_a_deferred_joiner_holding_the_state_goes_on_when_no_member_is_left(tmp_path):
+    """The only member is lost after a joiner, admitted deferred, loaded its state and before
+    it met the members; a second joiner comes. The first goes on from the state it holds (its
+    step 6) and is the second's leader, which receives its state deferred: where both used to
+    exit (``NoStateHolder``) and every host restarted from the snapshots."""
+    store = _master()
+    Epochs(store, tmp_path, 3)
+    store.set("members/1", "0,1")  # host 1 joins host 0
+    store.add("epoch", 1)
+    h0, h1, h2 = _hosts(_revived, store, 3, (0, 1, 2))
+    assert h0["first"]["deferred"] == [1] and h0["first"]["deferred_until"] == 8
+    second = h1["second"]
+    assert second["members"] == [1, 2] and second["leader"] == 1, second
+    assert second["resume"] == StepStatus(6, False) and second["deferred"] == [2], second
+    assert h2["second"]["handed_over_bytes"] > 0 and h2["step_count"] == h1["step_count"] == 6
+    for a, b, c in zip(h0["params"], h1["params"], h2["params"], strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)  # host 0's at step 5, handed on twice
+
+
 def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str, steps: int = 6) -> None:
     """As ``_redoer(late=True)`` with a fourth host, short of the sync as host 1 is, lost once the
     joiner has adopted and while the redo waits for host 1: a second regroup, whose redo still

@@ -468,18 +468,20 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is None or not lost_member(error):
             raise error
         previous, stopped_at = list(membership.members), status
+        held = None
         if comm.rank in deferred_ranks:  # a deferred joiner that has not met the members: admitted afresh
-            status = StepStatus(-1, False)  # (the state it holds is of a sync they are past)
+            held, status = status, StepStatus(-1, False)  # (the state it holds is of a sync they are
+            # past; where none of them is left, it goes on from that state: ``regroup``'s ``held``)
 
         def adopted(leaders: StepStatus, tokens: int) -> None:
-            nonlocal status, tokens_done  # a retried regroup starts from the state now loaded
-            status, tokens_done = leaders, tokens
+            nonlocal status, tokens_done, held  # a retried regroup starts from the state now loaded
+            status, tokens_done, held = leaders, tokens, None
 
         while True:
             try:
                 event = regroup(
                     membership, comm, sync, model, optimizer, status, ctx.backend or "gloo", tokens_done,
-                    previous, adopted, cfg.steps,
+                    previous, adopted, cfg.steps, held,
                 )  # fmt: skip
                 break
             except (Excluded, RunFinished, NoStateHolder):

@@ -611,6 +611,7 @@ def regroup(
     previous: list[int] | None = None,
     adopted: Callable[[StepStatus, int], None] | None = None,
     steps: int = 0,
+    held: StepStatus | None = None,
 ) -> dict[str, Any]:
     """Join the newest epoch and agree where training goes on. Returns the event for the summary:
     ``resume`` is where this member goes on from (the leader's status once it adopted the
@@ -619,7 +620,10 @@ def regroup(
     ``previous``: the members before this regroup (a retried one has changed them already).
     ``adopted(status, tokens)`` is told as soon as this member has loaded the leader's state, so
     that a regroup retried after a later failure reports where this member now is.
-    ``steps``: the run's last step (an admission is deferred only to a sync at or before it)."""
+    ``steps``: the run's last step (an admission is deferred only to a sync at or before it).
+    ``held``: a joiner admitted deferred that has loaded the members' state and not met them yet
+    comes as a joiner (``status`` -1: the members are past that state), with where that state
+    stands: where no member is left, it goes on from there, and is the others' leader."""
     t0 = time.perf_counter()
     if membership.sending is not None:  # a deferred hand-over's sends, on a group now left
         if not membership.sending.done():  # (gloo may still read their tensors)
@@ -644,19 +648,29 @@ def regroup(
             sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             _flight(sync) if sync.places_by_message else None, sync.places_by_message and not comm.checking,
+            (held.committed, held.local_done) if held is not None else None,
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
-    voters = [r for r in reports if r[0] >= 0] or reports  # a joiner's fresh algorithm has no say
+    # No member is left, but joiners admitted deferred hold the state the members handed them
+    # (of a step the members went past, and whose progress since is lost with them): they go on
+    # from it, the holder furthest on the others' leader, where every host used to restart from
+    # the snapshots (older, and a restart of every process).
+    revived = all(s.committed < 0 for s in statuses) and any(r[16] is not None for r in reports)
+    if revived and not membership.store().check(["finished"]):
+        statuses = [
+            StepStatus(*r[16]) if r[16] is not None else s for r, s in zip(reports, statuses, strict=True)
+        ]
+    voters = [r for r, s in zip(reports, statuses, strict=True) if s.committed >= 0] or reports
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
     # (not where contributions are checked: a kept result's rows are the old group's, and the
     # verdict reads them as the new group's ranks)
     by_message = all(r[15] for r in voters)
     places, kept = _places(statuses, [r[14] for r in reports], collective_period, by_message)
     if (
-        status.committed >= 0
+        statuses[comm.rank].committed >= 0
         and reports[comm.rank][14] is not None
-        and status.committed // collective_period in kept
+        and statuses[comm.rank].committed // collective_period in kept
     ):
         sync.in_flight.keep_arrived()  # every member holding it has it: nothing is sent again
     best = max(statuses)
