@@ -1093,16 +1093,18 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
                 torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
 
 
-def _revived(host: int, store_port: int, file_store: str, out: str) -> None:
+def _revived(host: int, store_port: int, file_store: str, out: str, meeting: bool = False) -> None:
     """Local SGD (H=4). Host 0, the only member, after step 5; host 1 joins (epoch 1), deferred to
     step 8, loads host 0's state and skips step 6; then host 0 is lost, and host 2 joins (epoch 2:
-    hosts 1 and 2, no member left)."""
+    hosts 1 and 2, no member left). ``meeting``: host 1 skips step 7 too and waits in step 8's
+    sync (the meeting) when host 0 is lost: that sync failed on it."""
     from geotrain.ft.elastic import regroup
 
     torch.set_num_threads(1)
     try:
         membership = Membership("127.0.0.1", store_port, host, [0] if host == 0 else [], timeout_s=30)
         model, optimizer, comm, sync = _shifted_replica(host, membership, "localsgd")
+        client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
         result = {}
         if host == 0:
             sync.step_count = 5
@@ -1110,22 +1112,40 @@ def _revived(host: int, store_port: int, file_store: str, out: str) -> None:
                 membership, comm, sync, model, optimizer, StepStatus(5, False), steps=40
             )
             membership.sending.finish()  # (the joiner has it all before this host is lost)
-            client = membership.store()
+            if meeting:  # lost once host 1 waits in the meeting
+                client.wait(["meeting"], timedelta(seconds=30))
+                time.sleep(0.5)
+            client.set("kind/2", "leave")
             client.set("members/2", "1,2")
             client.add("epoch", 1)
         elif host == 1:
             result["first"] = regroup(
                 membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
             )
+            held = StepStatus(6, False)
             sync.after_step()  # step 6, skipped (a deferred joiner computes nothing up to step 8)
+            if meeting:
+
+                def heartbeat() -> None:  # what a trainer's heartbeat thread does: the sync gives up
+                    while True:
+                        membership.observe(client, int(client.add("epoch", 0)))
+                        time.sleep(0.1)
+
+                threading.Thread(target=heartbeat, daemon=True).start()
+                sync.after_step()  # step 7
+                client.set("meeting", "1")
+                with pytest.raises(RuntimeError), comm.leaving_out({1}):
+                    sync.after_step()  # step 8: host 0 is lost while it waits
+                held = StepStatus(7, True)
             result["second"] = regroup(
-                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40,
-                held=StepStatus(6, False),
-            )  # fmt: skip
+                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40, held=held
+            )
         else:
             result["second"] = regroup(
                 membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
             )
+        if "second" in result:
+            result["handed"] = _admit_after_redo(result["second"], membership, comm, sync, model, optimizer)
         if host == 1 and membership.sending is not None:
             membership.sending.finish()
         result["params"] = [p.detach().clone() for p in model.parameters()]
@@ -1137,21 +1157,33 @@ def _revived(host: int, store_port: int, file_store: str, out: str) -> None:
         raise
 
 
-def test_a_deferred_joiner_holding_the_state_goes_on_when_no_member_is_left(tmp_path):
+def _revived_in_the_meeting(host: int, store_port: int, file_store: str, out: str) -> None:
+    _revived(host, store_port, file_store, out, meeting=True)
+
+
+@pytest.mark.parametrize("meeting", [False, True])
+def test_a_deferred_joiner_holding_the_state_goes_on_when_no_member_is_left(tmp_path, meeting):
     """The only member is lost after a joiner, admitted deferred, loaded its state and before
     it met the members; a second joiner comes. The first goes on from the state it holds (its
     step 6) and is the second's leader, which receives its state deferred: where both used to
-    exit (``NoStateHolder``) and every host restarted from the snapshots."""
+    exit (``NoStateHolder``) and every host restarted from the snapshots. ``meeting``: the
+    member is lost while the first waits in the meeting sync (step 8), the usual place (a
+    joiner skipping its steps runs ahead): it redoes that sync alone, the second standing in,
+    and the second receives the state after it."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1")  # host 1 joins host 0
     store.add("epoch", 1)
-    h0, h1, h2 = _hosts(_revived, store, 3, (0, 1, 2))
+    h0, h1, h2 = _hosts(_revived_in_the_meeting if meeting else _revived, store, 3, (0, 1, 2))
     assert h0["first"]["deferred"] == [1] and h0["first"]["deferred_until"] == 8
     second = h1["second"]
-    assert second["members"] == [1, 2] and second["leader"] == 1, second
-    assert second["resume"] == StepStatus(6, False) and second["deferred"] == [2], second
-    assert h2["second"]["handed_over_bytes"] > 0 and h2["step_count"] == h1["step_count"] == 6
+    assert second["members"] == [1, 2] and second["leader"] == 1 and second["deferred"] == [2], second
+    if meeting:
+        assert second["resume"] == StepStatus(7, True) and second["hand_over_after"] == 8, second
+        assert h2["handed"]["handed_over_bytes"] > 0 and h2["step_count"] == h1["step_count"] == 8
+    else:
+        assert second["resume"] == StepStatus(6, False) and not second["hand_over_after"], second
+        assert h2["second"]["handed_over_bytes"] > 0 and h2["step_count"] == h1["step_count"] == 6
     for a, b, c in zip(h0["params"], h1["params"], h2["params"], strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)  # host 0's at step 5, handed on twice
 

@@ -649,6 +649,7 @@ def regroup(
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             _flight(sync) if sync.places_by_message else None, sync.places_by_message and not comm.checking,
             (held.committed, held.local_done) if held is not None else None,
+            membership.store().check(["finished"]),
         )
     )  # fmt: skip
     statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
@@ -656,10 +657,12 @@ def regroup(
     # (of a step the members went past, and whose progress since is lost with them): they go on
     # from it, the holder furthest on the others' leader, where every host used to restart from
     # the snapshots (older, and a restart of every process).
+    # (whether the run has finished: one view for all, each rank's read of the store may differ)
     revived = all(s.committed < 0 for s in statuses) and any(r[16] is not None for r in reports)
-    if revived and not membership.store().check(["finished"]):
+    if revived and not any(r[17] for r in reports):
         statuses = [
-            StepStatus(*r[16]) if r[16] is not None else s for r, s in zip(reports, statuses, strict=True)
+            StepStatus(r[16][0], r[16][1], r[6], r[7]) if r[16] is not None else s
+            for r, s in zip(reports, statuses, strict=True)
         ]
     voters = [r for r, s in zip(reports, statuses, strict=True) if s.committed >= 0] or reports
     collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
@@ -676,7 +679,7 @@ def regroup(
     best = max(statuses)
     leader = statuses.index(best)
     if best.committed < 0:  # only joiners are left: the members have finished, or were all lost
-        if membership.store().check(["finished"]):
+        if any(r[17] for r in reports):
             raise RunFinished("the members left the run before this joiner could be admitted")
         raise NoStateHolder(
             "every member holding the training state was lost before this joiner could be admitted"
@@ -748,6 +751,8 @@ def regroup(
         membership.received.clear()  # short it no longer needs
     if standing_in:
         _stand_in(comm, sync, leader, standing_in)
+        if comm.rank in standing_in and adopted is not None:  # the state it held is zeros now: a
+            adopted(status, tokens)  # retried regroup must not go on from it (``held``)
     adopting = [r for r in behind if r not in joiners]
     if adopting and comm.rank == leader:  # members whose own state cannot go on: why, for the log
         where = "; ".join(
@@ -784,7 +789,7 @@ def regroup(
     mine = best if comm.rank in behind or comm.rank in standing_in else statuses[comm.rank]
     # Where joiners are admitted: each member's next boundary, by its own period (which under
     # --H-schedule depends on its step; the least of them would name a step that is none).
-    periods = [r[4] if r[0] >= 0 else sync_period for r in reports]
+    periods = [r[4] if s.committed >= 0 else sync_period for r, s in zip(reports, statuses, strict=True)]
     boundary = next_boundary(statuses, behind, periods)
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
