@@ -112,8 +112,8 @@ def test_losing_the_first_rank_0_and_then_a_silent_host_the_others_train_to_the_
         # step 4's mean in flight, landed at 8 by two (`-m long`: test_elastic.py regroups co2)
         pytest.param("co2", ["--H", "4", "--tau", "4"], "kill:step=6,rank=2", marks=LONG),
         # step 8's mean lands inside the next period (tau 2): its wait at step 10 fails, and the
-        # two survivors gather it again there
-        ("co2", ["--H", "4", "--tau", "2"], "kill:step=6,rank=2"),
+        # two survivors gather it again there (`-m long`: a landing sent again is SparseLoCo's above)
+        pytest.param("co2", ["--H", "4", "--tau", "2"], "kill:step=6,rank=2", marks=LONG),
         # --site-H 2 in sites 0,0,1: host 0's site average at step 6 fails with its site-mate;
         # host 2 (a site of one) runs on to step 8, whose sync fails: host 0, a collective behind,
         # adopts its state (theta_outer included: its sync failed) and the two redo step 8's.
