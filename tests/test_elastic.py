@@ -939,6 +939,36 @@ def _shifted_replica(host: int, membership: Membership, algo: str):
     return model, optimizer, comm, sync
 
 
+def _saved(fn):
+    """A gloo test host: ``fn(host, store port, file store, *args)`` returns its result, which
+    is saved to ``out`` with the group left (or its traceback, and the error raised)."""
+
+    @functools.wraps(fn)
+    def host(h: int, store_port: int, file_store: str, out: str, *args, **kwargs) -> None:
+        try:
+            result = fn(h, store_port, file_store, *args, **kwargs)
+            dist.destroy_process_group()
+            torch.save({"ok": result}, out)
+        except BaseException:
+            torch.save({"error": traceback.format_exc()}, out)
+            raise
+
+    return host
+
+
+def _heartbeat(membership: Membership, store_port: int) -> None:
+    """What a trainer's heartbeat thread does: it learns of new epochs, so that a collective
+    waiting on a lost member gives up."""
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+
+    def beat() -> None:
+        while True:
+            membership.observe(client, int(client.add("epoch", 0)))
+            time.sleep(0.1)
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
 def _admit_after_redo(event, membership, comm, sync, model, optimizer) -> dict:
     """What train() does once this worker has completed a sync redone with joiners standing in:
     the joiners receive the state (the members' sends waited on here, not at their next sync)."""
@@ -1093,7 +1123,8 @@ def test_a_member_short_of_a_sync_redone_with_a_joiner_meets_it_from_its_own_ste
                 torch.testing.assert_close(ranks[0]["after"][k], mean, rtol=0, atol=1e-6)
 
 
-def _revived(host: int, store_port: int, file_store: str, out: str, meeting: bool = False) -> None:
+@_saved
+def _revived(host: int, store_port: int, file_store: str, meeting: bool = False) -> dict:
     """Local SGD (H=4). Host 0, the only member, after step 5; host 1 joins (epoch 1), deferred to
     step 8, loads host 0's state and skips step 6; then host 0 is lost, and host 2 joins (epoch 2:
     hosts 1 and 2, no member left). ``meeting``: host 1 skips step 7 too and waits in step 8's
@@ -1101,60 +1132,44 @@ def _revived(host: int, store_port: int, file_store: str, out: str, meeting: boo
     from geotrain.ft.elastic import regroup
 
     torch.set_num_threads(1)
-    try:
-        membership = Membership("127.0.0.1", store_port, host, [0] if host == 0 else [], timeout_s=30)
-        model, optimizer, comm, sync = _shifted_replica(host, membership, "localsgd")
-        client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-        result = {}
-        if host == 0:
-            sync.step_count = 5
-            result["first"] = regroup(
-                membership, comm, sync, model, optimizer, StepStatus(5, False), steps=40
-            )
-            membership.sending.finish()  # (the joiner has it all before this host is lost)
-            if meeting:  # lost once host 1 waits in the meeting
-                client.wait(["meeting"], timedelta(seconds=30))
-                time.sleep(0.5)
-            client.set("kind/2", "leave")
-            client.set("members/2", "1,2")
-            client.add("epoch", 1)
-        elif host == 1:
-            result["first"] = regroup(
-                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
-            )
-            held = StepStatus(6, False)
-            sync.after_step()  # step 6, skipped (a deferred joiner computes nothing up to step 8)
-            if meeting:
-
-                def heartbeat() -> None:  # what a trainer's heartbeat thread does: the sync gives up
-                    while True:
-                        membership.observe(client, int(client.add("epoch", 0)))
-                        time.sleep(0.1)
-
-                threading.Thread(target=heartbeat, daemon=True).start()
-                sync.after_step()  # step 7
-                client.set("meeting", "1")
-                with pytest.raises(RuntimeError), comm.leaving_out({1}):
-                    sync.after_step()  # step 8: host 0 is lost while it waits
-                held = StepStatus(7, True)
-            result["second"] = regroup(
-                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40, held=held
-            )
-        else:
-            result["second"] = regroup(
-                membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40
-            )
-        if "second" in result:
-            result["handed"] = _admit_after_redo(result["second"], membership, comm, sync, model, optimizer)
-        if host == 1 and membership.sending is not None:
-            membership.sending.finish()
-        result["params"] = [p.detach().clone() for p in model.parameters()]
-        result["step_count"] = sync.step_count
-        sync.close()
-        torch.save({"ok": result}, out)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
+    membership = Membership("127.0.0.1", store_port, host, [0] if host == 0 else [], timeout_s=30)
+    model, optimizer, comm, sync = _shifted_replica(host, membership, "localsgd")
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    result = {}
+    if host == 0:
+        sync.step_count = 5
+        result["first"] = regroup(membership, comm, sync, model, optimizer, StepStatus(5, False), steps=40)
+        membership.sending.finish()  # (the joiner has it all before this host is lost)
+        if meeting:  # lost once host 1 waits in the meeting
+            client.wait(["meeting"], timedelta(seconds=30))
+            time.sleep(0.5)
+        client.set("kind/2", "leave")
+        client.set("members/2", "1,2")
+        client.add("epoch", 1)
+    elif host == 1:
+        result["first"] = regroup(membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40)
+        held = StepStatus(6, False)
+        sync.after_step()  # step 6, skipped (a deferred joiner computes nothing up to step 8)
+        if meeting:
+            _heartbeat(membership, store_port)  # the sync gives up
+            sync.after_step()  # step 7
+            client.set("meeting", "1")
+            with pytest.raises(RuntimeError), comm.leaving_out({1}):
+                sync.after_step()  # step 8: host 0 is lost while it waits
+            held = StepStatus(7, True)
+        result["second"] = regroup(
+            membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40, held=held
+        )
+    else:
+        result["second"] = regroup(membership, comm, sync, model, optimizer, StepStatus(-1, False), steps=40)
+    if "second" in result:
+        result["handed"] = _admit_after_redo(result["second"], membership, comm, sync, model, optimizer)
+    if host == 1 and membership.sending is not None:
+        membership.sending.finish()
+    result["params"] = [p.detach().clone() for p in model.parameters()]
+    result["step_count"] = sync.step_count
+    sync.close()
+    return result
 
 
 def _revived_in_the_meeting(host: int, store_port: int, file_store: str, out: str) -> None:
@@ -1203,13 +1218,7 @@ def _late_meeter_refault(host: int, store_port: int, file_store: str, out: str, 
         sync.step_count = {0: 4, 1: 2, 2: 0, 3: 2}[host]
         status = {0: StepStatus(3, True), 2: StepStatus(-1, False)}.get(host, StepStatus(2, False))
 
-        def heartbeat() -> None:  # what a trainer's heartbeat thread does: the redo gives up
-            client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-            while True:
-                membership.observe(client, int(client.add("epoch", 0)))
-                time.sleep(0.1)
-
-        threading.Thread(target=heartbeat, daemon=True).start()
+        _heartbeat(membership, store_port)  # the redo gives up
         before = [p.detach().clone() for p in model.parameters()]
         adopted = []
         first = second = None
@@ -1325,23 +1334,6 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     t.start()
     t.join(timeout=20)
     assert out[1] == {"finished": True, "stopped": False}
-
-
-def _saved(fn):
-    """A gloo test host: ``fn(host, store port, file store, *args)`` returns its result, which
-    is saved to ``out`` with the group left (or its traceback, and the error raised)."""
-
-    @functools.wraps(fn)
-    def host(h: int, store_port: int, file_store: str, out: str, *args, **kwargs) -> None:
-        try:
-            result = fn(h, store_port, file_store, *args, **kwargs)
-            dist.destroy_process_group()
-            torch.save({"ok": result}, out)
-        except BaseException:
-            torch.save({"error": traceback.format_exc()}, out)
-            raise
-
-    return host
 
 
 def _tiny_member(host: int, store_port: int, file_store: str):

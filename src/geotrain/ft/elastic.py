@@ -66,6 +66,7 @@ from geotrain.ft.state import (
     entry_digests,
     handed_over,
     leaf_digests,
+    map_leaves,
     param_digest,
     tensors_digest,
     with_leaves,
@@ -125,9 +126,9 @@ def _place(status: StepStatus, period: int) -> tuple:
 
 def _places(
     statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool
-) -> tuple[list[tuple], set[int]]:
-    """Each rank's place for the regroup's agreement (``_place``), and the periods whose
-    messages in flight land from what arrived. ``flights``: by rank, None where no message
+) -> tuple[list[tuple], list[bool]]:
+    """Each rank's place for the regroup's agreement (``_place``), and whether its message in
+    flight lands from what arrived (``InFlight.keep_arrived``). ``flights``: by rank, None where no message
     flies, else whether its collective completed here without error (``InFlight.arrived_intact``).
 
     ``by_message`` (every member's algorithm says ``places_by_message``: SparseLoCo): a
@@ -141,18 +142,21 @@ def _places(
     its own step, where one of them used to take the other's whole state. A joiner has a place
     of its own."""
     if not by_message:
-        return [_place(s, period) for s in statuses], set()
+        return [_place(s, period) for s in statuses], [False] * len(statuses)
     holders: dict[int, list[bool]] = {}
     for s, arrived in zip(statuses, flights, strict=True):
         if s.committed >= 0 and arrived is not None:
             holders.setdefault(s.committed // period, []).append(arrived)
     kept = {i for i, arrived in holders.items() if all(arrived)}
     places: list[tuple] = []
+    keeps: list[bool] = []
     for s, arrived in zip(statuses, flights, strict=True):
         i = s.committed // period
-        sent_again = arrived is not None and i not in kept
+        flies = s.committed >= 0 and arrived is not None
+        keeps.append(flies and i in kept)
+        sent_again = flies and i not in kept
         places.append((i if sent_again else i + 1, s.stage) if s.committed >= 0 else ("joiner",))
-    return places, kept
+    return places, keeps
 
 
 def next_boundary(statuses: list[StepStatus], behind: list[int], period: int | list[int]) -> int:
@@ -467,26 +471,6 @@ class _Zeros:
     dtype: str
 
 
-def _skeleton(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _Zeros(tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
-    if isinstance(obj, dict):
-        return {k: _skeleton(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_skeleton(v) for v in obj)
-    return obj
-
-
-def _filled(obj: Any, device) -> Any:
-    if isinstance(obj, _Zeros):
-        return torch.zeros(obj.shape, dtype=getattr(torch, obj.dtype), device=device)
-    if isinstance(obj, dict):
-        return {k: _filled(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_filled(v, device) for v in obj)
-    return obj
-
-
 def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None:
     """The ``joiners`` take the leader's algorithm state with every tensor zero (its steps, its
     decisions, the shapes of its messages: a few KB, where the state is a model's worth), as an
@@ -498,10 +482,16 @@ def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None
         state = sync.state_dict()
         state.pop("own", None)  # as a hand-over: each worker's own, never an adopter's
         state.pop("codec", None)
-        skeleton = _skeleton(state)
+        skeleton = map_leaves(
+            state,
+            lambda v: (
+                _Zeros(tuple(v.shape), str(v.dtype).removeprefix("torch.")) if torch.is_tensor(v) else v
+            ),
+        )
     skeleton = comm.all_gather_object(skeleton)[leader]
     if comm.rank in joiners:
-        sync.load_state_dict(_filled(skeleton, sync.device))
+        zeros = lambda v: torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=sync.device)  # noqa: E731
+        sync.load_state_dict(map_leaves(skeleton, lambda v: zeros(v) if isinstance(v, _Zeros) else v))
         sync.adopted_state()
 
 
@@ -669,12 +659,8 @@ def regroup(
     # (not where contributions are checked: a kept result's rows are the old group's, and the
     # verdict reads them as the new group's ranks)
     by_message = all(r[15] for r in voters)
-    places, kept = _places(statuses, [r[14] for r in reports], collective_period, by_message)
-    if (
-        statuses[comm.rank].committed >= 0
-        and reports[comm.rank][14] is not None
-        and statuses[comm.rank].committed // collective_period in kept
-    ):
+    places, keeps = _places(statuses, [r[14] for r in reports], collective_period, by_message)
+    if keeps[comm.rank]:
         sync.in_flight.keep_arrived()  # every member holding it has it: nothing is sent again
     best = max(statuses)
     leader = statuses.index(best)
@@ -691,37 +677,28 @@ def regroup(
     joiners = [r for r, s in enumerate(statuses) if s.committed < 0]
     within = {place for place, s in zip(places, statuses, strict=True) if s.committed >= 0}
     deferred_until = sync_boundary(best.done + 1, reports[leader][4])
-    deferrable = (
-        bool(joiners)
-        and reports[leader][12]
-        and not best.local_done
-        and (not reports[leader][13] or deferred_until <= reports[leader][13])  # never past the end
-    )
-    # Or a sync failed on the furthest members, at its boundary, while joiners waited and other
-    # members had not reached it: the joiners adopt the leader's state and take part in the redo,
-    # and the members short of the boundary keep their own and meet the redo from their own step,
-    # leaving out what it leaves out (``left_out``). They used to adopt the leader's state as well,
-    # a model's worth each on the slow links, where a fault in it cut the hand-over again.
+    # The members' next sync, where joiners meet them, is at or before the run's last step, and
+    # the algorithm has no collective before it: joiners need not hold the members up.
+    defers = reports[leader][12] and (not reports[leader][13] or deferred_until <= reports[leader][13])
+    consistent = bool(joiners) and collective_period > 1 and len(within) == 1
+    deferrable = bool(joiners) and defers and not best.local_done
+    # Or a sync failed on the furthest members, at its boundary, while joiners waited: each
+    # joiner stands in for its part of the redo (the leader's state's shapes, zeros:
+    # ``_stand_in``), left out of it, and receives the state once the redo is done, as a deferred
+    # admission does, while the members train on (``admit_after_redo``); members short of the
+    # boundary keep their own state and meet the redo from their own step, leaving out what it
+    # leaves out (``left_out``). A hand-over before the redo held every member for a model's
+    # worth of the slow link, and kills more frequent than that (SparseLoCo at 300 kbit/s, a kill
+    # every 20 s) cut it again and again: the run stood still for minutes.
+    redo_first = consistent and best.local_done and defers
+    # Only where that next sync is past the run's end do the joiners adopt the leader's state
+    # before the redo and take part in it (members short of the boundary still meet it).
     late = [r for r, s in enumerate(statuses) if s.committed >= 0 and not s.local_done]
     redo_met = best.local_done and late and reports[leader][12]
-    consistent = joiners and collective_period > 1 and len(within) == 1
-    if consistent and (deferrable or redo_met):
-        behind = joiners
-    # Where the members' next sync after the redone one is at or before the run's last step,
-    # the joiners take no state before the redo: each stands in for its part of it (the
-    # leader's state's shapes, zeros: ``_stand_in``), left out of it, and receives the state
-    # once the redo is done, as a deferred admission does, while the members train on
-    # (``admit_after_redo``). A hand-over before the redo held every member for a model's worth
-    # of the slow link, and kills more frequent than that (SparseLoCo at 300 kbit/s, a kill
-    # every 20 s) cut it again and again: the run stood still for minutes.
-    redo_first = bool(
-        consistent
-        and best.local_done
-        and reports[leader][12]
-        and (not reports[leader][13] or deferred_until <= reports[leader][13])
-    )
     if redo_first:
         behind = []
+    elif consistent and (deferrable or redo_met):
+        behind = joiners
     from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}

@@ -167,6 +167,15 @@ def without_leaves(obj: Any, paths: Collection[tuple], path: tuple = ()) -> Any:
     return obj
 
 
+def map_leaves(obj: Any, fn) -> Any:
+    """``obj`` with ``fn`` applied to every leaf of its tree (what is not a dict, list or tuple)."""
+    if type(obj) in (dict, OrderedDict):
+        return _like(obj, {k: map_leaves(v, fn) for k, v in obj.items()})
+    if type(obj) in (list, tuple):
+        return type(obj)(map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
 def _like(obj: dict, out: dict) -> dict:
     """``out`` as the kind of mapping ``obj`` is (a module's ``OrderedDict`` keeps its versions)."""
     if type(obj) is not OrderedDict:
