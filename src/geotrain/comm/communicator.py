@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, MutableSequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from geotrain.comm.waits import (
     TIMEOUT_MARK,  # noqa: F401
     CollectiveTimeout,
     Handle,
+    Unposted,
     is_timeout,
     peer_lost_line,  # noqa: F401
     timeout_line,  # noqa: F401
@@ -612,7 +614,9 @@ class Communicator(CheckedMeans):
         recvs: list[tuple[torch.Tensor, int, int]],
         received: MutableSequence[bool] | None = None,
     ) -> None:
-        """Point-to-point transfers, all in flight at once: ``(tensor, peer rank, tag)`` each. A
+        """Point-to-point transfers: ``(tensor, peer rank, tag)`` each, the sends posted at once and
+        the receives on the CPU a window at a time (``wait_transfers``: gloo sends a message once
+        its receive is posted, and a transfer abandoned goes on over the retired group). A
         message between two workers is told from the others between them by its tag. Abandoned,
         like a collective, once an epoch that lost members is published (``wait_transfers``).
         ``received``: one flag per receive, set as it completes, also after the exchange was
@@ -649,7 +653,9 @@ class Communicator(CheckedMeans):
             return r if self.group is None else dist.get_global_rank(self.group, r)
 
         works = [dist.isend(t, peer(r), group=self.group, tag=tag) for t, r, tag in sends]
-        works += [dist.irecv(t, peer(r), group=self.group, tag=tag) for t, r, tag in recvs]
+        for t, r, tag in recvs:  # on the CPU (gloo) posted a window at a time (wait_transfers)
+            post = partial(dist.irecv, t, peer(r), group=self.group, tag=tag)
+            works.append(Unposted(post, t.numel() * t.element_size()) if t.device.type == "cpu" else post())
         self.stats.calls += 1
         for t, _, _ in sends:
             self.stats.payload_bytes += t.numel() * t.element_size()
