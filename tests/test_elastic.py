@@ -1831,11 +1831,11 @@ def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
     on the old group all the same. The joiner keeps them, and the retry (epoch 3: hosts 0 and
     2), after host 0 trained a step on (its state's step moved, its anchor did not), sends only
     the rest: the chunks that changed, those host 1 was to send and those not asked for."""
-    from geotrain.ft import elastic
+    from geotrain.ft import handover
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
-    elastic.CHUNK_BYTES = 16 * 1024  # several chunks per part of ``tiny``'s state
+    handover.CHUNK_BYTES = 16 * 1024  # several chunks per part of ``tiny``'s state
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
     sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8, "overlap": False})
     sync.defers_admission = lambda: False  # the members wait in the hand-over (not deferred)

@@ -639,7 +639,7 @@ class Communicator(CheckedMeans):
 
     def send_later(self, sends: list[tuple[torch.Tensor, int, int]]) -> PostedSends:
         """Point-to-point sends posted now, left to gloo: a joiner's hand-over while the members
-        train on (``ft/elastic.py``). A thread waits for them and then lets their tensors go;
+        train on (``ft/handover.py``). A thread waits for them and then lets their tensors go;
         ``finish()`` waits for that thread (abandoned as ``exchange`` is, once an epoch that lost
         members is published after this call)."""
         works, nbytes = self._post(sends, []) if self.world_size > 1 and sends else ([], 0)

@@ -177,7 +177,7 @@ def wait_transfers(
     waited in order by a thread of its own, so that a transfer stuck on a lost peer does not
     hide those that completed from the others; ``done(i)`` is told as work i's wait returns,
     also after this call was abandoned: transfers between live peers go on (what a hand-over
-    cut short keeps, ``ft/elastic.py``).
+    cut short keeps, ``ft/handover.py``).
     An ``Unposted`` receive is posted by its lane once those before it leave less than
     ``WINDOW_S`` of the lane's measured rate in flight (two at first), and none after the call
     was abandoned (the old group is destroyed next). Posted all at once, a hand-over cut short

@@ -228,7 +228,7 @@ class Membership:
         # to redo (ft/elastic.py: the copy is left out of it while that host is a member)
         self.holds_copy: int | None = None
         # What this worker received of a hand-over a lost member cut short, by part
-        # (``ft.elastic.PartReceived``: the retry sends only the rest)
+        # (``ft.handover.PartReceived``: the retry sends only the rest)
         self.received: dict = {}
         # A deferred hand-over's sends (``Communicator.send_later``): waited on at the sync
         # where the joiner meets the members, retired at a regroup before it

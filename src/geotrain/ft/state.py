@@ -7,7 +7,7 @@ and each data sampler's), and the step with the time spent so far. ``capture`` t
 copy of all of it (the only part of a snapshot on the training thread's critical path); ``encode``
 turns it into bytes framed with a magic, a length and a checksum, so a truncated or corrupted
 blob is detected before it is used: a sha256 where equal headers must mean equal bytes (the
-hand-over's stripes, ``ft/elastic.py``), a CRC32 on the snapshots a worker takes every period
+hand-over's stripes, ``ft/handover.py``), a CRC32 on the snapshots a worker takes every period
 (``encode_to_memfd``), where a sha256 of ``mini``'s 131 MB state took 1.7 s of a background
 thread and slowed the next step of every worker sharing the cores.
 
