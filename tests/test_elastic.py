@@ -632,12 +632,38 @@ def test_receives_are_posted_a_window_at_a_time_and_none_after_the_exchange_is_a
     for work in works:
         work.ends.set()
     monkeypatch.setattr(waits, "WINDOW_S", 60.0)  # a fast link: its rate opens the window wide
-    works[:] = [_Transfer(0.05) for _ in range(9)]
+    works[:] = [_Transfer() for _ in range(9)]
     posted.clear()
     membership.published_leave = 8
-    received = [False] * 9
-    assert _run(lambda: comm.exchange([], recvs, received), 5.0) is None
-    assert sorted(posted) == list(range(9)) and all(received)
+    received[:] = [False] * 9  # (the list the exchange above was given)
+    outcome.clear()
+    thread = threading.Thread(target=lambda: outcome.append(_run(exchange, 5.0)))
+    thread.start()
+    assert settled(4) == [0, 1, 2, 4]
+    works[0].ends.set()  # peer 1's first arrival starts the rate's clock...
+    works[2].ends.set()  # ...its second gives the rate: a minute of it is all of peer 1's left
+    assert settled(8) == [0, 1, 2, 3, 4, 5, 6, 8]  # (peer 3's: two, none arrived)
+    for work in works:
+        work.ends.set()
+    thread.join(5.0)
+    assert outcome == [None] and all(received)
+
+
+def test_a_receive_whose_posting_fails_is_told_in_its_turn_after_those_before_it():
+    """A receive that cannot be posted (its connection closed) ends its lane where it is waited
+    on: the one before it, which had arrived, is waited on and flagged first, so a retry keeps it."""
+    from geotrain.comm.waits import Unposted, wait_transfers
+
+    first, second = _Transfer(0.05), _Transfer(0.05)
+
+    def closed():
+        raise RuntimeError("Connection closed by peer")
+
+    works = [Unposted(lambda: first, 4), Unposted(lambda: second, 4), Unposted(closed, 4)]
+    flags = [False] * 3
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wait_transfers(works, lambda: False, None, [7, 7, 7], lambda i: flags.__setitem__(i, True))
+    assert flags == [True, True, False]
 
 
 def test_members_regroup_at_once_when_the_joiner_they_hand_over_to_loses_a_server(tmp_path, monkeypatch):

@@ -614,9 +614,10 @@ class Communicator(CheckedMeans):
         recvs: list[tuple[torch.Tensor, int, int]],
         received: MutableSequence[bool] | None = None,
     ) -> None:
-        """Point-to-point transfers: ``(tensor, peer rank, tag)`` each, the sends posted at once and
-        the receives on the CPU a window at a time (``wait_transfers``: gloo sends a message once
-        its receive is posted, and a transfer abandoned goes on over the retired group). A
+        """Point-to-point transfers: ``(tensor, peer rank, tag)`` each, the sends posted at once and,
+        with a membership, the receives on the CPU a window at a time (``wait_transfers``: gloo
+        sends a message once its receive is posted, and a transfer abandoned goes on over the
+        retired group). A
         message between two workers is told from the others between them by its tag. Abandoned,
         like a collective, once an epoch that lost members is published (``wait_transfers``).
         ``received``: one flag per receive, set as it completes, also after the exchange was
@@ -653,8 +654,11 @@ class Communicator(CheckedMeans):
             return r if self.group is None else dist.get_global_rank(self.group, r)
 
         works = [dist.isend(t, peer(r), group=self.group, tag=tag) for t, r, tag in sends]
+        # the group itself, not None: a receive posted later goes on this group or fails, never
+        # on the default group of the next epoch
+        group = self.group if self.group is not None else dist.group.WORLD
         for t, r, tag in recvs:  # on the CPU (gloo) posted a window at a time (wait_transfers)
-            post = partial(dist.irecv, t, peer(r), group=self.group, tag=tag)
+            post = partial(dist.irecv, t, peer(r), group=group, tag=tag)
             works.append(Unposted(post, t.numel() * t.element_size()) if t.device.type == "cpu" else post())
         self.stats.calls += 1
         for t, _, _ in sends:

@@ -156,6 +156,17 @@ class Unposted:
     nbytes: int
 
 
+class _PostFailed:
+    """A receive whose posting raised: the error, told when its turn to be waited on comes
+    (those before it in its lane, which may have arrived, are waited on and kept first)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def wait(self, timeout=None):
+        raise self.error
+
+
 def wait_transfers(
     works: list,
     interrupt: Callable[[], bool] | None,
@@ -173,18 +184,20 @@ def wait_transfers(
     payload it is reading or writing, which waits for the group's timeout (a member killed
     mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
     waited for that joiner to be ready). An abandoned waiter and its works are retired.
-    ``timeout``: each wait's (``plain_wait``). ``lanes``: a lane per work (its peer), each
-    waited in order by a thread of its own, so that a transfer stuck on a lost peer does not
-    hide those that completed from the others; ``done(i)`` is told as work i's wait returns,
-    also after this call was abandoned: transfers between live peers go on (what a hand-over
+    ``timeout``: each wait's (``plain_wait``). ``lanes``: a lane per work (its peer and
+    direction; None: the sends in one, the receives in another), each waited in order by a
+    thread of its own, so that a transfer stuck on a lost peer does not hide those that
+    completed from the others; ``done(i)`` is told as work i's wait returns, also after this
+    call was abandoned: the transfers between live peers posted before go on (what a hand-over
     cut short keeps, ``ft/handover.py``).
     An ``Unposted`` receive is posted by its lane once those before it leave less than
-    ``WINDOW_S`` of the lane's measured rate in flight (two at first), and none after the call
-    was abandoned (the old group is destroyed next). Posted all at once, a hand-over cut short
-    went on over the retired group's connections for as long as it had left, under its retry,
-    which asked again for what had not arrived yet (``benchmarks/bench_handover_cut.py``: at
-    300 kbit/s a 1.6 MB part cut 6 s in was held whole after 77 s, 1.84 times its bytes sent;
-    in windows, after 45 s, 1.05 times)."""
+    ``WINDOW_S`` of the lane's rate in flight (measured from its first arrival; two at first),
+    and none once the call was abandoned (the trainer leaves that group next). Posted all at
+    once, a hand-over cut short went on over the retired group's connections for as long as it
+    had left, under its retry, which asked again for what had not arrived yet
+    (``benchmarks/bench_handover_cut.py``: at 300 kbit/s a 1.6 MB part cut 6 s in was held whole
+    after 77 s, 1.84 times its bytes sent; in windows, after 45 s, 1.05 times). The sends a
+    receiver never asked for stay pending on the retired group until its timeout."""
     if interrupt is None:  # never abandoned: all at once
         works = [w.post() if isinstance(w, Unposted) else w for w in works]
         for i, work in enumerate(works):
@@ -192,7 +205,9 @@ def wait_transfers(
             if done is not None:
                 done(i)
         return
-    lane_of = lanes if lanes is not None else [0] * len(works)
+    # (a lane never holds both: a send and a receive of the same peer, each waiting on its own
+    # k-th message, would each wait for a receive the other posts only after that)
+    lane_of = lanes if lanes is not None else [int(isinstance(w, Unposted)) for w in works]
     by_lane: dict[int, list[int]] = {}
     for i, lane in enumerate(lane_of):
         by_lane.setdefault(lane, []).append(i)
@@ -200,34 +215,42 @@ def wait_transfers(
     failed: list[BaseException] = []
     stop_posting = threading.Event()
     sizes = {i: w.nbytes for i, w in enumerate(works) if isinstance(w, Unposted)}  # the receives
-    first: dict[int, float] = {}  # when each lane posted its first receive
+
+    def post(j: int) -> None:  # (under _POSTING where lanes run)
+        try:
+            works[j] = works[j].post()
+        except Exception as e:  # raised when its turn comes
+            works[j] = _PostFailed(e)
+
     opened: dict[int, int] = {}
     for i, lane in enumerate(lane_of):  # each lane's first two, here and in order (deterministic)
         if i in sizes and opened.get(lane, 0) < 2:
-            works[i], opened[lane] = works[i].post(), opened.get(lane, 0) + 1
-            first.setdefault(lane, time.monotonic())
+            post(i)
+            opened[lane] = opened.get(lane, 0) + 1
 
-    def waiter(lane: int, order: list[int]) -> None:
+    def waiter(order: list[int]) -> None:
         posted = in_flight = received = 0  # in the lane: items posted, their bytes pending, bytes in
+        since = 0.0  # when its first receive arrived: the rate counts from there
         try:
             for k, i in enumerate(order):
                 while posted < len(order) and not stop_posting.is_set():
                     j = order[posted]
                     if isinstance(works[j], Unposted):
-                        rate = received / (time.monotonic() - first[lane]) if received else 0.0
+                        rate = received / (time.monotonic() - since) if received else 0.0
                         if posted > k and in_flight >= max(2 * sizes[j], rate * WINDOW_S):
                             break
                         with _POSTING:
                             if stop_posting.is_set():
                                 break
-                            works[j] = works[j].post()
-                        first.setdefault(lane, time.monotonic())
+                            post(j)
                     in_flight += sizes.get(j, 0)
                     posted += 1
                 if isinstance(works[i], Unposted):
                     return  # abandoned before it was posted: never sent
                 plain_wait(works[i], timeout)
-                in_flight, received = in_flight - sizes.get(i, 0), received + sizes.get(i, 0)
+                in_flight -= sizes.get(i, 0)
+                if i in sizes:
+                    received, since = (received + sizes[i], since) if since else (0, time.monotonic())
                 if done is not None:
                     done(i)
         except BaseException as e:  # the transfer's own error, raised by the caller
@@ -236,23 +259,25 @@ def wait_transfers(
             left.release()
 
     threads = [
-        threading.Thread(target=waiter, args=(lane, order), name="geotrain-transfers", daemon=True)
-        for lane, order in by_lane.items()
+        threading.Thread(target=waiter, args=(order,), name="geotrain-transfers", daemon=True)
+        for order in by_lane.values()
     ]
     for thread in threads:
         thread.start()
     finished = 0
-    while finished < len(threads):
-        # A lane's error (a lost peer's connection closed) ends that lane only: the others'
-        # transfers are waited for, so that a retry keeps what they bring.
-        if left.acquire(timeout=INTERRUPT_POLL.total_seconds()):
-            finished += 1
-            continue
-        if interrupt():
-            with _POSTING:  # a receive being posted is posted on this group, none after
-                stop_posting.set()
-            retire((threads, works))
-            raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
+    try:
+        while finished < len(threads):
+            # A lane's error (a lost peer's connection closed) ends that lane only: the others'
+            # transfers are waited for, so that a retry keeps what they bring.
+            if left.acquire(timeout=INTERRUPT_POLL.total_seconds()):
+                finished += 1
+                continue
+            if interrupt():
+                retire((threads, works))
+                raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
+    finally:
+        with _POSTING:  # a receive being posted is posted on this group, none after
+            stop_posting.set()
     if failed:
         raise failed[0]
 

@@ -60,7 +60,8 @@ def chunk_cuts(size: int) -> list[int]:
 class PartReceived:
     """What a receiver has of one part of a hand-over: its buffer, and which chunks of it have
     arrived. The flags are set by the exchange's waiter threads, also after a lost member cut
-    the hand-over short (transfers between live peers go on), and read again at the retry."""
+    the hand-over short (the receives posted before it, between live peers, go on), and read
+    again at the retry."""
 
     buffer: torch.Tensor
     cuts: list[int]
