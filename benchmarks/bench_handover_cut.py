@@ -1,7 +1,7 @@
 """A hand-over cut short, and its retry, on one emulated slow link.
 
 Two hosts on links shaped to ``--bandwidth``. Host 1 receives ``--chunks`` chunks of 64 KB from
-host 0 by ``Communicator.exchange`` (the transfer a joiner's hand-over makes, ``ft/elastic.py``);
+host 0 by ``Communicator.exchange`` (the transfer a joiner's hand-over makes, ``ft/handover.py``);
 ``--cut-s`` seconds in, a lost member is published (as the coordinator would) and both abandon
 it. After ``--regroup-s`` (the time a regroup takes to form its new group) they form a new
 group, host 1 says which chunks it holds (those that arrived, also after the cut), and host 0

@@ -649,6 +649,49 @@ def test_receives_are_posted_a_window_at_a_time_and_none_after_the_exchange_is_a
     assert outcome == [None] and all(received)
 
 
+def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_abandoned(monkeypatch):
+    """A member's sends of a deferred hand-over whose joiner asks for no more (a member lost):
+    those pending on the retired group used to be slices of the whole encoded state, held until
+    that group's timeout (hours on a slow link), one state per cut admission. Now at most two
+    per peer are posted, each a copy of its chunk, and the rest is dropped at the cut."""
+    import gc
+    import weakref
+
+    from geotrain.comm import waits
+
+    monkeypatch.setattr(waits, "WINDOW_S", 0.0)
+    membership = types.SimpleNamespace(epoch=8, published_leave=8)
+    sent: list[torch.Tensor] = []
+    works = [_Transfer() for _ in range(8)]
+    comm = _exchanging_comm(monkeypatch, membership, [])
+
+    def isend(tensor, *args, **kwargs):
+        sent.append(tensor)
+        return works[len(sent) - 1]
+
+    monkeypatch.setattr(dist, "isend", isend)
+    state = torch.arange(8 * 1024, dtype=torch.int64).to(torch.uint8)
+    alive = weakref.ref(state)
+    chunks = [(state[i * 1024 : (i + 1) * 1024], 3, i) for i in range(8)]
+    posted = comm.send_later(chunks)
+    del state, chunks
+    deadline = time.monotonic() + 2.0
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(sent) == 2 and all(t._base is None for t in sent)  # copies, not views of the state
+    works[0].ends.set()
+    time.sleep(0.2)
+    assert len(sent) == 3
+    membership.published_leave = 9  # a member is lost
+    assert isinstance(_run(posted.finish, 5.0), MembershipChanged)
+    assert posted.finished.wait(5.0)  # the thread gave up: nothing more posted, the rest dropped
+    gc.collect()
+    assert alive() is None and len(sent) == 3
+    for work in works:
+        work.ends.set()
+
+
 def test_a_receive_whose_posting_fails_is_told_in_its_turn_after_those_before_it():
     """A receive that cannot be posted (its connection closed) ends its lane where it is waited
     on: the one before it, which had arrived, is waited on and flagged first, so a retry keeps it."""

@@ -614,12 +614,11 @@ class Communicator(CheckedMeans):
         recvs: list[tuple[torch.Tensor, int, int]],
         received: MutableSequence[bool] | None = None,
     ) -> None:
-        """Point-to-point transfers: ``(tensor, peer rank, tag)`` each, the sends posted at once and,
-        with a membership, the receives on the CPU a window at a time (``wait_transfers``: gloo
-        sends a message once its receive is posted, and a transfer abandoned goes on over the
-        retired group). A
-        message between two workers is told from the others between them by its tag. Abandoned,
-        like a collective, once an epoch that lost members is published (``wait_transfers``).
+        """Point-to-point transfers: ``(tensor, peer rank, tag)`` each; with a membership, those on
+        the CPU posted a window at a time (``wait_transfers``: gloo sends a message once its
+        receive is posted, and a transfer abandoned goes on over the retired group). A message
+        between two workers is told from the others between them by its tag. Abandoned, like a
+        collective, once an epoch that lost members is published (``wait_transfers``).
         ``received``: one flag per receive, set as it completes, also after the exchange was
         abandoned (the messages from each peer are waited on in order, apart from the others')."""
         if self.world_size == 1 or not (sends or recvs):
@@ -653,13 +652,20 @@ class Communicator(CheckedMeans):
         def peer(r: int) -> int:
             return r if self.group is None else dist.get_global_rank(self.group, r)
 
-        works = [dist.isend(t, peer(r), group=self.group, tag=tag) for t, r, tag in sends]
-        # the group itself, not None: a receive posted later goes on this group or fails, never
-        # on the default group of the next epoch
+        # The group itself, not None: a transfer posted later goes on this group or fails, never
+        # on the default group of the next epoch. On the CPU (gloo) each is posted a window at a
+        # time (wait_transfers); a send as a copy of its chunk, so that those left pending on a
+        # retired group (their receives never posted) hold their chunks, not the whole state.
         group = self.group if self.group is not None else dist.group.WORLD
-        for t, r, tag in recvs:  # on the CPU (gloo) posted a window at a time (wait_transfers)
-            post = partial(dist.irecv, t, peer(r), group=group, tag=tag)
-            works.append(Unposted(post, t.numel() * t.element_size()) if t.device.type == "cpu" else post())
+
+        def transfer(t: torch.Tensor, r: int, tag: int, receive: bool):
+            if receive:
+                post = partial(dist.irecv, t, peer(r), group=group, tag=tag)
+            else:
+                post = partial(_isend_copy, t, peer(r), group, tag)
+            return Unposted(post, t.numel() * t.element_size(), receive) if t.device.type == "cpu" else post()
+
+        works = [transfer(*s, False) for s in sends] + [transfer(*r, True) for r in recvs]
         self.stats.calls += 1
         for t, _, _ in sends:
             self.stats.payload_bytes += t.numel() * t.element_size()
@@ -692,9 +698,16 @@ class Communicator(CheckedMeans):
         return lambda: membership.published_leave > epoch
 
 
+def _isend_copy(tensor: torch.Tensor, peer: int, group, tag: int):
+    """``isend`` of a copy of ``tensor`` (on the CPU: a chunk of a hand-over's encoded state),
+    which the work holds until it is sent; a GPU tensor as it is."""
+    return dist.isend(tensor.clone() if tensor.device.type == "cpu" else tensor, peer, group=group, tag=tag)
+
+
 class PostedSends:
-    """Sends posted by ``Communicator.send_later``: a thread of its own waits for them (each
-    peer's in order) and then drops the works, whose tensors gloo no longer needs."""
+    """Sends posted by ``Communicator.send_later``: a thread of its own posts them a window at a
+    time and waits for them (each peer's in order), and then drops the works, whose tensors gloo
+    no longer needs."""
 
     def __init__(self, comm: Communicator, works: list, lanes: list[int], nbytes: int, timeout) -> None:
         self.comm, self.nbytes = comm, nbytes
@@ -704,8 +717,8 @@ class PostedSends:
         pending = [works]
 
         def waiter() -> None:
-            try:
-                wait_transfers(pending[0], None, timeout, lanes)
+            try:  # a window at a time, abandoned as exchange's are (its chunks not sent dropped)
+                wait_transfers(pending[0], self.interrupt, timeout, lanes)
             except BaseException as e:  # told by finish()
                 self.failed.append(e)
             finally:

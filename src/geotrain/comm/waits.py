@@ -141,23 +141,25 @@ def wait_work(work, interrupt: Callable[[], bool] | None, timed_waits: bool = Tr
             raise MembershipChanged("the group lost a member while this collective waited")
 
 
-# A lane of receives keeps about this much of its link's time posted (``wait_transfers``)
+# A lane keeps about this much of its link's time posted (``wait_transfers``)
 WINDOW_S = 1.0
-_POSTING = threading.Lock()  # lanes post their receives from threads of their own
+_POSTING = threading.Lock()  # lanes post their transfers from threads of their own
 
 
 @dataclass
 class Unposted:
-    """A receive not posted yet: its ``post()`` posts it and returns its work. gloo sends a
-    message only once its receive is posted, so ``wait_transfers`` posts a lane's receives a
-    window at a time: what a transfer abandoned on a retired group leaves on the link."""
+    """A send or receive not posted yet: its ``post()`` posts it and returns its work. gloo
+    sends a message only once its receive is posted, so ``wait_transfers`` posts a lane's
+    receives a window at a time (what a transfer abandoned on a retired group leaves on the
+    link), and its sends so (what stays pending there, its receives never posted)."""
 
     post: Callable[[], Any]
     nbytes: int
+    receive: bool = True
 
 
 class _PostFailed:
-    """A receive whose posting raised: the error, told when its turn to be waited on comes
+    """A transfer whose posting raised: the error, told when its turn to be waited on comes
     (those before it in its lane, which may have arrived, are waited on and kept first)."""
 
     def __init__(self, error: BaseException) -> None:
@@ -185,19 +187,21 @@ def wait_transfers(
     mid-stripe of a joiner's state held the joiner, alive and beating, and every epoch after it
     waited for that joiner to be ready). An abandoned waiter and its works are retired.
     ``timeout``: each wait's (``plain_wait``). ``lanes``: a lane per work (its peer and
-    direction; None: the sends in one, the receives in another), each waited in order by a
+    direction; None: the unposted receives in one, the rest in another), each waited in order by a
     thread of its own, so that a transfer stuck on a lost peer does not hide those that
     completed from the others; ``done(i)`` is told as work i's wait returns, also after this
     call was abandoned: the transfers between live peers posted before go on (what a hand-over
     cut short keeps, ``ft/handover.py``).
-    An ``Unposted`` receive is posted by its lane once those before it leave less than
-    ``WINDOW_S`` of the lane's rate in flight (measured from its first arrival; two at first),
-    and none once the call was abandoned (the trainer leaves that group next). Posted all at
-    once, a hand-over cut short went on over the retired group's connections for as long as it
-    had left, under its retry, which asked again for what had not arrived yet
-    (``benchmarks/bench_handover_cut.py``: at 300 kbit/s a 1.6 MB part cut 6 s in was held whole
-    after 77 s, 1.84 times its bytes sent; in windows, after 45 s, 1.05 times). The sends a
-    receiver never asked for stay pending on the retired group until its timeout."""
+    An ``Unposted`` transfer is posted by its lane once those before it leave less than
+    ``WINDOW_S`` of the lane's rate in flight (measured from its first completion; two at
+    first), and none once the call was abandoned (the trainer leaves that group next); those
+    not posted then are dropped. Posted all at once, a hand-over cut short went on over the
+    retired group's connections for as long as it had left, under its retry, which asked again
+    for what had not arrived yet (``benchmarks/bench_handover_cut.py``: at 300 kbit/s a 1.6 MB
+    part cut 6 s in was held whole after 77 s, 1.84 times its bytes sent; in windows, after 45
+    s, 1.05 times); and a sender's chunks whose receives were never posted stayed pending on
+    the retired group until its timeout, each holding the whole encoded state (now a window of
+    copies, ``Communicator._post``)."""
     if interrupt is None:  # never abandoned: all at once
         works = [w.post() if isinstance(w, Unposted) else w for w in works]
         for i, work in enumerate(works):
@@ -207,45 +211,47 @@ def wait_transfers(
         return
     # (a lane never holds both: a send and a receive of the same peer, each waiting on its own
     # k-th message, would each wait for a receive the other posts only after that)
-    lane_of = lanes if lanes is not None else [int(isinstance(w, Unposted)) for w in works]
+    lane_of = lanes if lanes is not None else [int(getattr(w, "receive", False)) for w in works]
     by_lane: dict[int, list[int]] = {}
     for i, lane in enumerate(lane_of):
         by_lane.setdefault(lane, []).append(i)
     left = threading.Semaphore(0)
     failed: list[BaseException] = []
     stop_posting = threading.Event()
-    sizes = {i: w.nbytes for i, w in enumerate(works) if isinstance(w, Unposted)}  # the receives
+    sizes = {i: w.nbytes for i, w in enumerate(works) if isinstance(w, Unposted)}  # in windows
 
-    def post(j: int) -> None:  # (under _POSTING where lanes run)
+    def post(j: int) -> bool:  # (under _POSTING where lanes run) False: it failed
         try:
             works[j] = works[j].post()
-        except Exception as e:  # raised when its turn comes
+            return True
+        except Exception as e:  # raised when its turn comes; the lane posts nothing after it
             works[j] = _PostFailed(e)
+            return False
 
-    opened: dict[int, int] = {}
-    for i, lane in enumerate(lane_of):  # each lane's first two, here and in order (deterministic)
-        if i in sizes and opened.get(lane, 0) < 2:
-            post(i)
-            opened[lane] = opened.get(lane, 0) + 1
+    opened: dict[int, int] = {}  # each lane's first two, here and in order (deterministic)
+    for i, lane in enumerate(lane_of):
+        if i in sizes and 0 <= opened.get(lane, 0) < 2:
+            opened[lane] = opened.get(lane, 0) + 1 if post(i) else -1
 
     def waiter(order: list[int]) -> None:
         posted = in_flight = received = 0  # in the lane: items posted, their bytes pending, bytes in
-        since = 0.0  # when its first receive arrived: the rate counts from there
+        since = 0.0  # when its first transfer completed: the rate counts from there
+        broken = any(isinstance(works[j], _PostFailed) for j in order)  # a post failed: no more
         try:
             for k, i in enumerate(order):
                 while posted < len(order) and not stop_posting.is_set():
                     j = order[posted]
                     if isinstance(works[j], Unposted):
-                        rate = received / (time.monotonic() - since) if received else 0.0
-                        if posted > k and in_flight >= max(2 * sizes[j], rate * WINDOW_S):
+                        rate = received / max(time.monotonic() - since, 1e-6) if received else 0.0
+                        if broken or (posted > k and in_flight >= max(2 * sizes[j], rate * WINDOW_S)):
                             break
                         with _POSTING:
                             if stop_posting.is_set():
                                 break
-                            post(j)
+                            broken = not post(j)
                     in_flight += sizes.get(j, 0)
                     posted += 1
-                if isinstance(works[i], Unposted):
+                if works[i] is None or isinstance(works[i], Unposted):
                     return  # abandoned before it was posted: never sent
                 plain_wait(works[i], timeout)
                 in_flight -= sizes.get(i, 0)
@@ -273,11 +279,16 @@ def wait_transfers(
                 finished += 1
                 continue
             if interrupt():
+                with _POSTING:  # a transfer being posted is posted on this group, none after
+                    stop_posting.set()
                 retire((threads, works))
                 raise MembershipChanged("the group lost a member while a point-to-point transfer waited")
-    finally:
-        with _POSTING:  # a receive being posted is posted on this group, none after
+    finally:  # (every way out: nothing is posted after it)
+        with _POSTING:
             stop_posting.set()
+            for i in range(len(works)):  # nor kept: their tensors may go (a slice of a state pins
+                if isinstance(works[i], Unposted):  # the whole state), the works are retired
+                    works[i] = None
     if failed:
         raise failed[0]
 

@@ -1,21 +1,23 @@
 """A hand-over: the members' state sent to a joiner, or to a survivor whose collective failed
 where the leader's finished (``ft/elastic.py`` ``regroup``), and loaded there.
 
-Each part of the state (model, optimizer, algorithm state: ``ft/state.py`` ``HANDED_OVER``) is
-encoded by every member at the furthest step, and goes in chunks (``chunk_cuts``: at least
-``CHUNK_BYTES``, at most ``MAX_CHUNKS`` a part), dealt in turn over the members that hold it
-bitwise equal, so that no single uplink carries it all. What the receivers hold equal already
-(by digest: a LoRA base, a survivor's tensors the leader's last sync did not change) is not
-sent. The receiver checks each part's sha256 and, once loaded, the digest of what the members
-hold equal.
+Each part of the state (model, algorithm state, and the optimizer where every worker's is the
+same: ``ft/state.py`` ``handed_over``) is encoded by every member at the furthest step, and
+goes in chunks (``chunk_cuts``: at least ``CHUNK_BYTES``, at most ``MAX_CHUNKS`` a part), dealt
+in turn over the members that hold it bitwise equal, so that no single uplink carries it all.
+What the receivers hold equal already (by digest: a LoRA base, a survivor's tensors the
+leader's last sync did not change) is not sent, nor the trained parameters where the algorithm
+rebuilds them from its state (SparseLoCo's anchor). The receiver checks each part's sha256 and,
+once loaded, the parameters' digest against the leader's (or, where they are rebuilt, that of
+what the members hold equal).
 
 A hand-over cut short by a lost member is resumed: the receiver keeps the chunks that arrived
 (``PartReceived``, held in ``Membership.received``), and the retry sends only those whose
-sha256 differs from the leader's chunk at that place. Its receives are posted a window at a
-time and none after the cut (``comm/waits.py`` ``wait_transfers``): gloo sends a message only
-once its receive is posted, and a transfer abandoned on a retired group would otherwise go on
-under the retry. Where the admission is deferred, the members post their sends and train on
-(``defer``) while the joiner receives.
+sha256 differs from the leader's chunk at that place. Its transfers are posted a window at a
+time and none after the cut (``comm/waits.py`` ``wait_transfers``, wherever a membership
+watches the group): gloo sends a message only once its receive is posted, and a transfer
+abandoned on a retired group would otherwise go on under the retry. Where the admission is
+deferred, the members post their sends and train on (``defer``) while the joiner receives.
 """
 
 from __future__ import annotations

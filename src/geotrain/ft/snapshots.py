@@ -588,7 +588,7 @@ def drop_after(rank: int, step: int, keeper: KeeperClient | None, directory: Pat
 
 def admitted_state(state: dict[str, Any]) -> dict[str, Any]:
     """What a host that was not training at a snapshot's step gets from one that was: what a
-    joiner is handed at its admission (``ft/elastic.py``): the model and the algorithm's state,
+    joiner is handed at its admission (``ft/handover.py``): the model and the algorithm's state,
     the optimizer only where every worker's is the same, and the progress (step, time). Its codec
     residuals, random streams and (under the local methods) optimizer start fresh."""
     keep = [*handed_over("optimizer" in state["shared"]), "progress"]

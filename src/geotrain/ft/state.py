@@ -115,7 +115,7 @@ def tensors_digest(tensors: list[torch.Tensor]) -> str:
 def entry_digests(model: torch.nn.Module, skip: Collection[str] = ()) -> dict[str, str]:
     """sha256 of each entry of the model's state (its dtype, shape and bytes), by name, but
     those in ``skip``: which entries two workers hold bitwise equal (a hand-over leaves those
-    out, ``ft/elastic.py``)."""
+    out, ``ft/handover.py``)."""
     return {name: _entry_digest(t) for name, t in model.state_dict().items() if name not in skip}
 
 

@@ -276,7 +276,7 @@ class SyncAlgorithm:
         return {}
 
     def adopted_state(self) -> None:
-        """This worker has just loaded another worker's state (``ft/elastic.py``'s hand-over to a
+        """This worker has just loaded another worker's state (``ft/handover.py``'s hand-over to a
         joiner or a survivor behind): drop what belongs to that worker alone, such as a
         residual of unsent error feedback. Nothing, for algorithms that keep none."""
 
@@ -305,7 +305,7 @@ class SyncAlgorithm:
         return period * math.ceil(MIN_SNAPSHOT_EVERY / period)
 
     # An adopter (a joiner, a survivor behind) rebuilds its trainable parameters from the
-    # algorithm's state in ``adopted_state``, so a hand-over need not carry them (ft/elastic.py).
+    # algorithm's state in ``adopted_state``, so a hand-over need not carry them (ft/handover.py).
     parameters_from_state = False
 
     def shared_state(self) -> list[torch.Tensor] | None:
