@@ -653,7 +653,8 @@ def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_
     """A member's sends of a deferred hand-over whose joiner asks for no more (a member lost):
     those pending on the retired group used to be slices of the whole encoded state, held until
     that group's timeout (hours on a slow link), one state per cut admission. Now at most two
-    per peer are posted, each a copy of its chunk, and the rest is dropped at the cut."""
+    per peer are posted, each a copy of its chunk; a copy sent is let go, and the rest of the
+    state is dropped at the cut."""
     import gc
     import weakref
 
@@ -661,13 +662,16 @@ def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_
 
     monkeypatch.setattr(waits, "WINDOW_S", 0.0)
     membership = types.SimpleNamespace(epoch=8, published_leave=8)
-    sent: list[torch.Tensor] = []
-    works = [_Transfer() for _ in range(8)]
+    copies: list = []  # weak: a send's work holds its tensor, as gloo's does
+    ends = [threading.Event() for _ in range(8)]
     comm = _exchanging_comm(monkeypatch, membership, [])
 
     def isend(tensor, *args, **kwargs):
-        sent.append(tensor)
-        return works[len(sent) - 1]
+        assert tensor._base is None  # a copy, not a view of the state
+        work = _Transfer()  # held by the sender alone
+        work.ends, work.tensor = ends[len(copies)], tensor
+        copies.append(weakref.ref(tensor))
+        return work
 
     monkeypatch.setattr(dist, "isend", isend)
     state = torch.arange(8 * 1024, dtype=torch.int64).to(torch.uint8)
@@ -675,21 +679,36 @@ def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_
     chunks = [(state[i * 1024 : (i + 1) * 1024], 3, i) for i in range(8)]
     posted = comm.send_later(chunks)
     del state, chunks
-    deadline = time.monotonic() + 2.0
-    while len(sent) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
-    assert len(sent) == 2 and all(t._base is None for t in sent)  # copies, not views of the state
-    works[0].ends.set()
-    time.sleep(0.2)
-    assert len(sent) == 3
+
+    def settled(n: int) -> int:
+        deadline = time.monotonic() + 2.0
+        while len(copies) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # and no more than that
+        return len(copies)
+
+    assert settled(2) == 2
+    ends[0].set()  # sent: the next is posted, and the work (with its copy) let go
+    assert settled(3) == 3
     membership.published_leave = 9  # a member is lost
     assert isinstance(_run(posted.finish, 5.0), MembershipChanged)
     assert posted.finished.wait(5.0)  # the thread gave up: nothing more posted, the rest dropped
     gc.collect()
-    assert alive() is None and len(sent) == 3
-    for work in works:
-        work.ends.set()
+    assert alive() is None and settled(4) == 3
+    assert copies[0]() is None and copies[1]() is not None  # the one sent freed, pending ones held
+    for end in ends:
+        end.set()
+
+
+def test_an_exchange_that_stops_posting_for_a_lost_member_fails_though_what_it_posted_arrived(monkeypatch):
+    """A lane that sees the lost member first stops posting; the transfers it had posted
+    complete, and the exchange must still fail: the rest was never sent (it once returned as if
+    the whole hand-over had gone, and the member went on from a state the joiner lacks)."""
+    membership = types.SimpleNamespace(epoch=8, published_leave=8)
+    comm = _exchanging_comm(monkeypatch, membership, [_Transfer(0.0) for _ in range(5)])
+    membership.published_leave = 9  # already lost when the exchange starts
+    outcome = _run(lambda: comm.exchange([(torch.zeros(4), 3, i) for i in range(5)], []), 5.0)
+    assert isinstance(outcome, MembershipChanged), outcome
 
 
 def test_a_receive_whose_posting_fails_is_told_in_its_turn_after_those_before_it():

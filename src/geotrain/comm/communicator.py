@@ -617,8 +617,10 @@ class Communicator(CheckedMeans):
         """Point-to-point transfers: ``(tensor, peer rank, tag)`` each; with a membership, those on
         the CPU posted a window at a time (``wait_transfers``: gloo sends a message once its
         receive is posted, and a transfer abandoned goes on over the retired group). A message
-        between two workers is told from the others between them by its tag. Abandoned, like a
-        collective, once an epoch that lost members is published (``wait_transfers``).
+        between two workers is told from the others between them by its tag, and both list the
+        messages between them in the same order (each side posts a window at a time, in its
+        list's order). Abandoned, like a collective, once an epoch that lost members is
+        published (``wait_transfers``).
         ``received``: one flag per receive, set as it completes, also after the exchange was
         abandoned (the messages from each peer are waited on in order, apart from the others')."""
         if self.world_size == 1 or not (sends or recvs):
@@ -661,8 +663,8 @@ class Communicator(CheckedMeans):
         def transfer(t: torch.Tensor, r: int, tag: int, receive: bool):
             if receive:
                 post = partial(dist.irecv, t, peer(r), group=group, tag=tag)
-            else:
-                post = partial(_isend_copy, t, peer(r), group, tag)
+            else:  # a copy where a window may leave it pending on a retired group
+                post = partial(_isend_copy, t, peer(r), group, tag, self.membership is not None)
             return Unposted(post, t.numel() * t.element_size(), receive) if t.device.type == "cpu" else post()
 
         works = [transfer(*s, False) for s in sends] + [transfer(*r, True) for r in recvs]
@@ -698,10 +700,12 @@ class Communicator(CheckedMeans):
         return lambda: membership.published_leave > epoch
 
 
-def _isend_copy(tensor: torch.Tensor, peer: int, group, tag: int):
+def _isend_copy(tensor: torch.Tensor, peer: int, group, tag: int, copy: bool = True):
     """``isend`` of a copy of ``tensor`` (on the CPU: a chunk of a hand-over's encoded state),
     which the work holds until it is sent; a GPU tensor as it is."""
-    return dist.isend(tensor.clone() if tensor.device.type == "cpu" else tensor, peer, group=group, tag=tag)
+    if copy and tensor.device.type == "cpu":
+        tensor = tensor.clone()  # first: a failed send's traceback holds this frame, not the view
+    return dist.isend(tensor, peer, group=group, tag=tag)
 
 
 class PostedSends:

@@ -158,6 +158,9 @@ class Unposted:
     receive: bool = True
 
 
+_DONE, _DROPPED = object(), object()  # in place of a work: waited on; abandoned before posting
+
+
 class _PostFailed:
     """A transfer whose posting raised: the error, told when its turn to be waited on comes
     (those before it in its lane, which may have arrived, are waited on and kept first)."""
@@ -225,7 +228,8 @@ def wait_transfers(
             works[j] = works[j].post()
             return True
         except Exception as e:  # raised when its turn comes; the lane posts nothing after it
-            works[j] = _PostFailed(e)
+            # (without its traceback, whose frames hold the chunk, a view of the whole state)
+            works[j] = _PostFailed(e.with_traceback(None))
             return False
 
     opened: dict[int, int] = {}  # each lane's first two, here and in order (deterministic)
@@ -245,17 +249,21 @@ def wait_transfers(
                         rate = received / max(time.monotonic() - since, 1e-6) if received else 0.0
                         if broken or (posted > k and in_flight >= max(2 * sizes[j], rate * WINDOW_S)):
                             break
-                        with _POSTING:
-                            if stop_posting.is_set():
+                        with _POSTING:  # (the caller may regroup before this call's poll)
+                            if stop_posting.is_set() or interrupt():
+                                stop_posting.set()
                                 break
                             broken = not post(j)
                     in_flight += sizes.get(j, 0)
                     posted += 1
-                if works[i] is None or isinstance(works[i], Unposted):
-                    return  # abandoned before it was posted: never sent
+                if works[i] is _DROPPED or isinstance(works[i], Unposted):  # never sent:
+                    raise MembershipChanged(  # abandoned (told by the caller, or seen here first)
+                        "the group lost a member while a point-to-point transfer waited"
+                    )
                 plain_wait(works[i], timeout)
                 in_flight -= sizes.get(i, 0)
                 if i in sizes:
+                    works[i] = _DONE  # nor kept (its work holds its tensor, a copy or a view)
                     received, since = (received + sizes[i], since) if since else (0, time.monotonic())
                 if done is not None:
                     done(i)
@@ -288,7 +296,7 @@ def wait_transfers(
             stop_posting.set()
             for i in range(len(works)):  # nor kept: their tensors may go (a slice of a state pins
                 if isinstance(works[i], Unposted):  # the whole state), the works are retired
-                    works[i] = None
+                    works[i] = _DROPPED
     if failed:
         raise failed[0]
 
