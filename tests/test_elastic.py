@@ -666,8 +666,10 @@ def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_
     ends = [threading.Event() for _ in range(8)]
     comm = _exchanging_comm(monkeypatch, membership, [])
 
+    views: list[bool] = []
+
     def isend(tensor, *args, **kwargs):
-        assert tensor._base is None  # a copy, not a view of the state
+        views.append(tensor._base is not None)  # a copy, not a view of the state
         work = _Transfer()  # held by the sender alone
         work.ends, work.tensor = ends[len(copies)], tensor
         copies.append(weakref.ref(tensor))
@@ -687,15 +689,20 @@ def test_deferred_sends_go_a_window_of_copies_at_a_time_and_free_the_state_once_
         time.sleep(0.1)  # and no more than that
         return len(copies)
 
-    assert settled(2) == 2
+    assert settled(2) == 2 and views == [False, False]
     ends[0].set()  # sent: the next is posted, and the work (with its copy) let go
     assert settled(3) == 3
     membership.published_leave = 9  # a member is lost
     assert isinstance(_run(posted.finish, 5.0), MembershipChanged)
     assert posted.finished.wait(5.0)  # the thread gave up: nothing more posted, the rest dropped
     gc.collect()
-    assert alive() is None and settled(4) == 3
+    assert alive() is None
     assert copies[0]() is None and copies[1]() is not None  # the one sent freed, pending ones held
+    ends[1].set()  # what was posted goes on: sent, and let go; nothing more is posted
+    ends[2].set()
+    assert settled(4) == 3
+    gc.collect()
+    assert copies[1]() is None and copies[2]() is None
     for end in ends:
         end.set()
 
@@ -704,11 +711,23 @@ def test_an_exchange_that_stops_posting_for_a_lost_member_fails_though_what_it_p
     """A lane that sees the lost member first stops posting; the transfers it had posted
     complete, and the exchange must still fail: the rest was never sent (it once returned as if
     the whole hand-over had gone, and the member went on from a state the joiner lacks)."""
+    from geotrain.comm import waits
+
+    monkeypatch.setattr(waits, "INTERRUPT_POLL", timedelta(seconds=60))  # only a lane can see it
     membership = types.SimpleNamespace(epoch=8, published_leave=8)
-    comm = _exchanging_comm(monkeypatch, membership, [_Transfer(0.0) for _ in range(5)])
-    membership.published_leave = 9  # already lost when the exchange starts
+    works = [_Transfer(0.0) for _ in range(5)]
+    comm = _exchanging_comm(monkeypatch, membership, works)
+    waited = []
+
+    def wait(work, timeout):  # the member is lost as the first transfer completes
+        waited.append(work)
+        membership.published_leave = 9
+        work.wait()
+
+    monkeypatch.setattr(waits, "plain_wait", wait)
     outcome = _run(lambda: comm.exchange([(torch.zeros(4), 3, i) for i in range(5)], []), 5.0)
     assert isinstance(outcome, MembershipChanged), outcome
+    assert waited == works[:2]  # the two posted first, waited on; none posted after the loss
 
 
 def test_a_receive_whose_posting_fails_is_told_in_its_turn_after_those_before_it():

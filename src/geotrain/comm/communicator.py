@@ -640,8 +640,8 @@ class Communicator(CheckedMeans):
         self.stats.blocked_s += time.perf_counter() - start
 
     def send_later(self, sends: list[tuple[torch.Tensor, int, int]]) -> PostedSends:
-        """Point-to-point sends posted now, left to gloo: a joiner's hand-over while the members
-        train on (``ft/handover.py``). A thread waits for them and then lets their tensors go;
+        """Point-to-point sends left to gloo and a thread of their own, which posts them and waits
+        for them: a joiner's hand-over while the members train on (``ft/handover.py``).
         ``finish()`` waits for that thread (abandoned as ``exchange`` is, once an epoch that lost
         members is published after this call)."""
         works, nbytes = self._post(sends, []) if self.world_size > 1 and sends else ([], 0)
@@ -655,9 +655,10 @@ class Communicator(CheckedMeans):
             return r if self.group is None else dist.get_global_rank(self.group, r)
 
         # The group itself, not None: a transfer posted later goes on this group or fails, never
-        # on the default group of the next epoch. On the CPU (gloo) each is posted a window at a
-        # time (wait_transfers); a send as a copy of its chunk, so that those left pending on a
-        # retired group (their receives never posted) hold their chunks, not the whole state.
+        # on the default group of the next epoch. On the CPU (gloo), with a membership, each is
+        # posted a window at a time (wait_transfers); a send of a slice as a copy of it, so that
+        # those left pending on a retired group (their receives never posted) hold their chunks,
+        # not the whole state.
         group = self.group if self.group is not None else dist.group.WORLD
 
         def transfer(t: torch.Tensor, r: int, tag: int, receive: bool):
@@ -701,17 +702,17 @@ class Communicator(CheckedMeans):
 
 
 def _isend_copy(tensor: torch.Tensor, peer: int, group, tag: int, copy: bool = True):
-    """``isend`` of a copy of ``tensor`` (on the CPU: a chunk of a hand-over's encoded state),
-    which the work holds until it is sent; a GPU tensor as it is."""
-    if copy and tensor.device.type == "cpu":
+    """``isend`` of ``tensor``, where ``copy`` and it is a slice on the CPU (a chunk of a
+    hand-over's encoded state) of a copy of it, which the work holds until it is sent."""
+    if copy and tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() > tensor.nbytes:
         tensor = tensor.clone()  # first: a failed send's traceback holds this frame, not the view
     return dist.isend(tensor, peer, group=group, tag=tag)
 
 
 class PostedSends:
-    """Sends posted by ``Communicator.send_later``: a thread of its own posts them a window at a
-    time and waits for them (each peer's in order), and then drops the works, whose tensors gloo
-    no longer needs."""
+    """Sends of ``Communicator.send_later``: a thread of its own posts them (with a membership,
+    a window at a time) and waits for them, each peer's in order, and drops each work once
+    sent (with a membership; else all once all are), whose tensor gloo no longer needs."""
 
     def __init__(self, comm: Communicator, works: list, lanes: list[int], nbytes: int, timeout) -> None:
         self.comm, self.nbytes = comm, nbytes

@@ -197,14 +197,18 @@ def wait_transfers(
     cut short keeps, ``ft/handover.py``).
     An ``Unposted`` transfer is posted by its lane once those before it leave less than
     ``WINDOW_S`` of the lane's rate in flight (measured from its first completion; two at
-    first), and none once the call was abandoned (the trainer leaves that group next); those
-    not posted then are dropped. Posted all at once, a hand-over cut short went on over the
-    retired group's connections for as long as it had left, under its retry, which asked again
-    for what had not arrived yet (``benchmarks/bench_handover_cut.py``: at 300 kbit/s a 1.6 MB
-    part cut 6 s in was held whole after 77 s, 1.84 times its bytes sent; in windows, after 45
-    s, 1.05 times); and a sender's chunks whose receives were never posted stayed pending on
-    the retired group until its timeout, each holding the whole encoded state (now a window of
-    copies, ``Communicator._post``)."""
+    first), and none once a member is lost (each lane asks ``interrupt()`` before each post; the
+    trainer leaves that group next): a lane that stopped fails the call with
+    ``MembershipChanged``, though what it posted completed. ``works`` is changed in place (so
+    that what is retired holds no tensor it need not): a work waited on becomes ``_DONE``, one
+    whose post failed ``_PostFailed``, one never posted ``_DROPPED``. Posted all at once, a
+    hand-over cut short went on over the retired group's connections for as long as it had
+    left, under its retry, which asked again for what had not arrived yet
+    (``benchmarks/bench_handover_cut.py``: at 300 kbit/s a 1.6 MB part cut 6 s in was held whole
+    after 77 s, 1.84 times its bytes sent; in windows, after 45 s, 1.05 times); and a sender's
+    chunks whose receives were never posted stayed pending on the retired group until its
+    timeout, each holding the whole encoded state (now a window of copies,
+    ``Communicator._post``)."""
     if interrupt is None:  # never abandoned: all at once
         works = [w.post() if isinstance(w, Unposted) else w for w in works]
         for i, work in enumerate(works):
@@ -232,7 +236,9 @@ def wait_transfers(
             works[j] = _PostFailed(e.with_traceback(None))
             return False
 
-    opened: dict[int, int] = {}  # each lane's first two, here and in order (deterministic)
+    # Each lane's first two, here and in order (deterministic), even where a member is lost
+    # already: what they bring is kept by a retry, and at most they stay pending.
+    opened: dict[int, int] = {}
     for i, lane in enumerate(lane_of):
         if i in sizes and 0 <= opened.get(lane, 0) < 2:
             opened[lane] = opened.get(lane, 0) + 1 if post(i) else -1
@@ -267,7 +273,7 @@ def wait_transfers(
                     received, since = (received + sizes[i], since) if since else (0, time.monotonic())
                 if done is not None:
                     done(i)
-        except BaseException as e:  # the transfer's own error, raised by the caller
+        except BaseException as e:  # the transfer's own error (or its lane's stop), raised by the caller
             failed.append(e)
         finally:
             left.release()
@@ -297,8 +303,8 @@ def wait_transfers(
             for i in range(len(works)):  # nor kept: their tensors may go (a slice of a state pins
                 if isinstance(works[i], Unposted):  # the whole state), the works are retired
                     works[i] = _DROPPED
-    if failed:
-        raise failed[0]
+    if failed:  # a lost member first: the regroup's, where a transfer's own error comes with it
+        raise next((e for e in failed if isinstance(e, MembershipChanged)), failed[0])
 
 
 class Handle:
