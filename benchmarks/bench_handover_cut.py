@@ -5,8 +5,9 @@ host 0 by ``Communicator.exchange`` (the transfer a joiner's hand-over makes, ``
 ``--cut-s`` seconds in, a lost member is published (as the coordinator would) and both abandon
 it. After ``--regroup-s`` (the time a regroup takes to form its new group) they form a new
 group, host 1 says which chunks it holds (those that arrived, also after the cut), and host 0
-sends the rest: the retry. Printed: the time from the cut to the whole part held, and the bytes
-host 0 put on its link against the part's.
+sends the rest: the retry. Printed: the time from the cut to the whole part held, the bytes
+host 0 put on its link against the part's, and how many of its sends were still pending on the
+retired group when the new group formed (each holding its chunk until that group's timeout).
 
     python benchmarks/bench_handover_cut.py [--bandwidth 300kbit] [--chunks 24]
 
@@ -42,6 +43,17 @@ class _Cut:
         return 1 if time.monotonic() - self.start > self.cut_s else 0
 
 
+def _pending_on_retired() -> int:
+    """The transfers the cut left posted and not done on the retired group (what their tensors
+    hold there: before windows, every chunk's)."""
+    from geotrain.comm import waits  # noqa: PLC0415
+    from geotrain.ft.membership import RETIRED  # noqa: PLC0415
+
+    works = RETIRED[-1][1] if RETIRED and isinstance(RETIRED[-1], tuple) else []
+    gone = (getattr(waits, "_DONE", None), getattr(waits, "_DROPPED", None))
+    return sum(1 for w in works if w not in gone and not isinstance(w, getattr(waits, "Unposted", ())))
+
+
 def worker(rank: int, host0: str, ifname: str, chunks: int, cut_s: float, regroup_s: float, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     import torch  # noqa: PLC0415
@@ -68,10 +80,12 @@ def worker(rank: int, host0: str, ifname: str, chunks: int, cut_s: float, regrou
     except MembershipChanged:
         cut = time.monotonic() - start
     at_cut = sum(flags)
+
     retire(dist.group.WORLD)
     dist.destroy_process_group()
     if cut is not None:
         time.sleep(max(0.0, start + cut_s + regroup_s - time.monotonic()))
+    pending = _pending_on_retired() if cut is not None else 0  # once what was asked for came
     dist.init_process_group("gloo", store=dist.PrefixStore("retry", store), rank=rank, world_size=2)
     held = [flags] if rank == 1 else [None]
     dist.broadcast_object_list(held, src=1)
@@ -86,6 +100,8 @@ def worker(rank: int, host0: str, ifname: str, chunks: int, cut_s: float, regrou
             flags[i] = True
     done = time.monotonic() - start
     dist.barrier()
+    if rank == 0:
+        Path(out + ".sender").write_text(json.dumps({"pending": pending}))
     if rank == 1:
         held_at_retry = chunks - len(missing)
         result = {"cut_s": cut, "held_at_cut": at_cut, "held_at_retry": held_at_retry, "done_s": done}
@@ -130,11 +146,14 @@ def main() -> None:
             p.wait(timeout=900)
         sent = cluster.traffic()["host_sent"][0] - before
     result = json.loads(Path(out).read_text())
+    sender = json.loads(Path(out + ".sender").read_text())
     Path(out).unlink()
+    Path(out + ".sender").unlink()
     part = args.chunks * CHUNK
     cut = (
         f"cut at {result['cut_s']:.1f} s, retried {args.regroup_s:g} s later: {result['held_at_cut']} "
-        f"chunks held at the cut, {result['held_at_retry']} at the retry; "
+        f"chunks held at the cut, {result['held_at_retry']} at the retry, {sender['pending']} of host "
+        "0's sends still pending on the retired group then; "
         if result["cut_s"] is not None
         else "not cut: "
     )
