@@ -270,7 +270,10 @@ def wait_transfers(
                 in_flight -= sizes.get(i, 0)
                 if i in sizes:
                     works[i] = _DONE  # nor kept (its work holds its tensor, a copy or a view)
-                    received, since = (received + sizes[i], since) if since else (0, time.monotonic())
+                    if since:
+                        received += sizes[i]
+                    else:  # the first: the rate's clock starts
+                        since = time.monotonic()
                 if done is not None:
                     done(i)
         except BaseException as e:  # the transfer's own error (or its lane's stop), raised by the caller

@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -331,6 +331,34 @@ def _send_landing(comm: Communicator, behind: list[int], leader: int, meta, sync
     return {"handed_over_bytes": comm.max_scalars([float(nbytes)])[0], "stripes": {}, "resumed_bytes": 0}
 
 
+class _Report(NamedTuple):
+    """What each rank tells the others at a regroup (gathered): every rank takes the same
+    decisions from all of them."""
+
+    committed: int
+    local_done: bool
+    tokens: int
+    collective_period: int
+    sync_period: int  # its own: around a warm start's end the ranks' periods differ
+    holds_copy: int | None  # whose state it holds a copy of for an average not yet redone
+    landed: bool
+    stage: int
+    from_state: bool  # ``parameters_from_state``
+    landed_meta: tuple[list[int], str, int] | None  # ``_landed_meta``
+    sent_as_rank: int  # its rank in the group its message in flight was sent in (-1: none)
+    shared_optimizer: bool
+    defers: bool  # ``defers_admission``
+    steps: int  # the run's last step
+    flight: bool | None  # ``_flight``, where it places by message
+    by_message: bool  # ``places_by_message``, and no contribution is checked
+    held: tuple[int, bool] | None  # a deferred joiner's loaded state: (committed, local_done)
+    finished: bool  # the store says the run has finished
+
+    def status(self, held: bool = False) -> StepStatus:
+        committed, local_done = self.held if held else (self.committed, self.local_done)
+        return StepStatus(committed, local_done, self.landed, self.stage)
+
+
 def regroup(
     membership: Membership,
     comm: Communicator,
@@ -368,46 +396,46 @@ def regroup(
     comm.rebind(None)
     if sync.in_flight is not None:  # a result primed by a regroup that then failed: decided afresh
         sync.in_flight.unprime()
-    # Each rank's periods too: around the end of a warm start they differ from rank to rank, and
-    # every rank must take the same decisions below (the least period: the most careful).
-    # And whose state it holds a copy of for an average not yet redone (it adopted in a regroup
-    # whose redo then failed too): while that leader is a member, the copy is left out of it.
-    reports = comm.all_gather_object(
-        (
+    # Every rank takes the same decisions below from all ranks' reports (of periods, the least:
+    # the most careful). A copy of a leader's state held for an average not yet redone (it
+    # adopted in a regroup whose redo then failed too) is left out of it while that leader is a
+    # member.
+    in_flight = sync.in_flight
+    reports: list[_Report] = comm.all_gather_object(
+        _Report(
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
-            membership.holds_copy, sync.in_flight is not None and not sync.in_flight.flying,
+            membership.holds_copy, in_flight is not None and not in_flight.flying,
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
-            sync.in_flight.sent_as[0] if sync.in_flight is not None and sync.in_flight.sent_as else -1,
+            in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             _flight(sync) if sync.places_by_message else None, sync.places_by_message and not comm.checking,
             (held.committed, held.local_done) if held is not None else None,
             membership.store().check(["finished"]),
         )
     )  # fmt: skip
-    statuses = [StepStatus(r[0], r[1], r[6], r[7]) for r in reports]
+    statuses = [r.status() for r in reports]
     # No member is left, but joiners admitted deferred hold the state the members handed them
     # (of a step the members went past, and whose progress since is lost with them): they go on
     # from it, the holder furthest on the others' leader, where every host used to restart from
     # the snapshots (older, and a restart of every process).
     # (whether the run has finished: one view for all, each rank's read of the store may differ)
-    revived = all(s.committed < 0 for s in statuses) and any(r[16] is not None for r in reports)
-    if revived and not any(r[17] for r in reports):
-        statuses = [
-            StepStatus(r[16][0], r[16][1], r[6], r[7]) if r[16] is not None else s
-            for r, s in zip(reports, statuses, strict=True)
-        ]
+    finished = any(r.finished for r in reports)
+    revived = all(s.committed < 0 for s in statuses) and any(r.held is not None for r in reports)
+    if revived and not finished:
+        statuses = [r.status(held=r.held is not None) for r in reports]
     voters = [r for r, s in zip(reports, statuses, strict=True) if s.committed >= 0] or reports
-    collective_period, sync_period = min(r[3] for r in voters), min(r[4] for r in voters)
+    collective_period = min(r.collective_period for r in voters)
+    sync_period = min(r.sync_period for r in voters)
     # (not where contributions are checked: a kept result's rows are the old group's, and the
     # verdict reads them as the new group's ranks)
-    by_message = all(r[15] for r in voters)
-    places, keeps = _places(statuses, [r[14] for r in reports], collective_period, by_message)
+    by_message = all(r.by_message for r in voters)
+    places, keeps = _places(statuses, [r.flight for r in reports], collective_period, by_message)
     if keeps[comm.rank]:
         sync.in_flight.keep_arrived()  # every member holding it has it: nothing is sent again
     best = max(statuses)
     leader = statuses.index(best)
     if best.committed < 0:  # only joiners are left: the members have finished, or were all lost
-        if any(r[17] for r in reports):
+        if finished:
             raise RunFinished("the members left the run before this joiner could be admitted")
         raise NoStateHolder(
             "every member holding the training state was lost before this joiner could be admitted"
@@ -418,10 +446,11 @@ def regroup(
     # admitted deferred again, to the same sync, as the members train on from their own steps.
     joiners = [r for r, s in enumerate(statuses) if s.committed < 0]
     within = {place for place, s in zip(places, statuses, strict=True) if s.committed >= 0}
-    deferred_until = sync_boundary(best.done + 1, reports[leader][4])
+    lead = reports[leader]
+    deferred_until = sync_boundary(best.done + 1, lead.sync_period)
     # The members' next sync, where joiners meet them, is at or before the run's last step, and
     # the algorithm has no collective before it: joiners need not hold the members up.
-    defers = reports[leader][12] and (not reports[leader][13] or deferred_until <= reports[leader][13])
+    defers = lead.defers and (not lead.steps or deferred_until <= lead.steps)
     consistent = bool(joiners) and collective_period > 1 and len(within) == 1
     deferrable = bool(joiners) and defers and not best.local_done
     # Or a sync failed on the furthest members, at its boundary, while joiners waited: each
@@ -436,20 +465,20 @@ def regroup(
     # Only where that next sync is past the run's end do the joiners adopt the leader's state
     # before the redo and take part in it (members short of the boundary still meet it).
     late = [r for r, s in enumerate(statuses) if s.committed >= 0 and not s.local_done]
-    redo_met = best.local_done and late and reports[leader][12]
+    redo_met = best.local_done and late and lead.defers
     if redo_first:
         behind = []
     elif consistent and (deferrable or redo_met):
         behind = joiners
-    from_state = reports[leader][8]  # the leader's: a joiner's fresh algorithm may differ
+    from_state = lead.from_state  # the leader's: a joiner's fresh algorithm may differ
     stands_in = not from_state
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
     deferred: tuple[list[int], int] = ([], 0)  # joiners that join at the members' next sync, and it
     caught_up: list[int] = []
     # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
     # rows are the old group's) and without the norm check (whose verdict reads ranks):
-    meta = reports[leader][9]
-    same_ranks = all(reports[r][10] == r for r in behind)
+    meta = lead.landed_meta
+    same_ranks = all(reports[r].sent_as_rank == r for r in behind)
     if (
         best.local_done
         and same_ranks
@@ -460,7 +489,7 @@ def regroup(
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []
     copies = frozenset(behind) | frozenset(standing_in)
-    copies |= held_copies([r[5] for r in reports], statuses, members, stands_in)
+    copies |= held_copies([r.holds_copy for r in reports], statuses, members, stands_in)
     # Whoever meets a redo from its own step leaves out what the redo leaves out: the joiners'
     # copies just made, or copies held from a regroup whose redo failed (a second fault while
     # the redo waited for the members short of the boundary).
@@ -489,7 +518,7 @@ def regroup(
         )
     if behind:
         fresh = any(r in joiners for r in behind)
-        leaf_parts = () if fresh else ("sync", "optimizer") if reports[leader][11] else ("sync",)
+        leaf_parts = () if fresh else ("sync", "optimizer") if lead.shared_optimizer else ("sync",)
         # Only joiners behind, no sync failed, under an algorithm with no collective before its
         # next sync (at or before the run's last step): the members train on while the joiners
         # receive, and meet them at that sync, where the joiners' part is left out.
@@ -501,14 +530,16 @@ def regroup(
         if defer:
             deferred = ([members[r] for r in behind], deferred_until)
         if comm.rank in behind and adopted is not None and not defer:  # (deferred: until it meets them)
-            adopted(best, reports[leader][2])
+            adopted(best, lead.tokens)
         if comm.rank in behind and best.local_done:
             membership.holds_copy = members[leader]  # until the average below completes
     # behind none: each at its own step (a joiner standing in: at the leader's, to redo it)
     mine = best if comm.rank in behind or comm.rank in standing_in else statuses[comm.rank]
     # Where joiners are admitted: each member's next boundary, by its own period (which under
     # --H-schedule depends on its step; the least of them would name a step that is none).
-    periods = [r[4] if s.committed >= 0 else sync_period for r, s in zip(reports, statuses, strict=True)]
+    periods = [
+        r.sync_period if s.committed >= 0 else sync_period for r, s in zip(reports, statuses, strict=True)
+    ]
     boundary = next_boundary(statuses, behind, periods)
     membership.going_on_after(mine.done)
     t_handed = time.perf_counter()
@@ -548,7 +579,7 @@ def regroup(
         # at that sync, from the training loop where short of it (once it has met it)
         "hand_over_after": best.done if standing_in else 0,
         "from_state": from_state,
-        "tokens": reports[leader][2] if comm.rank in behind or comm.rank in standing_in else tokens,
+        "tokens": lead.tokens if comm.rank in behind or comm.rank in standing_in else tokens,
         **handed,
         "wait_s": round(t_join - t0, 3),
         "hand_over_s": round(t_handed - t_join, 3),

@@ -516,15 +516,6 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
             bool(self.overlap) and self.step_count % self.config.H == self.landing and self.in_flight.flying
         )
 
-    # A landing inside a period waits for the gather, or sends it again after a regroup: a
-    # survivor past it and one before it must not go on each from its own step (one would
-    # gather alone). The regroup tells them apart by ``StepStatus.landed`` (whether a message
-    # still flies), so the collective period stays H: survivors on the same side of the landing
-    # go on each from its own step, and a joiner may be admitted while the members train on
-    # (``defers_admission``), sending an empty message at the landing as it skips to their
-    # next sync. (With a period of gcd(H, landing), often 1, every admission and every survivor
-    # short of the furthest took a model's worth of state at once: under a kill every 20 s at
-    # 300 kbit/s the run stood still for minutes.)
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         super().retry_sync(adopters)
         if self._lands_now():  # this step's landing failed with the group: land on the new one
@@ -625,7 +616,17 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which under
     # overlap are each worker's own anyway (its period began from its own message).
     parameters_from_state = True
-    places_by_message = True  # each message launched at an outer step, landing tau steps on
+    # Each message is launched at an outer step and lands tau steps on. A landing inside a
+    # period waits for the gather, or sends it again after a regroup: a survivor past it and one
+    # before it must not go on each from its own step (one would gather alone). The regroup
+    # tells them apart by ``StepStatus.landed`` (whether a message still flies), so the
+    # collective period stays H: survivors on the same side of the landing go on each from its
+    # own step, and a joiner may be admitted while the members train on (``defers_admission``),
+    # sending an empty message at the landing as it skips to their next sync. (With a period of
+    # gcd(H, landing), often 1, every admission and every survivor short of the furthest took a
+    # model's worth of state at once: under a kill every 20 s at 300 kbit/s the run stood still
+    # for minutes.)
+    places_by_message = True
 
     def adopted_state(self) -> None:
         # This worker loaded another's state (a joiner, a survivor behind): that worker's
