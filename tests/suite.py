@@ -27,9 +27,9 @@ from pathlib import Path
 # Modules whose tests launch clusters, in the order they run: first beside the other half...
 CLUSTER_MODULES = [
     "test_continue_cli", "test_broker_cli", "test_rollback_cli", "test_resume_cli", "test_spares",
-    "test_cli", "test_admission", "test_guard", "test_api", "test_models", "test_dreamddp_e2e",
-    "test_devices",
+    "test_cli", "test_admission", "test_guard", "test_models", "test_dreamddp_e2e", "test_devices",
 ]  # fmt: skip
+# (test_api's torchrun runs start examples, no trainer or coordinator: they run beside these)
 # ...then, once it is done, those that compare measured times (a straggler, shaped links)
 TIMED_MODULES = ["test_netem", "test_pace", "test_topology", "test_bench"]
 

@@ -1757,14 +1757,29 @@ def _joiner_from_state(host: int, store_port: int, file_store: str, algo: str) -
     model.load_state_dict = lambda sd, strict=True: loaded.extend(sd) or load(sd, strict=strict)
     event = regroup(membership, comm, sync, model, optimizer, status)
     model.load_state_dict = load
+    # a message in flight that arrived on every member before the regroup: its result, kept,
+    # goes with the state, for the joiner to land it as they do (SparseLoCo's, CO2's)
+    primed = sync.in_flight.primed_result if sync.in_flight is not None else None
+    sizes["landing"] = primed.numel() * primed.element_size() if primed is not None else 0
+    if algo not in ("sparseloco", "co2"):  # (the algorithms that keep one: placed by message)
+        assert primed is None
     after = {
         "params": flatten(list(model.parameters())).detach().clone(),
         "from_shared": from_shared(),
         "shared": tensors_digest(sync.shared_state()),
         "frozen": frozen.detach().clone(),
     }
-    for n in range(9, 13):  # what was in flight lands, the joiner's part empty
-        step(n)
+    # What was in flight lands, the joiner's part empty. Admitted deferred (SparseLoCo, CO2), the
+    # joiner skips its steps to the members' next sync (as train() does), left out of it.
+    joiners = frozenset(event["members"].index(h) for h in event["deferred"])
+    for n in range(9, 13):
+        deferring = n <= event["deferred_until"]
+        if not (deferring and comm.rank in joiners):
+            _tiny_step(sync, optimizer, host, n)
+        with comm.leaving_out(joiners) if n == event["deferred_until"] else contextlib.nullcontext():
+            sync.after_step()
+    if membership.sending is not None:
+        membership.sending.finish()
     result = {"event": event, "after": after, "shared12": tensors_digest(sync.shared_state())}
     result |= {"frozen_before": frozen_before, "sizes": sizes, "loaded": loaded}
     sync.close()
@@ -1806,7 +1821,7 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
     joiner, leader = runs[2], runs[0]
     assert joiner["event"]["behind"] == [2] and joiner["event"]["leader"] == 0
     sizes = leader["sizes"]  # the leader's whole model part and algorithm state, encoded
-    assert joiner["event"]["handed_over_bytes"] < sizes["sync"] + sizes["model"] // 10
+    assert joiner["event"]["handed_over_bytes"] < sizes["sync"] + sizes["landing"] + sizes["model"] // 10
     assert joiner["after"]["from_shared"]
     # what is not trained comes in the model part, where the joiner's differs: it takes the
     # leader's; what it holds bitwise equal already does not come at all
@@ -1819,21 +1834,40 @@ def test_a_joiner_gets_no_trained_parameters_and_starts_from_the_state_the_membe
 
 
 @_saved
-def _deferred_over_a_landing(host: int, store_port: int, file_store: str) -> dict:
-    """SparseLoCo overlapped, H=4, its gather landing 2 steps into the next period: hosts 0 and 1
-    after step 5, the gather launched at step 4 still in flight; host 2 comes as a joiner (it
-    trained alongside: its state is dropped)."""
+def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: str, arrived: bool) -> dict:
+    """``algo`` with H=4, its message landing 2 steps into the next period (SparseLoCo overlapped;
+    CO2's mean, in 4-bit messages or fp32): hosts 0 and 1 after step 5, the message launched at
+    step 4 in flight; host 2 comes as a joiner. ``arrived``: host 2 trained alongside (its state
+    is dropped) and step 4's collective arrived everywhere before the regroup; else host 2 is a
+    replacement that never sent its part, and hosts 0 and 1 send theirs again."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 2}
-    sync = build_sync("sparseloco", model, optimizer, comm, options)
-    for n in range(1, 6):
+    options = {
+        "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True, "tau": 2},
+        "co2": {"H": 4, "tau": 2},
+        "co2-fp32": {"H": 4, "tau": 2, "bits": 32},
+    }[algo]
+    sync = build_sync(algo.removesuffix("-fp32"), model, optimizer, comm, options)
+    for n in range(1, 6) if arrived or host != 2 else ():
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
     flying = sync.in_flight.flying
+    if arrived:  # step 4's collective, here and on the other two
+        client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+        while not sync.in_flight.arrived():
+            time.sleep(0.01)
+        client.set(f"arrived/{host}", "1")
+        client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
+    weights = []  # how many sent a message into each mean landed (an fp32 mean's count is last)
+    if algo == "co2-fp32":
+        finish = sync.in_flight._finish
+        sync.in_flight._finish = lambda landed: weights.append(float(landed[-1])) or finish(landed)
+    elif algo == "co2":  # the 4-bit messages' decoder: the rows it took
+        mean = sync.messages.mean
+        sync.messages.mean = lambda *a: (lambda out: weights.append(float(sum(out[1]))) or out)(mean(*a))
     status = StepStatus(-1, False) if host == 2 else StepStatus(5, False)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
     joiners = frozenset(event["members"].index(h) for h in event["deferred"])
@@ -1845,46 +1879,80 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str) -> dic
     if membership.sending is not None:
         membership.sending.finish()
     at8 = tensors_digest(sync.shared_state())
-    for n in range(9, 13):  # step 8's gather lands at 10, the joiner's message in it its own
+    for n in range(9, 13):  # step 8's message lands at 10, the joiner's in it its own
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
     result = {"event": event, "flying": flying, "at8": at8, "at12": tensors_digest(sync.shared_state())}
+    result["weights"] = weights if algo.startswith("co2") else None
     sync.close()
     return result
 
 
-def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_the_period(tmp_path):
-    """SparseLoCo whose gather lands inside the period (tau 2 of H 4), a joiner arriving before
-    the landing: the members no longer wait for its hand-over (the landing used to make every
+def _sparseloco_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_over_a_landing(host, store_port, file_store, out, "sparseloco", False)
+
+
+def _co2_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_over_a_landing(host, store_port, file_store, out, "co2", False)
+
+
+def _co2_fp32_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_over_a_landing(host, store_port, file_store, out, "co2-fp32", False)
+
+
+def _co2_fp32_over_an_arrived_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_over_a_landing(host, store_port, file_store, out, "co2-fp32", True)
+
+
+@pytest.mark.parametrize(
+    "worker, weights",
+    [
+        (_sparseloco_over_a_landing, None),
+        # the senders each mean was taken over: step 4's landed at 6, step 8's at 10
+        (_co2_over_a_landing, [2.0, 2.0]),  # 4-bit messages: the joiner's empty, not taken
+        (_co2_fp32_over_a_landing, [2.0, 2.0]),  # sent again by the members, the joiner's empty
+        (_co2_fp32_over_an_arrived_landing, [3.0, 2.0]),  # arrived from the three (kept)
+    ],
+)
+def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_the_period(
+    tmp_path, worker, weights
+):
+    """SparseLoCo whose gather lands inside the period (tau 2 of H 4), or CO2 whose mean does
+    (its 4-bit messages gathered, or the fp32 all-reduce), a joiner arriving before the
+    landing: the members no longer wait for its hand-over (the landing used to make every
     step a collective point, so every admission stopped them for a model's worth of the slow
     link). They train on; the joiner loads the state and, skipping its steps, takes part in the
-    landing with an empty message and in their next sync with its part left out; after step 12
-    all three hold the same anchor."""
+    landing with an empty message (where the members send theirs again; where the collective
+    had arrived on every member before the regroup, each lands what arrived, the joiner too,
+    from the state) and in their next sync with its part left out, weighing nothing in either;
+    after step 12 all three hold the same anchor."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
     store.add("epoch", 1)
-    runs = _hosts(_deferred_over_a_landing, store, 3, (0, 1, 2))
+    runs = _hosts(worker, store, 3, (0, 1, 2))
     for r in runs:
-        assert r["flying"] and r["event"]["behind"] == [2], r["event"]
+        assert r["event"]["behind"] == [2], r["event"]
         assert r["event"]["deferred"] == [2] and r["event"]["deferred_until"] == 8, r["event"]
         assert (r["at8"], r["at12"]) == (runs[0]["at8"], runs[0]["at12"])
+        assert r["weights"] == weights
+    assert runs[0]["flying"] and runs[1]["flying"]
     assert runs[0]["at8"] != runs[0]["at12"]
 
 
 @_saved
-def _across_an_overlapped_sync(host: int, store_port: int, file_store: str) -> dict:
-    """SparseLoCo overlapped, H=4, each gather landing at the next outer step: all three hosts
-    take steps 1-6 (step 4's gather arrives everywhere), then host 2 is lost. Host 0 goes on to
-    step 9 (at 8 it lands step 4's gather and launches its own, which host 2 never joins); host 1
-    stops at step 6, short of that sync."""
+def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo: str) -> dict:
+    """``algo`` (SparseLoCo overlapped; CO2) with H=4, each message landing at the next outer
+    step: all three hosts take steps 1-6 (step 4's collective arrives everywhere), then host 2 is
+    lost. Host 0 goes on to step 9 (at 8 it lands step 4's message and launches its own, which
+    host 2 never joins); host 1 stops at step 6, short of that sync."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True}
-    sync = build_sync("sparseloco", model, optimizer, comm, options)
+    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True} if algo == "sparseloco" else {"H": 4, "tau": 4}
+    sync = build_sync(algo, model, optimizer, comm, options)
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
 
     def step(n: int) -> None:
@@ -1911,8 +1979,17 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str) -> d
     return result
 
 
-def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_its_own_step(tmp_path):
-    """SparseLoCo, each outer step's gather landing a period late: host 2 is lost after step 6,
+def _sparseloco_across_a_sync(host: int, store_port: int, file_store: str, out: str) -> None:
+    _across_an_overlapped_sync(host, store_port, file_store, out, "sparseloco")
+
+
+def _co2_across_a_sync(host: int, store_port: int, file_store: str, out: str) -> None:
+    _across_an_overlapped_sync(host, store_port, file_store, out, "co2")
+
+
+@pytest.mark.parametrize("worker", [_sparseloco_across_a_sync, _co2_across_a_sync])
+def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_its_own_step(tmp_path, worker):
+    """SparseLoCo (or CO2), each outer step's message landing a period late: host 2 is lost after step 6,
     host 0 is at step 9 (its step-8 message in flight, never gathered with host 2's), host 1 at
     step 6 (step 4's gather arrived). They need no state from each other: host 1 lands step 4's
     gather from what arrived, nothing sent again, and launches step 8's message at its own step
@@ -1923,7 +2000,7 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1")  # host 2 was lost
     store.add("epoch", 1)
-    h0, h1 = _hosts(_across_an_overlapped_sync, store, 3, (0, 1))
+    h0, h1 = _hosts(worker, store, 3, (0, 1))
     for h in (h0, h1):
         assert h["event"]["behind"] == [] and h["event"]["handed_over_bytes"] == 0, h["event"]
     assert h0["event"]["resume"] == StepStatus(9, False) and h1["event"]["resume"] == StepStatus(6, False)

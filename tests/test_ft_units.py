@@ -636,15 +636,20 @@ def test_a_hand_over_leaves_out_the_tensors_the_receiver_holds_and_puts_its_own_
         ("diloco", {"H": 4, "warm_start": 10}, False),  # every step a collective, for now
         ("diloco", {"H": 4, "pace": "time"}, False),  # the joiner's quota would weigh in its sync
         ("diloco", {"H": 1}, False),
-        ("co2", {"H": 4}, False),  # its mean lands tau steps into the period
+        # its mean lands tau steps into the period: the joiner sends an empty message there
+        ("co2", {"H": 4, "tau": 2}, True),
         ("streaming", {"H": 8}, False),
         ("dreamddp", {"H": 4}, False),
         ("ssgd", {}, False),
     ],
 )
-def test_an_admission_is_deferred_only_where_no_collective_comes_before_the_next_sync(algo, options, defers):
+def test_an_admission_is_deferred_only_where_no_collective_but_a_landing_comes_before_the_next_sync(
+    algo, options, defers
+):
     """``defers_admission``: the members train on while a joiner receives their state only where
-    they meet it nowhere before their next sync (``ft/elastic.py``, ``regroup``)."""
+    they meet it nowhere before their next sync (``ft/elastic.py``, ``regroup``), or only at the
+    landing of a message in flight, where the joiner sends an empty one (SparseLoCo, CO2:
+    ``places_by_message``)."""
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

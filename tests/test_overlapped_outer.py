@@ -932,7 +932,7 @@ def test_co2_tau_auto_lands_each_mean_as_soon_as_the_measured_exchange_is_hidden
         assert r["before"] == (4, "auto (not measured: 4)")
         a = r["after"]
         assert (a["tau"], a["option"]) == (chosen, f"auto (measured: {chosen})")
-        assert a["period"] == math.gcd(4, chosen) and not a["grads"]
+        assert a["period"] == 4 and not a["grads"]  # (a landing inside it: places_by_message)
         steps = "1 step" if chosen == 1 else f"{chosen} steps"
         late = "one period late" if chosen == 4 else f"landing {steps} into the next period"
         assert a["info"].endswith(late)
@@ -950,6 +950,41 @@ def test_co2_tau_auto_lands_each_mean_as_soon_as_the_measured_exchange_is_hidden
         }
 
 
+def test_a_co2_result_from_an_older_group_is_read_by_the_row_each_worker_sent_there():
+    """A 4-bit mean kept at a regroup (or handed over with the state: ``in_flight_result``) has
+    the rows of the group it was sent in. A joiner ranked after them (rank 2 of a result of 2
+    rows) sent none of them: it lands the mean, its residual untouched (it used to read row 2:
+    IndexError, the joiner's process gone). A member reads its own row, wherever its rank now
+    is: left out there, what its rounding lost goes too; another's row left out leaves its
+    residual alone."""
+    _, opt, member = _tiny("co2", {"H": 4, "tau": 2})
+    for step in range(1, 5):  # step 4 launches this worker's message
+        _train_step(member, opt, 0, step)
+    message = member.in_flight.saved()
+    state = member.state_dict()
+    kept = torch.stack([message, torch.zeros_like(message)])  # row 1: an empty message
+    state["in_flight_result"] = kept
+    joining = Communicator()
+    joining.rank = 2
+    _, _, joiner = _tiny("co2", {"H": 4, "tau": 2}, comm=joining)
+    joiner.load_state_dict(state)
+    joiner.adopted_state()
+    joiner._residual.fill_(0.25)  # (zero after adopting: made visible)
+    anchor = joiner._anchor.clone()
+    joiner._land_in_flight()  # lands the kept result, nothing sent
+    assert not torch.equal(joiner._anchor, anchor) and torch.all(joiner._residual == 0.25)
+    for sent_as, zeroed in (((1, 2), True), ((0, 2), False)):
+        _, _, again = _tiny("co2", {"H": 4, "tau": 2})
+        again.load_state_dict(state)
+        again.in_flight.sent_as = sent_as  # launched at that rank in a group of 2
+        again._residual.fill_(0.25)
+        again._land_in_flight()
+        assert bool(torch.all(again._residual == 0.0)) is zeroed, sent_as
+        again.close()
+    for s in (member, joiner):
+        s.close()
+
+
 def test_co2_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypatch):
     """A world of one (a joiner before it is admitted): no probe, a period late; the members'
     state handed over sets theirs, and a state saved before co2 had a tau lands a period late."""
@@ -960,7 +995,7 @@ def test_co2_tau_auto_alone_measures_nothing_and_takes_the_members_tau(monkeypat
     _, _, members = _tiny("co2", {"H": 4, "tau": 2})  # given: a run resumed under auto keeps it
     state = members.state_dict()
     sync.load_state_dict(state)
-    assert sync.config.tau == 2 and sync.collective_period() == 2
+    assert sync.config.tau == 2 and sync.collective_period() == 4
     assert sync.resolved_options()["tau"] == "auto (restored: 2)"
     del state["tau"]  # a state saved before the tau was: its config's
     sync.load_state_dict(state)

@@ -118,7 +118,7 @@ def _places(
     flight lands from what arrived (``InFlight.keep_arrived``). ``flights``: by rank, None where no message
     flies, else whether its collective completed here without error (``InFlight.arrived_intact``).
 
-    ``by_message`` (every member's algorithm says ``places_by_message``: SparseLoCo): a
+    ``by_message`` (every member's algorithm says ``places_by_message``: SparseLoCo, CO2): a
     survivor's place is the period whose message it puts on the wire first in the new group:
     its message in flight's, where that must be sent again, else the next sync's (which it
     launches there). A message in flight need not be sent again where its collective completed

@@ -250,7 +250,7 @@ class SyncAlgorithm:
     # Whether a regroup may place this worker by the message it puts on the wire first in the
     # new group (``ft.elastic._places``): its message in flight's period where that must be sent
     # again, else the next sync's. True where every message in flight is launched at a sync
-    # and lands at a fixed step of the period after it (SparseLoCo).
+    # and lands at a fixed step of the period after it (SparseLoCo, CO2).
     places_by_message = False
 
     def final_progress(self) -> int:
@@ -791,7 +791,17 @@ class InFlight:
     def saved(self) -> torch.Tensor | None:
         return self._resend if self._resend is not None else self._payload
 
+    def own_row(self, rows: int) -> int | None:
+        """This worker's row in the last landed collective's ``rows`` (its rank in the group it
+        sent it in), None where it sent none there: a result kept from an older group, or handed
+        over with the state (``prime``), was sent in that group, its rows in that group's order."""
+        if self.sent_as is None or self.sent_as[1] != rows:
+            return None
+        return self.sent_as[0]
+
     def restore(self, payload: torch.Tensor | None, device: torch.device | None = None) -> None:
-        """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU)."""
+        """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU).
+        Sent in no group yet: ``sent_as`` is that of its next launch."""
         self._handle = self._payload = self._primed = self.last_landed = self._arrived = None
+        self.sent_as = None
         self._resend = payload.to(device) if payload is not None and device is not None else payload

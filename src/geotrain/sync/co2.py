@@ -79,7 +79,6 @@ with ``bits``, the error feedback's residual and the eager start besides, the me
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,7 +209,8 @@ class CO2(AutoTau, PeriodicSync):
         landed = self.in_flight.land()
         if landed is not None and self.messages is not None:  # the gathered messages, decoded
             landed, kept = self.messages.mean(landed, self._anchor.numel())
-            if not kept[self.comm.rank]:  # left out: what its rounding lost goes too
+            own = self.in_flight.own_row(len(kept))  # (a result kept from the group before: its row)
+            if own is not None and not kept[own]:  # left out: what its rounding lost goes too
                 self._residual.zero_()
         if landed is not None:
             self._outer_update(landed)
@@ -269,13 +269,6 @@ class CO2(AutoTau, PeriodicSync):
         tau = self.config.tau
         return tau < self.config.H and self.step_count % self.config.H == tau and self.in_flight.flying
 
-    def collective_period(self) -> int:
-        # A landing inside a period waits for the exchange, or sends it again after a regroup: a
-        # survivor past it and one before it must not go on each from its own step.
-        period = super().collective_period()
-        tau = self.config.tau
-        return math.gcd(period, tau) if tau < self.config.H else period
-
     def retry_sync(self, adopters: Collection[int] = ()) -> None:
         super().retry_sync(adopters)
         if self._lands_now():  # this step's landing failed with the group: land on the new one
@@ -316,8 +309,16 @@ class CO2(AutoTau, PeriodicSync):
     def rebind(self) -> None:
         self.in_flight.rebind()  # a lost worker's part of the mean in flight is lost with it
 
-    def defers_admission(self) -> bool:
-        return False  # its mean in flight lands tau steps into the period: a collective there
+    # A landing inside a period waits for the exchange, or sends it again after a regroup: a
+    # survivor past it and one before it must not go on each from its own step (one would
+    # land alone). The regroup tells them apart by the message each puts on the wire first
+    # (``places_by_message``, as SparseLoCo's), so the collective period stays H: survivors on
+    # the same side of the landing go on each from its own step, and a joiner is admitted while
+    # the members train on (``defers_admission``), sending an empty message at the landing as
+    # it skips to their next sync. (With a period of gcd(H, tau), 1 at the default H=10 and
+    # tau=3, every admission stopped the members for a model's worth of the link, and every
+    # survivor short of the furthest took the furthest's whole state.)
+    places_by_message = True
 
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which between
     # syncs are each worker's own (an eager start, the steps since).
@@ -366,6 +367,8 @@ class CO2(AutoTau, PeriodicSync):
         # A resumed run sends this worker's message in flight again at its next outer step, so
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
+        if self.in_flight.primed:  # its collective's result is here already (kept at a regroup):
+            state["in_flight_result"] = self.in_flight.primed_result  # one restored lands it too
         # measured at start-up under auto: a resume and an adopter keep it
         state["tau"] = self.config.tau
         # where this period started: moved by this worker's fp32 Delta, which a 4-bit message in
@@ -384,6 +387,8 @@ class CO2(AutoTau, PeriodicSync):
         self._momentum.copy_(state["momentum"])
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
         self.in_flight.restore(state["in_flight"], self.device)
+        if state["in_flight"] is not None and state.get("in_flight_result") is not None:
+            self.in_flight.prime(state["in_flight_result"].to(self.device))
         flying = self.in_flight.saved()
         start = own_value(state, "start")  # none handed over: the adopter starts from the anchor
         if start is not None:  # with nothing in flight too: a launch that failed left an eager start

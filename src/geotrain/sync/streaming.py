@@ -275,7 +275,8 @@ class StreamingDiLoCo(AutoTau, SyncAlgorithm):
         theta = self._global[f]
         # The mean in theta's device and dtype (a grad must match its tensor's: bf16 parameters)
         mean, kept = self.messages.mean(gathered, theta.numel())
-        if self._residual is not None and not kept[self.comm.rank]:  # left out: its rounding too
+        own = self.in_flight.own_row(len(kept))
+        if self._residual is not None and own is not None and not kept[own]:  # left out: its rounding too
             self._residual[f].zero_()
         theta.grad = mean.to(theta)
         cfg = self.config
