@@ -1869,13 +1869,19 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: 
         mean = sync.messages.mean
         sync.messages.mean = lambda *a: (lambda out: weights.append(float(sum(out[1]))) or out)(mean(*a))
     status = StepStatus(-1, False) if host == 2 else StepStatus(5, False)
+    if host == 2:  # its hand-over takes 4 s more (a slow link)
+        exchange = comm.exchange
+        comm.exchange = lambda *a, **k: time.sleep(HAND_OVER_DELAY_S) or exchange(*a, **k)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
     joiners = frozenset(event["members"].index(h) for h in event["deferred"])
+    landing_s = None
     for n in range(6, 9):  # the joiner skips its steps to the members' next sync (train() does)
         if host != 2:
             _tiny_step(sync, optimizer, host, n)
+        started = time.monotonic()
         with comm.leaving_out(joiners) if n == event["deferred_until"] else contextlib.nullcontext():
             sync.after_step()
+        landing_s = time.monotonic() - started if n == 6 else landing_s
     if membership.sending is not None:
         membership.sending.finish()
     at8 = tensors_digest(sync.shared_state())
@@ -1884,8 +1890,12 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: 
         sync.after_step()
     result = {"event": event, "flying": flying, "at8": at8, "at12": tensors_digest(sync.shared_state())}
     result["weights"] = weights if algo.startswith("co2") else None
+    result["landing_s"] = landing_s
     sync.close()
     return result
+
+
+HAND_OVER_DELAY_S = 4.0
 
 
 def _sparseloco_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
@@ -1921,11 +1931,12 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
     (its 4-bit messages gathered, or the fp32 all-reduce), a joiner arriving before the
     landing: the members no longer wait for its hand-over (the landing used to make every
     step a collective point, so every admission stopped them for a model's worth of the slow
-    link). They train on; the joiner loads the state and, skipping its steps, takes part in the
-    landing with an empty message (where the members send theirs again; where the collective
-    had arrived on every member before the regroup, each lands what arrived, the joiner too,
-    from the state) and in their next sync with its part left out, weighing nothing in either;
-    after step 12 all three hold the same anchor."""
+    link). They train on; the joiner takes part in the landing with an empty message, sent
+    before it waits for the state (where the members send theirs again: they do not wait at the
+    landing for its hand-over, 4 s longer here; where the collective had arrived on every member
+    before the regroup, each lands what arrived, the joiner too, from the state), and, skipping
+    its steps, in their next sync with its part left out, weighing nothing in either; after step
+    12 all three hold the same anchor."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1,2")  # the same hosts: host 2 comes as a joiner
@@ -1938,6 +1949,8 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
         assert r["weights"] == weights
     assert runs[0]["flying"] and runs[1]["flying"]
     assert runs[0]["at8"] != runs[0]["at12"]
+    # the members' landing at step 6 (its gather or mean), well under the joiner's hand-over
+    assert max(r["landing_s"] for r in runs[:2]) < HAND_OVER_DELAY_S / 2, [r["landing_s"] for r in runs]
 
 
 @_saved

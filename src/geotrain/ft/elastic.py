@@ -288,6 +288,14 @@ def _flight(sync) -> bool | None:
     return None if flight is None or not flight.flying else flight.arrived_intact()
 
 
+def _flight_meta(sync) -> tuple[list[int], str] | None:
+    """The shape and dtype of the message this worker would send again at its landing (None:
+    none in flight, or its collective's result is already here)."""
+    flight = sync.in_flight
+    saved = flight.saved() if flight is not None and flight.flying and not flight.primed else None
+    return None if saved is None else (list(saved.shape), str(saved.dtype).removeprefix("torch."))
+
+
 def _landed_meta(sync) -> tuple[list[int], str, int] | None:
     """The shape and dtype of the last landed collective's result this worker holds, and the
     size of the group it was sent in (None: none kept)."""
@@ -350,6 +358,7 @@ class _Report(NamedTuple):
     defers: bool  # ``defers_admission``
     steps: int  # the run's last step
     flight: bool | None  # ``_flight``, where it places by message
+    flight_meta: tuple[list[int], str] | None  # shape and dtype of its message to send again
     by_message: bool  # ``places_by_message``, and no contribution is checked
     held: tuple[int, bool] | None  # a deferred joiner's loaded state: (committed, local_done)
     finished: bool  # the store says the run has finished
@@ -408,7 +417,8 @@ def regroup(
             sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
             in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
-            _flight(sync) if sync.places_by_message else None, sync.places_by_message and not comm.checking,
+            _flight(sync) if sync.places_by_message else None, _flight_meta(sync),
+            sync.places_by_message and not comm.checking,
             (held.committed, held.local_done) if held is not None else None,
             membership.store().check(["finished"]),
         )
@@ -516,6 +526,7 @@ def regroup(
             file=sys.stderr,
             flush=True,
         )
+    live: list = []  # a deferred joiner's part of the members' landing, sent before its hand-over
     if behind:
         fresh = any(r in joiners for r in behind)
         leaf_parts = () if fresh else ("sync", "optimizer") if lead.shared_optimizer else ("sync",)
@@ -523,9 +534,22 @@ def regroup(
         # next sync (at or before the run's last step): the members train on while the joiners
         # receive, and meet them at that sync, where the joiners' part is left out.
         defer = deferrable and behind == joiners
+        # A deferred joiner takes part in the members' landing of their message in flight (sent
+        # again on this group) with an empty one. Sent before it waits for the state, not from
+        # the loop once it holds it: the members would wait at that landing for the rest of its
+        # hand-over (a model's worth of the slow link) instead of training on to their sync.
+        resending = [r for r in range(len(members)) if r not in joiners and reports[r].flight is not None]
+        resending = [r for r in resending if not keeps[r] and reports[r].flight_meta is not None]
+
+        def send_empty() -> None:
+            shape, dtype = reports[resending[0]].flight_meta
+            sync.in_flight.launch_empty(shape, dtype, sync.device)
+            live.append(sync.in_flight.live())  # kept across the state's load (``take_live``)
+
+        early = send_empty if defer and by_message and resending and comm.rank in joiners else None
         handed, membership.sending = hand_over(
             comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
-            defer,
+            defer, early,
         )  # fmt: skip
         if defer:
             deferred = ([members[r] for r in behind], deferred_until)
@@ -545,6 +569,8 @@ def regroup(
     t_handed = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     sync.rebind()
+    if live:  # (after the rebind, which takes what flies for the old group's)
+        sync.in_flight.take_live(live[0])
     if sync.noise is not None:  # --lr-scale auto: one measure everywhere, whatever a failure cut short
         sync.noise.agree(comm)
     t_redo = time.perf_counter()

@@ -23,6 +23,7 @@ deferred, the members post their sends and train on (``defer``) while the joiner
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ def hand_over(
     kept: dict[str, PartReceived] | None = None,
     leaf_parts: tuple[str, ...] = ("sync",),
     defer: bool = False,
+    before_receiving: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """The members ``behind`` (a joiner; a survivor whose collective failed where the leader's
     finished) receive the state of the members at the furthest status, and load it.
@@ -153,6 +155,8 @@ def hand_over(
     optimizer only where it is handed over).
     ``defer``: the servers post their sends and return, the receivers wait as ever: an
     admission that does not stop the members (``regroup``).
+    ``before_receiving``: called on a receiver once the hand-over's collectives are done, before
+    it waits for the chunks (a deferred joiner's part of the members' landing goes out there).
     Returns bytes and stripes per part handed over and the bytes of it a receiver kept, and a
     server's sends where deferred (``PostedSends``; else None)."""
     best = max(statuses)
@@ -251,6 +255,8 @@ def hand_over(
     if defer and comm.rank not in behind:  # gloo sends it while this member trains on
         finish = comm.send_later(sends)
     else:
+        if before_receiving is not None and comm.rank in behind:
+            before_receiving()
         comm.exchange(sends, recvs, _ChunkFlags(slots))
     if comm.rank in behind:
         try:

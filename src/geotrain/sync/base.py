@@ -683,6 +683,12 @@ class InFlight:
             self._payload = None
             raise
 
+    def launch_empty(self, shape: list[int], dtype: str, device: torch.device) -> None:
+        """An empty message of ``shape`` and ``dtype`` (the members' in flight): a joiner's part
+        of their collective, which weighs nothing (all zero bytes; a mean's weight 0)."""
+        empty = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+        (self.launch if self.op == "gather" else self.launch_weighted)(empty)
+
     def land(self) -> torch.Tensor | None:
         """Every worker's message stacked in rank order (``gather``) or their mean (``mean``),
         once it has arrived; None if none flies. If the wait fails (a lost member), the message
