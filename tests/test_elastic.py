@@ -314,6 +314,31 @@ def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():
     assert not f.primed and f.resending and f.saved() is own
 
 
+def test_a_collective_put_back_after_a_load_keeps_its_rank_and_is_not_timed():
+    """``take_live``: a joiner's empty part of the members' landing, launched before it loaded
+    their state (which drops it), is in flight again with the rank it was sent as, and its
+    wait is no measure of the link (SparseLoCo's auto landing) until its next launch."""
+    from geotrain.sync.base import InFlight
+
+    class Sent:  # a gather's handle and a communicator of rank 2 of 3
+        rank, world_size = 2, 3
+
+        def all_gather(self, payload, async_op=False):
+            return types.SimpleNamespace(wait=lambda: payload.expand(3, -1), is_completed=lambda: True)
+
+    f = InFlight(comm=Sent())
+    f.launch_empty([4], "uint8", torch.device("cpu"))
+    live = f.live()
+    assert not f.untimed and f.sent_as == (2, 3)
+    f.restore(torch.ones(4, dtype=torch.uint8))  # the loaded state: the leader's message to send
+    assert f.resending and f.sent_as is None
+    f.take_live(live)
+    assert f.untimed and not f.resending and f.sent_as == (2, 3) and f.own_row(3) == 2
+    assert torch.equal(f.land(), torch.zeros(3, 4, dtype=torch.uint8)) and not f.untimed
+    f.launch(torch.ones(4, dtype=torch.uint8))
+    assert not f.untimed
+
+
 def test_a_result_kept_from_its_own_collective_is_in_flight_again_after_a_failed_regroup():
     """``keep_arrived``: the collective completed here (on a group left since) lands its result,
     nothing sent; a regroup that fails before it lands puts that collective back in flight (its
@@ -1869,9 +1894,13 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: 
         mean = sync.messages.mean
         sync.messages.mean = lambda *a: (lambda out: weights.append(float(sum(out[1]))) or out)(mean(*a))
     status = StepStatus(-1, False) if host == 2 else StepStatus(5, False)
-    if host == 2:  # its hand-over takes 4 s more (a slow link)
+    order = []  # the joiner's: its empty part of the landing, then its wait for the state
+    if host == 2:
+        launch_empty = sync.in_flight.launch_empty
+        sync.in_flight.launch_empty = lambda *a: order.append("empty") or launch_empty(*a)
         exchange = comm.exchange
-        comm.exchange = lambda *a, **k: time.sleep(HAND_OVER_DELAY_S) or exchange(*a, **k)
+        delay = 0.0 if arrived else HAND_OVER_DELAY_S  # its hand-over takes 4 s more (a slow link)
+        comm.exchange = lambda *a, **k: order.append("state") or time.sleep(delay) or exchange(*a, **k)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
     joiners = frozenset(event["members"].index(h) for h in event["deferred"])
     landing_s = None
@@ -1890,7 +1919,7 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: 
         sync.after_step()
     result = {"event": event, "flying": flying, "at8": at8, "at12": tensors_digest(sync.shared_state())}
     result["weights"] = weights if algo.startswith("co2") else None
-    result["landing_s"] = landing_s
+    result["landing_s"], result["order"] = landing_s, order
     sync.close()
     return result
 
@@ -1949,7 +1978,11 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
         assert r["weights"] == weights
     assert runs[0]["flying"] and runs[1]["flying"]
     assert runs[0]["at8"] != runs[0]["at12"]
-    # the members' landing at step 6 (its gather or mean), well under the joiner's hand-over
+    # Where the members send their message again, the joiner's empty one went out before it
+    # waited for the state, and their landing at step 6 took well under its hand-over (where
+    # it arrived, each lands what arrived: nothing to send, and no delay).
+    resent = weights != [3.0, 2.0]
+    assert runs[2]["order"] == (["empty", "state"] if resent else ["state"]), runs[2]["order"]
     assert max(r["landing_s"] for r in runs[:2]) < HAND_OVER_DELAY_S / 2, [r["landing_s"] for r in runs]
 
 

@@ -80,6 +80,36 @@ def test_an_admission_counts_the_members_digests_of_their_parameters_and_of_what
     assert cmp["admissions_with_shared_state_bitwise_equal"] == 1
 
 
+def test_a_deferred_admission_costs_the_members_their_regroup_and_their_wait_at_the_meeting(tmp_path):
+    """Admitted deferred, the joiner meets the members at their next sync, where they wait for
+    what its hand-over took past their period: each member records that wait beside its regroup
+    records, the merged epoch takes the slowest member's, and the soak's cost of an admission
+    adds it to the regroup's (which alone read 2.87 s a CO2 admission at 2 Mbit/s, where the
+    members then waited about 6 s more at the meeting)."""
+    from geotrain.bench.soak import compare, comparison_table
+    from geotrain.launch.faults import regroup_events
+
+    control = tmp_path / "control"
+    control.mkdir()
+    base = {"members": [0, 1, 2], "behind": [2], "step": 20, "at": 1.0, "epoch": 2, "joined": [2]}
+    for host, regroup_s in ((0, 0.5), (1, 0.75), (2, 4.0)):  # (the joiner's own: its hand-over)
+        view = {**base, "host": host, "deferred": [2], "regroup_s": regroup_s}
+        (control / f"regroups-h{host}.jsonl").write_text(json.dumps(view) + "\n")
+    for host, wait in ((0, 3.0), (1, 3.25)):
+        wait_line = json.dumps({"epoch": 2, "meeting_wait_s": wait}) + "\n"
+        (control / f"meetings-h{host}.jsonl").write_text(wait_line)
+    (admitted,) = regroup_events(control)
+    assert admitted["regroup_s"] == 0.75 and admitted["meeting_wait_s"] == 3.25
+    run = {"elapsed_s": 10.0, "tokens": 100, "final_val_loss": 2.0, "workers_start": 3, "workers": 3}
+    (tmp_path / "metrics").mkdir()
+    curve = [{"tokens": t, "val_loss": v} for t, v in ((0, 3.0), (200, 1.0))]
+    (tmp_path / "metrics" / "rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+    faulty = {**run, "membership": [admitted]}
+    cmp = compare(run, faulty, tmp_path)
+    assert cmp["admission_s_mean"] == 4.0 and cmp["admissions_deferred"] == 1
+    assert "1 of them deferred" in comparison_table(run, faulty, cmp)
+
+
 def test_an_algorithm_that_holds_nothing_equal_is_reported_so_not_as_unequal(tmp_path):
     """DreamDDP (without a codec) averages each layer at its own iteration: at no boundary are
     the replicas equal. Its members record no shared digest (None), the merged epoch says so, and

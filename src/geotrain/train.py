@@ -662,6 +662,18 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 if phase != "sync":
                     loss = torch.tensor(float("nan"))  # adopted from the leader, not computed here
         if met:  # the joiners received the state before they came: the sends are done
+            if events and run_dir is not None and comm.rank not in deferred_ranks:
+                # the members' wait here for what the hand-over took past their period (the
+                # soak's cost of an admission), beside their regroup records
+                wait = {
+                    "epoch": events[-1]["epoch"],
+                    "meeting_wait_s": round(comm.stats.delta(before).blocked_s, 3),
+                }
+                with (
+                    contextlib.suppress(OSError),
+                    (run_dir / "control" / f"meetings-h{host}.jsonl").open("a") as f,
+                ):
+                    f.write(json.dumps(wait) + "\n")
             membership.received.clear()  # (a joiner's copy of what it received, kept till now)
             finish, membership.sending = membership.sending, None
             deferred_until, deferred_ranks = None, frozenset()

@@ -112,9 +112,14 @@ def compare(calm: dict, faulty: dict, calm_dir: Path) -> dict:
         "val_loss_difference": None if ref is None else faulty["final_val_loss"] / ref - 1,
         "undisturbed_final_val_loss": calm["final_val_loss"],
         "admissions": len(admissions),
+        # The regroup, and where the joiners were admitted deferred, the members' wait for them
+        # at their next sync (what the hand-over took past the members' period)
         "admission_s_mean": (
-            sum(e["regroup_s"] for e in admissions) / len(admissions) if admissions else None
+            sum(e["regroup_s"] + e.get("meeting_wait_s", 0.0) for e in admissions) / len(admissions)
+            if admissions
+            else None
         ),
+        "admissions_deferred": sum(bool(e.get("deferred")) for e in admissions),
         # At each admission every member recorded its parameters' digest and that of what the
         # algorithm holds equal there (the parameters; the anchor where replicas differ between
         # syncs: SparseLoCo under overlap, CO2, Streaming DiLoCo): one each, bitwise equal.
@@ -153,9 +158,11 @@ def comparison_table(calm: dict, faulty: dict, cmp: dict) -> str:
             else "the algorithm holds nothing bitwise equal at a sync (DreamDDP averages each layer "
             "at its own iteration)"
         )
+        deferred = cmp.get("admissions_deferred", 0)
+        how = f", {deferred} of them deferred (with the wait at the sync where the joiner met them)"
         rows.append(
-            f"replacements admitted: {cmp['admissions']}, each stopping the members "
-            f"{cmp['admission_s_mean']:.2f} s on average (hand-over included); {audit}"
+            f"replacements admitted: {cmp['admissions']}{how if deferred else ''}, each stopping the "
+            f"members {cmp['admission_s_mean']:.2f} s on average (hand-over included); {audit}"
         )
     return "\n".join(rows)
 

@@ -157,6 +157,13 @@ def regroup_events(control: Path) -> list[dict]:
     for key, by_epoch in digests.items():
         for epoch, seen in by_epoch.items():
             merged[epoch][f"{key}s"] = len(seen) or None
+    # A deferred admission's members waited for the joiners at their next sync for what the
+    # hand-over took past their period (``train``): the slowest member's wait
+    for path in sorted(control.glob("meetings-h*.jsonl")):
+        for w in read_jsonl(path):
+            if w.get("epoch") in merged:
+                m = merged[w["epoch"]]
+                m["meeting_wait_s"] = max(m.get("meeting_wait_s", 0.0), float(w["meeting_wait_s"]))
     return [merged[e] for e in sorted(merged)]
 
 

@@ -646,6 +646,7 @@ class InFlight:
         # launch: what a survivor whose wait failed is sent instead of a whole state.
         self.last_landed: torch.Tensor | None = None
         self.landings = 0  # messages landed so far
+        self.stand_in = False  # the collective in flight was put back by ``take_live``
 
     @property
     def flying(self) -> bool:
@@ -662,7 +663,7 @@ class InFlight:
         return self._handle is not None and self._handle.is_completed()
 
     def launch(self, payload: torch.Tensor) -> None:
-        self.last_landed = None
+        self.last_landed, self.stand_in = None, False
         self.sent_as = (self.comm.rank, self.comm.world_size)
         if self.op == "gather":
             self._handle, self._payload = self.comm.all_gather(payload, async_op=True), payload
@@ -675,7 +676,7 @@ class InFlight:
         screen before it is a collective: if it fails, nothing is in flight (the caller's retry,
         ``retry_sync``, makes the message again: had it been kept to send again, the retry's
         landing would take it for the last one's and apply it twice)."""
-        self._payload, self.last_landed = message, None
+        self._payload, self.last_landed, self.stand_in = message, None, False
         self.sent_as = (self.comm.rank, self.comm.world_size)
         try:
             self._handle = self.comm.all_reduce(message.clone(), op="sum", async_op=True, screen=True)
@@ -747,9 +748,9 @@ class InFlight:
 
     def live(self) -> tuple | None:
         """The collective in flight, where this worker has launched it in the current group (its
-        handle and this worker's message): kept across a load of another worker's state, which
-        would replace it with a message to send again (``take_live``)."""
-        return (self._handle, self._payload) if self._handle is not None else None
+        handle, this worker's message and the rank it sent it as): kept across a load of another
+        worker's state, which would replace it with a message to send again (``take_live``)."""
+        return (self._handle, self._payload, self.sent_as) if self._handle is not None else None
 
     def take_live(self, live: tuple | None) -> None:
         """``live`` (from ``live``) is in flight again: the next ``land`` waits for it, nothing
@@ -757,8 +758,16 @@ class InFlight:
         with an empty message; the state it loads after holds the leader's message to send, and
         sending it would pair with the members' next collective."""
         if live is not None:
-            self._handle, self._payload = live
+            self._handle, self._payload, self.sent_as = live
             self._resend = self._primed = self._arrived = None
+            self.stand_in = True  # (its wait says nothing of the link: an empty message, sent early)
+
+    @property
+    def untimed(self) -> bool:
+        """Its collective in flight is a stand-in's (``take_live``), launched before this worker
+        held the state, not at its own outer step: how long its landing waited is no measure of
+        the link (SparseLoCo's ``--overlap auto`` landing), as a message sent again is not."""
+        return self._handle is not None and self.stand_in
 
     def arrived_intact(self) -> bool:
         """Its collective completed here without error (on a group a regroup has since left):

@@ -470,7 +470,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         --H auto, figures past the period, ``_weigh_longer``) where those are asked for. Returns
         the entries the anchor moved at (``_land``: None where it moved in passes over the whole
         vector; none where nothing was in flight)."""
-        timed = not self.in_flight.resending and not self.in_flight.primed  # (no wait of its own)
+        flight = self.in_flight
+        timed = not (flight.resending or flight.primed or flight.untimed)  # (no wait of its own)
         started = self.clock()
         gathered = self.in_flight.land()
         waited = self.clock() - started
