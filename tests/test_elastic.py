@@ -134,16 +134,16 @@ class _RacyWork(_Work):
 
 
 def test_only_the_result_of_a_landing_is_sent_where_that_is_all_the_others_lack():
-    from geotrain.ft.elastic import _only_a_landing_behind
+    from geotrain.ft.flight import only_a_landing_behind
 
     S, meta = StepStatus, ([3, 100], "uint8", 3)
-    assert _only_a_landing_behind([S(19, True, 1), S(19, True, 0)], [1], meta)
-    assert _only_a_landing_behind([S(20, False, 1, 2), S(20, False, 0, 2), S(20, False, 0, 2)], [1, 2], meta)
-    assert not _only_a_landing_behind([S(19, True, 1), S(19, True, 0)], [1], None)  # nothing kept
-    assert not _only_a_landing_behind([S(19, True, 1), S(17, False, 0)], [1], meta)  # before the sync
-    assert not _only_a_landing_behind([S(20, False, 1), S(-1, False)], [1], meta)  # a joiner
-    assert not _only_a_landing_behind([S(20, False, 0, 2), S(20, False, 1, 1)], [1], meta)  # a stage
-    assert not _only_a_landing_behind([S(19, True, 1), S(19, True, 1)], [], meta)
+    assert only_a_landing_behind([S(19, True, 1), S(19, True, 0)], [1], meta)
+    assert only_a_landing_behind([S(20, False, 1, 2), S(20, False, 0, 2), S(20, False, 0, 2)], [1, 2], meta)
+    assert not only_a_landing_behind([S(19, True, 1), S(19, True, 0)], [1], None)  # nothing kept
+    assert not only_a_landing_behind([S(19, True, 1), S(17, False, 0)], [1], meta)  # before the sync
+    assert not only_a_landing_behind([S(20, False, 1), S(-1, False)], [1], meta)  # a joiner
+    assert not only_a_landing_behind([S(20, False, 0, 2), S(20, False, 1, 1)], [1], meta)  # a stage
+    assert not only_a_landing_behind([S(19, True, 1), S(19, True, 1)], [], meta)
     # (regroup sends it only where the redo lands it at once, each survivor at its old rank,
     # without the norm check: the other gloo test, the end-of-run average, hands the state over)
 

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from geotrain.comm.communicator import Communicator
+from geotrain.ft.flight import flight_status, landed_meta, only_a_landing_behind, resend_meta, send_landing
 from geotrain.ft.handover import hand_over
 from geotrain.ft.membership import Membership, NoStateHolder, RunFinished, retire, sync_boundary
 from geotrain.ft.state import (
@@ -281,64 +282,6 @@ def admit_after_redo(
     return handed
 
 
-def _flight(sync) -> bool | None:
-    """None where no message of this worker's flies, else whether its collective completed here
-    without error (``InFlight.arrived_intact``)."""
-    flight = sync.in_flight
-    return None if flight is None or not flight.flying else flight.arrived_intact()
-
-
-def _flight_meta(sync) -> tuple[list[int], str] | None:
-    """The shape and dtype of the message this worker would send again at its landing (None:
-    none in flight, or its collective's result is already here)."""
-    flight = sync.in_flight
-    saved = flight.saved() if flight is not None and flight.flying and not flight.primed else None
-    return None if saved is None else (list(saved.shape), str(saved.dtype).removeprefix("torch."))
-
-
-def _landed_meta(sync) -> tuple[list[int], str, int] | None:
-    """The shape and dtype of the last landed collective's result this worker holds, and the
-    size of the group it was sent in (None: none kept)."""
-    landed = sync.in_flight.last_landed if sync.in_flight is not None else None
-    if landed is None or sync.in_flight.sent_as is None:
-        return None
-    return list(landed.shape), str(landed.dtype).removeprefix("torch."), sync.in_flight.sent_as[1]
-
-
-def _only_a_landing_behind(statuses: list[StepStatus], behind: list[int], meta) -> bool:
-    """Whether the members ``behind`` lack only the result of the collective in flight that the
-    leader landed (its ``meta``): the same step, the same sync and stage, their wait failed where
-    the leader's completed (the lost peer's last chunk reached it). Then that result is all they
-    need, not the leader's whole state."""
-    if not behind or meta is None or meta[2] >= 256:  # (a count per entry in a byte: SparseLoCo's)
-        return False
-    best = max(statuses)
-    return best.landed and all(
-        (s.committed, s.local_done, s.stage, s.landed) == (best.committed, best.local_done, best.stage, False)
-        for s in (statuses[r] for r in behind)
-    )
-
-
-def _send_landing(comm: Communicator, behind: list[int], leader: int, meta, sync) -> dict[str, Any]:
-    """The leader sends the result of the collective it landed to the members ``behind``, whose
-    message in flight takes it as landed (``InFlight.prime``): at their retry each lands it as if
-    the collective had completed there, their own message in it, and goes on with its own state.
-    A gather of sparse messages, where the state is a model's worth (SparseLoCo on ``mini``:
-    about 1.2 MB against 44 MB)."""
-    shape, dtype, _ = meta
-    nbytes = 0
-    if comm.rank == leader:  # through the CPU, as a hand-over is (gloo's point to point)
-        landed = sync.in_flight.last_landed.detach().to("cpu").contiguous()
-        comm.exchange([(landed, r, 0) for r in behind], [])
-        nbytes = landed.numel() * landed.element_size()
-    elif comm.rank in behind:
-        buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        comm.exchange([], [(buf, leader, 0)])
-        sync.in_flight.prime(buf.to(sync.device))
-        nbytes = buf.numel() * buf.element_size()
-    return {"handed_over_bytes": comm.max_scalars([float(nbytes)])[0], "stripes": {}, "resumed_bytes": 0}
-
-
 class _Report(NamedTuple):
     """What each rank tells the others at a regroup (gathered): every rank takes the same
     decisions from all of them."""
@@ -352,13 +295,13 @@ class _Report(NamedTuple):
     landed: bool
     stage: int
     from_state: bool  # ``parameters_from_state``
-    landed_meta: tuple[list[int], str, int] | None  # ``_landed_meta``
+    landed_meta: tuple[list[int], str, int] | None  # ``flight.landed_meta``
     sent_as_rank: int  # its rank in the group its message in flight was sent in (-1: none)
     shared_optimizer: bool
     defers: bool  # ``defers_admission``
     steps: int  # the run's last step
-    flight: bool | None  # ``_flight``, where it places by message
-    flight_meta: tuple[list[int], str] | None  # shape and dtype of its message to send again
+    flight: bool | None  # ``flight.flight_status``, where it places by message
+    flight_meta: tuple[list[int], str] | None  # ``flight.resend_meta``: what it would send again
     by_message: bool  # ``places_by_message``, and no contribution is checked
     held: tuple[int, bool] | None  # a deferred joiner's loaded state: (committed, local_done)
     finished: bool  # the store says the run has finished
@@ -414,10 +357,10 @@ def regroup(
         _Report(
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
             membership.holds_copy, in_flight is not None and not in_flight.flying,
-            sync.final_progress(), sync.parameters_from_state, _landed_meta(sync),
+            sync.final_progress(), sync.parameters_from_state, landed_meta(sync),
             in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
-            _flight(sync) if sync.places_by_message else None, _flight_meta(sync),
+            flight_status(sync) if sync.places_by_message else None, resend_meta(sync),
             sync.places_by_message and not comm.checking,
             (held.committed, held.local_done) if held is not None else None,
             membership.store().check(["finished"]),
@@ -489,13 +432,8 @@ def regroup(
     # rows are the old group's) and without the norm check (whose verdict reads ranks):
     meta = lead.landed_meta
     same_ranks = all(reports[r].sent_as_rank == r for r in behind)
-    if (
-        best.local_done
-        and same_ranks
-        and not comm.checking
-        and _only_a_landing_behind(statuses, behind, meta)
-    ):
-        handed = _send_landing(comm, behind, leader, meta, sync)
+    if best.local_done and same_ranks and not comm.checking and only_a_landing_behind(statuses, behind, meta):
+        handed = send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []
     copies = frozenset(behind) | frozenset(standing_in)
