@@ -484,7 +484,10 @@ def regroup(
             sync.in_flight.launch_empty(shape, dtype, sync.device)
             live.append(sync.in_flight.live())  # kept across the state's load (``take_live``)
 
-        early = send_empty if defer and by_message and resending and comm.rank in joiners else None
+        # (Where contributions are checked too, the default among 3 workers or more: there the
+        # members' messages are never kept from the old group, each is sent again. A mean's
+        # screen is a collective: the joiner waits in it for the members' landing, tau steps.)
+        early = send_empty if defer and resending and comm.rank in joiners else None
         handed, membership.sending = hand_over(
             comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
             defer, early,
