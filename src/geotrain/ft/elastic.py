@@ -485,9 +485,12 @@ def regroup(
             live.append(sync.in_flight.live())  # kept across the state's load (``take_live``)
 
         # (Where contributions are checked too, the default among 3 workers or more: there the
-        # members' messages are never kept from the old group, each is sent again. A mean's
-        # screen is a collective: the joiner waits in it for the members' landing, tau steps.)
-        early = send_empty if defer and resending and comm.rank in joiners else None
+        # members' messages are never kept from the old group, each is sent again. Not a mean's
+        # under the check, whose screen is a collective the joiner would wait in until the
+        # members' landing, its hand-over not begun: at a landing at the sync itself, tau = H,
+        # the members would then wait at that sync for all of it.)
+        blocking = sync.in_flight is not None and sync.in_flight.op == "mean" and comm.checking
+        early = send_empty if defer and resending and comm.rank in joiners and not blocking else None
         handed, membership.sending = hand_over(
             comm, statuses, behind, model, optimizer, sync, from_state, membership.received, leaf_parts,
             defer, early,
