@@ -476,8 +476,11 @@ def regroup(
         # again on this group) with an empty one. Sent before it waits for the state, not from
         # the loop once it holds it: the members would wait at that landing for the rest of its
         # hand-over (a model's worth of the slow link) instead of training on to their sync.
-        resending = [r for r in range(len(members)) if r not in joiners and reports[r].flight is not None]
-        resending = [r for r in resending if not keeps[r] and reports[r].flight_meta is not None]
+        resending = [
+            r
+            for r, report in enumerate(reports)
+            if r not in joiners and report.flight is not None and not keeps[r] and report.flight_meta
+        ]
 
         def send_empty() -> None:
             shape, dtype = reports[resending[0]].flight_meta

@@ -250,7 +250,15 @@ class SyncAlgorithm:
     # Whether a regroup may place this worker by the message it puts on the wire first in the
     # new group (``ft.elastic._places``): its message in flight's period where that must be sent
     # again, else the next sync's. True where every message in flight is launched at a sync
-    # and lands at a fixed step of the period after it (SparseLoCo, CO2).
+    # and lands at a fixed step of the period after it (SparseLoCo, CO2). A landing inside a
+    # period waits for the collective, or sends it again after a regroup, so a survivor past it
+    # and one before it must not go on each from its own step (one would land alone); the
+    # regroup tells them apart by that message, and the collective period stays H: survivors on
+    # the same side of the landing go on each from its own step, and a joiner is admitted while
+    # the members train on (``defers_admission``), sending an empty message at the landing. (With
+    # a period of gcd(H, landing), often 1, every admission stopped the members for a model's
+    # worth of the link and every survivor short of the furthest took its whole state: under a
+    # kill every 20 s at 300 kbit/s SparseLoCo stood still for minutes.)
     places_by_message = False
 
     def final_progress(self) -> int:
@@ -814,9 +822,17 @@ class InFlight:
             return None
         return self.sent_as[0]
 
-    def restore(self, payload: torch.Tensor | None, device: torch.device | None = None) -> None:
+    def restore(
+        self,
+        payload: torch.Tensor | None,
+        device: torch.device | None = None,
+        result: torch.Tensor | None = None,
+    ) -> None:
         """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU).
-        Sent in no group yet: ``sent_as`` is that of its next launch."""
+        Sent in no group yet: ``sent_as`` is that of its next launch. ``result``: its collective's,
+        kept at a regroup (``primed_result``, saved beside it): landed from it, nothing sent."""
         self._handle = self._payload = self._primed = self.last_landed = self._arrived = None
         self.sent_as = None
         self._resend = payload.to(device) if payload is not None and device is not None else payload
+        if payload is not None and result is not None:
+            self.prime(result.to(device) if device is not None else result)

@@ -309,16 +309,7 @@ class CO2(AutoTau, PeriodicSync):
     def rebind(self) -> None:
         self.in_flight.rebind()  # a lost worker's part of the mean in flight is lost with it
 
-    # A landing inside a period waits for the exchange, or sends it again after a regroup: a
-    # survivor past it and one before it must not go on each from its own step (one would
-    # land alone). The regroup tells them apart by the message each puts on the wire first
-    # (``places_by_message``, as SparseLoCo's), so the collective period stays H: survivors on
-    # the same side of the landing go on each from its own step, and a joiner is admitted while
-    # the members train on (``defers_admission``), sending an empty message at the landing as
-    # it skips to their next sync. (With a period of gcd(H, tau), 1 at the default H=10 and
-    # tau=3, every admission stopped the members for a model's worth of the link, and every
-    # survivor short of the furthest took the furthest's whole state.)
-    places_by_message = True
+    places_by_message = True  # its mean launched at an outer step, landing tau steps on
 
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which between
     # syncs are each worker's own (an eager start, the steps since).
@@ -367,8 +358,7 @@ class CO2(AutoTau, PeriodicSync):
         # A resumed run sends this worker's message in flight again at its next outer step, so
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
-        if self.in_flight.primed:  # its collective's result is here already (kept at a regroup):
-            state["in_flight_result"] = self.in_flight.primed_result  # one restored lands it too
+        state["in_flight_result"] = self.in_flight.primed_result  # (kept at a regroup: lands it too)
         # measured at start-up under auto: a resume and an adopter keep it
         state["tau"] = self.config.tau
         # where this period started: moved by this worker's fp32 Delta, which a 4-bit message in
@@ -386,9 +376,7 @@ class CO2(AutoTau, PeriodicSync):
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
-        self.in_flight.restore(state["in_flight"], self.device)
-        if state["in_flight"] is not None and state.get("in_flight_result") is not None:
-            self.in_flight.prime(state["in_flight_result"].to(self.device))
+        self.in_flight.restore(state["in_flight"], self.device, state.get("in_flight_result"))
         flying = self.in_flight.saved()
         start = own_value(state, "start")  # none handed over: the adopter starts from the anchor
         if start is not None:  # with nothing in flight too: a launch that failed left an eager start

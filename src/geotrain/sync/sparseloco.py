@@ -617,17 +617,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
     # An adopter starts from the anchor (below): a hand-over carries no parameters, which under
     # overlap are each worker's own anyway (its period began from its own message).
     parameters_from_state = True
-    # Each message is launched at an outer step and lands tau steps on. A landing inside a
-    # period waits for the gather, or sends it again after a regroup: a survivor past it and one
-    # before it must not go on each from its own step (one would gather alone). The regroup
-    # tells them apart by ``StepStatus.landed`` (whether a message still flies), so the
-    # collective period stays H: survivors on the same side of the landing go on each from its
-    # own step, and a joiner may be admitted while the members train on (``defers_admission``),
-    # sending an empty message at the landing as it skips to their next sync. (With a period of
-    # gcd(H, landing), often 1, every admission and every survivor short of the furthest took a
-    # model's worth of state at once: under a kill every 20 s at 300 kbit/s the run stood still
-    # for minutes.)
-    places_by_message = True
+    places_by_message = True  # each message launched at an outer step, landing tau steps on
 
     def adopted_state(self) -> None:
         # This worker loaded another's state (a joiner, a survivor behind): that worker's
@@ -696,8 +686,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # again at its next sync, so N + stop + N lands the same bytes as 2N. It also gives the
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
-        if self.in_flight.primed:  # its gather's result is here already (kept at a regroup):
-            state["in_flight_result"] = self.in_flight.primed_result  # one restored lands it too
+        state["in_flight_result"] = self.in_flight.primed_result  # (kept at a regroup: lands it too)
         if self._start_message is not None and self.in_flight.flying:
             state["start_message"] = self._start_message
         state["overlap"] = self.overlap  # None: auto, not yet decided
@@ -731,9 +720,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._error.copy_(self._in_layout(error)) if error is not None else self._error.zero_()
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
-        self.in_flight.restore(resend)
-        if resend is not None and state.get("in_flight_result") is not None:
-            self.in_flight.prime(state["in_flight_result"].to(self.device))
+        self.in_flight.restore(resend, self.device, state.get("in_flight_result"))
         if self.config.overlap == "auto":
             # A state saved before --overlap auto ran with overlap on, the default then.
             self.overlap = state.get("overlap", True)
