@@ -148,6 +148,28 @@ def test_only_the_result_of_a_landing_is_sent_where_that_is_all_the_others_lack(
     # without the norm check: the other gloo test, the end-of-run average, hands the state over)
 
 
+def test_survivors_are_placed_by_message_with_nothing_kept_where_contributions_are_checked():
+    """H=4. Host 0 past the sync at 8, its message in flight (not arrived: the lost host never
+    sent its part); host 1 at step 7, short of it. Its own message in flight (a period late) arrived
+    everywhere: kept, it lands from what arrived and both are at the place of step 8's message;
+    checked, nothing is kept, it sends step 4's again, a place behind. With nothing in flight (the
+    last landing inside the period) host 1 is at step 8's place either way."""
+    from geotrain.ft.elastic import _places
+
+    S = StepStatus
+    statuses = [S(9, False), S(7, False)]
+    assert _places(statuses, [False, True], 4, True) == ([(2, 0), (2, 0)], [False, True])
+    assert _places(statuses, [False, True], 4, True, keep=False) == ([(2, 0), (1, 0)], [False, False])
+    statuses = [S(9, False), S(7, False, True)]
+    for keep in (True, False):
+        places, keeps = _places(statuses, [False, None], 4, True, keep)
+        assert places == [(2, 0), (2, 0)] and keeps == [False, False]
+        assert catching_up(statuses, 4, places) == []
+    # placed by their periods (the algorithms that do not place by message): apart
+    places, _ = _places(statuses, [False, None], 4, False)
+    assert catching_up(statuses, 4, places) == [1]
+
+
 def test_an_epochs_group_forms_within_a_minute_and_then_waits_the_collective_timeout(monkeypatch):
     """A member lost while the group forms (registered, then killed) must fail the others within
     the formation's minute, not the collective timeout (hours on a slow link): the default group
@@ -2010,13 +2032,21 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo
     """``algo`` (SparseLoCo overlapped; CO2) with H=4, each message landing at the next outer
     step: all three hosts take steps 1-6 (step 4's collective arrives everywhere), then host 2 is
     lost. Host 0 goes on to step 9 (at 8 it lands step 4's message and launches its own, which
-    host 2 never joins); host 1 stops at step 6, short of that sync."""
+    host 2 never joins); host 1 stops at step 6, short of that sync. ``co2-checked``: CO2's
+    4-bit messages landing 2 steps into the period (step 4's landed at 6 on all three), with
+    contributions checked (the CLI's default among 3 or more)."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
-    options = {"H": 4, "chunk": 256, "k": 8, "overlap": True} if algo == "sparseloco" else {"H": 4, "tau": 4}
+    options = {
+        "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
+        "co2": {"H": 4, "tau": 4},
+        "co2-checked": {"H": 4, "tau": 2},
+    }[algo]
+    if algo.endswith("-checked"):
+        algo, comm = algo.removesuffix("-checked"), Communicator(membership=membership, max_norm_ratio=10.0)
     sync = build_sync(algo, model, optimizer, comm, options)
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
 
@@ -2026,7 +2056,7 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo
 
     for n in range(1, 7):
         step(n)
-    while not sync.in_flight.arrived():  # step 4's gather, here
+    while sync.in_flight.flying and not sync.in_flight.arrived():  # step 4's gather, here
         time.sleep(0.01)
     client.set(f"arrived/{host}", "1")
     client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
@@ -2037,9 +2067,12 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo
             step(n)
     done = 9 if host == 0 else 6
     event = regroup(membership, comm, sync, model, optimizer, StepStatus(done, False), steps=40)
+    losses = []
     for n in range(done + 1, 13):  # step 8's gather: host 1 launches it, host 0 sends it again
         step(n)
-    result = {"event": event, "anchor": tensors_digest(sync.shared_state())}
+        if n > event["quiet_through"]:  # an evaluation at every step, as train() makes them
+            losses.append(comm.mean_scalars([float(host)])[0])
+    result = {"event": event, "anchor": tensors_digest(sync.shared_state()), "losses": losses}
     sync.close()
     return result
 
@@ -2052,7 +2085,13 @@ def _co2_across_a_sync(host: int, store_port: int, file_store: str, out: str) ->
     _across_an_overlapped_sync(host, store_port, file_store, out, "co2")
 
 
-@pytest.mark.parametrize("worker", [_sparseloco_across_a_sync, _co2_across_a_sync])
+def _co2_checked_across_a_sync(host: int, store_port: int, file_store: str, out: str) -> None:
+    _across_an_overlapped_sync(host, store_port, file_store, out, "co2-checked")
+
+
+@pytest.mark.parametrize(
+    "worker", [_sparseloco_across_a_sync, _co2_across_a_sync, _co2_checked_across_a_sync]
+)
 def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_its_own_step(tmp_path, worker):
     """SparseLoCo (or CO2), each outer step's message landing a period late: host 2 is lost after step 6,
     host 0 is at step 9 (its step-8 message in flight, never gathered with host 2's), host 1 at
@@ -2060,7 +2099,10 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
     gather from what arrived, nothing sent again, and launches step 8's message at its own step
     8, which host 0 sends again at its step 12 in the new group. Host 1 used to take host 0's
     whole state (a model's worth on the slow link, cut by the next kill under a kill every 20 s).
-    At step 12 both hold the same anchor."""
+    At step 12 both hold the same anchor. Checked (CO2 landing 2 steps in): nothing is kept from
+    the old group, and none is needed (host 1 has nothing in flight); host 0 sends step 8's message
+    again at its step 10. Host 1 used to take host 0's state there too: with the check on, a
+    survivor's place was not read from its message."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1")  # host 2 was lost
@@ -2068,8 +2110,14 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
     h0, h1 = _hosts(worker, store, 3, (0, 1))
     for h in (h0, h1):
         assert h["event"]["behind"] == [] and h["event"]["handed_over_bytes"] == 0, h["event"]
-    assert h0["event"]["resume"] == StepStatus(9, False) and h1["event"]["resume"] == StepStatus(6, False)
+    assert [(h["event"]["resume"].committed, h["event"]["resume"].local_done) for h in (h0, h1)] == [
+        (9, False),
+        (6, False),
+    ]
     assert h0["anchor"] == h1["anchor"]
+    # Evaluations (collectives on the group) only from the next sync on: one at step 10 would
+    # pair on host 0 with host 1's launch of step 8's message.
+    assert h0["event"]["quiet_through"] == 11 and h0["losses"] == h1["losses"] == [0.5]
 
 
 @_saved

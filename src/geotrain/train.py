@@ -354,6 +354,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
     no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
+    quiet_through = 0  # and snapshots (their agreement to ship is a collective of the group)
 
     def one_step(x: torch.Tensor | None, y: torch.Tensor | None, step: int) -> bool:
         """One step; with no batch, a step this worker skips (``--pace time``): only the sync
@@ -457,7 +458,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
-        nonlocal tokens_per_step, tokens_done, no_eval_through, pause_after
+        nonlocal tokens_per_step, tokens_done, no_eval_through, quiet_through, pause_after
         nonlocal deferred_until, deferred_ranks, admit_after
 
         def lost_member(e: RuntimeError) -> bool:
@@ -520,8 +521,11 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 except RuntimeError as e:  # regrouped again below, once this one is recorded
                     again = e
         # A member behind the furthest (periodic methods: each goes on from its own step) must
-        # not wait in an evaluation the others have done or skipped.
-        no_eval_through = max(no_eval_through, event["furthest"])
+        # not wait in an evaluation the others have done or skipped (``quiet_through``), nor in
+        # a snapshot's agreement to ship (due off a sync where ``--snapshot-every`` is no
+        # multiple of the period).
+        no_eval_through = max(no_eval_through, event["quiet_through"])
+        quiet_through = max(quiet_through, event["quiet_through"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model.block_size * comm.world_size
         # Snapshots go on, each into this host's keeper, and redundancy among the new members.
@@ -698,7 +702,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         # Nor before a deferred admission's meeting: the joiner holds the state of the sync
         # before, not of this step (and a shipment's agreement would wait for its hand-over).
         before_meeting = deferred_until is not None and step < deferred_until
-        if not counted and not before_meeting:
+        if not counted and not before_meeting and step > quiet_through:
             step = snapshot_if_due(step)
         step_s = time.perf_counter() - t0
         spent = comm.stats.delta(before)

@@ -113,7 +113,7 @@ def _place(status: StepStatus, period: int) -> tuple:
 
 
 def _places(
-    statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool
+    statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool, keep: bool = True
 ) -> tuple[list[tuple], list[bool]]:
     """Each rank's place for the regroup's agreement (``_place``), and whether its message in
     flight lands from what arrived (``InFlight.keep_arrived``). ``flights``: by rank, None where no message
@@ -128,14 +128,22 @@ def _places(
     sent again at its landing), and one short of that sync, the last period's message arrived
     whole (it launches that sync's message there), are at the same place, and each goes on from
     its own step, where one of them used to take the other's whole state. A joiner has a place
-    of its own."""
+    of its own.
+
+    ``keep`` False (contributions are checked: a kept result's rows are the old group's, and the
+    verdict would read them as the new group's ranks): nothing lands from what arrived, every
+    message in flight is sent again. A member past a sync, its message in flight, and one short
+    of it with nothing in flight (the last landing was inside the period: CO2's, SparseLoCo's
+    ``--overlap --tau`` below H) are at the same place all the same; where the last period's
+    message lands at the sync itself (a period late), the one short of it sends that message
+    again, a place behind, and takes the leader's state as before."""
     if not by_message:
         return [_place(s, period) for s in statuses], [False] * len(statuses)
     holders: dict[int, list[bool]] = {}
     for s, arrived in zip(statuses, flights, strict=True):
         if s.committed >= 0 and arrived is not None:
             holders.setdefault(s.committed // period, []).append(arrived)
-    kept = {i for i, arrived in holders.items() if all(arrived)}
+    kept = {i for i, arrived in holders.items() if all(arrived)} if keep else set()
     places: list[tuple] = []
     keeps: list[bool] = []
     for s, arrived in zip(statuses, flights, strict=True):
@@ -302,7 +310,10 @@ class _Report(NamedTuple):
     steps: int  # the run's last step
     flight: bool | None  # ``flight.flight_status``, where it places by message
     flight_meta: tuple[list[int], str] | None  # ``flight.resend_meta``: what it would send again
-    by_message: bool  # ``places_by_message``, and no contribution is checked
+    # ``places_by_message``; not with ``--lr-scale auto``, whose exchange at every sync is a
+    # blocking collective: a member that redoes a sync alone would pair it with another's message
+    by_message: bool
+    checking: bool  # contributions are checked (``Communicator.checking``): nothing kept
     held: tuple[int, bool] | None  # a deferred joiner's loaded state: (committed, local_done)
     finished: bool  # the store says the run has finished
 
@@ -361,7 +372,7 @@ def regroup(
             in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             flight_status(sync) if sync.places_by_message else None, resend_meta(sync),
-            sync.places_by_message and not comm.checking,
+            sync.places_by_message and sync.noise is None, comm.checking,
             (held.committed, held.local_done) if held is not None else None,
             membership.store().check(["finished"]),
         )
@@ -379,10 +390,12 @@ def regroup(
     voters = [r for r, s in zip(reports, statuses, strict=True) if s.committed >= 0] or reports
     collective_period = min(r.collective_period for r in voters)
     sync_period = min(r.sync_period for r in voters)
-    # (not where contributions are checked: a kept result's rows are the old group's, and the
-    # verdict reads them as the new group's ranks)
     by_message = all(r.by_message for r in voters)
-    places, keeps = _places(statuses, [r.flight for r in reports], collective_period, by_message)
+    keep = not any(r.checking for r in voters)  # (checked: nothing kept from the old group, ``_places``)
+    places, keeps = _places(statuses, [r.flight for r in reports], collective_period, by_message, keep)
+    # members going on each from its own step in different periods (``quiet_through``)
+    periods_in = {s.committed // collective_period for s in statuses if s.committed >= 0}
+    straddle = by_message and len(periods_in) > 1
     if keeps[comm.rank]:
         sync.in_flight.keep_arrived()  # every member holding it has it: nothing is sent again
     best = max(statuses)
@@ -542,6 +555,11 @@ def regroup(
         "caught_up": [members[r] for r in caught_up],
         "leader": members[leader],
         "furthest": best.done,  # collectives up to it (an evaluation) are behind every member
+        # Evaluations (and a snapshot's agreement to ship) are collectives on the group too: none
+        # up to the step before the next sync where members placed by message are in different
+        # periods (one past a sync, its message in flight, another short of it: an evaluation
+        # between would pair with a message), none up to the furthest step elsewhere.
+        "quiet_through": deferred_until - 1 if straddle else best.done,
         "boundary": boundary,
         "deferred": deferred[0],  # they skip to it, and their part of its average is left out
         "deferred_until": deferred[1],
