@@ -148,23 +148,22 @@ def test_only_the_result_of_a_landing_is_sent_where_that_is_all_the_others_lack(
     # without the norm check: the other gloo test, the end-of-run average, hands the state over)
 
 
-def test_survivors_are_placed_by_message_with_nothing_kept_where_contributions_are_checked():
+def test_survivors_are_placed_by_the_message_they_send_first_in_the_new_group():
     """H=4. Host 0 past the sync at 8, its message in flight (not arrived: the lost host never
-    sent its part); host 1 at step 7, short of it. Its own message in flight (a period late) arrived
-    everywhere: kept, it lands from what arrived and both are at the place of step 8's message;
-    checked, nothing is kept, it sends step 4's again, a place behind. With nothing in flight (the
-    last landing inside the period) host 1 is at step 8's place either way."""
+    sent its part); host 1 at step 7, short of it. Its own message in flight (a period late)
+    arrived everywhere: kept, it lands from what arrived and both are at the place of step 8's
+    message; not arrived, it sends step 4's again, a place behind. With nothing in flight (the
+    last landing inside the period) host 1 is at step 8's place."""
     from geotrain.ft.elastic import _places
 
     S = StepStatus
     statuses = [S(9, False), S(7, False)]
     assert _places(statuses, [False, True], 4, True) == ([(2, 0), (2, 0)], [False, True])
-    assert _places(statuses, [False, True], 4, True, keep=False) == ([(2, 0), (1, 0)], [False, False])
+    assert _places(statuses, [False, False], 4, True) == ([(2, 0), (1, 0)], [False, False])
     statuses = [S(9, False), S(7, False, True)]
-    for keep in (True, False):
-        places, keeps = _places(statuses, [False, None], 4, True, keep)
-        assert places == [(2, 0), (2, 0)] and keeps == [False, False]
-        assert catching_up(statuses, 4, places) == []
+    places, keeps = _places(statuses, [False, None], 4, True)
+    assert places == [(2, 0), (2, 0)] and keeps == [False, False]
+    assert catching_up(statuses, 4, places) == []
     # placed by their periods (the algorithms that do not place by message): apart
     places, _ = _places(statuses, [False, None], 4, False)
     assert catching_up(statuses, 4, places) == [1]
@@ -1572,13 +1571,16 @@ def _tiny_step(sync, optimizer, host: int, n: int) -> None:
 
 
 @_saved
-def _split_landing(host: int, store_port: int, file_store: str, final: bool = False) -> dict:
+def _split_landing(
+    host: int, store_port: int, file_store: str, final: bool = False, checked: bool = False
+) -> dict:
     """SparseLoCo under --overlap auto, H=4, on 3 hosts, landing a period late: the gather
     launched at step 8 has arrived everywhere when host 2 is lost. At step 12 a check has asked
     for a timed outer step, which lands that gather and then gathers synchronously: host 0 lands
     it and fails at the barrier before its gather; host 1's wait for it fails. ``final``: the
     same in the end-of-run average after step 11 (land, then gather), redone as ``train`` does,
-    leaving out the adopters' copies."""
+    leaving out the adopters' copies. ``checked``: contributions checked (the CLI's default
+    among 3 or more); the checks each worker counted are returned."""
     from geotrain.ft.elastic import regroup
     from geotrain.sync import build_sync
     from geotrain.sync import sparseloco as sparseloco_module
@@ -1588,6 +1590,8 @@ def _split_landing(host: int, store_port: int, file_store: str, final: bool = Fa
     verdict = sparseloco_module.SparseLoCo._verdict
     sparseloco_module.SparseLoCo._verdict = lambda self, gather_s: (gather_s, 4.0, 0.15)
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    if checked:
+        comm = Communicator(membership=membership, max_norm_ratio=10.0)
     sync = build_sync("sparseloco", model, optimizer, comm, {"H": 4, "chunk": 256, "k": 8})
 
     def step(n: int) -> None:
@@ -1650,6 +1654,7 @@ def _split_landing(host: int, store_port: int, file_store: str, final: bool = Fa
         "flying": sync.in_flight.flying,
         "landings": sync.in_flight.landings,
         "overlap": sync.overlap,
+        "checked_hosts": sorted(comm.step_checked),  # (where checked: the hosts the check counted)
     }
     sync.close()
     return result
@@ -1657,6 +1662,10 @@ def _split_landing(host: int, store_port: int, file_store: str, final: bool = Fa
 
 def _split_final_landing(host: int, store_port: int, file_store: str, out: str) -> None:
     _split_landing(host, store_port, file_store, out, final=True)
+
+
+def _split_landing_checked(host: int, store_port: int, file_store: str, out: str) -> None:
+    _split_landing(host, store_port, file_store, out, checked=True)
 
 
 @_saved
@@ -1704,18 +1713,24 @@ def test_a_transfer_in_a_regrouped_group_waits_the_collective_timeout_not_the_fo
     assert torch.equal(got["send_async"], torch.arange(4.0) + 20)
 
 
-def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_sent_as_landed_not_resent(tmp_path):
+@pytest.mark.parametrize("worker", [_split_landing, _split_landing_checked])
+def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_sent_as_landed_not_resent(
+    tmp_path, worker
+):
     """A timed outer step lands the gather in flight, then gathers: host 0 landed it and failed
     after, host 1's wait failed. Both failed step 12's sync, but host 0 is further: were each to
     retry alone, host 1 would send the old message again where host 0 gathers the new one, and
     the collectives would pair wrongly. What host 1 lacks is the gather's result: host 0 sends
     it (a few KB, where its state is 0.85 MB), host 1 lands it as if the gather had completed
     there, its own message in it, and both redo the timed gather with their own states: the
-    anchors and the models end bitwise equal, with nothing in flight."""
+    anchors and the models end bitwise equal, with nothing in flight. With contributions
+    checked too (the CLI's default among 3 or more), where host 1 used to take host 0's whole
+    state: the result's 3 rows are the group before's, which the check reads as that group's
+    hosts on host 1 as it did on host 0 (read as the new group's 2 ranks, the third had none)."""
     store = _master()
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
-    h0, h1 = _hosts(_split_landing, store, 3, (0, 1))
+    h0, h1 = _hosts(worker, store, 3, (0, 1))
     assert h0["status"] == StepStatus(11, True, 1) and h1["status"] == StepStatus(11, True, 0)
     for h in (h0, h1):
         assert h["event"]["leader"] == 0 and h["event"]["behind"] == [] and h["event"]["caught_up"] == [1]
@@ -1723,6 +1738,8 @@ def test_a_message_in_flight_landed_by_one_survivor_and_not_another_is_sent_as_l
         assert not h["flying"] and h["overlap"] is not None  # the timed step decided
     assert h0["landings"] == 1 and h1["landings"] == 1  # the one gather, landed once on each
     assert torch.equal(h0["anchor"], h1["anchor"]) and torch.equal(h0["params"], h1["params"])
+    if worker is _split_landing_checked:
+        assert h0["checked_hosts"] == h1["checked_hosts"] == [0, 1, 2]
     assert not torch.equal(h0["anchor"], h0["before"])  # the redone gather moved it
 
 
@@ -1964,6 +1981,10 @@ def _co2_over_a_landing(host: int, store_port: int, file_store: str, out: str) -
 
 
 def _co2_checked_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+    _deferred_over_a_landing(host, store_port, file_store, out, "co2-checked", False)
+
+
+def _co2_checked_over_an_arrived_landing(host: int, store_port: int, file_store: str, out: str) -> None:
     _deferred_over_a_landing(host, store_port, file_store, out, "co2-checked", True)
 
 
@@ -1982,11 +2003,11 @@ def _co2_fp32_over_an_arrived_landing(host: int, store_port: int, file_store: st
         # the senders each mean was taken over: step 4's landed at 6, step 8's at 10
         (_co2_over_a_landing, [2.0, 2.0]),  # 4-bit messages: the joiner's empty, not taken
         (_co2_fp32_over_an_arrived_landing, [3.0, 2.0]),  # arrived from the three (kept)
-        # contributions checked: nothing kept from the old group, each message sent again (an
-        # fp32 mean's not early: its screen is a collective, which would hold the joiner there
-        # until the members' landing, its hand-over not begun)
+        # contributions checked (the CLI's default among 3 or more): the same, the kept gather's
+        # 3 rows judged as the group before's hosts, on the joiner too (from the state)
         (_co2_checked_over_a_landing, [2.0, 2.0]),
-        (_co2_fp32_checked_over_a_landing, [2.0, 2.0]),
+        (_co2_checked_over_an_arrived_landing, [3.0, 2.0]),
+        (_co2_fp32_checked_over_a_landing, [3.0, 2.0]),
     ],
 )
 def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_the_period(
@@ -1999,8 +2020,8 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
     link). They train on; the joiner takes part in the landing with an empty message, sent
     before it waits for the state (where the members send theirs again: they do not wait at the
     landing for its hand-over, 2.5 s longer here; where the collective had arrived on every member
-    before the regroup, each lands what arrived, the joiner too, from the state; an fp32 mean
-    under the norm check is sent from the loop, as before, its screen being a collective), and,
+    before the regroup, each lands what arrived, the joiner too, from the state, the norm check
+    reading a kept gather's rows as the hosts of the group before), and,
     skipping its steps, in their next sync with its part left out, weighing nothing in either;
     after step 12 all three hold the same anchor."""
     store = _master()
@@ -2018,13 +2039,10 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
     # Where the members send their message again, the joiner's empty one went out before it
     # waited for the state, and their landing at step 6 took well under its hand-over (where
     # it arrived, each lands what arrived: nothing to send, and no delay).
-    early = weights != [3.0, 2.0] and worker is not _co2_fp32_checked_over_a_landing
+    early = weights != [3.0, 2.0]
     assert runs[2]["order"] == (["empty", "state"] if early else ["state"]), runs[2]["order"]
     landings = [r["landing_s"] for r in runs[:2]]
-    if early or weights == [3.0, 2.0]:
-        assert max(landings) < HAND_OVER_DELAY_S / 2, landings
-    else:  # they wait at the landing for the joiner's hand-over, as all did before the early send
-        assert min(landings) > HAND_OVER_DELAY_S / 2, landings
+    assert max(landings) < HAND_OVER_DELAY_S / 2, landings
 
 
 @_saved
@@ -2044,6 +2062,7 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo
         "sparseloco": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
         "co2": {"H": 4, "tau": 4},
         "co2-checked": {"H": 4, "tau": 2},
+        "sparseloco-checked": {"H": 4, "chunk": 256, "k": 8, "overlap": True},
     }[algo]
     if algo.endswith("-checked"):
         algo, comm = algo.removesuffix("-checked"), Communicator(membership=membership, max_norm_ratio=10.0)
@@ -2089,8 +2108,18 @@ def _co2_checked_across_a_sync(host: int, store_port: int, file_store: str, out:
     _across_an_overlapped_sync(host, store_port, file_store, out, "co2-checked")
 
 
+def _sparseloco_checked_across_a_sync(host: int, store_port: int, file_store: str, out: str) -> None:
+    _across_an_overlapped_sync(host, store_port, file_store, out, "sparseloco-checked")
+
+
 @pytest.mark.parametrize(
-    "worker", [_sparseloco_across_a_sync, _co2_across_a_sync, _co2_checked_across_a_sync]
+    "worker",
+    [
+        _sparseloco_across_a_sync,
+        _co2_across_a_sync,
+        _co2_checked_across_a_sync,
+        _sparseloco_checked_across_a_sync,
+    ],
 )
 def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_its_own_step(tmp_path, worker):
     """SparseLoCo (or CO2), each outer step's message landing a period late: host 2 is lost after step 6,
@@ -2099,10 +2128,11 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
     gather from what arrived, nothing sent again, and launches step 8's message at its own step
     8, which host 0 sends again at its step 12 in the new group. Host 1 used to take host 0's
     whole state (a model's worth on the slow link, cut by the next kill under a kill every 20 s).
-    At step 12 both hold the same anchor. Checked (CO2 landing 2 steps in): nothing is kept from
-    the old group, and none is needed (host 1 has nothing in flight); host 0 sends step 8's message
-    again at its step 10. Host 1 used to take host 0's state there too: with the check on, a
-    survivor's place was not read from its message."""
+    At step 12 both hold the same anchor. With contributions checked (the CLI's default among 3
+    or more), where host 1 used to take host 0's state (a survivor's place was not read from its
+    message there): SparseLoCo the same, the kept gather's 3 rows judged as the group before's
+    hosts; CO2 landing 2 steps in, where host 1 has nothing in flight and host 0 sends step 8's
+    message again at its step 10."""
     store = _master()
     Epochs(store, tmp_path, 3)
     store.set("members/1", "0,1")  # host 2 was lost

@@ -55,6 +55,24 @@ class CheckedMeans:
     ``control_calls``, ``min_collective_s``)
     and its collectives (``_launch_sum``, ``_wait``, ``all_gather``)."""
 
+    # The hosts, by rank, of the group whose rows are being judged, where that is not this
+    # group (``judging_rows_of``); None: this group's.
+    _rows_hosts: tuple[int, ...] | None = None
+
+    @contextlib.contextmanager
+    def judging_rows_of(self, hosts: tuple[int, ...] | list[int]):
+        """Judge gathered rows (``weigh_gathered``) that another group's collective gave, one
+        from each of ``hosts`` in that group's rank order: a result kept at a regroup from the
+        group before, or landed by another survivor and sent on (``InFlight.rows_judged``). Each
+        rejection counts against the host that sent the row, as it did on the workers that
+        landed it in that group, and this group's ``left_out`` ranks (not those rows') apply
+        to none of them."""
+        previous, self._rows_hosts = self._rows_hosts, tuple(hosts)
+        try:
+            yield
+        finally:
+            self._rows_hosts = previous
+
     def _in_band(self, op: str) -> bool:
         """Whether a checked mean learns the verdict alongside the average (``_checked_mean``)
         rather than before it (``_screen``): a plain mean over one flat group. Clipping scales a
@@ -231,7 +249,8 @@ class CheckedMeans:
             return self._judge_locked(norms, finite, self.left_out if out is None else out)
 
     def _judge_locked(self, norms: list[float], finite: list[bool], out: frozenset[int]) -> Verdict:
-        out = out if len(norms) == self.world_size else frozenset()
+        theirs = self._rows_hosts is not None  # another group's rows (``judging_rows_of``)
+        out = out if len(norms) == self.world_size and not theirs else frozenset()
         norms = [0.0 if r in out else n for r, n in enumerate(norms)]  # 0: not in any median
         finite = [True if r in out else f for r, f in enumerate(finite)]
         verdict = judge(norms, finite, self.max_norm_ratio)
@@ -243,7 +262,7 @@ class CheckedMeans:
             self.step_checked.add(self._host(r))
             if not kept:
                 self._rejected(r)
-        if verdict.count and not verdict.kept[self.rank] and self.rank not in out:
+        if verdict.count and not theirs and not verdict.kept[self.rank] and self.rank not in out:
             print(
                 f"geotrain: this worker's contribution to an average was left out "
                 f"({verdict.reasons[self.rank]}; --max-norm-ratio {self.max_norm_ratio:g})",
@@ -325,7 +344,10 @@ class CheckedMeans:
         return self._judge_table(table, out)
 
     def _host(self, rank: int) -> int:
-        """The host of a group rank, where hosts are known (ranks change at a regroup)."""
+        """The host of a group rank, where hosts are known (ranks change at a regroup); of the
+        rows' group where they are another's (``judging_rows_of``)."""
+        if self._rows_hosts is not None:
+            return self._rows_hosts[rank] if rank < len(self._rows_hosts) else rank
         members = getattr(self.membership, "members", None)
         return members[rank] if members and len(members) == self.world_size else rank
 

@@ -113,7 +113,7 @@ def _place(status: StepStatus, period: int) -> tuple:
 
 
 def _places(
-    statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool, keep: bool = True
+    statuses: list[StepStatus], flights: list[bool | None], period: int, by_message: bool
 ) -> tuple[list[tuple], list[bool]]:
     """Each rank's place for the regroup's agreement (``_place``), and whether its message in
     flight lands from what arrived (``InFlight.keep_arrived``). ``flights``: by rank, None where no message
@@ -128,22 +128,15 @@ def _places(
     sent again at its landing), and one short of that sync, the last period's message arrived
     whole (it launches that sync's message there), are at the same place, and each goes on from
     its own step, where one of them used to take the other's whole state. A joiner has a place
-    of its own.
-
-    ``keep`` False (contributions are checked: a kept result's rows are the old group's, and the
-    verdict would read them as the new group's ranks): nothing lands from what arrived, every
-    message in flight is sent again. A member past a sync, its message in flight, and one short
-    of it with nothing in flight (the last landing was inside the period: CO2's, SparseLoCo's
-    ``--overlap --tau`` below H) are at the same place all the same; where the last period's
-    message lands at the sync itself (a period late), the one short of it sends that message
-    again, a place behind, and takes the leader's state as before."""
+    of its own. (Where contributions are checked, a kept result's rows are the old group's: the
+    check reads them as that group's, ``InFlight.rows_judged``.)"""
     if not by_message:
         return [_place(s, period) for s in statuses], [False] * len(statuses)
     holders: dict[int, list[bool]] = {}
     for s, arrived in zip(statuses, flights, strict=True):
         if s.committed >= 0 and arrived is not None:
             holders.setdefault(s.committed // period, []).append(arrived)
-    kept = {i for i, arrived in holders.items() if all(arrived)} if keep else set()
+    kept = {i for i, arrived in holders.items() if all(arrived)}
     places: list[tuple] = []
     keeps: list[bool] = []
     for s, arrived in zip(statuses, flights, strict=True):
@@ -313,7 +306,6 @@ class _Report(NamedTuple):
     # ``places_by_message``; not with ``--lr-scale auto``, whose exchange at every sync is a
     # blocking collective: a member that redoes a sync alone would pair it with another's message
     by_message: bool
-    checking: bool  # contributions are checked (``Communicator.checking``): nothing kept
     held: tuple[int, bool] | None  # a deferred joiner's loaded state: (committed, local_done)
     finished: bool  # the store says the run has finished
 
@@ -372,7 +364,7 @@ def regroup(
             in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             flight_status(sync) if sync.places_by_message else None, resend_meta(sync),
-            sync.places_by_message and sync.noise is None, comm.checking,
+            sync.places_by_message and sync.noise is None,
             (held.committed, held.local_done) if held is not None else None,
             membership.store().check(["finished"]),
         )
@@ -391,8 +383,7 @@ def regroup(
     collective_period = min(r.collective_period for r in voters)
     sync_period = min(r.sync_period for r in voters)
     by_message = all(r.by_message for r in voters)
-    keep = not any(r.checking for r in voters)  # (checked: nothing kept from the old group, ``_places``)
-    places, keeps = _places(statuses, [r.flight for r in reports], collective_period, by_message, keep)
+    places, keeps = _places(statuses, [r.flight for r in reports], collective_period, by_message)
     # members going on each from its own step in different periods (``quiet_through``)
     periods_in = {s.committed // collective_period for s in statuses if s.committed >= 0}
     straddle = by_message and len(periods_in) > 1
@@ -442,10 +433,10 @@ def regroup(
     deferred: tuple[list[int], int] = ([], 0)  # joiners that join at the members' next sync, and it
     caught_up: list[int] = []
     # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
-    # rows are the old group's) and without the norm check (whose verdict reads ranks):
+    # rows are the old group's; the norm check reads them as that group's, ``rows_judged``):
     meta = lead.landed_meta
     same_ranks = all(reports[r].sent_as_rank == r for r in behind)
-    if best.local_done and same_ranks and not comm.checking and only_a_landing_behind(statuses, behind, meta):
+    if best.local_done and same_ranks and only_a_landing_behind(statuses, behind, meta):
         handed = send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []
@@ -500,8 +491,7 @@ def regroup(
             sync.in_flight.launch_empty(shape, dtype, sync.device)
             live.append(sync.in_flight.live())  # kept across the state's load (``take_live``)
 
-        # (Where contributions are checked too, the default among 3 workers or more: there the
-        # members' messages are never kept from the old group, each is sent again. Not a mean's
+        # (Where contributions are checked too, the default among 3 workers or more. Not a mean's
         # under the check, whose screen is a collective the joiner would wait in until the
         # members' landing, its hand-over not begun: at a landing at the sync itself, tau = H,
         # the members would then wait at that sync for all of it.)

@@ -14,6 +14,7 @@ create process groups.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Collection
@@ -643,6 +644,13 @@ class InFlight:
         self.keeps_landed = keeps_landed  # keep ``last_landed`` (SparseLoCo's: a few KB of payloads)
         # (rank, group size) it last sent as: the rows of its collective are in that group's order
         self.sent_as: tuple[int, int] | None = None
+        # The hosts of that group by rank (None where not known), and of the collective last
+        # landed (``landed_hosts``): whose rows its result holds, which the norm check reads
+        # (``rows_judged``) where they are another group's (kept at a regroup, or sent by
+        # another survivor).
+        self.sent_hosts: tuple[int, ...] | None = None
+        self.landed_hosts: tuple[int, ...] | None = None
+        self._primed_hosts: tuple[int, ...] | None = None
         self._handle = None
         self._payload: torch.Tensor | None = None  # of the collective in flight, as sent
         self._resend: torch.Tensor | None = None  # to send again at the next land
@@ -670,9 +678,13 @@ class InFlight:
         or it is still to be sent again)."""
         return self._handle is not None and self._handle.is_completed()
 
+    def _group_hosts(self) -> tuple[int, ...] | None:
+        members = getattr(getattr(self.comm, "membership", None), "members", None)
+        return tuple(members) if members and len(members) == self.comm.world_size else None
+
     def launch(self, payload: torch.Tensor) -> None:
         self.last_landed, self.stand_in = None, False
-        self.sent_as = (self.comm.rank, self.comm.world_size)
+        self.sent_as, self.sent_hosts = (self.comm.rank, self.comm.world_size), self._group_hosts()
         if self.op == "gather":
             self._handle, self._payload = self.comm.all_gather(payload, async_op=True), payload
         else:  # the all-reduce works in place: keep the message as sent, to send it again
@@ -685,7 +697,7 @@ class InFlight:
         ``retry_sync``, makes the message again: had it been kept to send again, the retry's
         landing would take it for the last one's and apply it twice)."""
         self._payload, self.last_landed, self.stand_in = message, None, False
-        self.sent_as = (self.comm.rank, self.comm.world_size)
+        self.sent_as, self.sent_hosts = (self.comm.rank, self.comm.world_size), self._group_hosts()
         try:
             self._handle = self.comm.all_reduce(message.clone(), op="sum", async_op=True, screen=True)
         except RuntimeError:
@@ -704,6 +716,7 @@ class InFlight:
         stays in flight for ``rebind``."""
         if self._primed is not None:  # completed elsewhere (or here, on a group left): its result
             landed, self._primed, self._payload, self._arrived = self._primed, None, None, None
+            self.landed_hosts = self._primed_hosts
             return self._finish(landed)
         if self._resend is not None:
             resend, self._resend = self._resend, None
@@ -716,6 +729,7 @@ class InFlight:
             return None
         landed = self._handle.wait()
         self._handle = self._payload = None
+        self.landed_hosts = self.sent_hosts
         return self._finish(landed)
 
     def _finish(self, landed: torch.Tensor) -> torch.Tensor:
@@ -725,18 +739,36 @@ class InFlight:
             landed = landed[:-1] / landed[-1] if landed[-1] > 0 else torch.zeros_like(landed[:-1])
         return landed
 
-    def prime(self, result: torch.Tensor) -> None:
+    def prime(self, result: torch.Tensor, hosts: tuple[int, ...] | None = None) -> None:
         """The collective in flight completed on another survivor (its ``last_landed``) while
         this one's wait failed: the next ``land`` returns ``result`` as if it had completed
         here, and sends nothing (``ft/elastic.py``, which lands it in the same regroup's
-        redone sync). This worker's own message was in it."""
+        redone sync). This worker's own message was in it. ``hosts``: of the group it ran in
+        (by default the one this worker sent it in)."""
         if self._resend is not None:  # its own message, for ``unprime``
             self._payload = self._resend
         self._primed, self._handle, self._resend = result, None, None
+        self._primed_hosts = tuple(hosts) if hosts is not None else self.sent_hosts
 
     @property
     def primed(self) -> bool:
         return self._primed is not None
+
+    @property
+    def primed_hosts(self) -> tuple[int, ...] | None:
+        """The hosts, by rank, of the group whose collective gave ``primed_result``."""
+        return self._primed_hosts if self._primed is not None else None
+
+    def rows_judged(self):
+        """A context in which the norm check (``Communicator.judging_rows_of``) reads the rows of
+        the result just landed as the ranks of the group it ran in, where that is not the group
+        this worker is in now: a result kept at a regroup, or landed by another survivor and
+        sent here. Every worker that lands it then judges it as those of the old group did,
+        and counts a rejection against the host that sent the row."""
+        hosts, judging = self.landed_hosts, getattr(self.comm, "judging_rows_of", None)
+        if hosts is None or judging is None or hosts == self._group_hosts():
+            return contextlib.nullcontext()
+        return judging(hosts)
 
     @property
     def primed_result(self) -> torch.Tensor | None:
@@ -758,7 +790,9 @@ class InFlight:
         """The collective in flight, where this worker has launched it in the current group (its
         handle, this worker's message and the rank it sent it as): kept across a load of another
         worker's state, which would replace it with a message to send again (``take_live``)."""
-        return (self._handle, self._payload, self.sent_as) if self._handle is not None else None
+        return (
+            (self._handle, self._payload, self.sent_as, self.sent_hosts) if self._handle is not None else None
+        )
 
     def take_live(self, live: tuple | None) -> None:
         """``live`` (from ``live``) is in flight again: the next ``land`` waits for it, nothing
@@ -766,7 +800,7 @@ class InFlight:
         with an empty message; the state it loads after holds the leader's message to send, and
         sending it would pair with the members' next collective."""
         if live is not None:
-            self._handle, self._payload, self.sent_as = live
+            self._handle, self._payload, self.sent_as, self.sent_hosts = live
             self._resend = self._primed = self._arrived = None
             self.stand_in = True  # (its wait says nothing of the link: an empty message, sent early)
 
@@ -827,12 +861,14 @@ class InFlight:
         payload: torch.Tensor | None,
         device: torch.device | None = None,
         result: torch.Tensor | None = None,
+        hosts: tuple[int, ...] | list[int] | None = None,
     ) -> None:
         """Resend ``payload`` (a saved ``saved()``), moved to ``device`` (a snapshot's is on the CPU).
         Sent in no group yet: ``sent_as`` is that of its next launch. ``result``: its collective's,
-        kept at a regroup (``primed_result``, saved beside it): landed from it, nothing sent."""
+        kept at a regroup (``primed_result``, saved beside it): landed from it, nothing sent.
+        ``hosts``: of the group that collective ran in (``primed_hosts``, saved beside it)."""
         self._handle = self._payload = self._primed = self.last_landed = self._arrived = None
-        self.sent_as = None
+        self.sent_as = self.sent_hosts = None
         self._resend = payload.to(device) if payload is not None and device is not None else payload
         if payload is not None and result is not None:
-            self.prime(result.to(device) if device is not None else result)
+            self.prime(result.to(device) if device is not None else result, hosts)

@@ -208,7 +208,8 @@ class CO2(AutoTau, PeriodicSync):
     def _land_in_flight(self) -> None:
         landed = self.in_flight.land()
         if landed is not None and self.messages is not None:  # the gathered messages, decoded
-            landed, kept = self.messages.mean(landed, self._anchor.numel())
+            with self.in_flight.rows_judged():  # (rows kept from the group before: theirs)
+                landed, kept = self.messages.mean(landed, self._anchor.numel())
             own = self.in_flight.own_row(len(kept))  # (a result kept from the group before: its row)
             if own is not None and not kept[own]:  # left out: what its rounding lost goes too
                 self._residual.zero_()
@@ -359,6 +360,7 @@ class CO2(AutoTau, PeriodicSync):
         # N + stop + N lands the same bytes as 2N.
         state["in_flight"] = self.in_flight.saved()
         state["in_flight_result"] = self.in_flight.primed_result  # (kept at a regroup: lands it too)
+        state["in_flight_hosts"] = self.in_flight.primed_hosts  # (its rows' hosts, for the check)
         # measured at start-up under auto: a resume and an adopter keep it
         state["tau"] = self.config.tau
         # where this period started: moved by this worker's fp32 Delta, which a 4-bit message in
@@ -376,7 +378,9 @@ class CO2(AutoTau, PeriodicSync):
         self._anchor.copy_(state["anchor"])
         self._momentum.copy_(state["momentum"])
         self._restore_tau(state, self.config.H)  # before co2 had a tau: a period late
-        self.in_flight.restore(state["in_flight"], self.device, state.get("in_flight_result"))
+        self.in_flight.restore(
+            state["in_flight"], self.device, state.get("in_flight_result"), state.get("in_flight_hosts")
+        )
         flying = self.in_flight.saved()
         start = own_value(state, "start")  # none handed over: the adopter starts from the anchor
         if start is not None:  # with nothing in flight too: a launch that failed left an eager start

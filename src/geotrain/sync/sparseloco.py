@@ -478,7 +478,8 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         if gathered is None:
             return self._no_entries()
         gathered, arrivals = self._message_part(gathered)
-        weights, touched = self._land(gathered)
+        with flight.rows_judged():  # (rows kept from the group before: judged as that group's)
+            weights, touched = self._land(gathered)
         if not self.follows_link:
             return touched
         if weights is not None:  # a message the check left out has no say in the landing either
@@ -687,6 +688,7 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         # period's start under overlap (anchor - alpha * that message), which is not saved.
         state["in_flight"] = self.in_flight.saved()
         state["in_flight_result"] = self.in_flight.primed_result  # (kept at a regroup: lands it too)
+        state["in_flight_hosts"] = self.in_flight.primed_hosts  # (its rows' hosts, for the check)
         if self._start_message is not None and self.in_flight.flying:
             state["start_message"] = self._start_message
         state["overlap"] = self.overlap  # None: auto, not yet decided
@@ -720,7 +722,9 @@ class SparseLoCo(AutoOverlap, PeriodicSync):
         self._error.copy_(self._in_layout(error)) if error is not None else self._error.zero_()
         # A message saved in the flat layout before chunks were per tensor cannot be resent.
         resend = state["in_flight"] if state["anchor"].numel() == self.n else None
-        self.in_flight.restore(resend, self.device, state.get("in_flight_result"))
+        self.in_flight.restore(
+            resend, self.device, state.get("in_flight_result"), state.get("in_flight_hosts")
+        )
         if self.config.overlap == "auto":
             # A state saved before --overlap auto ran with overlap on, the default then.
             self.overlap = state.get("overlap", True)
