@@ -335,6 +335,42 @@ def test_a_primed_result_lands_without_sending_and_a_new_regroup_drops_it():
     assert not f.primed and f.resending and f.saved() is own
 
 
+def test_a_result_from_another_group_is_judged_as_the_hosts_that_sent_its_rows():
+    """``InFlight`` records the hosts of the group each collective ran in: a result primed (kept
+    at a regroup, or sent by another survivor) lands with those hosts, a resend on the new group
+    with the new group's, a result restored from a state with the hosts saved beside it. In
+    ``judging_rows_of`` the norm check reads the rows as those hosts' (a rejection counted
+    against the host that sent the row) and this group's left-out ranks apply to none of them."""
+    from geotrain.sync.base import InFlight
+
+    membership = types.SimpleNamespace(members=[5, 7, 9])
+    comm = types.SimpleNamespace(
+        rank=1, world_size=3, membership=membership, all_gather=lambda t, async_op: None
+    )
+    f = InFlight(comm)
+    f.launch(torch.ones(2, dtype=torch.uint8))
+    assert f.sent_as == (1, 3) and f.sent_hosts == (5, 7, 9)
+    f.rebind()  # a regroup: hosts 5 and 7 go on
+    membership.members, comm.rank, comm.world_size = [5, 7], 1, 2
+    f.prime(torch.zeros(3, 2, dtype=torch.uint8))  # the gather arrived whole on the other
+    assert f.primed_hosts == (5, 7, 9)
+    f.land()
+    assert f.landed_hosts == (5, 7, 9) and isinstance(f.rows_judged(), contextlib.AbstractContextManager)
+    g = InFlight(comm)
+    g.restore(torch.ones(2, dtype=torch.uint8), None, torch.zeros(3, 2, dtype=torch.uint8), [5, 9, 7])
+    assert g.primed_hosts == (5, 9, 7) and g.sent_hosts is None
+    g.unprime()  # (a new regroup drops it: its own message is sent again, on that group)
+    assert g.resending and g.primed_hosts is None
+
+    checked = Communicator(membership=membership, max_norm_ratio=10.0)
+    checked.world_size, checked.rank, checked.left_out = 2, 0, frozenset({1})
+    judged = [(1.0, True), (500.0, True), (1.2, True)]  # three rows of the group before
+    with checked.judging_rows_of((5, 9, 7)):
+        weights = checked.weigh_gathered(judged)
+    assert weights == [1.0, 0.0, 1.0]  # row 1 judged (not left out as this group's rank 1) and rejected
+    assert checked.rejected_by_rank == {9: 1} and checked.step_checked == {5, 9, 7}
+
+
 def test_a_collective_put_back_after_a_load_keeps_its_rank_and_is_not_timed():
     """``take_live``: a joiner's empty part of the members' landing, launched before it loaded
     their state (which drops it), is in flight again with the rank it was sent as, and its
@@ -1911,7 +1947,7 @@ def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: 
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
     checked = algo.endswith("-checked")
     if checked:  # contributions checked (the CLI's default among 3 or more): a mean's screen is a
-        # collective, so host 2 takes part in step 4's; nothing is kept at the regroup all the same
+        # collective, so host 2 takes part in step 4's (arrived)
         algo = algo.removesuffix("-checked")
         comm = Communicator(membership=membership, max_norm_ratio=10.0)
     options = {
@@ -1988,7 +2024,7 @@ def _co2_checked_over_an_arrived_landing(host: int, store_port: int, file_store:
     _deferred_over_a_landing(host, store_port, file_store, out, "co2-checked", True)
 
 
-def _co2_fp32_checked_over_a_landing(host: int, store_port: int, file_store: str, out: str) -> None:
+def _co2_fp32_checked_over_an_arrived_landing(host: int, store_port: int, file_store: str, out: str) -> None:
     _deferred_over_a_landing(host, store_port, file_store, out, "co2-fp32-checked", True)
 
 
@@ -2007,7 +2043,7 @@ def _co2_fp32_over_an_arrived_landing(host: int, store_port: int, file_store: st
         # 3 rows judged as the group before's hosts, on the joiner too (from the state)
         (_co2_checked_over_a_landing, [2.0, 2.0]),
         (_co2_checked_over_an_arrived_landing, [3.0, 2.0]),
-        (_co2_fp32_checked_over_a_landing, [3.0, 2.0]),
+        (_co2_fp32_checked_over_an_arrived_landing, [3.0, 2.0]),
     ],
 )
 def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_the_period(

@@ -349,7 +349,9 @@ class CheckedMeans:
         if self._rows_hosts is not None:
             return self._rows_hosts[rank] if rank < len(self._rows_hosts) else rank
         members = getattr(self.membership, "members", None)
-        return members[rank] if members and len(members) == self.world_size else rank
+        # (rows of a bigger group with no hosts known, a result restored from a state saved
+        # without them: counted by rank rather than failing the landing)
+        return members[rank] if members and len(members) == self.world_size and rank < len(members) else rank
 
     def _rejected(self, rank: int) -> None:
         """Count a contribution of ``rank`` left out by the check (``rejected_updates``)."""
