@@ -54,7 +54,14 @@ from typing import Any, NamedTuple
 import torch
 
 from geotrain.comm.communicator import Communicator
-from geotrain.ft.flight import flight_status, landed_meta, only_a_landing_behind, resend_meta, send_landing
+from geotrain.ft.flight import (
+    a_landing_behind_the_leader,
+    flight_status,
+    landed_meta,
+    only_a_landing_behind,
+    resend_meta,
+    send_landing,
+)
 from geotrain.ft.handover import hand_over
 from geotrain.ft.membership import Membership, NoStateHolder, RunFinished, retire, sync_boundary
 from geotrain.ft.state import (
@@ -436,7 +443,10 @@ def regroup(
     # rows are the old group's; the norm check reads them as that group's, ``rows_judged``):
     meta = lead.landed_meta
     same_ranks = all(reports[r].sent_as_rank == r for r in behind)
-    if best.local_done and same_ranks and only_a_landing_behind(statuses, behind, meta):
+    lacks_a_landing = (best.local_done and only_a_landing_behind(statuses, behind, meta)) or (
+        by_message and a_landing_behind_the_leader(statuses, places, keeps, behind, leader, meta)
+    )
+    if same_ranks and lacks_a_landing:
         handed = send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []

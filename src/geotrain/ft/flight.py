@@ -39,9 +39,9 @@ def landed_meta(sync) -> tuple[list[int], str, int] | None:
     """The shape and dtype of the last landed collective's result this worker holds, and the
     size of the group it was sent in (None: none kept)."""
     landed = sync.in_flight.last_landed if sync.in_flight is not None else None
-    if landed is None or sync.in_flight.sent_as is None:
+    if landed is None or sync.in_flight.last_landed_size is None:
         return None
-    return list(landed.shape), str(landed.dtype).removeprefix("torch."), sync.in_flight.sent_as[1]
+    return list(landed.shape), str(landed.dtype).removeprefix("torch."), sync.in_flight.last_landed_size
 
 
 def only_a_landing_behind(statuses: list[StepStatus], behind: list[int], meta) -> bool:
@@ -55,6 +55,24 @@ def only_a_landing_behind(statuses: list[StepStatus], behind: list[int], meta) -
     return best.landed and all(
         (s.committed, s.local_done, s.stage, s.landed) == (best.committed, best.local_done, best.stage, False)
         for s in (statuses[r] for r in behind)
+    )
+
+
+def a_landing_behind_the_leader(
+    statuses: list[StepStatus], places: list[tuple], keeps: list[bool], behind: list[int], leader: int, meta
+) -> bool:
+    """Whether the members ``behind`` (placed by message) lack only the result of the message
+    the leader landed last, though the leader has gone on past that landing (a whole period
+    on, where the message lands at the next sync: it has launched its next one): each failed
+    its wait for that landing at its sync (the lost peer's last chunk reached the leader, not
+    it), a place before the leader's, and the leader keeps that result (``last_landed``, kept
+    until its next landing) and is not itself to land a message kept at this regroup. Then
+    that result is all each needs: its redo lands it and goes on from its own step."""
+    if not behind or meta is None or meta[2] >= 256 or keeps[leader] or places[leader][0] == "joiner":
+        return False
+    index, *rest = places[leader]
+    return all(
+        statuses[r].local_done and not statuses[r].landed and places[r] == (index - 1, *rest) for r in behind
     )
 
 

@@ -659,8 +659,10 @@ class InFlight:
         self._primed: torch.Tensor | None = None
         self._arrived = None  # the collective whose own result is primed (``keep_arrived``)
         # The last landed collective's result as it came (a mean's weight last), until the next
-        # launch: what a survivor whose wait failed is sent instead of a whole state.
+        # landing (past the next launch: a survivor a period behind may lack it): what a
+        # survivor whose wait failed is sent instead of a whole state.
         self.last_landed: torch.Tensor | None = None
+        self.last_landed_size: int | None = None
         self.landings = 0  # messages landed so far
         self.stand_in = False  # the collective in flight was put back by ``take_live``
 
@@ -683,7 +685,7 @@ class InFlight:
         return tuple(members) if members and len(members) == self.comm.world_size else None
 
     def launch(self, payload: torch.Tensor) -> None:
-        self.last_landed, self.stand_in = None, False
+        self.stand_in = False
         self.sent_as, self.sent_hosts = (self.comm.rank, self.comm.world_size), self._group_hosts()
         if self.op == "gather":
             self._handle, self._payload = self.comm.all_gather(payload, async_op=True), payload
@@ -696,7 +698,7 @@ class InFlight:
         screen before it is a collective: if it fails, nothing is in flight (the caller's retry,
         ``retry_sync``, makes the message again: had it been kept to send again, the retry's
         landing would take it for the last one's and apply it twice)."""
-        self._payload, self.last_landed, self.stand_in = message, None, False
+        self._payload, self.stand_in = message, False
         self.sent_as, self.sent_hosts = (self.comm.rank, self.comm.world_size), self._group_hosts()
         try:
             self._handle = self.comm.all_reduce(message.clone(), op="sum", async_op=True, screen=True)
@@ -734,6 +736,9 @@ class InFlight:
 
     def _finish(self, landed: torch.Tensor) -> torch.Tensor:
         self.last_landed = landed if self.keeps_landed else None
+        # the size of the group it ran in (this worker's message was in it), kept with it: by
+        # a later launch on a group formed since, ``sent_as`` names that one
+        self.last_landed_size = self.sent_as[1] if self.sent_as is not None else None
         self.landings += 1
         if self.op == "mean":  # the sum over the senders, divided by how many sent
             landed = landed[:-1] / landed[-1] if landed[-1] > 0 else torch.zeros_like(landed[:-1])

@@ -150,7 +150,9 @@ class CO2(AutoTau, PeriodicSync):
         # this worker's Delta, landing tau steps late: an fp32 mean all-reduce, or with --bits 4
         # or 8 quantised messages gathered and averaged after decoding, with error feedback
         self.messages = QuantizedGather(comm, cfg.bits) if cfg.bits < 32 else None
-        self.in_flight = InFlight(comm, op="mean" if self.messages is None else "gather")
+        # (keeps the last landed result for a survivor whose wait for it failed: the gathered
+        # messages, N eighths of the model in 4 bits; with fp32 a copy of the model)
+        self.in_flight = InFlight(comm, op="mean" if self.messages is None else "gather", keeps_landed=True)
         # fp32 whatever the parameters' dtype: what a message's rounding lost, not a parameter
         self._residual = (
             torch.zeros(self._anchor.numel(), dtype=torch.float32, device=self._anchor.device)
