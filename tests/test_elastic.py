@@ -148,6 +148,30 @@ def test_only_the_result_of_a_landing_is_sent_where_that_is_all_the_others_lack(
     # without the norm check: the other gloo test, the end-of-run average, hands the state over)
 
 
+def test_only_the_landing_the_leader_went_on_from_is_sent_to_a_member_a_place_behind():
+    from geotrain.ft.flight import a_landing_behind_the_leader as behind_the_leader
+
+    S, meta = StepStatus, ([3, 100], "uint8", 3)
+    statuses = [S(9, False), S(7, True), S(9, False)]  # host 1's wait for its landing at 8 failed
+    places, keeps = [(2, 0), (1, 0), (2, 0)], [False, False, False]
+    assert behind_the_leader(statuses, places, keeps, [1], 0, meta)
+    assert not behind_the_leader(statuses, places, keeps, [1], 0, None)  # nothing kept
+    assert not behind_the_leader(
+        statuses, places, [True, False, False], [1], 0, meta
+    )  # leader lands a kept one
+    assert not behind_the_leader(statuses, [(3, 0), (1, 0), (3, 0)], keeps, [1], 0, meta)  # two places behind
+    assert not behind_the_leader(
+        [S(9, False), S(7, False), S(9, False)], places, keeps, [1], 0, meta
+    )  # no failed sync
+    assert not behind_the_leader(
+        [S(9, False), S(7, True, True), S(9, False)], places, keeps, [1], 0, meta
+    )  # landed
+    assert not behind_the_leader(
+        statuses, places, keeps, [1, 2], 0, meta
+    )  # one behind is at the leader's place
+    assert not behind_the_leader(statuses, places, keeps, [1], 0, ([3, 100], "uint8", 256))
+
+
 def test_survivors_are_placed_by_the_message_they_send_first_in_the_new_group():
     """H=4. Host 0 past the sync at 8, its message in flight (not arrived: the lost host never
     sent its part); host 1 at step 7, short of it. Its own message in flight (a period late)

@@ -68,7 +68,7 @@ def a_landing_behind_the_leader(
     it), a place before the leader's, and the leader keeps that result (``last_landed``, kept
     until its next landing) and is not itself to land a message kept at this regroup. Then
     that result is all each needs: its redo lands it and goes on from its own step."""
-    if not behind or meta is None or meta[2] >= 256 or keeps[leader] or places[leader][0] == "joiner":
+    if not behind or meta is None or meta[2] >= 256 or keeps[leader]:  # (the leader is no joiner)
         return False
     index, *rest = places[leader]
     return all(

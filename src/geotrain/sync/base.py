@@ -641,7 +641,9 @@ class InFlight:
             raise ValueError(f"op must be 'gather' or 'mean', got {op!r}")
         self.comm = comm
         self.op = op
-        self.keeps_landed = keeps_landed  # keep ``last_landed`` (SparseLoCo's: a few KB of payloads)
+        # keep ``last_landed`` (SparseLoCo's: a few KB of payloads; CO2's: its N 4-bit messages,
+        # or with fp32 a model's worth)
+        self.keeps_landed = keeps_landed
         # (rank, group size) it last sent as: the rows of its collective are in that group's order
         self.sent_as: tuple[int, int] | None = None
         # The hosts of that group by rank (None where not known), and of the collective last
