@@ -2211,12 +2211,13 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
 
 
 @_saved
-def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool) -> dict:
+def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool, lost: int = 2) -> dict:
     """CO2 with H=4 (4-bit messages), each mean landing at the next sync (tau 4): all three
-    take steps 1-6 (step 4's gather arrives everywhere), then host 2 is lost. Host 0 lands step
-    4's gather at step 8, launches its own (which host 2 never joins) and goes on to step 9;
-    host 1's wait for step 4's gather fails at its step 8 (the lost peer's last chunk did not
-    reach it). ``checked``: contributions checked."""
+    take steps 1-6 (step 4's gather arrives everywhere), then host ``lost`` is lost. The first
+    other host (the leader) lands step 4's gather at step 8, launches its own (which the lost
+    host never joins) and goes on to step 9; the last one's wait for step 4's gather fails at
+    its step 8 (the lost peer's last chunk did not reach it). ``checked``: contributions
+    checked. With host 0 lost, each survivor's rank in the new group is not the one it sent as."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
@@ -2237,10 +2238,10 @@ def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool)
         time.sleep(0.01)
     client.set(f"arrived/{host}", "1")
     client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
-    if host == 2:
+    if host == lost:
         os._exit(0)
     step(7)
-    if host == 0:
+    if host == min({0, 1, 2} - {lost}):
         step(8)
         step(9)
         status = StepStatus(9, False)
@@ -2271,22 +2272,32 @@ def _a_period_behind_unchecked(host: int, store_port: int, file_store: str, out:
     _a_period_behind(host, store_port, file_store, out, False)
 
 
-@pytest.mark.parametrize("worker", [_a_period_behind_unchecked, _a_period_behind_checked])
+def _a_period_behind_ranks_moved(host: int, store_port: int, file_store: str, out: str) -> None:
+    _a_period_behind(host, store_port, file_store, out, True, lost=0)
+
+
+@pytest.mark.parametrize(
+    "worker", [_a_period_behind_unchecked, _a_period_behind_checked, _a_period_behind_ranks_moved]
+)
 def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_state(tmp_path, worker):
     """CO2 landing a period late: host 0 landed step 4's gather at its step 8 and went on to
     step 9, its step-8 message in flight; host 1's wait for that gather failed at its step 8.
     Host 1 lacks that gather's result alone: host 0 sends it (three 4-bit messages, under half
     a model's worth, where its state is three), host 1's redo lands it and launches step 8's message,
     which host 0 sends again at its step 12. It used to take host 0's whole state (3 of the 23
-    fault regroups of a CO2 soak at 2 Mbit/s). Both end step 12 with the same anchor."""
+    fault regroups of a CO2 soak at 2 Mbit/s). Both end step 12 with the same anchor. Also
+    where host 0 is lost and each survivor's rank moves (host 2 sent as rank 2, lands as rank
+    1: each reads its own row by the rank it sent as), where the one behind took the state too
+    (1 of 24 fault regroups in a soak, a rank having moved)."""
     store = _master()
     Epochs(store, tmp_path, 3)
-    store.set("members/1", "0,1")  # host 2 was lost
+    kept = (1, 2) if worker is _a_period_behind_ranks_moved else (0, 1)
+    store.set("members/1", ",".join(map(str, kept)))  # the other host was lost
     store.add("epoch", 1)
-    h0, h1 = _hosts(worker, store, 3, (0, 1))
+    h0, h1 = _hosts(worker, store, 3, kept)
     for h in (h0, h1):
-        assert h["event"]["leader"] == 0 and h["event"]["behind"] == [], h["event"]
-        assert h["event"]["caught_up"] == [1], h["event"]
+        assert h["event"]["leader"] == kept[0] and h["event"]["behind"] == [], h["event"]
+        assert h["event"]["caught_up"] == [kept[1]], h["event"]
         assert 0 < h["event"]["handed_over_bytes"] < h["model_bytes"] / 2  # (the state: 3 models' worth)
     assert (h0["event"]["resume"].committed, h1["event"]["resume"].done) == (9, 8)
     assert h0["anchor"] == h1["anchor"]

@@ -304,7 +304,6 @@ class _Report(NamedTuple):
     stage: int
     from_state: bool  # ``parameters_from_state``
     landed_meta: tuple[list[int], str, int] | None  # ``flight.landed_meta``
-    sent_as_rank: int  # its rank in the group its message in flight was sent in (-1: none)
     shared_optimizer: bool
     defers: bool  # ``defers_admission``
     steps: int  # the run's last step
@@ -368,7 +367,6 @@ def regroup(
             status.committed, status.local_done, tokens, sync.collective_period(), sync.sync_period(),
             membership.holds_copy, in_flight is not None and not in_flight.flying,
             sync.final_progress(), sync.parameters_from_state, landed_meta(sync),
-            in_flight.sent_as[0] if in_flight is not None and in_flight.sent_as else -1,
             "optimizer" in sync.replicated_parts(), sync.defers_admission(), steps,
             flight_status(sync) if sync.places_by_message else None, resend_meta(sync),
             sync.places_by_message and sync.noise is None,
@@ -439,14 +437,14 @@ def regroup(
     handed: dict[str, Any] = {"handed_over_bytes": 0, "stripes": {}, "resumed_bytes": 0}
     deferred: tuple[list[int], int] = ([], 0)  # joiners that join at the members' next sync, and it
     caught_up: list[int] = []
-    # Where the redo lands it in this regroup (the sync that failed), each at its old rank (the
-    # rows are the old group's; the norm check reads them as that group's, ``rows_judged``):
+    # Where the redo lands it in this regroup (the sync that failed). Its rows are the old
+    # group's: each reads its own by the rank it sent as (``InFlight.own_row``), and the norm
+    # check reads them as that group's hosts (``rows_judged``), wherever its rank moved.
     meta = lead.landed_meta
-    same_ranks = all(reports[r].sent_as_rank == r for r in behind)
     lacks_a_landing = (best.local_done and only_a_landing_behind(statuses, behind, meta)) or (
         by_message and a_landing_behind_the_leader(statuses, places, keeps, behind, leader, meta)
     )
-    if same_ranks and lacks_a_landing:
+    if lacks_a_landing:
         handed = send_landing(comm, behind, leader, meta, sync)
         caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []
