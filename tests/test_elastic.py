@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import tempfile
 import threading
@@ -386,12 +387,17 @@ def test_a_result_from_another_group_is_judged_as_the_hosts_that_sent_its_rows()
     g.unprime()  # (a new regroup drops it: its own message is sent again, on that group)
     assert g.resending and g.primed_hosts is None
 
-    checked = Communicator(membership=membership, max_norm_ratio=10.0)
-    checked.world_size, checked.rank, checked.left_out = 2, 0, frozenset({1})
+    # --max-norm-ratio auto (10 from 3 workers on): in a group of two only finiteness is judged
+    checked = Communicator(membership=membership, max_norm_ratio=10.0, auto_min_workers=3)
+    checked.world_size, checked.rank = 2, 0
+    checked.max_norm_ratio = checked.ratio_for(2)
     judged = [(1.0, True), (500.0, True), (1.2, True)]  # three rows of the group before
-    with checked.judging_rows_of((5, 9, 7)):
+    assert checked.max_norm_ratio == math.inf and checked.weigh_gathered(judged[:2]) == [1.0, 1.0]
+    checked.left_out = frozenset({1})
+    with checked.judging_rows_of((5, 9, 7)):  # judged as among the three that sent them: at 10
         weights = checked.weigh_gathered(judged)
     assert weights == [1.0, 0.0, 1.0]  # row 1 judged (not left out as this group's rank 1) and rejected
+    assert checked.max_norm_ratio == math.inf  # (this group's again)
     assert checked.rejected_by_rank == {9: 1} and checked.step_checked == {5, 9, 7}
 
 

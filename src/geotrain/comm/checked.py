@@ -59,6 +59,16 @@ class CheckedMeans:
     # group (``judging_rows_of``); None: this group's.
     _rows_hosts: tuple[int, ...] | None = None
 
+    def ratio_for(self, workers: int) -> float:
+        """The norm ratio that applies among ``workers``: under ``--max-norm-ratio auto``
+        (``auto_min_workers``) the one asked for from that many on; below it a ratio cannot say
+        which of two is wrong, but what is not finite is wrong wherever it comes from: a ratio
+        of inf leaves out only that."""
+        if not self.auto_min_workers:
+            return self.max_norm_ratio
+        few = math.inf if self._wanted_ratio > 0 and workers > 1 else 0.0
+        return self._wanted_ratio if workers >= self.auto_min_workers else few
+
     @contextlib.contextmanager
     def judging_rows_of(self, hosts: tuple[int, ...] | list[int]):
         """Judge gathered rows (``weigh_gathered``) that another group's collective gave, one
@@ -66,12 +76,15 @@ class CheckedMeans:
         group before, or landed by another survivor and sent on (``InFlight.rows_judged``). Each
         rejection counts against the host that sent the row, as it did on the workers that
         landed it in that group, and this group's ``left_out`` ranks (not those rows') apply
-        to none of them."""
-        previous, self._rows_hosts = self._rows_hosts, tuple(hosts)
+        to none of them. They are judged at the ratio of their group's size (under
+        ``--max-norm-ratio auto`` a group of two judges only finiteness, where the three that
+        sent them were judged by the ratio), so every worker weighs them alike."""
+        previous = self._rows_hosts, self.max_norm_ratio
+        self._rows_hosts, self.max_norm_ratio = tuple(hosts), self.ratio_for(len(hosts))
         try:
             yield
         finally:
-            self._rows_hosts = previous
+            self._rows_hosts, self.max_norm_ratio = previous
 
     def _in_band(self, op: str) -> bool:
         """Whether a checked mean learns the verdict alongside the average (``_checked_mean``)

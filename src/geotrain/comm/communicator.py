@@ -24,7 +24,6 @@ the group loses a member, one line naming a collective that timed out or lost it
 from __future__ import annotations
 
 import contextlib
-import math
 import pickle
 import sys
 import threading
@@ -165,11 +164,7 @@ class Communicator(CheckedMeans):
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         # NCCL carries the CUDA tensors (gloo, in the same group, the CPU control numbers)
         self.nccl = self.distributed and "nccl" in str(dist.get_backend(self.group))
-        if self.auto_min_workers:
-            # Below the minimum a ratio cannot say which of two is wrong, but what is not finite
-            # is wrong wherever it comes from: a ratio of inf leaves out only that.
-            few = math.inf if self._wanted_ratio > 0 and self.world_size > 1 else 0.0
-            self.max_norm_ratio = self._wanted_ratio if self.world_size >= self.auto_min_workers else few
+        self.max_norm_ratio = self.ratio_for(self.world_size)
         # Never freed, like an epoch's default group: a subgroup's destructor joins its threads,
         # and one may wait on a lost peer for data of an abandoned collective.
         retire(self.two_level)
