@@ -372,6 +372,7 @@ def test_a_result_from_another_group_is_judged_as_the_hosts_that_sent_its_rows()
     comm = types.SimpleNamespace(
         rank=1, world_size=3, membership=membership, all_gather=lambda t, async_op: None
     )
+    comm.group_hosts = lambda: Communicator.group_hosts(comm)  # (the Communicator's own reading)
     f = InFlight(comm)
     f.launch(torch.ones(2, dtype=torch.uint8))
     assert f.sent_as == (1, 3) and f.sent_hosts == (5, 7, 9)
@@ -2111,6 +2112,26 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
     assert max(landings) < HAND_OVER_DELAY_S / 2, landings
 
 
+def _to_step_6_then_lose(sync, optimizer, host: int, store_port: int, lost: int):
+    """Steps 1-6 on every host (step 4's collective, where one flies, arrives everywhere), then
+    host ``lost`` exits. Returns the step (a local step, then ``after_step``)."""
+
+    def step(n: int) -> None:
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+
+    for n in range(1, 7):
+        step(n)
+    while sync.in_flight.flying and not sync.in_flight.arrived():  # step 4's gather, here
+        time.sleep(0.01)
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    client.set(f"arrived/{host}", "1")
+    client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
+    if host == lost:
+        os._exit(0)  # lost after its part of step 4's gather has gone everywhere
+    return step
+
+
 @_saved
 def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo: str) -> dict:
     """``algo`` (SparseLoCo overlapped; CO2) with H=4, each message landing at the next outer
@@ -2133,20 +2154,7 @@ def _across_an_overlapped_sync(host: int, store_port: int, file_store: str, algo
     if algo.endswith("-checked"):
         algo, comm = algo.removesuffix("-checked"), Communicator(membership=membership, max_norm_ratio=10.0)
     sync = build_sync(algo, model, optimizer, comm, options)
-    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-
-    def step(n: int) -> None:
-        _tiny_step(sync, optimizer, host, n)
-        sync.after_step()
-
-    for n in range(1, 7):
-        step(n)
-    while sync.in_flight.flying and not sync.in_flight.arrived():  # step 4's gather, here
-        time.sleep(0.01)
-    client.set(f"arrived/{host}", "1")
-    client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
-    if host == 2:
-        os._exit(0)  # lost after its part of step 4's gather has gone everywhere
+    step = _to_step_6_then_lose(sync, optimizer, host, store_port, 2)
     if host == 0:
         for n in range(7, 10):
             step(n)
@@ -2232,20 +2240,7 @@ def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool,
     if checked:
         comm = Communicator(membership=membership, max_norm_ratio=10.0)
     sync = build_sync("co2", model, optimizer, comm, {"H": 4, "tau": 4})
-    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-
-    def step(n: int) -> None:
-        _tiny_step(sync, optimizer, host, n)
-        sync.after_step()
-
-    for n in range(1, 7):
-        step(n)
-    while not sync.in_flight.arrived():
-        time.sleep(0.01)
-    client.set(f"arrived/{host}", "1")
-    client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
-    if host == lost:
-        os._exit(0)
+    step = _to_step_6_then_lose(sync, optimizer, host, store_port, lost)
     step(7)
     if host == min({0, 1, 2} - {lost}):
         step(8)

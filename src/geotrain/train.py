@@ -353,8 +353,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         compute_clock = time.thread_time
     events: list[dict[str, Any]] = []  # membership changes survived (--on-failure continue)
     phase, loss = "compute", torch.tensor(float("nan"))
-    no_eval_through = 0  # evaluations at steps up to it are skipped (a regroup passed them)
-    quiet_through = 0  # and snapshots (their agreement to ship is a collective of the group)
+    # Evaluations and snapshots (whose agreement to ship is a collective of the group) at steps
+    # up to it are skipped: a regroup passed them, or members are not yet in step.
+    quiet_through = 0
 
     def one_step(x: torch.Tensor | None, y: torch.Tensor | None, step: int) -> bool:
         """One step; with no batch, a step this worker skips (``--pace time``): only the sync
@@ -458,7 +459,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
 
     def recover(error: RuntimeError, status: StepStatus) -> StepStatus:
         """Regroup with the survivors (or re-raise what is not a lost member)."""
-        nonlocal tokens_per_step, tokens_done, no_eval_through, quiet_through, pause_after
+        nonlocal tokens_per_step, tokens_done, quiet_through, pause_after
         nonlocal deferred_until, deferred_ranks, admit_after
 
         def lost_member(e: RuntimeError) -> bool:
@@ -501,7 +502,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         admit_after, again = None, None  # (each regroup decides afresh what is pending)
         if event["deferred"]:  # the members train on while the joiners receive the state
             # no evaluation before that sync: the members would wait there for the joiners
-            no_eval_through = max(no_eval_through, event["deferred_until"] - 1)
+            quiet_through = max(quiet_through, event["deferred_until"] - 1)
             if not event["hand_over_after"]:  # (else once the redo is done: admit_after_redo)
                 deferred_until = event["deferred_until"]
                 deferred_ranks = frozenset(event["members"].index(h) for h in event["deferred"])
@@ -521,10 +522,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 except RuntimeError as e:  # regrouped again below, once this one is recorded
                     again = e
         # A member behind the furthest (periodic methods: each goes on from its own step) must
-        # not wait in an evaluation the others have done or skipped (``quiet_through``), nor in
-        # a snapshot's agreement to ship (due off a sync where ``--snapshot-every`` is no
-        # multiple of the period).
-        no_eval_through = max(no_eval_through, event["quiet_through"])
+        # not wait in an evaluation the others have done or skipped, nor in a snapshot's
+        # agreement to ship (due off a sync where ``--snapshot-every`` is no multiple of H).
         quiet_through = max(quiet_through, event["quiet_through"])
         sampler.read_shards(owned_shards(host, ctx.world_size, event["members"]))
         tokens_per_step = cfg.batch_size * model.block_size * comm.world_size
@@ -732,7 +731,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
                 record["signal_fraction"] = round(rho, 4)
         if membership is not None:
             record["workers"] = comm.world_size
-        if cfg.eval_every and step % cfg.eval_every == 0 and no_eval_through < step < cfg.steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and quiet_through < step < cfg.steps:
             # On the same batches everywhere: the replicas' mean model, or each replica (--eval-model).
             t_eval = time.perf_counter()
             try:

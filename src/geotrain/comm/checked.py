@@ -356,15 +356,17 @@ class CheckedMeans:
         table = rows.contiguous().view(torch.float64).reshape(self.world_size, 2).tolist()
         return self._judge_table(table, out)
 
-    def _host(self, rank: int) -> int:
-        """The host of a group rank, where hosts are known (ranks change at a regroup); of the
-        rows' group where they are another's (``judging_rows_of``)."""
-        if self._rows_hosts is not None:
-            return self._rows_hosts[rank] if rank < len(self._rows_hosts) else rank
+    def group_hosts(self) -> tuple[int, ...] | None:
+        """This group's hosts by rank, where known (ranks change at a regroup)."""
         members = getattr(self.membership, "members", None)
-        # (rows of a bigger group with no hosts known, a result restored from a state saved
-        # without them: counted by rank rather than failing the landing)
-        return members[rank] if members and len(members) == self.world_size and rank < len(members) else rank
+        return tuple(members) if members and len(members) == self.world_size else None
+
+    def _host(self, rank: int) -> int:
+        """The host of a group rank, where hosts are known; of the rows' group where they are
+        another's (``judging_rows_of``). (Rows of a bigger group with no hosts known, a result
+        restored from a state saved without them, are counted by rank.)"""
+        hosts = self._rows_hosts if self._rows_hosts is not None else self.group_hosts()
+        return hosts[rank] if hosts and rank < len(hosts) else rank
 
     def _rejected(self, rank: int) -> None:
         """Count a contribution of ``rank`` left out by the check (``rejected_updates``)."""
