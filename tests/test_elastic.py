@@ -155,7 +155,7 @@ def test_only_the_landing_the_leader_went_on_from_is_sent_to_a_member_a_place_be
     S, meta = StepStatus, ([3, 100], "uint8", 3)
     statuses = [S(9, False), S(7, True), S(9, False)]  # host 1's wait for its landing at 8 failed
     places, keeps = [(2, 0), (1, 0), (2, 0)], [False, False, False]
-    assert behind_the_leader(statuses, places, keeps, [1], 0, meta)
+    assert behind_the_leader(statuses, places, keeps, [1], 0, meta) == [1]
     assert not behind_the_leader(statuses, places, keeps, [1], 0, None)  # nothing kept
     assert not behind_the_leader(
         statuses, places, [True, False, False], [1], 0, meta
@@ -167,9 +167,16 @@ def test_only_the_landing_the_leader_went_on_from_is_sent_to_a_member_a_place_be
     assert not behind_the_leader(
         [S(9, False), S(7, True, True), S(9, False)], places, keeps, [1], 0, meta
     )  # landed
+    # one behind is at the leader's place, a step short of it: it needs nothing, the other the
+    # landing (2 of the 22 fault regroups of a CO2 soak handed the state to both)
+    statuses = [S(9, False), S(7, True), S(8, False)]
+    assert behind_the_leader(statuses, places, keeps, [1, 2], 0, meta) == [1]
     assert not behind_the_leader(
-        statuses, places, keeps, [1, 2], 0, meta
-    )  # one behind is at the leader's place
+        statuses, [(2, 0), (1, 0), (1, 0)], keeps, [1, 2], 0, meta
+    )  # the other a place behind with no failed sync: it lacks more
+    assert not behind_the_leader(
+        statuses, [(2, 0), (2, 0), (2, 0)], keeps, [1, 2], 0, meta
+    )  # none lacks a landing
     assert not behind_the_leader(statuses, places, keeps, [1], 0, ([3, 100], "uint8", 256))
 
 
@@ -1614,13 +1621,13 @@ def test_a_broker_ends_with_the_run_and_a_restarted_one_remembers_who_left_and_h
     assert out[1] == {"finished": True, "stopped": False}
 
 
-def _tiny_member(host: int, store_port: int, file_store: str):
-    """Host ``host`` of 3 on gloo, with its membership, a ``tiny`` GPT (seed 0) and AdamW."""
+def _tiny_member(host: int, store_port: int, file_store: str, n: int = 3):
+    """Host ``host`` of ``n`` on gloo, with its membership, a ``tiny`` GPT (seed 0) and AdamW."""
     from geotrain.models.gpt import GPT, gpt_config
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=3)
-    membership = Membership("127.0.0.1", store_port, host, [0, 1, 2], timeout_s=30)
+    dist.init_process_group("gloo", init_method=f"file://{file_store}", rank=host, world_size=n)
+    membership = Membership("127.0.0.1", store_port, host, list(range(n)), timeout_s=30)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", 256, 16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -2112,9 +2119,9 @@ def test_a_joiner_is_admitted_while_the_members_train_on_over_a_landing_inside_t
     assert max(landings) < HAND_OVER_DELAY_S / 2, landings
 
 
-def _to_step_6_then_lose(sync, optimizer, host: int, store_port: int, lost: int):
-    """Steps 1-6 on every host (step 4's collective, where one flies, arrives everywhere), then
-    host ``lost`` exits. Returns the step (a local step, then ``after_step``)."""
+def _to_step_6_then_lose(sync, optimizer, host: int, store_port: int, lost: int, hosts: int = 3):
+    """Steps 1-6 on each of the ``hosts`` hosts (step 4's collective, where one flies, arrives
+    everywhere), then host ``lost`` exits. Returns the step (a local step, then ``after_step``)."""
 
     def step(n: int) -> None:
         _tiny_step(sync, optimizer, host, n)
@@ -2126,7 +2133,7 @@ def _to_step_6_then_lose(sync, optimizer, host: int, store_port: int, lost: int)
         time.sleep(0.01)
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
     client.set(f"arrived/{host}", "1")
-    client.wait([f"arrived/{h}" for h in range(3)], timedelta(seconds=30))
+    client.wait([f"arrived/{h}" for h in range(hosts)], timedelta(seconds=30))
     if host == lost:
         os._exit(0)  # lost after its part of step 4's gather has gone everywhere
     return step
@@ -2225,27 +2232,34 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
 
 
 @_saved
-def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool, lost: int = 2) -> dict:
+def _a_period_behind(
+    host: int, store_port: int, file_store: str, checked: bool, lost: int = 2, mixed: bool = False
+) -> dict:
     """CO2 with H=4 (4-bit messages), each mean landing at the next sync (tau 4): all three
     take steps 1-6 (step 4's gather arrives everywhere), then host ``lost`` is lost. The first
     other host (the leader) lands step 4's gather at step 8, launches its own (which the lost
-    host never joins) and goes on to step 9; the last one's wait for step 4's gather fails at
+    host never joins) and goes on to step 9; the next one's wait for step 4's gather fails at
     its step 8 (the lost peer's last chunk did not reach it). ``checked``: contributions
-    checked. With host 0 lost, each survivor's rank in the new group is not the one it sent as."""
+    checked. With host 0 lost, each survivor's rank in the new group is not the one it sent as.
+    ``mixed``: four hosts, host 3 lost, and host 2 as the leader but a step short of it (after
+    step 8, its step-8 message in flight): at the leader's place."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
-    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    n = 4 if mixed else 3
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store, n)
     if checked:
         comm = Communicator(membership=membership, max_norm_ratio=10.0)
     sync = build_sync("co2", model, optimizer, comm, {"H": 4, "tau": 4})
-    step = _to_step_6_then_lose(sync, optimizer, host, store_port, lost)
+    step = _to_step_6_then_lose(sync, optimizer, host, store_port, lost, n)
     step(7)
-    if host == min({0, 1, 2} - {lost}):
+    survivors = sorted(set(range(n)) - {lost})
+    if host == survivors[0] or (mixed and host == 2):
         step(8)
-        step(9)
-        status = StepStatus(9, False)
+        if host == survivors[0]:
+            step(9)
+        status = StepStatus(9 if host == survivors[0] else 8, False)
     else:
 
         def lost_wait(timeout=None):
@@ -2257,8 +2271,8 @@ def _a_period_behind(host: int, store_port: int, file_store: str, checked: bool,
             raise AssertionError("the step did not fail")
         status = StepStatus(7, True)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
-    for n in range(event["resume"].done + 1, 13):  # step 8's gather: host 1 launched it in its redo
-        step(n)
+    for k in range(event["resume"].done + 1, 13):  # step 8's gather: host 1 launched it in its redo
+        step(k)
     model_bytes = sum(4 * p.numel() for p in model.parameters())
     result = {"event": event, "anchor": tensors_digest(sync.shared_state()), "model_bytes": model_bytes}
     sync.close()
@@ -2277,8 +2291,20 @@ def _a_period_behind_ranks_moved(host: int, store_port: int, file_store: str, ou
     _a_period_behind(host, store_port, file_store, out, True, lost=0)
 
 
+def _a_period_behind_beside_one_at_the_leaders_place(
+    host: int, store_port: int, file_store: str, out: str
+) -> None:
+    _a_period_behind(host, store_port, file_store, out, True, lost=3, mixed=True)
+
+
 @pytest.mark.parametrize(
-    "worker", [_a_period_behind_unchecked, _a_period_behind_checked, _a_period_behind_ranks_moved]
+    "worker",
+    [
+        _a_period_behind_unchecked,
+        _a_period_behind_checked,
+        _a_period_behind_ranks_moved,
+        _a_period_behind_beside_one_at_the_leaders_place,
+    ],
 )
 def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_state(tmp_path, worker):
     """CO2 landing a period late: host 0 landed step 4's gather at its step 8 and went on to
@@ -2289,19 +2315,25 @@ def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_s
     fault regroups of a CO2 soak at 2 Mbit/s). Both end step 12 with the same anchor. Also
     where host 0 is lost and each survivor's rank moves (host 2 sent as rank 2, lands as rank
     1: each reads its own row by the rank it sent as), where the one behind took the state too
-    (1 of 24 fault regroups in a soak, a rank having moved)."""
+    (1 of 24 fault regroups in a soak, a rank having moved). And among four, host 3 lost, with
+    host 2 after step 8 at the leader's place: it goes on from its own step, and host 1 gets
+    the landing alone, where both took host 0's state (2 of 22 fault regroups in a soak)."""
+    mixed = worker is _a_period_behind_beside_one_at_the_leaders_place
     store = _master()
-    Epochs(store, tmp_path, 3)
-    kept = (1, 2) if worker is _a_period_behind_ranks_moved else (0, 1)
+    Epochs(store, tmp_path, 4 if mixed else 3)
+    kept = (1, 2) if worker is _a_period_behind_ranks_moved else (0, 1, 2) if mixed else (0, 1)
     store.set("members/1", ",".join(map(str, kept)))  # the other host was lost
     store.add("epoch", 1)
-    h0, h1 = _hosts(worker, store, 3, kept)
-    for h in (h0, h1):
+    hosts = _hosts(worker, store, 4 if mixed else 3, kept)
+    for h in hosts:
         assert h["event"]["leader"] == kept[0] and h["event"]["behind"] == [], h["event"]
         assert h["event"]["caught_up"] == [kept[1]], h["event"]
-        assert 0 < h["event"]["handed_over_bytes"] < h["model_bytes"] / 2  # (the state: 3 models' worth)
-    assert (h0["event"]["resume"].committed, h1["event"]["resume"].done) == (9, 8)
-    assert h0["anchor"] == h1["anchor"]
+        # the old group's 4-bit messages, an eighth of the model each (the state: 3 models' worth)
+        assert 0 < h["event"]["handed_over_bytes"] < h["model_bytes"] * (4 if mixed else 3) / 7
+    assert (hosts[0]["event"]["resume"].committed, hosts[1]["event"]["resume"].done) == (9, 8)
+    if mixed:
+        assert hosts[2]["event"]["resume"] == StepStatus(8, False)  # its own step
+    assert len({h["anchor"] for h in hosts}) == 1
 
 
 @_saved

@@ -441,12 +441,17 @@ def regroup(
     # group's: each reads its own by the rank it sent as (``InFlight.own_row``), and the norm
     # check reads them as that group's hosts (``rows_judged``), wherever its rank moved.
     meta = lead.landed_meta
-    lacks_a_landing = (best.local_done and only_a_landing_behind(statuses, behind, meta)) or (
-        by_message and a_landing_behind_the_leader(statuses, places, keeps, behind, leader, meta)
-    )
-    if lacks_a_landing:
-        handed = send_landing(comm, behind, leader, meta, sync)
-        caught_up, behind = behind, []  # each goes on with its own state, the landing's result primed
+    # (Those a place behind the leader get its last landing; members behind at its place, a
+    # step short of it, need nothing: ``a_landing_behind_the_leader``.)
+    if best.local_done and only_a_landing_behind(statuses, behind, meta):
+        lacking = behind
+    else:
+        lacking = (
+            a_landing_behind_the_leader(statuses, places, keeps, behind, leader, meta) if by_message else []
+        )
+    if lacking:
+        handed = send_landing(comm, lacking, leader, meta, sync)
+        caught_up, behind = lacking, []  # each goes on with its own state, the landing's result primed
     standing_in = joiners if redo_first else []
     copies = frozenset(behind) | frozenset(standing_in)
     copies |= held_copies([r.holds_copy for r in reports], statuses, members, stands_in)

@@ -60,20 +60,28 @@ def only_a_landing_behind(statuses: list[StepStatus], behind: list[int], meta) -
 
 def a_landing_behind_the_leader(
     statuses: list[StepStatus], places: list[tuple], keeps: list[bool], behind: list[int], leader: int, meta
-) -> bool:
-    """Whether the members ``behind`` (placed by message) lack only the result of the message
-    the leader landed last, though the leader has gone on past that landing (a whole period
-    on, where the message lands at the next sync: it has launched its next one): each failed
-    its wait for that landing at its sync (the lost peer's last chunk reached the leader, not
-    it), a place before the leader's, and the leader keeps that result (``last_landed``, kept
-    until its next landing) and is not itself to land a message kept at this regroup. Then
-    that result is all each needs: its redo lands it and goes on from its own step."""
+) -> list[int]:
+    """The members ``behind`` (placed by message) that lack only the result of the message the
+    leader landed last, though the leader has gone on past that landing (a whole period on,
+    where the message lands at the next sync: it has launched its next one): each failed its
+    wait for that landing at its sync (the lost peer's last chunk reached the leader, not it), a
+    place before the leader's, and the leader keeps that result (``last_landed``, kept until its
+    next landing) and is not itself to land a message kept at this regroup. That result is all
+    each needs: its redo lands it and goes on from its own step. Any other member behind must be
+    at the leader's place (a step short of it, its message the one the leader sends again): it
+    needs nothing, as where all are at one place. None (an empty list) where any member behind
+    is elsewhere, or none lacks a landing: the state is handed over."""
     if not behind or meta is None or meta[2] >= 256 or keeps[leader]:  # (the leader is no joiner)
-        return False
+        return []
     index, *rest = places[leader]
-    return all(
-        statuses[r].local_done and not statuses[r].landed and places[r] == (index - 1, *rest) for r in behind
-    )
+    lacking = [
+        r
+        for r in behind
+        if statuses[r].local_done and not statuses[r].landed and places[r] == (index - 1, *rest)
+    ]
+    if not lacking or any(places[r] != places[leader] for r in behind if r not in lacking):
+        return []
+    return lacking
 
 
 def send_landing(comm: Communicator, behind: list[int], leader: int, meta, sync) -> dict[str, Any]:
