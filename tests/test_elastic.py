@@ -2233,7 +2233,7 @@ def test_a_member_past_an_overlapped_sync_and_one_short_of_it_go_on_each_from_it
 
 @_saved
 def _a_period_behind(
-    host: int, store_port: int, file_store: str, checked: bool, lost: int = 2, mixed: bool = False
+    host: int, store_port: int, file_store: str, checked: bool, lost: int = 2, mixed: str = ""
 ) -> dict:
     """CO2 with H=4 (4-bit messages), each mean landing at the next sync (tau 4): all three
     take steps 1-6 (step 4's gather arrives everywhere), then host ``lost`` is lost. The first
@@ -2242,12 +2242,14 @@ def _a_period_behind(
     its step 8 (the lost peer's last chunk did not reach it). ``checked``: contributions
     checked. With host 0 lost, each survivor's rank in the new group is not the one it sent as.
     ``mixed``: four hosts, host 3 lost, and host 2 as the leader but a step short of it (after
-    step 8, its step-8 message in flight): at the leader's place."""
+    step 8, its step-8 message in flight): at the leader's place; ``"leader failed"``: the
+    leader's own sync at 12 failed (its wait for step 8's gather), host 2 after step 10, as a
+    CO2 soak met it."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
 
-    n = 4 if mixed else 3
+    n, leader_failed = (4 if mixed else 3), mixed == "leader failed"
     membership, model, optimizer, comm = _tiny_member(host, store_port, file_store, n)
     if checked:
         comm = Communicator(membership=membership, max_norm_ratio=10.0)
@@ -2255,21 +2257,24 @@ def _a_period_behind(
     step = _to_step_6_then_lose(sync, optimizer, host, store_port, lost, n)
     step(7)
     survivors = sorted(set(range(n)) - {lost})
-    if host == survivors[0] or (mixed and host == 2):
-        step(8)
-        if host == survivors[0]:
-            step(9)
-        status = StepStatus(9 if host == survivors[0] else 8, False)
-    else:
 
-        def lost_wait(timeout=None):
-            raise RuntimeError("a member was lost")
+    def lost_wait(timeout=None):
+        raise RuntimeError("a member was lost")
 
+    def fail_at(k: int) -> StepStatus:  # its wait for the landing at step k fails
         sync.in_flight._handle.wait = lost_wait
         with contextlib.suppress(RuntimeError):
-            step(8)
+            step(k)
             raise AssertionError("the step did not fail")
-        status = StepStatus(7, True)
+        return StepStatus(k - 1, True)
+
+    last = {survivors[0]: 11 if leader_failed else 9, 2: 10 if leader_failed else 8}.get(host)
+    if last is None or (host == 2 and not mixed):
+        status = fail_at(8)
+    else:
+        for k in range(8, last + 1):
+            step(k)
+        status = fail_at(12) if leader_failed and host == survivors[0] else StepStatus(last, False)
     event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
     for k in range(event["resume"].done + 1, 13):  # step 8's gather: host 1 launched it in its redo
         step(k)
@@ -2294,7 +2299,13 @@ def _a_period_behind_ranks_moved(host: int, store_port: int, file_store: str, ou
 def _a_period_behind_beside_one_at_the_leaders_place(
     host: int, store_port: int, file_store: str, out: str
 ) -> None:
-    _a_period_behind(host, store_port, file_store, out, True, lost=3, mixed=True)
+    _a_period_behind(host, store_port, file_store, out, True, lost=3, mixed="short")
+
+
+def _a_period_behind_beside_one_at_a_failed_leaders_place(
+    host: int, store_port: int, file_store: str, out: str
+) -> None:
+    _a_period_behind(host, store_port, file_store, out, True, lost=3, mixed="leader failed")
 
 
 @pytest.mark.parametrize(
@@ -2304,6 +2315,7 @@ def _a_period_behind_beside_one_at_the_leaders_place(
         _a_period_behind_checked,
         _a_period_behind_ranks_moved,
         _a_period_behind_beside_one_at_the_leaders_place,
+        _a_period_behind_beside_one_at_a_failed_leaders_place,
     ],
 )
 def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_state(tmp_path, worker):
@@ -2317,8 +2329,10 @@ def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_s
     1: each reads its own row by the rank it sent as), where the one behind took the state too
     (1 of 24 fault regroups in a soak, a rank having moved). And among four, host 3 lost, with
     host 2 after step 8 at the leader's place: it goes on from its own step, and host 1 gets
-    the landing alone, where both took host 0's state (2 of 22 fault regroups in a soak)."""
-    mixed = worker is _a_period_behind_beside_one_at_the_leaders_place
+    the landing alone, where both took host 0's state (2 of 22 fault regroups in a soak); and
+    so where host 0's own sync at 12 failed too (host 2 after step 10 meets its redo there)."""
+    failed = worker is _a_period_behind_beside_one_at_a_failed_leaders_place
+    mixed = failed or worker is _a_period_behind_beside_one_at_the_leaders_place
     store = _master()
     Epochs(store, tmp_path, 4 if mixed else 3)
     kept = (1, 2) if worker is _a_period_behind_ranks_moved else (0, 1, 2) if mixed else (0, 1)
@@ -2330,9 +2344,9 @@ def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_s
         assert h["event"]["caught_up"] == [kept[1]], h["event"]
         # the old group's 4-bit messages, an eighth of the model each (the state: 3 models' worth)
         assert 0 < h["event"]["handed_over_bytes"] < h["model_bytes"] * (4 if mixed else 3) / 7
-    assert (hosts[0]["event"]["resume"].committed, hosts[1]["event"]["resume"].done) == (9, 8)
-    if mixed:
-        assert hosts[2]["event"]["resume"] == StepStatus(8, False)  # its own step
+    assert (hosts[0]["event"]["resume"].done, hosts[1]["event"]["resume"].done) == (12 if failed else 9, 8)
+    if mixed:  # its own step
+        assert hosts[2]["event"]["resume"] == StepStatus(10 if failed else 8, False)
     assert len({h["anchor"] for h in hosts}) == 1
 
 

@@ -441,8 +441,8 @@ def regroup(
     # group's: each reads its own by the rank it sent as (``InFlight.own_row``), and the norm
     # check reads them as that group's hosts (``rows_judged``), wherever its rank moved.
     meta = lead.landed_meta
-    # (Those a place behind the leader get its last landing; members behind at its place, a
-    # step short of it, need nothing: ``a_landing_behind_the_leader``.)
+    # (Those a place behind the leader get its last landing; members behind at its place, short
+    # of its step, need nothing: ``a_landing_behind_the_leader``.)
     if best.local_done and only_a_landing_behind(statuses, behind, meta):
         lacking = behind
     else:

@@ -4,8 +4,9 @@ SparseLoCo, CO2, Streaming DiLoCo and DeMo each keep a message whose collective 
 (``sync.base.InFlight``). At a regroup every rank reports whether its message still flies and
 whether its collective completed there (``flight_status``), the shape of what it would send
 again (``resend_meta``, for a deferred joiner's empty part), and the result it last landed
-(``landed_meta``); where the members behind lack only that result, the leader sends it and
-nothing else (``only_a_landing_behind``, ``send_landing``). ``ft/elastic.py`` decides from them.
+(``landed_meta``); where the members behind lack only that result, at the leader's step or a
+period behind it, the leader sends it and nothing else (``only_a_landing_behind``,
+``a_landing_behind_the_leader``, ``send_landing``). ``ft/elastic.py`` decides from them.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def a_landing_behind_the_leader(
     place before the leader's, and the leader keeps that result (``last_landed``, kept until its
     next landing) and is not itself to land a message kept at this regroup. That result is all
     each needs: its redo lands it and goes on from its own step. Any other member behind must be
-    at the leader's place (a step short of it, its message the one the leader sends again): it
-    needs nothing, as where all are at one place. None (an empty list) where any member behind
+    at the leader's place (short of the leader's step, the next message it puts on the wire the
+    leader's): it needs nothing, as where all are at one place. None (an empty list) where any member behind
     is elsewhere, or none lacks a landing: the state is handed over."""
     if not behind or meta is None or meta[2] >= 256 or keeps[leader]:  # (the leader is no joiner)
         return []
