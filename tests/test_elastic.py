@@ -2351,6 +2351,79 @@ def test_a_member_a_period_behind_the_leader_gets_the_landing_it_lacks_not_the_s
 
 
 @_saved
+def _co2_mean_launched(host: int, store_port: int, file_store: str, screen_fails: bool) -> dict:
+    """CO2 with fp32 messages (``bits`` 32: a mean all-reduce) under the norm check, H=4, each
+    mean landing 2 steps into the period: all three take steps 1-6, then host 2 is lost.
+    ``screen_fails``: hosts 0 and 1 take step 8's local step and its launch fails in the norm
+    check's screen (a collective before the mean, which the lost host never joins): nothing is
+    in flight, and the regroup's redo makes the message again. Otherwise the loss is found
+    after step 7 and step 8 launches on the new group. Both train to step 12."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
+    from geotrain.sync import build_sync
+
+    membership, model, optimizer, _ = _tiny_member(host, store_port, file_store)
+    comm = Communicator(membership=membership, max_norm_ratio=10.0)
+    sync = build_sync("co2", model, optimizer, comm, {"H": 4, "tau": 2, "bits": 32})
+    step = _to_step_6_then_lose(sync, optimizer, host, store_port, 2)
+    step(7)
+    status = StepStatus(7, False)
+    if screen_fails:
+        screen = comm._screen
+
+        def lost(tensor):
+            comm._screen = screen  # once: the redo screens on the new group
+            raise RuntimeError("a member was lost")
+
+        comm._screen = lost
+        with contextlib.suppress(RuntimeError):
+            step(8)
+            raise AssertionError("the launch did not fail")
+        assert not sync.in_flight.flying  # nothing is in flight to be sent again
+        status = StepStatus(7, True)
+    event = regroup(membership, comm, sync, model, optimizer, status, steps=40)
+    for k in range(event["resume"].done + 1, 13):  # step 8's mean lands at 10; 12's launches
+        step(k)
+    result = {
+        "event": event,
+        "anchor": tensors_digest(sync.shared_state()),
+        "model": tensors_digest([p.detach() for p in model.parameters()]),
+    }
+    sync.close()
+    return result
+
+
+def _co2_screen_failed(host: int, store_port: int, file_store: str, out: str) -> None:
+    _co2_mean_launched(host, store_port, file_store, out, True)
+
+
+def _co2_screen_passed(host: int, store_port: int, file_store: str, out: str) -> None:
+    _co2_mean_launched(host, store_port, file_store, out, False)
+
+
+def test_a_co2_mean_whose_screen_failed_at_launch_is_made_again_once_by_the_redo(tmp_path):
+    """An fp32 CO2 mean under the norm check: its launch failed in the screen before the mean
+    (a collective too) when host 2 was lost. The redo makes step 8's message again from the same
+    state and sends it once: both survivors end step 12 with the anchor and the model of the
+    run where the loss was found before step 8's launch, bitwise (a message kept from the failed
+    launch and sent again would land twice: ``InFlight.launch_weighted``)."""
+    runs = []
+    for worker in (_co2_screen_failed, _co2_screen_passed):
+        store, control = _master(), tmp_path / worker.__name__
+        control.mkdir()
+        Epochs(store, control, 3)
+        store.set("members/1", "0,1")  # host 2 was lost
+        store.add("epoch", 1)
+        runs.append(_hosts(worker, store, 3, (0, 1)))
+    failed, passed = runs
+    for h in failed:
+        resume = h["event"]["resume"]
+        assert (resume.committed, resume.local_done, h["event"]["behind"]) == (7, True, []), h["event"]
+    assert failed[0]["anchor"] == failed[1]["anchor"]
+    assert [(h["anchor"], h["model"]) for h in failed] == [(h["anchor"], h["model"]) for h in passed]
+
+
+@_saved
 def _resumed_hand_over(host: int, store_port: int, file_store: str) -> dict:
     """SparseLoCo (H=4) on hosts 0 and 1 after step 8; host 2 joins. Hosts 0 and 1 hold the
     state equal and send it in stripes; host 1 is killed as its stripes should go. Host 0's go
