@@ -75,6 +75,7 @@ def test_run_two_workers_trains_and_writes_metrics(tmp_path):
     assert not _stray_processes(str(run_dir))
 
 
+@pytest.mark.long  # (the second owner's path stays on gloo: test_guard.py; the CLI's owners too)
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_second_owner_per_shard_leaves_out_a_flipped_shard_from_the_cli(tmp_path):
     """``--compress int4:owners=2`` on 3 workers, worker 2 flipping the sign of its shard of one

@@ -107,6 +107,7 @@ def test_a_lost_host_is_rebuilt_from_its_peers_and_the_run_goes_on(tmp_path, cle
     assert _summary(lost)["param_digest"] == _summary(whole)["param_digest"]
 
 
+@pytest.mark.long  # (a failure that ends the run stays: one that repeats is not retried)
 @pytest.mark.usefixtures("no_leftovers")
 def test_past_max_faults_a_fault_ends_the_run(tmp_path, cleanup_keepers, monkeypatch):
     """Also: without root (links asked for, none to be had) the launcher says so in one line

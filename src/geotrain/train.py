@@ -192,7 +192,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     optimizer = make_optimizer(model, cfg)
     # What is alive now lives as long as the run: the modules (the optimizer's first parameter
     # group imports torch._dynamo and sympy: 2,000 modules, 120,000 objects), the model, the
-    # data. Kept out of every collection until ``_main`` unfreezes it, so the two full
+    # data. Kept out of every collection until ``shutdown_distributed`` unfreezes it, so the two full
     # collections of each regroup (``Membership.join``) take milliseconds, not 0.3-1 s on a
     # loaded machine. Garbage goes first, and nothing that holds a group beyond the group itself
     # exists yet (a DDP reducer, works): those stay collectable.
@@ -1212,8 +1212,7 @@ def _main(cfg: TrainConfig, heartbeat: Heartbeat | None, hosts: int = 0) -> int:
         print(f"geotrain train: {gone}", file=sys.stderr, flush=True)
         return 1
     finally:
-        gc.unfreeze()  # (``train``) what holds a group is collected before the group goes
-        shutdown_distributed(together=ok)
+        shutdown_distributed(together=ok)  # (it unfreezes what ``train`` froze first)
     return 0
 
 

@@ -158,6 +158,7 @@ def shutdown_distributed(together: bool = True) -> None:
             if together:
                 dist.barrier()
         finally:
+            gc.unfreeze()  # (a trainer froze what its start made: ``train``) all of it is seen
             gc.collect()
             dist.destroy_process_group()
             gc.collect()
