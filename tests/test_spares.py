@@ -174,6 +174,7 @@ def _records(run_dir: Path, host: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if not r.get("final")]
 
 
+@pytest.mark.long  # (a spare placed end to end stays: test_topology.py, of another site)
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_spare_takes_a_killed_hosts_place_at_the_next_boundary(tmp_path, cleanup_keepers):
     """3 hosts and 2 spares, local SGD with H=4; host 1 is killed after step 5. A spare (machine
