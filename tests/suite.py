@@ -4,10 +4,10 @@ The tests that launch emulated clusters (the CLI, torchrun, namespaces) run one 
 as they must: each checks that it left no trainer, coordinator or namespace behind, and a
 cluster of another test beside it would look like its leftovers. The rest (pure logic, gloo
 groups of 2-4 processes) mostly waits on its groups' messages (746 tests in 170 s with 38 s of
-CPU, once; 793 in 320-350 s on 2026-12-02), so it runs beside them, in a process of its own, and its report is printed when it is
-done; the cluster half at a lower priority (``CLUSTER_NICE``). The fault scenarios (generous
-deadlines) run while it does; the modules that compare timings run after it has finished,
-alone.
+CPU, once; 793 in 320-350 s on 2026-12-02), so it runs beside them, in a process of its own,
+and its report is printed when it is done; the cluster half at a lower priority
+(``CLUSTER_NICE``). The fault scenarios (generous deadlines) run while it does; the modules
+that compare timings run after it has finished, alone.
 
     python tests/suite.py [PYTEST ARGS]   # both halves; exit 0 only if both pass
 

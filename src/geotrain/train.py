@@ -192,8 +192,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
     optimizer = make_optimizer(model, cfg)
     # What is alive now lives as long as the run: the modules (the optimizer's first parameter
     # group imports torch._dynamo and sympy: 2,000 modules, 120,000 objects), the model, the
-    # data. Kept out of every collection until ``shutdown_distributed`` unfreezes it, so the two full
-    # collections of each regroup (``Membership.join``) take milliseconds, not 0.3-1 s on a
+    # data. Kept out of every collection until ``shutdown_distributed`` unfreezes it, so the two
+    # full collections of each regroup (``Membership.join``) take milliseconds, not 0.3-1 s on a
     # loaded machine. Garbage goes first, and nothing that holds a group beyond the group itself
     # exists yet (a DDP reducer, works): those stay collectable.
     gc.collect()

@@ -70,8 +70,8 @@ def a_landing_behind_the_leader(
     next landing) and is not itself to land a message kept at this regroup. That result is all
     each needs: its redo lands it and goes on from its own step. Any other member behind must be
     at the leader's place (short of the leader's step, the next message it puts on the wire the
-    leader's): it needs nothing, as where all are at one place. None (an empty list) where any member behind
-    is elsewhere, or none lacks a landing: the state is handed over."""
+    leader's): it needs nothing, as where all are at one place. None (an empty list) where any
+    member behind is elsewhere, or none lacks a landing: the state is handed over."""
     if not behind or meta is None or meta[2] >= 256 or keeps[leader]:  # (the leader is no joiner)
         return []
     index, *rest = places[leader]
