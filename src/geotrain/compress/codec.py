@@ -180,6 +180,39 @@ class Codec(ABC):
             for k, v in state["streams"]
         }
 
+    def shared_state_dict(self) -> dict[str, Any] | None:
+        """The entries every worker holds equal (``_is_shared``: the warm-up's message count,
+        ACP-SGD's P/Q turn and both low-rank methods' factors), live as ``state_dict``'s; None
+        where no stream holds one. A joiner or an adopter must take these from the members: a
+        fresh ACP-SGD stream sends P where the members send Q (a collective of another size,
+        which gloo aborts on), or projects on its own factor (a replica that drifts off for
+        good), and a fresh warm-up sends uncompressed where the members compress."""
+        streams = [(k, {n: t for n, t in v.items() if _is_shared(n)}) for k, v in self._state.items()]
+        streams = [(k, v) for k, v in streams if v]
+        return {"spec": self.spec(), "streams": streams} if streams else None
+
+    def load_shared_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Take another worker's shared entries (``shared_state_dict``), keeping this worker's
+        own (its error feedback: a joiner's none, an adopter's as it was)."""
+        require(
+            state.get("spec") == self.spec(), f"the members' codec {state.get('spec')!r} != {self.spec()!r}"
+        )
+        for k, entries in state["streams"]:
+            self.state(k).update(
+                {
+                    name: t.to(device or t.device, copy=True) if t.is_floating_point() else t.clone()
+                    for name, t in entries.items()
+                }
+            )
+
+
+def _is_shared(key: str) -> bool:
+    """A codec state entry equal on every worker: the warm-up's message count, ACP-SGD's turn
+    ("step") and the low-rank factors "p<i>", "q<i>" (means over the group, or the seeded start).
+    Not the owners' stamp and disputes (a worker that holds others is told and they start again:
+    ``owners.settle``), nor any residual."""
+    return key in ("messages", "step") or (key[:1] in ("p", "q") and key[1:].isdigit())
+
 
 def _is_feedback(key: str) -> bool:
     """A codec state entry that is this worker's error feedback (not shared factors, counters or

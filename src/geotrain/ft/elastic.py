@@ -244,12 +244,17 @@ def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None
         state = sync.state_dict()
         state.pop("own", None)  # as a hand-over: each worker's own, never an adopter's
         state.pop("codec", None)
+        # the codec's entries every worker holds equal go as they are (a few KB: counters and
+        # low-rank factors): zero, ACP-SGD's turn would send P where the members send Q
+        shared = state.pop("codec_shared", None)
         skeleton = map_leaves(
             state,
             lambda v: (
                 _Zeros(tuple(v.shape), str(v.dtype).removeprefix("torch.")) if torch.is_tensor(v) else v
             ),
         )
+        if shared is not None:
+            skeleton["codec_shared"] = shared
     skeleton = comm.all_gather_object(skeleton)[leader]
     if comm.rank in joiners:
         zeros = lambda v: torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=sync.device)  # noqa: E731
