@@ -14,7 +14,8 @@ abort, and whether the replicas end as one model (every rank's final parameter d
 logged a traceback or an abort, or ended with replicas apart where they should be one.
 
 The suite tests each path on gloo groups; this runs them end to end, in combinations no test
-names (it found a joiner under ``ssgd`` with ACP-SGD sending P where the members sent Q).
+names (it found a joiner under ``ssgd`` with ACP-SGD sending P where the members sent Q; one with
+AdaTopK probing its links alone).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CELLS: dict[str, tuple[list[str], str]] = {
     "ssgd-acpsgd": (["--algo", "ssgd", "--compress", "acpsgd:rank=4"], TWO_KILLS),
     "ddp-powersgd": (["--algo", "ddp", "--compress", "powersgd:rank=4"], TWO_KILLS),
     "ssgd-warmup": (["--algo", "ssgd", "--compress", "int8:warmup=100"], TWO_KILLS),
+    "ssgd-adatopk": (["--algo", "ssgd", "--compress", "adatopk"], TWO_KILLS),
     "dreamddp-int4": (["--algo", "dreamddp", "--compress", "int4"], TWO_KILLS),
     "diloco-warm": (
         ["--algo", "diloco", "--warm-start", "100"],
@@ -145,7 +147,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default="", help=f"comma-separated, of: {', '.join(CELLS)} (default: all)")
     p.add_argument("--out", default="runs/chaos-matrix")
-    p.add_argument("--timeout-s", dest="timeout_s", type=float, default=600.0, help="per cell")
+    p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0, help="per cell")
     args = p.parse_args()
     names = [c for c in args.cells.split(",") if c] or list(CELLS)
     unknown = [c for c in names if c not in CELLS]

@@ -2000,7 +2000,8 @@ def _joiner_with_a_codec(host: int, store_port: int, file_store: str, codec: str
 
     status = StepStatus(-1, False) if host == 2 else StepStatus(steps, False)
     event = regroup(membership, comm, sync, model, optimizer, status)
-    after = {"params": tensors_digest(list(model.parameters())), "shared": shared()}
+    own = sorted(n for _, v in sync.codec.state_dict()["streams"] for n in v if not _equal_everywhere(n))
+    after = {"params": tensors_digest(list(model.parameters())), "shared": shared(), "own": own}
     for n in range(steps + 1, steps + 4):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
@@ -2052,6 +2053,7 @@ def test_a_joiner_takes_the_codec_state_the_members_share(tmp_path, worker):
         assert len({r[when]["params"] for r in runs}) == 1, when
         assert len({r[when]["shared"] for r in runs}) == 1, when
     assert runs[0]["end"]["shared"]  # (something shared to take: the test can fail)
+    assert runs[2]["after"]["own"] == [] and runs[0]["after"]["own"]  # no member's residual came
 
 
 @_saved

@@ -308,6 +308,46 @@ def test_admitted_state_hands_over_what_a_joiner_gets():
     assert got["admitted"] and got["step"] == 8 and sorted(got["parts"]) == ["model", "progress", "sync"]
     state["shared"].append("optimizer")  # S-SGD, DDP: every worker's optimizer is the same
     assert "optimizer" in admitted_state(state)["parts"]
+    state["parts"]["codec_shared"] = {"x": 9}  # (a snapshot from before it was saved has none: above)
+    assert admitted_state(state)["parts"]["codec_shared"] == {"x": 9}
+
+
+def test_a_codecs_shared_entries_are_a_part_of_their_own_handed_over_and_never_compared():
+    """ACP-SGD's turn and factors go in "codec_shared", which a joiner gets and a snapshot keeps
+    with the worker's own parts: a survivor that counted a redone message twice holds another
+    count, and a rebuild from its peer must not refuse that (the "sync" part it compares)."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", 256, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = build_sync("ssgd", model, opt, Communicator(), {"compress": "acpsgd:rank=2"})
+    _train_steps(model, opt, sync, 3, torch.Generator().manual_seed(1))
+    # (alone, no mean is taken: a stream as three messages among workers leave it)
+    entries = {
+        "step": torch.tensor(3),
+        "p0": torch.ones(8, 2),
+        "q0": torch.ones(8, 2),
+        "e0": torch.ones(8, 8),
+    }
+    sync.codec.state(("grad", 0)).update(entries)
+    state = capture(
+        step=3, model=model, optimizer=opt, sync=sync, generators={}, progress={},
+        replicated=sync.replicated_parts(),
+    )  # fmt: skip
+    parts = state["parts"]
+    assert "codec_shared" not in parts["sync"] and "codec_shared" not in state["shared"]
+    names = {name for _, entries in parts["codec_shared"]["streams"] for name in entries}
+    assert names == {"step", "p0", "q0"}
+    assert any(n.startswith("e") for _, v in parts["codec"]["streams"] for n in v)  # the residuals: own
+    # a joiner's fresh codec takes the shared entries, and no residual
+    joiner = build_sync("ssgd", model, opt, Communicator(), {"compress": "acpsgd:rank=2"})
+    restore(admitted_state(state), model=model, optimizer=opt, sync=joiner, generators={})
+    streams = joiner.codec.state_dict()["streams"]
+    assert {n for _, v in streams for n in v} == names
+    shared, unique = split(state)
+    peer = {p: v for p, v in shared.items()}
+    unique["parts"]["codec_shared"]["streams"][0][1]["step"] += 1  # counted twice on this worker
+    rebuilt = join(decode(encode(unique)), decode(encode(peer)))
+    assert int(rebuilt["parts"]["codec_shared"]["streams"][0][1]["step"]) == 4
 
 
 def test_keeper_holds_the_newest_two_steps_and_writes_disk_from_its_copy(keeper):

@@ -111,11 +111,17 @@ class AdaTopK(TopK):
         super().__post_init__()
         require(self.probe_mb > 0, f"{self.name}: probe_mb must be > 0, got {self.probe_mb}")
         self.link_speeds: list[float] | None = None
+        self._probed_in: tuple[int, int] | None = None  # (membership epoch, group size) probed in
 
     def ratios(self, comm: Communicator) -> list[float]:
-        if self.link_speeds is None:
+        # Probed again in every membership epoch, by every member alike: a joiner holds no
+        # speeds (probing alone, it would wait in a collective nobody else makes), and the
+        # members' are of the group before. (Speeds set by hand are kept.)
+        group = (getattr(comm.membership, "epoch", 0), comm.world_size)
+        if self.link_speeds is None or self._probed_in not in (None, group):
             seconds = comm.probe_broadcast_s(int(self.probe_mb * 2**20))
             self.link_speeds = [1.0 / max(s, 1e-9) for s in seconds]
+            self._probed_in = group
         return self.ratios_for(self.link_speeds)
 
     def info(self) -> str:

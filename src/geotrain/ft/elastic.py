@@ -65,6 +65,7 @@ from geotrain.ft.flight import (
 from geotrain.ft.handover import hand_over
 from geotrain.ft.membership import Membership, NoStateHolder, RunFinished, retire, sync_boundary
 from geotrain.ft.state import (
+    clone_tree,
     map_leaves,
 )
 
@@ -245,8 +246,9 @@ def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None
         state.pop("own", None)  # as a hand-over: each worker's own, never an adopter's
         state.pop("codec", None)
         # the codec's entries every worker holds equal go as they are (a few KB: counters and
-        # low-rank factors): zero, ACP-SGD's turn would send P where the members send Q
-        shared = state.pop("codec_shared", None)
+        # low-rank factors; on the CPU, as every rank unpickles them): zero, ACP-SGD's turn
+        # would send P where the members send Q
+        shared = clone_tree(state.pop("codec_shared", None))
         skeleton = map_leaves(
             state,
             lambda v: (

@@ -594,7 +594,7 @@ def admitted_state(state: dict[str, Any]) -> dict[str, Any]:
     keep = [*handed_over("optimizer" in state["shared"]), "progress"]
     return {
         "step": state["step"],
-        "parts": {p: state["parts"][p] for p in keep},
+        "parts": {p: state["parts"][p] for p in keep if p in state["parts"]},  # (older: no codec_shared)
         "shared": [],
         "admitted": True,
     }

@@ -40,8 +40,12 @@ MAGIC = b"GEOSNAP1"  # the checksum is the payload's sha256
 MAGIC_CRC = b"GEOSNAP2"  # the checksum is the payload's CRC32 (little-endian, zero-padded)
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, checksum of the payload
 HEADER_BYTES = _HEADER.size
-PARTS = ("model", "optimizer", "sync", "codec", "own", "rng", "progress")
-HANDED_OVER = ("model", "optimizer", "sync")  # what a joiner may get: never codec residuals
+PARTS = ("model", "optimizer", "sync", "codec", "codec_shared", "own", "rng", "progress")
+# What a joiner may get: never codec residuals, but the codec's entries every worker should hold
+# equal ("codec_shared": ACP-SGD's turn, low-rank factors, a warm-up's count). A part of their
+# own, never counted as equal: a sync redone on one survivor and met by another from its own
+# step counts a message twice on the first, which sends nothing different past a warm-up.
+HANDED_OVER = ("model", "optimizer", "sync", "codec_shared")
 
 
 def _checksum(magic: bytes, payload: memoryview) -> bytes:
@@ -307,6 +311,7 @@ def capture(
     serialises them at once (``encode_to_memfd``), which is then the only copy."""
     sync_state = sync.state_dict()
     codec_state = sync_state.pop("codec", None)
+    codec_shared = sync_state.pop("codec_shared", None)
     own_state = sync_state.pop("own", None)  # this worker's alone besides its codec's (noise.py)
     tree = clone_tree if copy else (lambda obj: obj)
     parts = {
@@ -314,6 +319,7 @@ def capture(
         "optimizer": tree(optimizer.state_dict()),
         "sync": tree(sync_state),
         "codec": tree(codec_state),
+        "codec_shared": tree(codec_shared),
         "own": tree(own_state),
         "rng": {
             "torch": torch.get_rng_state(),
@@ -419,6 +425,8 @@ def restore(
     sync_state = dict(parts["sync"])
     if parts.get("codec") is not None:
         sync_state["codec"] = parts["codec"]
+    if parts.get("codec_shared") is not None:  # (a snapshot taken before it was saved has none)
+        sync_state["codec_shared"] = parts["codec_shared"]
     if parts.get("own") is not None:
         sync_state["own"] = parts["own"]
     sync.load_state_dict(sync_state)
