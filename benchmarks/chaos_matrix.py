@@ -147,7 +147,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default="", help=f"comma-separated, of: {', '.join(CELLS)} (default: all)")
     p.add_argument("--out", default="runs/chaos-matrix")
-    p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0, help="per cell")
+    p.add_argument("--timeout-s", dest="timeout_s", type=float, default=600.0, help="per cell")
     args = p.parse_args()
     names = [c for c in args.cells.split(",") if c] or list(CELLS)
     unknown = [c for c in names if c not in CELLS]

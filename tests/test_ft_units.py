@@ -312,6 +312,26 @@ def test_admitted_state_hands_over_what_a_joiner_gets():
     assert admitted_state(state)["parts"]["codec_shared"] == {"x": 9}
 
 
+def test_two_hosts_killed_at_one_step_are_two_faults_each_with_its_replacement(tmp_path):
+    """The launcher takes the fired fault aimed at the host that failed, and leaves the other
+    for its own host's failure (it took both at the first, and recorded the second host's as an
+    exit with no replacement)."""
+    from geotrain.ft.chaos import fired_marker, parse_chaos
+    from geotrain.launch.local import _take_fired
+
+    faults = parse_chaos("kill:step=150,rank=1,restart=1;kill:step=150,rank=2,restart=3")
+    for f in faults:
+        fired_marker(tmp_path, f).touch()
+    second = _take_fired(faults, tmp_path, failed=2)
+    assert [(f.rank, f.restart_s) for f in second] == [(2, 3.0)]
+    first = _take_fired(faults, tmp_path, failed=1)
+    assert [(f.rank, f.restart_s) for f in first] == [(1, 1.0)] and faults == []
+    faults = parse_chaos("kill:step=150,rank=1;kill:step=150,rank=2")
+    for f in faults:
+        fired_marker(tmp_path, f).touch()
+    assert len(_take_fired(faults, tmp_path)) == 2 and faults == []  # (a restore takes them all)
+
+
 def test_a_codecs_shared_entries_are_a_part_of_their_own_handed_over_and_never_compared():
     """ACP-SGD's turn and factors go in "codec_shared", which a joiner gets and a snapshot keeps
     with the worker's own parts: a survivor that counted a redone message twice holds another

@@ -272,11 +272,16 @@ def _host_code(proc: subprocess.Popen, control: Path, host: int, elastic: bool) 
     return code
 
 
-def _take_fired(faults: list, control: Path) -> list:
+def _take_fired(faults: list, control: Path, failed: int | None = None) -> list:
     """The step faults that have fired (their trainer left a marker just before), by step,
-    taken out of ``faults``."""
+    taken out of ``faults``: all of them, or (``failed``) the one aimed at that host (else the
+    earliest), the others left for their own hosts' failures: two hosts killed at the same step
+    are two faults, each with its replacement (the second was recorded as an exit, and its
+    replacement never came)."""
     fired = [f for f in faults if not f.timed and fired_marker(control, f).exists()]
     fired.sort(key=lambda f: f.step)
+    if failed is not None and fired:
+        fired = [next((f for f in fired if f.rank == failed), fired[0])]
     for f in fired:
         faults.remove(f)
     return fired
@@ -629,7 +634,7 @@ def run_local_cluster(launch: LaunchConfig, train_cfg: TrainConfig) -> dict:
                 stop_processes(hosts.procs, grace_s=1.0)
                 hosts.close()
                 hosts = None
-            fired = _take_fired(faults, control)
+            fired = _take_fired(faults, control, failed)
             kind, rank, restart_s = ("exit" if code is not None else "silent"), failed, 0.0
             if fired:
                 kind, rank, restart_s = fired[0].kind, fired[0].rank, fired[0].restart_s
