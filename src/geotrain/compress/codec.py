@@ -180,20 +180,9 @@ class Codec(ABC):
             for k, v in state["streams"]
         }
 
-    def shared_state_dict(self) -> dict[str, Any] | None:
-        """The entries every worker holds equal (``_is_shared``: the warm-up's message count,
-        ACP-SGD's P/Q turn and both low-rank methods' factors), live as ``state_dict``'s; None
-        where no stream holds one. A joiner or an adopter must take these from the members: a
-        fresh ACP-SGD stream sends P where the members send Q (a collective of another size,
-        which gloo aborts on), or projects on its own factor (a replica that drifts off for
-        good), and a fresh warm-up sends uncompressed where the members compress."""
-        streams = [(k, {n: t for n, t in v.items() if _is_shared(n)}) for k, v in self._state.items()]
-        streams = [(k, v) for k, v in streams if v]
-        return {"spec": self.spec(), "streams": streams} if streams else None
-
     def load_shared_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        """Take another worker's shared entries (``shared_state_dict``), keeping this worker's
-        own (its error feedback: a joiner's none, an adopter's as it was)."""
+        """Take another worker's shared entries (``shared_entries`` of its ``state_dict``),
+        keeping this worker's own (its error feedback: a joiner's none, an adopter's as it was)."""
         require(
             state.get("spec") == self.spec(), f"the members' codec {state.get('spec')!r} != {self.spec()!r}"
         )
@@ -204,6 +193,20 @@ class Codec(ABC):
                     for name, t in entries.items()
                 }
             )
+
+
+def shared_entries(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Of a codec's ``state_dict``, the entries every worker holds equal (``_is_shared``: the
+    warm-up's message count, ACP-SGD's P/Q turn and both low-rank methods' factors); None where
+    no stream holds one. A joiner or an adopter must take these from the members: a fresh
+    ACP-SGD stream sends P where the members send Q (a collective of another size, which gloo
+    aborts on), or projects on its own factor (a replica that drifts off for good), and a fresh
+    warm-up sends uncompressed where the members compress."""
+    if state is None:
+        return None
+    streams = [(k, {n: t for n, t in v.items() if _is_shared(n)}) for k, v in state["streams"]]
+    streams = [(k, v) for k, v in streams if v]
+    return {"spec": state["spec"], "streams": streams} if streams else None
 
 
 def _is_shared(key: str) -> bool:

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from geotrain.comm.communicator import Communicator
+from geotrain.compress.codec import shared_entries
 from geotrain.ft.flight import (
     a_landing_behind_the_leader,
     flight_status,
@@ -244,11 +245,10 @@ def _stand_in(comm: Communicator, sync, leader: int, joiners: list[int]) -> None
     if comm.rank == leader:
         state = sync.state_dict()
         state.pop("own", None)  # as a hand-over: each worker's own, never an adopter's
-        state.pop("codec", None)
         # the codec's entries every worker holds equal go as they are (a few KB: counters and
         # low-rank factors; on the CPU, as every rank unpickles them): zero, ACP-SGD's turn
         # would send P where the members send Q
-        shared = clone_tree(state.pop("codec_shared", None))
+        shared = clone_tree(shared_entries(state.pop("codec", None)))
         skeleton = map_leaves(
             state,
             lambda v: (

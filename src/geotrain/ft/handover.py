@@ -41,6 +41,7 @@ from geotrain.ft.state import (
     handed_over,
     leaf_digests,
     param_digest,
+    sync_state_of,
     tensors_digest,
     with_leaves,
     without_leaves,
@@ -278,8 +279,7 @@ def hand_over(
             raise CorruptSnapshot(f"the members' model state does not fit this model: {odd[:3]}")
         if "optimizer" in got:
             optimizer.load_state_dict(got["optimizer"])
-        shared_codec = {"codec_shared": got["codec_shared"]} if got.get("codec_shared") is not None else {}
-        sync.load_state_dict(dict(got["sync"]) | shared_codec)
+        sync.load_state_dict(sync_state_of(got))
         if _check_digest(model, sync, from_state) != digest:
             what = "state the members share" if from_state else "parameters"
             raise CorruptSnapshot(f"the {what} received differ from the leader's after loading")

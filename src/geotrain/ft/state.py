@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from geotrain.compress.codec import shared_entries
+
 MAGIC = b"GEOSNAP1"  # the checksum is the payload's sha256
 MAGIC_CRC = b"GEOSNAP2"  # the checksum is the payload's CRC32 (little-endian, zero-padded)
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, checksum of the payload
@@ -311,7 +313,6 @@ def capture(
     serialises them at once (``encode_to_memfd``), which is then the only copy."""
     sync_state = sync.state_dict()
     codec_state = sync_state.pop("codec", None)
-    codec_shared = sync_state.pop("codec_shared", None)
     own_state = sync_state.pop("own", None)  # this worker's alone besides its codec's (noise.py)
     tree = clone_tree if copy else (lambda obj: obj)
     parts = {
@@ -319,7 +320,7 @@ def capture(
         "optimizer": tree(optimizer.state_dict()),
         "sync": tree(sync_state),
         "codec": tree(codec_state),
-        "codec_shared": tree(codec_shared),
+        "codec_shared": tree(shared_entries(codec_state)),  # (a few KB: counters and factors)
         "own": tree(own_state),
         "rng": {
             "torch": torch.get_rng_state(),
@@ -405,6 +406,17 @@ def decode_memfd(fd: int, size: int, what: str = "snapshot") -> Any:
         return decode(mm, what)
 
 
+def sync_state_of(parts: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm's state from a captured state's parts, with the codec's (this worker's own,
+    or, handed over, only the entries every worker holds equal; a snapshot taken before those
+    were saved apart has none) and its own sample where the parts hold them."""
+    sync_state = dict(parts["sync"])
+    for part in ("codec", "codec_shared", "own"):
+        if parts.get(part) is not None:
+            sync_state[part] = parts[part]
+    return sync_state
+
+
 def restore(
     state: dict[str, Any],
     *,
@@ -422,14 +434,7 @@ def restore(
     model.load_state_dict(parts["model"])
     if "optimizer" in parts:
         optimizer.load_state_dict(parts["optimizer"])
-    sync_state = dict(parts["sync"])
-    if parts.get("codec") is not None:
-        sync_state["codec"] = parts["codec"]
-    if parts.get("codec_shared") is not None:  # (a snapshot taken before it was saved has none)
-        sync_state["codec_shared"] = parts["codec_shared"]
-    if parts.get("own") is not None:
-        sync_state["own"] = parts["own"]
-    sync.load_state_dict(sync_state)
+    sync.load_state_dict(sync_state_of(parts))
     if state.get("admitted"):
         sync.adopted_state()
     if "rng" in parts:

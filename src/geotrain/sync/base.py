@@ -337,18 +337,12 @@ class SyncAlgorithm:
             "step": self.step_count,
             "syncs": self.syncs,
             **({"codec": self.codec.state_dict()} if self.codec else {}),
-            # and its entries equal on every worker, which a hand-over carries (``ft.state``
-            # keeps "codec" for this worker's snapshots alone)
-            **({"codec_shared": shared} if (shared := self._codec_shared()) else {}),
             # --lr-scale auto: the measured noise, equal on every worker; and this worker's own
             # sample of its gradient, held from a period's first step to its sync ("own": a
             # snapshot keeps it with the codec's residuals, never handed to another worker)
             **({"noise": self.noise.state_dict()} if self.noise else {}),
             **({"own": {"noise_sample": self.noise.pending}} if self.noise else {}),
         }
-
-    def _codec_shared(self) -> dict[str, Any] | None:
-        return self.codec.shared_state_dict() if self.codec else None
 
     @property
     def device(self) -> torch.device:
@@ -363,7 +357,7 @@ class SyncAlgorithm:
         self.syncs = int(state["syncs"])
         if self.codec and "codec" in state:
             self.codec.load_state_dict(state["codec"], self.device)
-        elif self.codec and "codec_shared" in state:  # handed over: the members' shared entries
+        elif self.codec and "codec_shared" in state:  # handed over: the members' (``ft.state``)
             self.codec.load_shared_state_dict(state["codec_shared"], self.device)
         if self.noise is not None:
             if "noise" in state:
