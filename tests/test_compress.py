@@ -172,6 +172,73 @@ def test_warmup_sends_the_first_messages_of_each_stream_uncompressed():
     assert outs[2].unique().numel() <= 2
 
 
+def _shared(codec) -> dict:
+    """The codec's entries every worker holds equal, by stream (copies)."""
+    from geotrain.compress.codec import shared_entries
+
+    state = shared_entries(codec.state_dict())
+    return {} if state is None else {k: {n: t.clone() for n, t in v.items()} for k, v in state["streams"]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].keys() == b[k].keys() and all(torch.equal(a[k][n], b[k][n]) for n in a[k]) for k in a
+    )
+
+
+@pytest.mark.parametrize("spec", ["acpsgd:rank=2", "powersgd:rank=2", "int8:warmup=3"])
+def test_a_failed_step_rolls_the_shared_entries_back_to_the_last_settled_one(spec):
+    """Two survivors of one failure, cut short at different points of one step: one launched both
+    of its messages and landed the first (a count, a turn advanced; a factor replaced), the
+    other launched the first alone. Rolled back, both hold what the last complete step left,
+    bitwise, and redo the step alike; a settled step is never undone."""
+    x = [torch.randn(24, 40, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    ahead, behind = make_codec(spec), make_codec(spec)
+    for codec in (ahead, behind):  # two complete steps, settled
+        for _ in range(2):
+            for key in ("a", "b"):
+                codec.reduce(Communicator(), key, [t.clone() for t in x]).wait()
+            codec.settle()
+    settled = _shared(ahead)
+    assert settled and _same(settled, _shared(behind))
+    first = ahead.reduce(Communicator(), "a", [t.clone() for t in x])
+    ahead.reduce(Communicator(), "b", [t.clone() for t in x])  # launched, never landed
+    first.wait()
+    behind.reduce(Communicator(), "a", [t.clone() for t in x])
+    assert not _same(_shared(ahead), settled)  # (the step changed them: the test can fail)
+    for codec in (ahead, behind):
+        codec.roll_back()
+    assert _same(_shared(ahead), settled) and _same(_shared(behind), settled)
+    # redone alike: the same turn or count after (the factors are means over a group: here, in
+    # a world of one, each worker's own)
+    for codec in (ahead, behind):
+        codec.reduce(Communicator(), "a", [t.clone() for t in x]).wait()
+        codec.settle()
+    counts = [
+        {k: v for k, v in _shared(c)["a"].items() if k in ("step", "messages")} for c in (ahead, behind)
+    ]
+    assert _same({"a": counts[0]}, {"a": counts[1]}) and (counts[0] or spec.startswith("powersgd"))
+    after = _shared(ahead)
+    ahead.roll_back()  # settled: nothing to undo
+    assert _same(_shared(ahead), after)
+
+
+def test_a_mean_landed_a_step_after_its_launch_is_rolled_back_with_the_step_it_lands_in():
+    """DreamDDP's late messages: launched in one step (settled with its count), landed in the
+    next; a failure of that next step puts back the factor the landing replaced."""
+    codec = make_codec("acpsgd:rank=2")
+    x = [torch.randn(24, 40, generator=torch.Generator().manual_seed(0))]
+    codec.reduce(Communicator(), "a", [x[0].clone()]).wait()
+    codec.settle()
+    late = codec.reduce(Communicator(), "a", [x[0].clone()])
+    codec.settle()  # the step it was launched in is complete
+    launched = _shared(codec)
+    late.wait()  # lands in the next step, which then fails
+    assert not _same(_shared(codec), launched)
+    codec.roll_back()
+    assert _same(_shared(codec), launched)
+
+
 def test_adatopk_gives_the_slowest_link_the_smallest_ratio_and_keeps_the_mean():
     codec = make_codec("adatopk:ratio=0.1")
     ratios = codec.ratios_for([100.0, 100.0, 100.0, 20.0])

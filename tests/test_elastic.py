@@ -2057,6 +2057,81 @@ def test_a_joiner_takes_the_codec_state_the_members_share(tmp_path, worker):
 
 
 @_saved
+def _cut_short_at_different_messages(host: int, store_port: int, file_store: str, codec: str) -> dict:
+    """Synchronous SGD through ``codec`` on 3 hosts, in several buckets, 3 steps. Step 4's
+    collectives complete on all three, then host 2 is lost (it leaves the group, alive until the
+    others are done: nothing of the old group's is cut). The survivors' waits fail at different
+    messages: host 0 lands the first mean it waits for and fails at the second, host 1 fails at
+    its first. Both redo step 4 on the new group, as ``train`` does, and train 2 steps more.
+    Returns each survivor's parameters and codec entries that every worker must hold equal."""
+    from geotrain.ft.elastic import regroup
+    from geotrain.ft.state import tensors_digest
+    from geotrain.sync import build_sync
+
+    membership, model, optimizer, comm = _tiny_member(host, store_port, file_store)
+    sync = build_sync("ssgd", model, optimizer, comm, {"compress": codec, "bucket_mb": 0.02})
+    assert len(sync._buckets) >= 3
+    for n in range(1, 4):
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    if host == 2:
+        _tiny_step(sync, optimizer, host, 4)
+        client.wait(["cut/0", "cut/1"], timedelta(seconds=60))
+        return {}
+    reduce, waited = sync.codec.reduce, []
+
+    def cut_short(*args):
+        pending = sync_reduce(*args)
+        wait = pending.wait
+
+        def failing_wait() -> None:
+            waited.append(1)
+            if len(waited) > host:  # host 0 lands one mean first
+                raise RuntimeError("a member was lost")
+            wait()
+
+        pending.wait = failing_wait
+        return pending
+
+    sync_reduce, sync.codec.reduce = reduce, cut_short
+    with contextlib.suppress(RuntimeError):
+        _tiny_step(sync, optimizer, host, 4)
+        raise AssertionError("the step did not fail")
+    sync.codec.reduce = reduce
+    regroup(membership, comm, sync, model, optimizer, StepStatus(3, False))
+    for n in range(4, 7):  # step 4 redone from its backward, then two more
+        _tiny_step(sync, optimizer, host, n)
+        sync.after_step()
+    shared = [
+        t for _, v in sync.codec.state_dict()["streams"] for k, t in sorted(v.items()) if _equal_everywhere(k)
+    ]
+    client.set(f"cut/{host}", "1")
+    result = {"params": tensors_digest(list(model.parameters())), "shared": tensors_digest(shared)}
+    sync.close()
+    return result
+
+
+def _acpsgd_cut_short(host: int, store_port: int, file_store: str, out: str) -> None:
+    _cut_short_at_different_messages(host, store_port, file_store, out, "acpsgd:rank=2")
+
+
+def test_survivors_cut_short_at_different_messages_of_a_step_redo_it_alike(tmp_path):
+    """A failure reaches the survivors at different points of one step: host 0 has landed a
+    bucket's mean (ACP-SGD's factor replaced) where host 1 landed none. On the code before, each
+    redid the step from where it was, projecting on a factor of its own, and the replicas
+    drifted apart for good. Each now rolls the codec's shared entries back to its last complete
+    step first, and the survivors end bitwise equal. (PowerSGD's own warm start only changes
+    what it sends: its reconstruction is from the two means, equal everywhere.)"""
+    store = _master()
+    epochs = Epochs(store, tmp_path, 3)
+    epochs.leave({2}, "exited")
+    h0, h1 = _hosts(_acpsgd_cut_short, store, 3, (0, 1))
+    assert h0["shared"] == h1["shared"]
+    assert h0["params"] == h1["params"]
+
+
+@_saved
 def _deferred_over_a_landing(host: int, store_port: int, file_store: str, algo: str, arrived: bool) -> dict:
     """``algo`` with H=4, its message landing 2 steps into the next period (SparseLoCo overlapped;
     CO2's mean, in 4-bit messages or fp32): hosts 0 and 1 after step 5, the message launched at

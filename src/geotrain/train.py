@@ -653,6 +653,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             meeting = step == deferred_until
             with comm.leaving_out(deferred_ranks) if meeting else contextlib.nullcontext():
                 synced = one_step(*(batch if computes else (None, None)), step)
+            sync.settle()  # complete: a later failure keeps what its messages changed
             batch = None if computes else batch
             met = meeting
         except RuntimeError as e:

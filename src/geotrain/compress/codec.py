@@ -12,6 +12,10 @@ each codec needs):
   tensors with these shapes, which the tests compare with what the communicator counted.
 - ``state_dict()`` / ``load_state_dict()``: the error-feedback residuals and warm-start factors,
   so a checkpoint resumes compression where it stopped.
+- ``settle()`` / ``roll_back()``: the entries every worker must hold equal (a warm-up's count,
+  ACP-SGD's turn, the low-rank factors) as the last completed step left them, and back to them
+  after a failure, so that survivors that got different distances into a failed sync redo it
+  alike (``ft/elastic.py``).
 
 Lossy codecs keep *error feedback* (Seide et al. 2014; Karimireddy et al. 2019): what a worker
 failed to send this time is added to what it sends next time, so over many steps nothing is
@@ -80,6 +84,9 @@ class Codec(ABC):
 
     def __post_init__(self) -> None:
         self._state: dict[Any, dict[str, torch.Tensor]] = {}
+        # Per stream touched since the last ``settle``: its shared entries as they were then
+        # (the tensors themselves: a shared entry is replaced, never written in place).
+        self._settled: dict[Any, dict[str, torch.Tensor]] = {}
         require(
             isinstance(self.warmup, int) and self.warmup >= 0,
             f"{self.name}: warmup (uncompressed messages first) must be an integer >= 0, got {self.warmup}",
@@ -90,6 +97,18 @@ class Codec(ABC):
         contribution the mean leaves out (``Communicator.leaving_out``: a copy of the leader's,
         in an average redone after a regroup) keeps its error feedback as it was: what it would
         have kept of the copy, the leader sends itself."""
+        self._keep_settled(key)  # what the launch changes (a count, a turn), ``roll_back`` undoes
+        pending = self._reduce_keeping_feedback(comm, key, tensors)
+
+        def finish() -> None:
+            # A message that lands a step after its launch (DreamDDP's, a step late) changes
+            # the factors after a ``settle``: kept first, for a failure of the step it lands in.
+            self._keep_settled(key)
+            pending.wait()
+
+        return Pending(finish, None if pending.advanced else pending.advance, pending.abandon)
+
+    def _reduce_keeping_feedback(self, comm: Communicator, key: Any, tensors: list[torch.Tensor]) -> Pending:
         if comm.rank in comm.left_out:
             state = self.state(key)
             feedback = {k: v.clone() for k, v in state.items() if _is_feedback(k)}
@@ -172,6 +191,7 @@ class Codec(ABC):
         # GPU tensor would wait for the device at every message)
         # copies: a residual is updated in place (``ChunkTopK._reduce``), and the caller's dict
         # must not change under it
+        self._settled = {}  # what it loads is of a completed step: nothing to roll back to
         self._state = {
             k: {
                 name: t.to(device or t.device, copy=True) if t.is_floating_point() else t
@@ -186,6 +206,7 @@ class Codec(ABC):
         require(
             state.get("spec") == self.spec(), f"the members' codec {state.get('spec')!r} != {self.spec()!r}"
         )
+        self._settled = {}  # what it loads is of a completed step: nothing to roll back to
         for k, entries in state["streams"]:
             self.state(k).update(
                 {
@@ -193,6 +214,31 @@ class Codec(ABC):
                     for name, t in entries.items()
                 }
             )
+
+    def settle(self) -> None:
+        """This worker's step is complete: what its messages changed of the shared entries
+        stays, whatever fails later."""
+        self._settled = {}
+
+    def roll_back(self) -> None:
+        """A failure cut this worker's step short: its streams' shared entries go back to what
+        the last completed step (``settle``) left. Survivors of one failure get different
+        distances into a sync: one has launched a message another had not (a count, a turn
+        advanced), one has landed a mean another had not (a factor replaced). Redone from where
+        each was, ACP-SGD's turns differed (P met Q, a collective of another size, which gloo
+        aborts on) or each projected on a factor of its own (replicas that drift apart for
+        good), and a warm-up's counts differed (one sent uncompressed where another
+        compressed, and the group hung). Error feedback is this worker's own, and stays."""
+        for key, before in self._settled.items():
+            state = self.state(key)
+            for name in [n for n in state if _is_shared(n) and n not in before]:
+                del state[name]
+            state.update(before)
+        self._settled = {}
+
+    def _keep_settled(self, key: Any) -> None:
+        if key not in self._settled:
+            self._settled[key] = {n: t for n, t in self.state(key).items() if _is_shared(n)}
 
 
 def shared_entries(state: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -353,6 +353,10 @@ def regroup(
     comes as a joiner (``status`` -1: the members are past that state), with where that state
     stands: where no member is left, it goes on from there, and is the others' leader."""
     t0 = time.perf_counter()
+    # What this worker's cut-short step changed of the state every worker holds equal (a codec's
+    # turn, counts, factors) is undone first: the others were cut short elsewhere in it, and a
+    # leader hands over the state of its last complete step.
+    sync.roll_back()
     if membership.sending is not None:  # a deferred hand-over's sends, on a group now left
         if not membership.sending.done():  # (gloo may still read their tensors)
             retire(membership.sending)
@@ -552,6 +556,7 @@ def regroup(
         sync.retry_sync(adopters=copies)
     membership.holds_copy = None
     membership.newcomer = False  # its site, if measured, is the members' now
+    sync.settle()  # where it goes on from: the redone sync landed, or its step not begun
     if standing_in:
         deferred = ([members[r] for r in standing_in], deferred_until)
         if comm.rank in standing_in:  # past the redone sync, once it has the state (not before)

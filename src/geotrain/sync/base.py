@@ -247,6 +247,19 @@ class SyncAlgorithm:
         continue``): drop what was bound to the old one (handles in flight, a DDP wrapper) and
         adapt to the new worker count. Called on every member at once, so it may communicate."""
 
+    def settle(self) -> None:
+        """This worker's step is complete (or a regroup has agreed where it goes on): what its
+        messages changed of the state every worker holds equal stays, whatever fails later."""
+        if self.codec is not None:
+            self.codec.settle()
+
+    def roll_back(self) -> None:
+        """A failure cut this worker's step short, before a regroup: the state every worker
+        holds equal goes back to what its last complete step left (``Codec.roll_back``), so the
+        survivors, each cut short at its own point, redo the step or meet its sync alike."""
+        if self.codec is not None:
+            self.codec.roll_back()
+
     in_flight: InFlight | None = None  # a message whose collective lands later, where one is
     # Whether a regroup may place this worker by the message it puts on the wire first in the
     # new group (``ft.elastic._places``): its message in flight's period where that must be sent
