@@ -1987,6 +1987,7 @@ def _joiner_with_a_codec(host: int, store_port: int, file_store: str, codec: str
     for n in range(1, steps + 1):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
+        sync.settle()  # (as ``Sync.step`` does)
     if host == 2:  # a restarted trainer: its own parameters and a fresh codec
         sync.codec.load_state_dict({"spec": sync.codec.spec(), "streams": []})
         with torch.no_grad():
@@ -2005,6 +2006,7 @@ def _joiner_with_a_codec(host: int, store_port: int, file_store: str, codec: str
     for n in range(steps + 1, steps + 4):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
+        sync.settle()
     end = {"params": tensors_digest(list(model.parameters())), "shared": shared()}
     sync.close()
     return {"event": event, "after": after, "end": end}
@@ -2061,9 +2063,10 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
     """Synchronous SGD through ``codec`` on 3 hosts, in several buckets, 3 steps. Step 4's
     collectives complete on all three, then host 2 is lost (it leaves the group, alive until the
     others are done: nothing of the old group's is cut). The survivors' waits fail at different
-    messages: host 0 lands the first mean it waits for and fails at the second, host 1 fails at
+    messages: host 1 lands the first mean it waits for and fails at the second, host 0 fails at
     its first. Both redo step 4 on the new group, as ``train`` does, and train 2 steps more.
-    Returns each survivor's parameters and codec entries that every worker must hold equal."""
+    Returns each survivor's ACP-SGD turns after the regroup, and its parameters and the codec
+    entries that every worker must hold equal at the end."""
     from geotrain.ft.elastic import regroup
     from geotrain.ft.state import tensors_digest
     from geotrain.sync import build_sync
@@ -2074,6 +2077,7 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
     for n in range(1, 4):
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
+        sync.settle()  # (as ``Sync.step`` does)
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
     if host == 2:
         _tiny_step(sync, optimizer, host, 4)
@@ -2087,7 +2091,7 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
 
         def failing_wait() -> None:
             waited.append(1)
-            if len(waited) > host:  # host 0 lands one mean first
+            if len(waited) > host:  # host 1 lands one mean first
                 raise RuntimeError("a member was lost")
             wait()
 
@@ -2100,14 +2104,20 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
         raise AssertionError("the step did not fail")
     sync.codec.reduce = reduce
     regroup(membership, comm, sync, model, optimizer, StepStatus(3, False))
+    turns = sorted({int(v["step"]) for _, v in sync.codec.state_dict()["streams"]})
     for n in range(4, 7):  # step 4 redone from its backward, then two more
         _tiny_step(sync, optimizer, host, n)
         sync.after_step()
+        sync.settle()
     shared = [
         t for _, v in sync.codec.state_dict()["streams"] for k, t in sorted(v.items()) if _equal_everywhere(k)
     ]
     client.set(f"cut/{host}", "1")
-    result = {"params": tensors_digest(list(model.parameters())), "shared": tensors_digest(shared)}
+    result = {
+        "turns": turns,
+        "params": tensors_digest(list(model.parameters())),
+        "shared": tensors_digest(shared),
+    }
     sync.close()
     return result
 
@@ -2117,8 +2127,8 @@ def _acpsgd_cut_short(host: int, store_port: int, file_store: str, out: str) -> 
 
 
 def test_survivors_cut_short_at_different_messages_of_a_step_redo_it_alike(tmp_path):
-    """A failure reaches the survivors at different points of one step: host 0 has landed a
-    bucket's mean (ACP-SGD's factor replaced) where host 1 landed none. On the code before, each
+    """A failure reaches the survivors at different points of one step: host 1 has landed a
+    bucket's mean (ACP-SGD's factor replaced) where host 0 landed none. On the code before, each
     redid the step from where it was, projecting on a factor of its own, and the replicas
     drifted apart for good. Each now rolls the codec's shared entries back to its last complete
     step first, and the survivors end bitwise equal. (PowerSGD's own warm start only changes
@@ -2127,6 +2137,7 @@ def test_survivors_cut_short_at_different_messages_of_a_step_redo_it_alike(tmp_p
     epochs = Epochs(store, tmp_path, 3)
     epochs.leave({2}, "exited")
     h0, h1 = _hosts(_acpsgd_cut_short, store, 3, (0, 1))
+    assert h0["turns"] == h1["turns"] == [3]  # what step 3 left: the step redone from its turn
     assert h0["shared"] == h1["shared"]
     assert h0["params"] == h1["params"]
 

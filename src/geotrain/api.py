@@ -114,7 +114,9 @@ class Sync:
             self._scaled_step(factor)
         if after_update is not None:
             after_update()
-        return self.algorithm.after_step()
+        synced = self.algorithm.after_step()
+        self.algorithm.settle()  # complete: a later failure keeps what its messages changed
+        return synced
 
     def _scaled_step(self, factor: float) -> None:
         """The optimizer step at ``factor`` x each group's learning rate, its weight decay held
@@ -148,7 +150,9 @@ class Sync:
         holds, if any. Returns True when it synchronised."""
         if self._finished:
             raise RuntimeError("skip() after finish(): wrap the model again to train on")
-        return self.algorithm.after_step()
+        synced = self.algorithm.after_step()
+        self.algorithm.settle()
+        return synced
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -653,7 +653,6 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             meeting = step == deferred_until
             with comm.leaving_out(deferred_ranks) if meeting else contextlib.nullcontext():
                 synced = one_step(*(batch if computes else (None, None)), step)
-            sync.settle()  # complete: a later failure keeps what its messages changed
             batch = None if computes else batch
             met = meeting
         except RuntimeError as e:
@@ -811,6 +810,7 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if not finalized:
                 with comm.leaving_out(copies):  # (their message would count the leader's twice)
                     sync.finalize()  # part of training: the replicas become one model
+                sync.settle()
                 finalized = True
             final_s = time.perf_counter() - t_final
             final_spent = comm.stats.delta(before)

@@ -84,8 +84,8 @@ class Codec(ABC):
 
     def __post_init__(self) -> None:
         self._state: dict[Any, dict[str, torch.Tensor]] = {}
-        # Per stream touched since the last ``settle``: its shared entries as they were then
-        # (the tensors themselves: a shared entry is replaced, never written in place).
+        # Per stream touched since the last ``settle``: copies of its shared entries as they
+        # were then (counters and rank-r factors: small).
         self._settled: dict[Any, dict[str, torch.Tensor]] = {}
         require(
             isinstance(self.warmup, int) and self.warmup >= 0,
@@ -238,7 +238,7 @@ class Codec(ABC):
 
     def _keep_settled(self, key: Any) -> None:
         if key not in self._settled:
-            self._settled[key] = {n: t for n, t in self.state(key).items() if _is_shared(n)}
+            self._settled[key] = {n: t.clone() for n, t in self.state(key).items() if _is_shared(n)}
 
 
 def shared_entries(state: dict[str, Any] | None) -> dict[str, Any] | None:

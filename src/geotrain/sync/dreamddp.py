@@ -536,6 +536,14 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         if self.schedule is not None:
             self._begin_iteration()
 
+    def roll_back(self) -> None:
+        """The old group's averages in flight are lost with it (``rebind`` forgets them too):
+        forgotten before the codec's shared entries are rolled back, so that no hand-over's
+        capture (``state_dict`` lands what is in flight) lands them, and replaces a factor,
+        on its sender alone."""
+        self._inflight, self._late, self._sent = {}, {}, {}
+        super().roll_back()
+
     def _agree_refs(self) -> None:
         """With a codec, the replicas' references must stay one: a failure in the middle of an
         iteration's landings (some workers had landed a layer's mean change when the group
