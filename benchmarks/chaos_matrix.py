@@ -61,6 +61,12 @@ CELLS: dict[str, tuple[list[str], str]] = {
         ["--algo", "diloco", "--steps", "1500", "--max-faults", "100"],
         "kill:every=12s,restart=2",
     ),
+    # a codec whose entries every worker holds equal, through many kills at any point of a step
+    "ssgd-acpsgd-every": (
+        ["--algo", "ssgd", "--compress", "acpsgd:rank=4", "--steps", "1500", "--max-faults", "100"],
+        "kill:every=12s,restart=2",
+    ),
+    "dreamddp-acpsgd": (["--algo", "dreamddp", "--compress", "acpsgd:rank=4"], TWO_KILLS),
 }
 
 
