@@ -80,6 +80,36 @@ def test_equal_workers_keep_every_step_and_a_weight_of_exactly_one():
     assert _paced(1, [1.0, 0, 1.2], mine=1.08).exchange() == [10, 10, 8]
 
 
+def test_only_the_steps_every_worker_computes_are_timed_and_over_the_last_periods():
+    """On shared cores a worker steps faster once the others have stopped for the period: its
+    last steps, timed, made it read as the fastest and cut its equal peers. Only the steps every
+    worker computes count; and t_r is the median over the last WINDOW periods' steps, so that
+    one period's few steps do not move the quotas."""
+    from geotrain.sync import pace as pace_module
+
+    window = getattr(pace_module, "WINDOW", 4)
+    pace = TimePace(10, FakeComm(0, [0, 1.0, 1.0]))
+    now = [0.0]
+    pace.clock = lambda: now[0]
+
+    def period(step_s) -> list[int]:
+        for i in range(10):
+            if pace.computes(i):
+                now[0] += step_s(i)
+                pace.stepped()
+        pace.quotas = pace.exchange()
+        return pace.quotas
+
+    assert period(lambda i: 1.0) == [10, 10, 10]
+    pace.quotas = [10, 10, 4]  # a straggler computes 4 steps: the rest run alone, twice as fast
+    # timed over all ten, this worker's median would be 0.5 s (and its peers cut to 5 steps)
+    assert period(lambda i: 1.0 if i < 4 else 0.5) == [10, 10, 10]
+    for _ in range(window - 1):  # three fast periods in four: the window's median moves
+        period(lambda i: 0.8)
+    assert pace.quotas == [10, 8, 8]  # 0.8 against the others' 1.0: theirs no longer fit
+    assert period(lambda i: 5.0) == [10, 8, 8]  # one slow period in the window: no move
+
+
 @pytest.mark.parametrize("algo", ["localsgd", "diloco"])
 def test_pace_is_validated_and_refused_by_algorithms_without_periods(algo):
     with pytest.raises(ConfigError, match="--pace must be one of steps, time, got 'wall'"):

@@ -11,7 +11,8 @@ Worker r computes the first
 of a period's H steps and skips the rest (no data, forward, backward or update: the step counter
 alone moves, so every worker reaches the sync at the same step and the membership layer's
 boundaries, snapshots and resume stay where they are). t_r is the median compute time of
-worker r's steps in the last period, t_min the fastest worker's. The average at the sync weighs
+worker r's steps that every worker computed (the first min_j k_j of each period) over the last
+``WINDOW`` periods, t_min the fastest worker's. The average at the sync weighs
 each worker by its tokens, k_r / sum_j k_j, so a straggler's shorter progress counts for what it
 is: x <- sum_r k_r x_r / sum_j k_j (parameters, or pseudo-gradients under diloco and codecs).
 Workers within ``TOLERANCE`` (10%) of the fastest keep every step: step times of equal machines
@@ -37,6 +38,9 @@ import torch
 
 PACES = ("steps", "time")
 TOLERANCE = 0.1  # a worker this close to the fastest computes every step of the period
+# t_r is the median of the steps timed in the last WINDOW periods (a period's few steps alone
+# moved t_r of equal workers by half, period to period, on shared cores)
+WINDOW = 4
 
 
 class TimePace:
@@ -47,6 +51,7 @@ class TimePace:
         self.comm = comm
         self.quotas = [H] * comm.world_size
         self._times: list[float] = []
+        self._window: list[list[float]] = []  # the times of the last periods, oldest first
         self._started: float | None = None  # clock() at the start of a computed step
         self.clock = time.perf_counter  # tests set their own
 
@@ -56,11 +61,17 @@ class TimePace:
         step is timed from here to ``stepped``."""
         self._fit_group()
         computes = index < self.quotas[self.comm.rank]
-        self._started = self.clock() if computes else None
+        # Timed only where every worker computes: workers that share cores (or a host's
+        # memory bandwidth) step faster in a period's last steps, once the others have stopped,
+        # and the one that computes the most would read as the fastest (here 4 equal workers
+        # on 2 cores, one 2x slower, settled at quotas [10, 3, 6, 7] of 10, timed over all).
+        timed = computes and index < min(self.quotas)
+        self._started = self.clock() if timed else None
         return computes
 
     def stepped(self) -> None:
-        """The step ``computes`` asked about has been applied (before any sync it makes)."""
+        """The step ``computes`` asked about has been applied (before any sync it makes); its
+        time counts where every worker computed it."""
         if self._started is not None:
             self._times.append(self.clock() - self._started)
             self._started = None
@@ -115,7 +126,9 @@ class TimePace:
         the next period's quotas (set them once the average has landed: a failed exchange
         changes nothing). A worker that timed nothing (after a change of members) reports 0,
         which counts as unknown: the next period runs unpaced."""
-        mine = statistics.median(self._times) if self._times else 0.0
+        self._window = [*self._window[-(WINDOW - 1) :], self._times] if self._times else self._window
+        timed = [t for period in self._window for t in period]
+        mine = statistics.median(timed) if timed else 0.0
         gathered = self.comm.all_gather(torch.tensor([mine], dtype=torch.float64))
         self._times = []
         times = [float(t) for t in gathered.reshape(-1)]
@@ -130,7 +143,7 @@ class TimePace:
     def reset(self) -> None:
         """A change of members: the next period starts unpaced, nothing measured."""
         self.quotas = [self.H] * self.comm.world_size
-        self._times, self._started = [], None
+        self._times, self._window, self._started = [], [], None
 
     def _fit_group(self) -> None:
         if len(self.quotas) != self.comm.world_size:
@@ -142,4 +155,4 @@ class TimePace:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.quotas = [int(q) for q in state["quotas"]]
-        self._times, self._started = [], None
+        self._times, self._window, self._started = [], [], None
