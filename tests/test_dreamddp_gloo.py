@@ -285,6 +285,28 @@ def test_a_regroup_forgets_the_means_in_flight_before_a_capture_can_land_them_on
         assert same and kept
 
 
+def _drift_at_a_regroup(rank, world_size):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sync = build_sync("dreamddp", model, opt, Communicator(), {"H": 2, "replan_threshold": 0.1})
+    sync.set_plan(_plan(model, 2))
+    _train_steps(sync, opt, rank, 2)
+    # a failure in a period end's agreement: one survivor counted a drifted period, one not
+    sync._drifted = rank
+    sync.rebind()
+    drifted = sync._drifted
+    sync.close()
+    return drifted
+
+
+def test_a_regroup_leaves_every_member_with_no_drift_counted():
+    """Survivors of a failure inside a period end's agreement (or the re-plan it began) held
+    drift counts one apart: at the next drifted period one re-planned (a collective of its own)
+    where the other went on to its layers' all-reduces. A regroup re-plans every member, and
+    the count starts again everywhere."""
+    assert run_workers(_drift_at_a_regroup, 2) == [0, 0]
+
+
 def test_every_layer_averaged_once_per_period():
     H = 4
     results = run_workers(_dreamddp_steps, 2, H, H)

@@ -22,6 +22,7 @@ deferred, the members post their sends and train on (``defer``) while the joiner
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 64 * 1024  # the least a hand-over's chunk holds: what a cut costs the retry
 MAX_CHUNKS = 256  # chunks per part at most (each a transfer of its own)
+
+
+@functools.cache
+def _empty_header() -> str:
+    """The header of a part that holds nothing (``encode(None)``: a codec with no shared entry)."""
+    return bytes(encode(None)[:HEADER_BYTES]).hex()
 
 
 def chunk_cuts(size: int) -> list[int]:
@@ -232,7 +239,9 @@ def hand_over(
         servers = [r for r in up if metas[r][0][part] == headers[part]]
         size = HEADER_BYTES + int.from_bytes(bytes.fromhex(headers[part])[8:16], "little")
         cuts = chunk_cuts(size)
-        stripes[part], total = len(servers), total + size
+        total += size
+        if headers[part] != _empty_header():  # (a part with nothing in it: not in the log line)
+            stripes[part] = len(servers)
         payload = torch.frombuffer(blobs[part], dtype=torch.uint8) if comm.rank in servers else None
         for r in behind:  # every rank deals the chunks each receiver lacks the same way
             held_chunks = kept_by[r].get(part, {})

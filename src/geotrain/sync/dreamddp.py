@@ -517,6 +517,10 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
             fitted = [f for f in self.comm.all_gather_object(self.fitted_slowdown) if f is not None]
             self.fitted_slowdown = fitted[0] if fitted else None
         self._periods_planned = 0
+        # Every member re-plans below: the drift counted so far is the old plan's, and a failure
+        # in a period end's agreement (or in the re-plan it began) leaves survivors one count
+        # apart, so that one re-planned, a collective of its own, a period before the others.
+        self._drifted = 0
         self._blocked = [[] for _ in range(self.schedule.H)] if self.schedule is not None else []
         if self._profile_fn is not None and self.comm.world_size > 1:
             self.replans += 1
