@@ -18,17 +18,6 @@ from geotrain.sync import build_sync
 from helpers import Cases, geotrain, owners_means, refused
 
 
-def test_a_regroup_forgets_the_verdicts_of_the_step_it_cut_short():
-    """The verdicts of a step a failure cut short (each survivor at its own bucket) are not a
-    step's: counted into the redone step, one survivor's rejections in a row ran one ahead of
-    another's, and they asked ``--max-rejections`` to drop a host at different steps."""
-    comm = Communicator(max_norm_ratio=10.0)
-    comm.step_checked |= {0, 1, 2}
-    comm.step_rejected.add(2)
-    comm.rebind(None)  # the new epoch's group (``ft.elastic.regroup``)
-    assert not comm.step_checked and not comm.step_rejected
-
-
 def test_the_verdict_leaves_out_what_is_not_finite_or_far_above_the_others_median():
     v = judge([1.0, 2.0, 1.5, 30.0], [True, True, True, True], 10.0)
     assert v.kept == [True, True, True, False] and v.count == 3

@@ -549,7 +549,8 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         few = len(event["members"]) < cfg.min_workers
         pause_after = event["boundary"] if few and event["boundary"] < cfg.steps else None
         if host in event["joined"] and again is None:
-            stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items())
+            empty = event.get("empty_parts", [])
+            stripes = ", ".join(f"{p} from {n}" for p, n in event["stripes"].items() if p not in empty)
             kept = event.get("resumed_bytes", 0)
             amount = f"{kept / 1e6:.1f} MB" if kept >= 100_000 else f"{kept / 1e3:.1f} KB"
             kept_line = f", {amount} of it kept from a hand-over cut short" if kept else ""

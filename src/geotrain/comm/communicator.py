@@ -140,7 +140,7 @@ class Communicator(CheckedMeans):
         self.disputed_shards: dict[tuple[int, int], int] = {}
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
-        self.step_rejected: set[int] = set()  # (both emptied at a regroup: ``rebind``)
+        self.step_rejected: set[int] = set()
         # Ranks whose contributions the averages under way leave out, known alike on every
         # worker (``leaving_out``: an average redone after a regroup, where they hold copies of
         # the leader's state): they send zeros and the mean is over the others.
@@ -159,10 +159,6 @@ class Communicator(CheckedMeans):
         With sites, collective: the two levels' groups are made for the new members."""
         self.group = group
         self.stamp_strays = {}  # a new group: each may stray once again (CheckedMeans.count_strays)
-        # A step cut short by the failure that brought this group: its verdicts so far (each
-        # survivor cut at its own bucket) are not a step's, and would count one survivor's
-        # rejections in a row one ahead of another's (--max-rejections): the step is redone.
-        self.step_checked, self.step_rejected = set(), set()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0

@@ -233,15 +233,16 @@ def hand_over(
     headers, digest, shared_optimizer, leader_chunks = metas[leader]
     parts = handed_over(shared_optimizer)
     sends, recvs, slots, stripes, total, turn = [], [], [], {}, 0, 0
+    empty: list[str] = []  # parts with nothing in them (a codec with no shared entry): for the log
     resumed = dict.fromkeys(behind, 0)  # bytes each receiver kept from a hand-over cut short
     mine: dict[str, PartReceived] = {}
     for tag, part in enumerate(parts):
         servers = [r for r in up if metas[r][0][part] == headers[part]]
         size = HEADER_BYTES + int.from_bytes(bytes.fromhex(headers[part])[8:16], "little")
         cuts = chunk_cuts(size)
-        total += size
-        if headers[part] != _empty_header():  # (a part with nothing in it: not in the log line)
-            stripes[part] = len(servers)
+        stripes[part], total = len(servers), total + size
+        if headers[part] == _empty_header():
+            empty.append(part)
         payload = torch.frombuffer(blobs[part], dtype=torch.uint8) if comm.rank in servers else None
         for r in behind:  # every rank deals the chunks each receiver lacks the same way
             held_chunks = kept_by[r].get(part, {})
@@ -296,7 +297,8 @@ def hand_over(
         sync.adopted_state()
     # (a receiver's own figure; the others report the most any receiver kept)
     own_kept = resumed.get(comm.rank, max(resumed.values(), default=0))
-    return {"handed_over_bytes": total, "stripes": stripes, "resumed_bytes": own_kept}, finish
+    handed = {"handed_over_bytes": total, "stripes": stripes, "empty_parts": empty, "resumed_bytes": own_kept}
+    return handed, finish
 
 
 def _trained(model) -> set[str]:

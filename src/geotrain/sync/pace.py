@@ -124,7 +124,9 @@ class TimePace:
     def exchange(self) -> list[int]:
         """At the sync, before its average: all-gather the period's median step time and return
         the next period's quotas (set them once the average has landed: a failed exchange
-        changes nothing). A worker that timed nothing (after a change of members) reports 0,
+        changes nothing). t_r pools the steps timed in the last ``WINDOW`` periods (a median of
+        the periods' medians measured worse: equal workers kept 8.6 of 10 steps against 9.0).
+        A worker that has timed nothing since a change of members (or a restore) reports 0,
         which counts as unknown: the next period runs unpaced."""
         self._window = [*self._window[-(WINDOW - 1) :], self._times] if self._times else self._window
         timed = [t for period in self._window for t in period]
