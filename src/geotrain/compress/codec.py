@@ -79,6 +79,8 @@ class Codec(ABC):
     name: ClassVar[str] = "base"
     # One line for `--help` and error messages.
     summary: ClassVar[str] = ""
+    # Whether its streams hold factors every worker must hold equal (the low-rank codecs').
+    shares_factors: ClassVar[bool] = False
     # Messages per stream sent uncompressed first, as 1-bit Adam warms up before compressing.
     warmup: int = 0
 
@@ -97,6 +99,8 @@ class Codec(ABC):
         contribution the mean leaves out (``Communicator.leaving_out``: a copy of the leader's,
         in an average redone after a regroup) keeps its error feedback as it was: what it would
         have kept of the copy, the leader sends itself."""
+        if not (self.warmup or self.shares_factors):  # nothing to roll back: no wrapper per message
+            return self._reduce_keeping_feedback(comm, key, tensors)
         self._keep_settled(key)  # what the launch changes (a count, a turn), ``roll_back`` undoes
         pending = self._reduce_keeping_feedback(comm, key, tensors)
 

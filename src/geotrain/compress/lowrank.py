@@ -44,6 +44,7 @@ def orthonormal(m: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _LowRank(Codec):
+    shares_factors = True  # P and Q: means over the group, or the seeded start
     rank: int = 4
     min_compression: float = 2.0  # compress a matrix only if it shrinks at least this much
     seed: int = 0

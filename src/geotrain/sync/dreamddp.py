@@ -509,8 +509,7 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
     def rebind(self) -> None:
         """A new worker count changes every all-reduce's time: re-plan (profile on the new group)
         and restart the period's bookkeeping; a failed iteration is redone with the same layers."""
-        self._inflight = {}
-        self._late, self._sent = {}, {}  # the old group's averages in flight are lost with it
+        self._forget_in_flight()  # the old group's averages in flight are lost with it
         self._period_s = 0.0
         self._agree_refs()
         if self.comm.world_size > 1:  # one slowdown on every member: a joiner's, or a fit a failure cut
@@ -545,8 +544,13 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         forgotten before the codec's shared entries are rolled back, so that no hand-over's
         capture (``state_dict`` lands what is in flight) lands them, and replaces a factor,
         on its sender alone."""
-        self._inflight, self._late, self._sent = {}, {}, {}
+        self._forget_in_flight()
         super().roll_back()
+
+    def _forget_in_flight(self) -> None:
+        """Drop the averages in flight without waiting for them (their group failed: a wait
+        could be for a lost peer; ``_drop_in_flight`` waits, where every member issued them)."""
+        self._inflight, self._late, self._sent = {}, {}, {}
 
     def _agree_refs(self) -> None:
         """With a codec, the replicas' references must stay one: a failure in the middle of an
