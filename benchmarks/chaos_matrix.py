@@ -67,6 +67,8 @@ CELLS: dict[str, tuple[list[str], str]] = {
         "kill:every=12s,restart=2",
     ),
     "dreamddp-acpsgd": (["--algo", "dreamddp", "--compress", "acpsgd:rank=4"], TWO_KILLS),
+    # late means in flight at every step boundary inside a period: an admission lands them
+    "dreamddp-lag1": (["--algo", "dreamddp", "--compress", "none", "--lag", "1"], TWO_KILLS),
 }
 
 

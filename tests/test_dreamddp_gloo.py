@@ -285,6 +285,53 @@ def test_a_regroup_forgets_the_means_in_flight_before_a_capture_can_land_them_on
         assert same and kept
 
 
+def _late_at_an_admission(rank, world_size, compress):
+    """Two steps at lag 1 (settled), then an admission at that boundary: ``land_in_flight`` on
+    every member (the group is whole), then the regroup's first act (``roll_back``)."""
+    from geotrain.compress.codec import shared_entries
+
+    def shared() -> list[torch.Tensor]:
+        state = shared_entries(sync.codec.state_dict()) if sync.codec is not None else None
+        if state is None:  # (a codec with no shared entries: int8)
+            return []
+        return [t.clone() for _, v in state["streams"] for _, t in sorted(v.items())]
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    options = {"H": 4, "replan_threshold": 0.0, "lag": 1, "compress": compress}
+    sync = build_sync("dreamddp", model, opt, Communicator(), options)
+    sync.set_plan(_plan(model, 4))
+    _train_steps(sync, opt, rank, 2, settle=True)
+    flying = len(sync._late)
+    sync.land_in_flight()
+    landed, landed_shared = [p.detach().clone() for p in model.parameters()], shared()
+    sync.roll_back()
+    kept = all(torch.equal(p, q) for p, q in zip(landed, model.parameters(), strict=True))
+    after = shared()
+    same = len(landed_shared) == len(after) and all(
+        torch.equal(a, b) for a, b in zip(landed_shared, after, strict=True)
+    )
+    sync.close()
+    return flying, len(sync._late), landed, kept and same, bool(landed_shared)
+
+
+@pytest.mark.parametrize("compress", ["", "int8", "acpsgd:rank=2"])
+def test_an_admission_lands_the_means_in_flight_on_every_member_and_the_regroup_keeps_them(compress):
+    """An admission is agreed at a step boundary where the group is whole: lag 1's means of the
+    last iteration land there on every member (the values a snapshot's capture lands, the same
+    as lag 0's), where the regroup used to forget them on all of them; the landing is settled, so
+    the regroup's rollback keeps it, ACP-SGD's factor replaced by it included."""
+    results = run_workers(_late_at_an_admission, 2, compress)
+    now = run_workers(_dreamddp_steps, 2, 4, 2, 0, compress) if "acpsgd" not in compress else None
+    for r, (flying, left, landed, kept, has_shared) in enumerate(results):
+        assert flying > 0 and left == 0  # (something in flight to land: the test can fail)
+        assert kept
+        assert has_shared == ("acpsgd" in compress)
+        if now is not None:
+            for p, q in zip(landed, now[r][1]["params"], strict=True):
+                torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
 def _drift_at_a_regroup(rank, world_size):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)

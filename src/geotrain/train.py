@@ -374,6 +374,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
         if membership is not None and membership.changed():
             raise MembershipChanged("a new epoch was published")
         if membership is not None and membership.admit_before(step):
+            # The group is whole here, on every member at this boundary: what the last step
+            # left in flight lands now (DreamDDP's late means), where the regroup would drop it.
+            sync.land_in_flight()
             raise MembershipChanged("a joiner is admitted")
         if x is None:
             loss = torch.tensor(float("nan"))

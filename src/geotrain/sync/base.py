@@ -260,6 +260,14 @@ class SyncAlgorithm:
         if self.codec is not None:
             self.codec.roll_back()
 
+    def land_in_flight(self) -> None:
+        """Every member is at one step boundary of a group that is whole (an admission agreed
+        there, before the regroup): what the last step left in flight on it lands now, on every
+        member alike, and the step is settled with it. A regroup forgets what flies (it may be
+        for a lost peer), and it would otherwise be dropped everywhere. Nothing by default: the
+        messages an algorithm keeps in flight across a sync (``in_flight``) are the regroup's to
+        land or send again."""
+
     in_flight: InFlight | None = None  # a message whose collective lands later, where one is
     # Whether a regroup may place this worker by the message it puts on the wire first in the
     # new group (``ft.elastic._places``): its message in flight's period where that must be sent

@@ -547,6 +547,13 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
         self._forget_in_flight()
         super().roll_back()
 
+    def land_in_flight(self) -> None:
+        """Lag 1 inside a period: the last iteration's means land now, as a snapshot's capture
+        lands them (every member issued them on this group; a codec's second phase is out), so
+        an admission's regroup forgets nothing and the joiner takes them with the leader's state."""
+        self._land_all_late()
+        self.settle()  # a codec's landing (ACP-SGD's factor) is the complete step's: no rollback
+
     def _forget_in_flight(self) -> None:
         """Drop the averages in flight without waiting for them (their group failed: a wait
         could be for a lost peer; ``_drop_in_flight`` waits, where every member issued them)."""
