@@ -52,6 +52,12 @@ CELLS = {  # name: extra flags
     "sparseloco auto": ["--algo", "sparseloco", "--H", "auto"],  # its default: the period the link asks for
     # its gather in two levels: each message carried across by its own host
     "sparseloco auto two-level": ["--algo", "sparseloco", "--H", "auto", "--hierarchy", "sites"],
+    # H=5 (DDP's loss at 1.01x its tokens on W1, synchronous), each outer step landing one step
+    # late: its gather hidden under the next step's compute
+    "sparseloco H5 tau1": ["--algo", "sparseloco", "--H", "5", "--overlap", "--tau", "1"],
+    "sparseloco H5 tau1 two-level": [
+        *("--algo", "sparseloco", "--H", "5", "--overlap", "--tau", "1", "--hierarchy", "sites")
+    ],
 }
 DEFAULT = "nosync,diloco flat,diloco two-level,diloco two-level site-H,streaming,co2,sparseloco"
 PACED = ("diloco flat", "diloco two-level", "diloco two-level site-H")  # again with --pace time, straggling

@@ -302,31 +302,34 @@ def _late_at_an_admission(rank, world_size, compress):
     sync = build_sync("dreamddp", model, opt, Communicator(), options)
     sync.set_plan(_plan(model, 4))
     _train_steps(sync, opt, rank, 2, settle=True)
-    flying = len(sync._late)
+    flying, settled = len(sync._late), shared()
     sync.land_in_flight()
-    landed, landed_shared = [p.detach().clone() for p in model.parameters()], shared()
+    landed = [p.detach().clone() for p in model.parameters()]
+    now = shared()
+    moved = [len(now) != len(settled)] + [not torch.equal(a, b) for a, b in zip(settled, now, strict=False)]
     sync.roll_back()
     kept = all(torch.equal(p, q) for p, q in zip(landed, model.parameters(), strict=True))
     after = shared()
-    same = len(landed_shared) == len(after) and all(
-        torch.equal(a, b) for a, b in zip(landed_shared, after, strict=True)
-    )
+    # the factors the landing replaced are back: a member that saw a loss first never landed
+    same = len(settled) == len(after) and all(torch.equal(a, b) for a, b in zip(settled, after, strict=True))
     sync.close()
-    return flying, len(sync._late), landed, kept and same, bool(landed_shared)
+    return flying, len(sync._late), landed, kept and same, after, any(moved)
 
 
 @pytest.mark.parametrize("compress", ["", "int8", "acpsgd:rank=2"])
 def test_an_admission_lands_the_means_in_flight_on_every_member_and_the_regroup_keeps_them(compress):
     """An admission is agreed at a step boundary where the group is whole: lag 1's means of the
     last iteration land there on every member (the values a snapshot's capture lands, the same
-    as lag 0's), where the regroup used to forget them on all of them; the landing is settled, so
-    the regroup's rollback keeps it, ACP-SGD's factor replaced by it included."""
+    as lag 0's), where the regroup used to forget them on all of them. The regroup's rollback
+    keeps them, and puts back the factor a landing replaced (ACP-SGD's), as on a member that saw a
+    loss of a member first and never landed: the shared entries stay one."""
     results = run_workers(_late_at_an_admission, 2, compress)
     now = run_workers(_dreamddp_steps, 2, 4, 2, 0, compress) if "acpsgd" not in compress else None
-    for r, (flying, left, landed, kept, has_shared) in enumerate(results):
+    assert len({repr([t.tolist() for t in r[4]]) for r in results}) == 1
+    for r, (flying, left, landed, kept, shared, moved) in enumerate(results):
         assert flying > 0 and left == 0  # (something in flight to land: the test can fail)
         assert kept
-        assert has_shared == ("acpsgd" in compress)
+        assert bool(shared) == moved == ("acpsgd" in compress)  # (a factor the landing replaced)
         if now is not None:
             for p, q in zip(landed, now[r][1]["params"], strict=True):
                 torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

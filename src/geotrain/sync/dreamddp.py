@@ -550,9 +550,11 @@ class DreamDDP(DreamDDPPlanning, SyncAlgorithm):
     def land_in_flight(self) -> None:
         """Lag 1 inside a period: the last iteration's means land now, as a snapshot's capture
         lands them (every member issued them on this group; a codec's second phase is out), so
-        an admission's regroup forgets nothing and the joiner takes them with the leader's state."""
+        an admission's regroup forgets nothing and the joiner takes them with the leader's state.
+        Not settled: where a member is lost meanwhile, some members see the new epoch first and
+        never land here, or land at their next forward; the regroup's rollback then puts a
+        factor a landing replaced (ACP-SGD's, PowerSGD's) back on every member alike."""
         self._land_all_late()
-        self.settle()  # a codec's landing (ACP-SGD's factor) is the complete step's: no rollback
 
     def _forget_in_flight(self) -> None:
         """Drop the averages in flight without waiting for them (their group failed: a wait
