@@ -409,6 +409,26 @@ def test_a_result_from_another_group_is_judged_as_the_hosts_that_sent_its_rows()
     assert checked.rejected_by_rank == {9: 1} and checked.step_checked == {5, 9, 7}
 
 
+def test_a_regroup_forgets_the_verdicts_of_a_step_cut_short_but_not_a_landings():
+    """The norm check's verdicts of a step a failure cut short are dropped at the regroup (the
+    step is redone and judged again), but those of a landing of a message in flight
+    (``InFlight.rows_judged``), which the regroup keeps where a survivor landed it; the step's
+    verdicts are taken once for ``--max-rejections``."""
+    membership = types.SimpleNamespace(members=[5, 7, 9])
+    checked = Communicator(membership=membership, max_norm_ratio=10.0)
+    checked.world_size, checked.rank = 3, 0
+    with checked.judging_a_landing():  # a gather in flight landed: host 7's row rejected
+        assert checked.weigh_gathered([(1.0, True), (500.0, True), (1.2, True)]) == [1.0, 0.0, 1.0]
+    assert checked.weigh_gathered([(1.0, True), (1.1, True), (900.0, True)]) == [1.0, 1.0, 0.0]
+    assert checked.step_checked == {5, 7, 9} and checked.step_rejected == {7, 9}
+    checked.forget_cut_verdicts()  # the regroup: the second judged a collective that is redone
+    assert checked.step_checked == {5, 7, 9} and checked.step_rejected == {7}
+    assert checked.take_step_verdicts() == ({5, 7, 9}, {7})
+    assert checked.take_step_verdicts() == (set(), set())
+    checked.forget_cut_verdicts()  # (a landing's verdicts are the step's, taken with it)
+    assert checked.step_checked == set() and checked.rejected_by_rank == {7: 1, 9: 1}
+
+
 def test_a_collective_put_back_after_a_load_keeps_its_rank_and_is_not_timed():
     """``take_live``: a joiner's empty part of the members' landing, launched before it loaded
     their state (which drops it), is in flight again with the rank it was sent as, and its
@@ -2103,6 +2123,9 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
         _tiny_step(sync, optimizer, host, 4)
         raise AssertionError("the step did not fail")
     sync.codec.reduce = reduce
+    if host == 1:  # the norm check had judged the mean it landed, and rejected host 2's part
+        comm.step_checked |= {0, 1, 2}
+        comm.step_rejected.add(2)
     regroup(membership, comm, sync, model, optimizer, StepStatus(3, False))
     turns = sorted({int(v["step"]) for _, v in sync.codec.state_dict()["streams"]})
     for n in range(4, 7):  # step 4 redone from its backward, then two more
@@ -2117,6 +2140,7 @@ def _cut_short_at_different_messages(host: int, store_port: int, file_store: str
         "turns": turns,
         "params": tensors_digest(list(model.parameters())),
         "shared": tensors_digest(shared),
+        "verdicts": comm.take_step_verdicts(),  # (the redone steps are not checked here)
     }
     sync.close()
     return result
@@ -2140,6 +2164,9 @@ def test_survivors_cut_short_at_different_messages_of_a_step_redo_it_alike(tmp_p
     assert h0["turns"] == h1["turns"] == [3]  # what step 3 left: the step redone from its turn
     assert h0["shared"] == h1["shared"]
     assert h0["params"] == h1["params"]
+    # and the norm check's verdicts of the step cut short are forgotten with it: counted on host
+    # 1 alone, its rejections in a row would run one ahead of host 0's (--max-rejections)
+    assert h0["verdicts"] == h1["verdicts"] == (set(), set())
 
 
 @_saved

@@ -766,10 +766,9 @@ def train(cfg: TrainConfig, ctx: DistContext, heartbeat: Heartbeat | None = None
             if membership.epoch != counted_in[0]:  # a new membership: counts start again (a
                 in_a_row.clear()  # replacement must not inherit its predecessor's)
                 counted_in[0] = membership.epoch
-            for h in comm.step_checked:
-                in_a_row[h] = in_a_row.get(h, 0) + 1 if h in comm.step_rejected else 0
-            comm.step_checked.clear()
-            comm.step_rejected.clear()
+            checked, rejected = comm.take_step_verdicts()
+            for h in checked:
+                in_a_row[h] = in_a_row.get(h, 0) + 1 if h in rejected else 0
             for h, count in in_a_row.items():
                 if count < cfg.max_rejections or h == host or h not in membership.members:
                     continue

@@ -58,6 +58,8 @@ class CheckedMeans:
     # The hosts, by rank, of the group whose rows are being judged, where that is not this
     # group (``judging_rows_of``); None: this group's.
     _rows_hosts: tuple[int, ...] | None = None
+    # Whether the verdicts now taken are a landing's of a message in flight (``judging_a_landing``)
+    _at_landing: bool = False
 
     def ratio_for(self, workers: int) -> float:
         """The norm ratio that applies among ``workers``: under ``--max-norm-ratio auto``
@@ -68,6 +70,41 @@ class CheckedMeans:
             return self.max_norm_ratio
         few = math.inf if self._wanted_ratio > 0 and workers > 1 else 0.0
         return self._wanted_ratio if workers >= self.auto_min_workers else few
+
+    @contextlib.contextmanager
+    def judging_a_landing(self):
+        """The verdicts taken inside are a landing's of a message launched at an earlier sync
+        (SparseLoCo's, CO2's: ``InFlight.rows_judged``), which a regroup keeps where a survivor
+        landed it before a failure (another lands it from that survivor's result, and judges it
+        too): they count in the step, where the rest of a step cut short is redone and judged
+        again (``forget_cut_verdicts``)."""
+        previous, self._at_landing = self._at_landing, True
+        try:
+            yield
+        finally:
+            self._at_landing = previous
+
+    def forget_cut_verdicts(self) -> None:
+        """A regroup's first act: the verdicts of the step a failure cut short are dropped, but
+        a landing's (``judging_a_landing``). Survivors cut short at different collectives of the
+        step had judged different ones, and each redoes them; counted too, one survivor's
+        rejections in a row would run one ahead of another's (``--max-rejections``: a split
+        vote to drop a host)."""
+        self.step_checked = set(self.landing_checked)
+        self.step_rejected = set(self.landing_rejected)
+
+    def take_step_verdicts(self) -> tuple[set[int], set[int]]:
+        """The hosts this step's checks judged, and those they rejected (``--max-rejections``
+        counts them per step); the counts start again for the next step."""
+        taken = self.step_checked, self.step_rejected
+        self.step_checked, self.step_rejected = set(), set()
+        self.landing_checked, self.landing_rejected = set(), set()
+        return taken
+
+    def _checked(self, host: int) -> None:
+        self.step_checked.add(host)
+        if self._at_landing:
+            self.landing_checked.add(host)
 
     @contextlib.contextmanager
     def judging_rows_of(self, hosts: tuple[int, ...] | list[int]):
@@ -272,7 +309,7 @@ class CheckedMeans:
         for r, kept in enumerate(verdict.kept):
             if r in out:
                 continue
-            self.step_checked.add(self._host(r))
+            self._checked(self._host(r))
             if not kept:
                 self._rejected(r)
         if verdict.count and not theirs and not verdict.kept[self.rank] and self.rank not in out:
@@ -373,6 +410,8 @@ class CheckedMeans:
         host = self._host(rank)
         self.rejected_by_rank[host] = self.rejected_by_rank.get(host, 0) + 1
         self.step_rejected.add(host)
+        if self._at_landing:
+            self.landing_rejected.add(host)
 
     def check_shards(
         self, shards: torch.Tensor, verdict: Verdict, bound: float | None = None
@@ -463,7 +502,7 @@ class CheckedMeans:
         """Count ``rank``'s contribution as rejected for what a run of its messages showed, and say
         why (``--max-rejections`` counts it as a step checked)."""
         self._rejected(rank)
-        self.step_checked.add(self._host(rank))
+        self._checked(self._host(rank))
         print(
             f"geotrain: host {self._host(rank)} {why}: counted as its rejected contribution",
             file=sys.stderr,

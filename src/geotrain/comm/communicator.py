@@ -141,6 +141,10 @@ class Communicator(CheckedMeans):
         # This step's verdicts by host (train.py counts rejections per step for --max-rejections)
         self.step_checked: set[int] = set()
         self.step_rejected: set[int] = set()
+        # Those of them judged at a landing of a message in flight (``judging_a_landing``): kept
+        # through a regroup, where the rest of a step cut short is redone (``forget_cut_verdicts``)
+        self.landing_checked: set[int] = set()
+        self.landing_rejected: set[int] = set()
         # Ranks whose contributions the averages under way leave out, known alike on every
         # worker (``leaving_out``: an average redone after a regroup, where they hold copies of
         # the leader's state): they send zeros and the mean is over the others.

@@ -357,6 +357,7 @@ def regroup(
     # turn, counts, factors) is undone first: the others were cut short elsewhere in it, and a
     # leader hands over the state of its last complete step.
     sync.roll_back()
+    comm.forget_cut_verdicts()  # (the same for the norm check's verdicts: the step is judged again)
     if membership.sending is not None:  # a deferred hand-over's sends, on a group now left
         if not membership.sending.done():  # (gloo may still read their tensors)
             retire(membership.sending)

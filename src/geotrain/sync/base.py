@@ -794,11 +794,17 @@ class InFlight:
         the result just landed as the ranks of the group it ran in, where that is not the group
         this worker is in now: a result kept at a regroup, or landed by another survivor and
         sent here. Every worker that lands it then judges it as those of the old group did,
-        and counts a rejection against the host that sent the row."""
+        and counts a rejection against the host that sent the row. Its verdicts are a landing's
+        (``judging_a_landing``): a regroup keeps them, where it forgets the rest of a step cut
+        short."""
         hosts, judging = self.landed_hosts, getattr(self.comm, "judging_rows_of", None)
-        if hosts is None or judging is None or hosts == self._group_hosts():
-            return contextlib.nullcontext()
-        return judging(hosts)
+        landing = getattr(self.comm, "judging_a_landing", None)  # (kept through a regroup)
+        stack = contextlib.ExitStack()
+        if landing is not None:
+            stack.enter_context(landing())
+        if hosts is not None and judging is not None and hosts != self._group_hosts():
+            stack.enter_context(judging(hosts))
+        return stack
 
     @property
     def primed_result(self) -> torch.Tensor | None:
